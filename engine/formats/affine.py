@@ -1,0 +1,213 @@
+"""Affine (asymmetric) integer quantization with one scale and offset per group: round-to-nearest, and the one
+integer layer that RTN, GPTQ and AWQ all load into.
+
+For a group g of `group_size` consecutive inputs of one output row, with b bits and top = 2^b - 1:
+
+    scale = (max(w_g, 0) - min(w_g, 0)) / top        zero = round(-min(w_g, 0) / scale)
+    q     = clamp(round(w / scale) + zero, 0, top)     w_hat = q * scale + offset,  offset = -zero * scale
+
+Scales are rounded to float16 when they are chosen, so that what a checkpoint stores (f16) is exactly what was used
+while quantizing. Storage per weight: b bits of code + (16-bit scale + 16-bit offset) / group_size, e.g. 4-bit
+g64 = 4.5 bits.
+
+Codes are packed little-end first: `pack_bits` puts 8 / b codes in a byte (our runtime layout), `pack_int32` puts
+32 / b codes in an int32 word in any nibble order (the GPTQ, AWQ and compressed-tensors checkpoint layouts).
+"""
+import torch
+import torch.nn.functional as F
+
+from ..kernels import triton_formats
+from .base import QuantLinear, replace_linears
+
+
+# ---- choosing the grid ------------------------------------------------------------------------------------------
+
+def find_params(w, bits, sym=False):
+    """w [rows, n] -> (scale [rows], zero [rows]) of the affine grid covering each row's range (0 included).
+    sym=True puts the zero point in the middle of the grid (GPTQ's sym option)."""
+    top = 2 ** bits - 1
+    w = w.float()
+    lo, hi = w.min(1).values.clamp(max=0), w.max(1).values.clamp(min=0)
+    if sym:
+        hi = torch.maximum(-lo, hi)
+        lo = -hi
+    empty = hi == lo                                       # an all-zero row: any grid reproduces it
+    lo, hi = torch.where(empty, -1.0, lo), torch.where(empty, 1.0, hi)
+    scale = ((hi - lo) / top).half().float()
+    zero = torch.full_like(scale, (top + 1) / 2) if sym else (-lo / scale).round().clamp(0, top)
+    return scale, zero
+
+
+def _grouped(weight, group_size):
+    """[out, in] -> [out, groups, group_size], zero-padding a ragged last group (zeros never change a range that
+    already includes 0)."""
+    out_f, in_f = weight.shape
+    groups = -(-in_f // group_size)
+    return F.pad(weight.float(), (0, groups * group_size - in_f)).reshape(out_f, groups, group_size)
+
+
+def quantize_to_affine(weight, bits=4, group_size=64, clip=None, sym=False):
+    """weight [out, in] -> (codes uint8 [out, in], scales [out, groups], offsets [out, groups]).
+
+    clip [out, groups] (optional, from choose_clip) shrinks each group's range before the grid is chosen."""
+    out_f, in_f = weight.shape
+    g = _grouped(weight, group_size)
+    fit = g if clip is None else g * clip[..., None]
+    scale, zero = find_params(fit.reshape(-1, group_size), bits, sym)
+    scale, zero = scale.reshape(out_f, -1), zero.reshape(out_f, -1)
+    q = (g / scale[..., None]).round().add(zero[..., None]).clamp(0, 2 ** bits - 1)
+    codes = q.reshape(out_f, -1)[:, :in_f].to(torch.uint8)
+    return codes, scale, -zero * scale
+
+
+def dequantize_affine(codes, scales, offsets, group_size):
+    """codes [out, in] + per-group scales / offsets [out, groups] -> weight [out, in] float32."""
+    in_f = codes.shape[1]
+    s = scales.float().repeat_interleave(group_size, 1)[:, :in_f]
+    o = offsets.float().repeat_interleave(group_size, 1)[:, :in_f]
+    return codes.float() * s + o
+
+
+def fake_quantize(weight, bits=4, group_size=64, clip=None, sym=False):
+    """Quantize and immediately dequantize: what the model sees, in float."""
+    return dequantize_affine(*quantize_to_affine(weight, bits, group_size, clip, sym), group_size)
+
+
+@torch.no_grad()
+def choose_clip(weight, inputs, bits=4, group_size=64, grid=20, max_shrink=0.5, max_tokens=512):
+    """Per-group clip ratio [out, groups] minimizing the output error on calibration inputs [tokens, in].
+
+    Clipping a group's range trades a larger error on its few extreme weights for a finer grid for all the others.
+    Output error is measured group by group, as AutoAWQ's auto_clip does: err[o, g] = mean_t (x_tg . dw_og)^2.
+    """
+    x = inputs.reshape(-1, inputs.shape[-1]).float()
+    x = x[torch.linspace(0, x.shape[0] - 1, min(max_tokens, x.shape[0])).long()]
+    xg = _grouped(x, group_size)                                           # [tokens, groups, G]
+    wg = _grouped(weight, group_size)                                      # [out, groups, G]
+    best_err = torch.full(wg.shape[:2], float("inf"))
+    best = torch.ones(wg.shape[:2])
+    for ratio in torch.linspace(1.0, 1.0 - max_shrink, grid):
+        clip = torch.full(wg.shape[:2], float(ratio))
+        dw = _grouped(fake_quantize(weight, bits, group_size, clip), group_size) - wg
+        err = torch.einsum("tgk,ogk->tog", xg, dw).pow(2).mean(0)
+        better = err < best_err
+        best_err, best = torch.where(better, err, best_err), torch.where(better, clip, best)
+    return best
+
+
+# ---- packing ----------------------------------------------------------------------------------------------------
+
+def pack_bits(codes, bits):
+    """codes [..., n] (0 <= c < 2^bits) -> uint8 [..., ceil(n * bits / 8)]: code j in byte j // (8 / bits),
+    at bit (j % (8 / bits)) * bits. Low bits first, as every format here."""
+    per = 8 // bits
+    n = codes.shape[-1]
+    c = F.pad(codes.to(torch.int32), (0, -n % per)).reshape(*codes.shape[:-1], -1, per)
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed, bits, n):
+    """Inverse of pack_bits: uint8 [..., bytes] -> codes uint8 [..., n]."""
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    c = (packed.to(torch.int32)[..., None] >> shifts) & (2 ** bits - 1)
+    return c.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
+
+
+def pack_nibbles(codes):
+    """4-bit codes [..., n] -> uint8 [..., n / 2] (even element in the low nibble)."""
+    return pack_bits(codes, 4)
+
+
+def unpack_nibbles(packed, n=None):
+    return unpack_bits(packed, 4, packed.shape[-1] * 2 if n is None else n)
+
+
+def pack_int32(values, bits=4, order=None):
+    """values [..., n] (n % (32 / bits) == 0) -> int32 [..., n / (32 / bits)].
+
+    Field j of each word (bits j*b .. j*b + b-1) holds element order[j] of its run of 32 / b elements; order=None
+    is the natural order. This one packer writes GPTQ's qweight/qzeros, AWQ's interleaved words and
+    compressed-tensors' weight_packed."""
+    per = 32 // bits
+    if values.shape[-1] % per:
+        raise ValueError(f"cannot pack {values.shape[-1]} values into int32 words of {per}")
+    v = values.to(torch.int64).reshape(*values.shape[:-1], -1, per)
+    if order is not None:
+        v = v[..., list(order)]
+    word = (v << (torch.arange(per) * bits)).sum(-1)
+    return (word - (word >= 2 ** 31).long() * 2 ** 32).to(torch.int32)        # same 32 bits, two's complement
+
+
+def unpack_int32(packed, bits=4, order=None):
+    """Inverse of pack_int32: int32 [..., words] -> uint8 [..., words * 32 / bits]."""
+    per = 32 // bits
+    fields = (packed.to(torch.int64)[..., None] >> (torch.arange(per) * bits)) & (2 ** bits - 1)
+    if order is not None:
+        fields = fields[..., torch.argsort(torch.tensor(order))]
+    return fields.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+
+
+# ---- the layer --------------------------------------------------------------------------------------------------
+
+class AffineQuantLinear(QuantLinear):
+    """Packed integer codes with a scale and an offset per group of inputs.
+
+    packed uint8 [out, ceil(in * bits / 8)], scales / offsets [out, groups] -> y = x @ W^T with
+    W[o, i] = q[o, i] * scales[o, i // G] + offsets[o, i // G].
+
+    perm (optional, int [in]): the columns were stored in the order perm (GPTQ act-order checkpoints sorted by g_idx
+    so that groups are contiguous); the layer then multiplies x[:, perm] with the stored weight. dequantize() always
+    returns the weight in the original column order.
+    """
+
+    def __init__(self, packed, scales, offsets, group_size, bits=4, in_features=None, perm=None, bias=None):
+        out_f, groups = scales.shape
+        in_f = in_features if in_features is not None else packed.shape[1] * (8 // bits)
+        if packed.shape != (out_f, -(-in_f * bits // 8)) or offsets.shape != scales.shape:
+            raise ValueError(f"inconsistent shapes: packed {tuple(packed.shape)}, scales {tuple(scales.shape)}, "
+                             f"offsets {tuple(offsets.shape)} for in={in_f}, {bits} bits")
+        if groups != -(-in_f // group_size):
+            raise ValueError(f"{groups} scale groups do not fit in_features={in_f} with group_size={group_size}")
+        super().__init__(in_f, out_f, bias)
+        self.group_size, self.bits = group_size, bits
+        self.register_buffer("packed", packed.to(torch.uint8).contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("offsets", offsets.float().contiguous())
+        if perm is not None:
+            perm = torch.as_tensor(perm, dtype=torch.long)
+            if sorted(perm.tolist()) != list(range(in_f)):
+                raise ValueError("perm must be a permutation of the input columns")
+        self.register_buffer("perm", perm)
+
+    @classmethod
+    def from_codes(cls, codes, scales, offsets, group_size, bits=4, perm=None, bias=None):
+        return cls(pack_bits(codes, bits), scales, offsets, group_size, bits, codes.shape[1], perm, bias)
+
+    def codes(self):
+        """The stored codes [out, in] (in stored column order)."""
+        return unpack_bits(self.packed, self.bits, self.in_features)
+
+    def dequantize(self):
+        w = dequantize_affine(self.codes(), self.scales, self.offsets, self.group_size)
+        if self.perm is not None:
+            w = w[:, torch.argsort(self.perm)]
+        return w
+
+    def kernel_matmul(self, x2d):
+        if self.perm is not None:
+            x2d = x2d[:, self.perm]
+        return triton_formats.affine_matmul(x2d, self.packed, self.scales, self.offsets, self.group_size, self.bits)
+
+    def storage_bits(self):
+        bits = self.out_features * self.in_features * self.bits + self.scales.numel() * 32
+        return bits + (self.in_features * 32 if self.perm is not None else 0)
+
+
+def rtn_quantize(model, bits=4, group_size=64):
+    """Round-to-nearest: replace every linear (but lm_head) by an AffineQuantLinear. Returns {name: layer}."""
+    def make(name, linear):
+        codes, scales, offsets = quantize_to_affine(linear.weight.detach(), bits, group_size)
+        return AffineQuantLinear.from_codes(codes, scales, offsets, group_size, bits, bias=linear.bias)
+    return replace_linears(model, make)

@@ -1,0 +1,102 @@
+"""What every quantized linear layer shares.
+
+A quantized layer stores its weight in some compressed form and can always give back the dense weight it stands
+for (`dequantize()`, [out, in] float32). Its forward pass has two implementations, chosen by one global switch
+(`engine.kernels.triton_formats.set_impl`):
+
+  torch   y = x @ dequantize().T            (plain PyTorch, the reference)
+  engine  y = self.kernel_matmul(x)         (the layer's Triton kernel, decoding on the fly)
+
+Both must agree to float32 rounding; the tests pin that for every format. Each layer also reports its storage
+cost in bits per weight, metadata (scales, offsets, tables) included, because that is what a user pays.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..kernels import triton_formats
+
+
+class QuantLinear(nn.Module):
+    """Base class: subclasses set in_features / out_features / bias and implement dequantize, kernel_matmul and
+    storage_bits. x [..., in] -> y [..., out] in the activation dtype (accumulated in float32)."""
+
+    def __init__(self, in_features, out_features, bias=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({out_features},)")
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense weight [out, in] (float32) that this layer's codes stand for."""
+        raise NotImplementedError
+
+    def kernel_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        """x2d [M, in] float32 -> [M, out] float32 through this format's Triton kernel."""
+        raise NotImplementedError
+
+    def storage_bits(self) -> int:
+        """Every bit this layer's checkpoint tensors take (codes and metadata), bias excluded."""
+        raise NotImplementedError
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.storage_bits() / (self.in_features * self.out_features)
+
+    def forward(self, x):
+        shape, dtype = x.shape, x.dtype
+        x2d = x.reshape(-1, self.in_features).float()
+        if triton_formats.get_impl() == "engine":
+            y = self.kernel_matmul(x2d)
+        else:
+            y = x2d @ self.dequantize().T
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits_per_weight:.3f}"
+
+
+def quantized_linears(model):
+    """{name: module} for every QuantLinear in the model."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def replace_linears(model, make_layer, names=None):
+    """Replace the model's nn.Linear layers (all but lm_head, or those in `names`) by make_layer(name, linear).
+
+    Returns {name: new layer}. This is how every method quantizes a whole model: embeddings, norms and the
+    (tied) lm_head stay dense.
+    """
+    replaced = {}
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    for name, linear in targets:
+        if names is not None and name not in names:
+            continue
+        layer = make_layer(name, linear)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        replaced[name] = layer
+    return replaced
+
+
+@dataclass(frozen=True)
+class CheckpointMethod:
+    """How one quantization method lives in a Hugging Face style checkpoint (config.json's quantization_config names
+    it; each quantized linear's tensors sit under the linear's name). `engine.formats.checkpoints` keeps the registry.
+
+      name      quantization_config["quant_method"] (or a registry key for a sub-format)
+      parts     quantization_config -> the tensor suffixes one layer needs (e.g. ("qweight", "qzeros", ...))
+      read      (parts {suffix: tensor}, quantization_config) -> QuantLinear (bias, if any, arrives in parts["bias"])
+      write     (layer, quantization_config) -> {suffix: tensor}
+      quantize  (model, calibration_ids or None, **options) -> quantization_config; replaces the model's linears
+    """
+    name: str
+    parts: Callable
+    read: Callable
+    write: Callable
+    quantize: Callable

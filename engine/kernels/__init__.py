@@ -1,0 +1,1 @@
+"""Triton kernels (compiled on a GPU, interpreted on CPU)."""
