@@ -1,0 +1,178 @@
+"""Command line for the engine.
+
+  python run.py quantformats [--steps 300] [--text PATH] [--seed 0] [--impl torch|engine] [--rows SUBSTR ...]
+      Train (or load from cache) a tiny Qwen3 on bytes, quantize it every way, and print the KL table:
+      one JSON line per row as it finishes, then a markdown table.
+  python run.py train     [--steps] [--text] [--seed] [--out DIR]       train (cached) and optionally save dense
+  python run.py quantize  --method NAME --out DIR [--group-size 64] [--act-order] [--steps/--text/--seed]
+      write the trained model as a quantized checkpoint (gptq, awq, fp8, compressed-tensors, ...)
+  python run.py eval      DIR [--impl] [--steps/--text/--seed]          KL of a quantized checkpoint vs the reference
+"""
+import argparse
+import copy
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.data import Corpus, load_corpus
+from engine.evaluation import held_out_logits, kl_stats, perplexity
+from engine.formats import affine
+from engine.formats.base import quantized_linears
+from engine.kernels import triton_formats
+from engine.qwen3 import Qwen3Config
+from engine.training import TrainConfig, trained_model
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Row:
+    label: str
+    quantize: Callable          # (model, calibration_ids) -> optional dict of fields that override the defaults
+
+
+def rtn(bits, group_size=64):
+    def quantize(model, calibration_ids):
+        affine.rtn_quantize(model, bits, group_size)
+    return quantize
+
+
+def rows():
+    """The table, in the book's order."""
+    return [
+        Row("RTN int4, g64", rtn(4)),
+        Row("RTN int2, g64 (for comparison)", rtn(2)),
+    ]
+
+
+def model_bits(model):
+    layers = quantized_linears(model).values()
+    weights = sum(layer.in_features * layer.out_features for layer in layers)
+    return sum(layer.storage_bits() for layer in layers) / weights if weights else None
+
+
+def setup(args):
+    corpus = Corpus.from_bytes(load_corpus(args.text))
+    tc = TrainConfig(steps=args.steps, seed=args.seed)
+    model = trained_model(Qwen3Config(), corpus, tc)
+    return corpus, model
+
+
+def evaluate(model, windows, impl):
+    with triton_formats.impl(impl):
+        return held_out_logits(model, windows)
+
+
+def markdown(results):
+    lines = ["| format | bits | KL (nats) | ± | p99 | same top % |", "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if "kl_nats" in r:
+            lines.append(f"| {r['format']} | {r['bits']} | {r['kl_nats']:.5f} | {r['kl_stderr']:.5f} | "
+                         f"{r['kl_p99']:.4f} | {r['same_top_pct']:.1f} |")
+        else:
+            lines.append(f"| {r['format']} | {r['bits']} | (perplexity {r['held_out_perplexity']}) | | | |")
+    return "\n".join(lines)
+
+
+def cmd_quantformats(args):
+    selected = [r for r in rows() if not args.rows or any(s.lower() in r.label.lower() for s in args.rows)]
+    if not selected:
+        raise SystemExit(f"--rows {args.rows} matches no row; rows are: {[r.label for r in rows()]}")
+    t0 = time.time()
+    corpus, reference = setup(args)
+    t_trained = time.time()
+    windows = corpus.eval_windows()
+    calibration = corpus.calibration()
+    ref_logits = held_out_logits(reference, windows)
+    dtype = str(next(reference.parameters()).dtype).removeprefix("torch.")
+    bits = torch.finfo(next(reference.parameters()).dtype).bits
+    results = [{"format": f"{dtype} reference", "bits": bits,
+                "held_out_perplexity": round(perplexity(ref_logits, windows[:, 1:]), 2)}]
+    print(json.dumps(results[0]), flush=True)
+    for row in selected:
+        start = time.time()
+        log(f"quantizing: {row.label}")
+        model = copy.deepcopy(reference)
+        extra = row.quantize(model, calibration) or {}
+        stats = kl_stats(ref_logits, evaluate(model, windows, args.impl))
+        result = {"format": row.label, "bits": round(extra.pop("bits", model_bits(model)), 2),
+                  **{k: round(v, 6 if k.startswith("kl") else 2) for k, v in stats.items()}, **extra,
+                  "seconds": round(time.time() - start, 1)}
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    print()
+    print(markdown(results))
+    log(f"impl={args.impl}: training/cache {t_trained - t0:.1f} s, rows {time.time() - t_trained:.1f} s")
+
+
+def cmd_train(args):
+    _, model = setup(args)
+    if args.out:
+        from engine.loaders import save_dense
+        save_dense(model, args.out)
+        log(f"saved {args.out}")
+
+
+def cmd_quantize(args):
+    from engine.formats.checkpoints import METHODS, save_quantized
+    if args.method not in METHODS:
+        raise SystemExit(f"--method must be one of {sorted(METHODS)}")
+    corpus, model = setup(args)
+    options = {"group_size": args.group_size} if args.group_size else {}
+    if args.act_order:
+        options["act_order"] = True
+    qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), **options)
+    log(f"wrote {args.out}: {json.dumps(qcfg)}")
+
+
+def cmd_eval(args):
+    from engine.formats.checkpoints import load_quantized
+    corpus, reference = setup(args)
+    windows = corpus.eval_windows()
+    model = load_quantized(args.directory)
+    stats = kl_stats(held_out_logits(reference, windows), evaluate(model, windows, args.impl))
+    print(json.dumps({"checkpoint": args.directory, "bits": round(model_bits(model), 3), **stats}))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+        p.add_argument("--text", default=None, help="train on this file's bytes (default: built-in corpus)")
+        p.add_argument("--seed", type=int, default=0)
+        return p
+
+    q = common(sub.add_parser("quantformats", help="the KL table of every format"))
+    q.add_argument("--impl", choices=["torch", "engine"], default="torch",
+                   help="torch: dequantize + matmul; engine: Triton kernels (interpreted on CPU)")
+    q.add_argument("--rows", nargs="*", help="only rows whose label contains one of these substrings")
+    t = common(sub.add_parser("train", help="train (or load the cached) tiny Qwen3"))
+    t.add_argument("--out", help="also save it as a dense HF checkpoint here")
+    z = common(sub.add_parser("quantize", help="write the trained model as a quantized checkpoint"))
+    z.add_argument("--method", required=True)
+    z.add_argument("--out", required=True)
+    z.add_argument("--group-size", type=int)
+    z.add_argument("--act-order", action="store_true")
+    e = common(sub.add_parser("eval", help="KL of a quantized checkpoint against the reference model"))
+    e.add_argument("directory")
+    e.add_argument("--impl", choices=["torch", "engine"], default="torch")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    try:
+        {"quantformats": cmd_quantformats, "train": cmd_train, "quantize": cmd_quantize, "eval": cmd_eval}[
+            args.command](args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Round-to-nearest and the one affine integer layer (codes x scale + offset per group), with its Triton kernel."""
+import pytest
+import torch
+
+from engine.formats.affine import (AffineQuantLinear, choose_clip, fake_quantize, find_params, pack_bits,
+                                   pack_int32, pack_nibbles, quantize_to_affine, rtn_quantize, unpack_bits,
+                                   unpack_int32, unpack_nibbles)
+from engine.kernels import triton_formats
+
+
+def test_find_params_covers_the_range_and_rounds_scales_to_f16():
+    w = torch.tensor([[-1.0, 0.5, 2.0], [0.0, 0.0, 0.0]])
+    scale, zero = find_params(w, 4)
+    assert torch.equal(scale, scale.half().float())
+    assert torch.allclose(scale[0], torch.tensor(3.0 / 15), rtol=1e-3) and zero[0] == 5
+    lo, hi = (0 - zero) * scale, (15 - zero) * scale
+    assert (lo[0] <= -1.0 + scale[0] / 2) and (hi[0] >= 2.0 - scale[0] / 2)
+
+
+def test_rtn_error_is_at_most_half_a_step():
+    w = torch.randn(8, 128, generator=torch.Generator().manual_seed(0))
+    codes, scales, offsets = quantize_to_affine(w, 4, 32)
+    step = scales.repeat_interleave(32, 1)
+    assert ((fake_quantize(w, 4, 32) - w).abs() <= step / 2 + 1e-6).all()
+    assert codes.max() <= 15 and codes.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_bits_round_trip(bits):
+    codes = torch.randint(0, 2 ** bits, (3, 13), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.shape == (3, -(-13 * bits // 8))
+    assert torch.equal(unpack_bits(packed, bits, 13), codes)
+
+
+def test_pack_nibbles_puts_the_even_element_in_the_low_nibble():
+    assert pack_nibbles(torch.tensor([[1, 2]])).item() == 0x21
+    assert torch.equal(unpack_nibbles(torch.tensor([[0x21]], dtype=torch.uint8)), torch.tensor([[1, 2]]).byte())
+
+
+def test_pack_int32_order_and_sign():
+    values = torch.arange(8).repeat(2, 1) % 16
+    values[1, 7] = 15                                            # top nibble set: the word is negative as int32
+    natural = pack_int32(values)
+    assert natural[0, 0].item() == 0x76543210
+    assert natural[1, 0].item() < 0 and torch.equal(unpack_int32(natural), values.byte())
+    awq = pack_int32(values, 4, [0, 2, 4, 6, 1, 3, 5, 7])
+    assert (awq[0, 0].item() >> 16) & 0xF == 1                  # element 1 sits in bits 16-19
+    assert torch.equal(unpack_int32(awq, 4, [0, 2, 4, 6, 1, 3, 5, 7]), values.byte())
+    with pytest.raises(ValueError, match="cannot pack"):
+        pack_int32(torch.zeros(1, 7))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (2, 64), (4, 24)])
+def test_layer_equals_fake_quantized_matmul(bits, group):
+    g = torch.Generator().manual_seed(1)
+    w, x, b = torch.randn(40, 120, generator=g), torch.randn(5, 120, generator=g), torch.randn(40, generator=g)
+    layer = AffineQuantLinear.from_codes(*quantize_to_affine(w, bits, group), group, bits, bias=b)
+    expected = x @ fake_quantize(w, bits, group).T + b
+    assert torch.allclose(layer(x), expected, atol=1e-5)
+
+
+def test_bits_per_weight_counts_the_metadata():
+    w = torch.randn(64, 256)
+    layer = AffineQuantLinear.from_codes(*quantize_to_affine(w, 4, 64), 64, 4)
+    assert layer.bits_per_weight == 4.5
+    assert AffineQuantLinear.from_codes(*quantize_to_affine(w, 2, 64), 64, 2).bits_per_weight == 2.5
+
+
+def test_input_permutation_is_undone():
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(16, 64, generator=g), torch.randn(3, 64, generator=g)
+    perm = torch.randperm(64, generator=g)
+    stored = w[:, perm]                                          # columns kept in the order perm
+    layer = AffineQuantLinear.from_codes(*quantize_to_affine(stored, 4, 16), 16, 4, perm=perm)
+    assert torch.allclose(layer.dequantize()[:, perm], fake_quantize(stored, 4, 16))
+    with triton_formats.impl("engine"):
+        y = layer(x)
+    assert torch.allclose(y, x @ layer.dequantize().T, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("m,n,k,group", [(1, 33, 96, 32), (67, 70, 130, 64)])
+def test_triton_kernel_equals_torch_on_odd_shapes(bits, m, n, k, group):
+    g = torch.Generator().manual_seed(m + n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    layer = AffineQuantLinear.from_codes(*quantize_to_affine(w, bits, group), group, bits)
+    reference = layer(x)
+    with triton_formats.impl("engine"):
+        out = layer(x)
+    assert torch.allclose(out, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_choose_clip_never_increases_output_error():
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(32, 128, generator=g), torch.randn(256, 128, generator=g)
+    w[:, 5] *= 8                                                 # an outlier column the range must stretch over
+    clip = choose_clip(w, x, 3, 64)
+    err = lambda wq: (x @ (wq - w).T).pow(2).mean()              # noqa: E731
+    assert (clip <= 1).all() and (clip < 1).any()
+    assert err(fake_quantize(w, 3, 64, clip)) <= err(fake_quantize(w, 3, 64))
+
+
+def test_rtn_quantize_model_replaces_every_linear_but_lm_head(tiny_model):
+    replaced = rtn_quantize(tiny_model, 4, 16)
+    assert len(replaced) == 14 and isinstance(tiny_model.lm_head, torch.nn.Linear)
+    assert tiny_model(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, 256)
+
+
+def test_impl_switch_rejects_unknown_names():
+    with pytest.raises(ValueError, match="impl"):
+        triton_formats.set_impl("cuda")

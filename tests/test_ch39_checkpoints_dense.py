@@ -1,0 +1,122 @@
+"""Dense HF-layout checkpoints: exact round trip, sharded reading, and a clear error for every kind of bad input."""
+import json
+
+import pytest
+import torch
+
+from engine.loaders import load_dense, read_config, save_dense
+from engine.safetensors_io import atomic_directory, save_file, snapshot_tensors
+
+
+@pytest.fixture
+def saved(tiny_model, tmp_path):
+    save_dense(tiny_model, tmp_path / "ck")
+    return tmp_path / "ck"
+
+
+def test_save_load_gives_identical_logits(tiny_model, saved):
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(load_dense(saved)(ids), tiny_model(ids))
+
+
+def test_tied_lm_head_is_not_stored(saved):
+    names = {n for n, _ in snapshot_tensors(saved)}
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+def test_sharded_checkpoint_streams_every_tensor(saved, tmp_path):
+    tensors = dict(snapshot_tensors(saved))
+    names = sorted(tensors)
+    shard_dir = tmp_path / "sharded"
+    shard_dir.mkdir()
+    (shard_dir / "config.json").write_text((saved / "config.json").read_text())
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, shard_dir / file)
+    (shard_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: f for f, part in halves.items() for n in part}}))
+    reloaded = dict(snapshot_tensors(shard_dir))
+    assert sorted(reloaded) == names and all(torch.equal(reloaded[n], tensors[n]) for n in names)
+    assert torch.equal(load_dense(shard_dir).model.norm.weight, tensors["model.norm.weight"])
+
+
+def _rewrite(directory, change):
+    tensors = dict(snapshot_tensors(directory))
+    change(tensors)
+    save_file(tensors, directory / "model.safetensors")
+
+
+def test_missing_tensor(saved):
+    _rewrite(saved, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match="lacks tensor.*mlp.up_proj"):
+        load_dense(saved)
+
+
+def test_unexpected_tensor(saved):
+    _rewrite(saved, lambda t: t.update({"model.layers.0.surprise": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="unexpected tensor model.layers.0.surprise"):
+        load_dense(saved)
+
+
+def test_wrong_shape(saved):
+    _rewrite(saved, lambda t: t.update({"model.norm.weight": torch.zeros(3)}))
+    with pytest.raises(ValueError, match=r"model.norm.weight: checkpoint shape \(3,\)"):
+        load_dense(saved)
+
+
+def test_integer_tensor_for_a_float_parameter(saved):
+    _rewrite(saved, lambda t: t.update({"model.norm.weight": torch.zeros(64, dtype=torch.int32)}))
+    with pytest.raises(ValueError, match="dtype"):
+        load_dense(saved)
+
+
+def test_missing_config_key(saved):
+    raw = read_config(saved)
+    del raw["num_attention_heads"]
+    (saved / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        load_dense(saved)
+
+
+def test_malformed_config(saved):
+    (saved / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_dense(saved)
+
+
+def test_not_a_safetensors_file(saved):
+    (saved / "model.safetensors").write_bytes(b"PK\x03\x04 this is a zip, not safetensors" * 10)
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        load_dense(saved)
+
+
+def test_truncated_safetensors_file(saved):
+    data = (saved / "model.safetensors").read_bytes()
+    (saved / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        load_dense(saved)
+
+
+def test_no_weights_at_all(saved):
+    (saved / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        load_dense(saved)
+
+
+def test_interrupted_save_leaves_no_checkpoint(tmp_path):
+    target = tmp_path / "ck"
+    with pytest.raises(RuntimeError):
+        with atomic_directory(target) as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise RuntimeError("disk full")
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_overwrite_keeps_the_old_checkpoint(tiny_model, saved):
+    before = (saved / "model.safetensors").read_bytes()
+    with pytest.raises(RuntimeError):
+        with atomic_directory(saved) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"half")
+            raise RuntimeError("killed")
+    assert (saved / "model.safetensors").read_bytes() == before

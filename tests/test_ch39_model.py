@@ -1,0 +1,116 @@
+"""The tiny Qwen3: names, shapes, initial loss, cache, KV hook, training determinism."""
+import math
+
+import pytest
+import torch
+
+from engine.data import Corpus, default_corpus, load_corpus
+from engine.qwen3 import Qwen3, Qwen3Config
+from engine.training import TrainConfig, train, trained_model
+
+
+def test_parameter_names_are_hugging_face_names(tiny_model):
+    names = set(dict(tiny_model.named_parameters()))
+    for i in range(2):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert f"model.layers.{i}.self_attn.{proj}.weight" in names
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            assert f"model.layers.{i}.mlp.{proj}.weight" in names
+        for norm in ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm"):
+            assert f"model.layers.{i}.{norm}.weight" in names
+    assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+    assert tiny_model.lm_head.weight is tiny_model.model.embed_tokens.weight
+
+
+def test_book_size_shapes():
+    m = Qwen3(Qwen3Config())
+    attn = m.model.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (256, 256) and attn.k_proj.weight.shape == (128, 256)
+    assert m.model.layers[0].mlp.down_proj.weight.shape == (256, 768)
+    assert m(torch.zeros(1, 7, dtype=torch.long)).shape == (1, 7, 256)
+
+
+def test_first_loss_is_about_ln_256(tiny_model):
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    loss = torch.nn.functional.cross_entropy(tiny_model(ids[:, :-1]).reshape(-1, 256), ids[:, 1:].reshape(-1))
+    assert abs(loss.item() - math.log(256)) < 0.15
+
+
+def test_cached_generation_equals_full_forward(tiny_model):
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    out = tiny_model.generate(ids, 8)
+    with torch.no_grad():
+        greedy = tiny_model(out)[:, ids.shape[1] - 1:-1].argmax(-1)
+    assert torch.equal(greedy, out[:, ids.shape[1]:])
+
+
+def test_kv_transform_sees_rotated_k_and_v_and_changes_output(tiny_model):
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    seen = []
+
+    def halve_values(k, v, index):
+        seen.append((index, tuple(k.shape), tuple(v.shape)))
+        return k, v * 0.5
+
+    with torch.no_grad():
+        base = tiny_model(ids)
+        tiny_model.set_kv_transform(halve_values)
+        changed = tiny_model(ids)
+        tiny_model.set_kv_transform(None)
+        again = tiny_model(ids)
+    assert seen == [(0, (1, 2, 9, 16), (1, 2, 9, 16)), (1, (1, 2, 9, 16), (1, 2, 9, 16))]
+    assert not torch.allclose(base, changed) and torch.equal(base, again)
+
+
+def test_config_reads_transformers_4_and_5_styles():
+    base = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    v4 = Qwen3Config.from_hf({**base, "rope_theta": 5000.0, "torch_dtype": "bfloat16"})
+    v5 = Qwen3Config.from_hf({**base, "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"},
+                              "dtype": "bfloat16"})
+    assert v4 == v5 and v4.rope_theta == 5000.0 and v4.torch_dtype == "bfloat16"
+    assert Qwen3Config.from_hf(v4.to_hf()) == v4
+
+
+def test_config_missing_key_is_a_clear_error():
+    with pytest.raises(ValueError, match="hidden_size"):
+        Qwen3Config.from_hf({"vocab_size": 256, "intermediate_size": 8, "num_hidden_layers": 1,
+                             "num_attention_heads": 1})
+
+
+def test_training_is_deterministic_and_learns(tiny_cfg):
+    corpus = Corpus.from_bytes(default_corpus()[:60000])
+    tc = TrainConfig(steps=12, batch_size=4, seq_len=32, log_every=100)
+    a, b = train(tiny_cfg, corpus, tc, log=lambda m: None), train(tiny_cfg, corpus, tc, log=lambda m: None)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    x, y = corpus.batch(4, 32, torch.Generator().manual_seed(9))
+    fresh = Qwen3(tiny_cfg)
+    with torch.no_grad():
+        before = torch.nn.functional.cross_entropy(fresh(x).reshape(-1, 256), y.reshape(-1))
+        after = torch.nn.functional.cross_entropy(a(x).reshape(-1, 256), y.reshape(-1))
+    assert after < before - 0.5
+
+
+def test_trained_model_is_cached(tiny_cfg, tmp_path):
+    corpus = Corpus.from_bytes(default_corpus()[:60000])
+    tc = TrainConfig(steps=2, batch_size=2, seq_len=16)
+    lines = []
+    first = trained_model(tiny_cfg, corpus, tc, tmp_path, log=lines.append)
+    second = trained_model(tiny_cfg, corpus, tc, tmp_path, log=lines.append)
+    assert "using cached model" in lines[-1]
+    assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters()))
+
+
+def test_held_out_split_is_never_trained_on():
+    corpus = Corpus.from_bytes(bytes(range(256)) * 100)
+    assert len(corpus.train) + len(corpus.held_out) == 25600
+    assert corpus.calibration(seq_len=16, n=4).max() < 256
+
+
+def test_text_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        load_corpus(tmp_path / "missing.txt")
+    (tmp_path / "short.txt").write_text("tiny")
+    with pytest.raises(ValueError, match="too short"):
+        load_corpus(tmp_path / "short.txt")
