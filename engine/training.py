@@ -21,7 +21,7 @@ from .qwen3 import Qwen3
 @dataclass
 class TrainConfig:
     steps: int = 300
-    batch_size: int = 16
+    batch_size: int = 8
     seq_len: int = 128
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
