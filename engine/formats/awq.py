@@ -1,0 +1,244 @@
+"""AWQ (Lin et al., 2023): protect the weights that large activations multiply by scaling them up before rounding.
+
+For input channel j with scale s_j > 0,  X W^T = (X diag(s)^-1) (W diag(s))^T  exactly; rounding W diag(s) then
+gives the big-activation channels a finer relative grid. The 1/s folds into whatever produced X: an RMSNorm weight
+(-> q, k, v and -> gate, up) or the previous linear's output rows (v -> o, up -> down; skipped when v's rows do not
+match o's columns, as under GQA). s = mean|x|^alpha (normalized by sqrt(max * min)), alpha from a 20-point grid
+minimizing the linears' output error; alpha = 0 is plain round-to-nearest, so the search never does worse than RTN
+on the error it measures.
+
+Improvements over the book's code (tested in tests/test_ch39_awq.py):
+  * The book keeps every calibration input and recomputes x @ W^T for all tokens at each of the 20 alphas. The
+    output error only depends on X through G = X^T X / n:  mean_t ||x_t dW^T||^2 = tr(dW G dW^T), dW = Q(W s)/s - W.
+    So we stream G and mean|x| (InputStats) and never hold the inputs; each alpha costs out * in^2, not
+    tokens * in * out (the same number, up to float rounding).
+  * The book's to_checkpoint recomputes zero points as round(-offsets / scales).clamp(0, 15), silently changing any
+    layer whose offsets are not integer zero points; we recover them exactly or refuse (gptq.affine_parts).
+
+Checkpoint (AutoAWQ GEMM, 4-bit):
+    qweight int32 [in, out / 8]      8 codes along the OUTPUT dimension; nibble j holds column [0,2,4,6,1,3,5,7][j]
+    qzeros  int32 [groups, out / 8]  raw zero points, same order          scales f16 [groups, out]
+    W[o, i] = (q[i, o] - z[i // G, o]) * s[i // G, o]
+"""
+import torch
+
+from .affine import (
+    AffineQuantLinear,
+    fake_quantize,
+    pack_int32,
+    quantize_to_affine,
+    unpack_int32,
+)
+from .base import CheckpointMethod, replace_linears
+from .gptq import affine_parts
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+# ---- the scale search -------------------------------------------------------------------------------------------
+
+class InputStats:
+    """What the scale search needs from a linear's calibration inputs, accumulated batch by batch:
+    mean_abs [in] = mean_t |x_t| and gram [in, in] = X^T X / n."""
+
+    def __init__(self, in_features):
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
+        self.xtx = torch.zeros(in_features, in_features, dtype=torch.float64)
+        self.count = 0
+
+    @classmethod
+    def of(cls, inputs):
+        stats = cls(inputs.shape[-1])
+        stats.add(inputs)
+        return stats
+
+    def add(self, x):
+        x = x.detach().reshape(-1, self.abs_sum.shape[0]).to(torch.float64)
+        self.abs_sum += x.abs().sum(0)
+        self.xtx += x.T @ x
+        self.count += x.shape[0]
+
+    def _check(self):
+        if self.count == 0:
+            raise ValueError("no calibration inputs reached this layer")
+
+    @property
+    def mean_abs(self):
+        self._check()
+        return (self.abs_sum / self.count).float()
+
+    @property
+    def gram(self):
+        self._check()
+        return (self.xtx / self.count).float()
+
+
+@torch.no_grad()
+def search_scale(weights, inputs, bits=4, group_size=128, grid=20):
+    """Best per-input-channel scale s [in] for the linears `weights` ([out_k, in] each), all reading `inputs`
+    (a tensor [..., in] or an InputStats). Returns (s, alpha).
+
+    error(alpha) = sum_k tr(dW_k G dW_k^T) / out_k  with dW_k = Q(W_k s) / s - W_k: the mean squared output error
+    on the calibration inputs, as the book measures it, computed from G = X^T X / n."""
+    stats = inputs if isinstance(inputs, InputStats) else InputStats.of(inputs)
+    x_mean, gram = stats.mean_abs, stats.gram
+    weights = [w.float() for w in weights]
+    best = (float("inf"), torch.ones_like(x_mean), 0.0)
+    for step in range(grid):
+        alpha = step / grid
+        s = x_mean.clamp_min(1e-4) ** alpha
+        s = s / (s.max() * s.min()).sqrt()
+        error = sum(scaled_error(w, s, gram, bits, group_size) for w in weights)
+        if error < best[0]:
+            best = (error, s, alpha)
+    return best[1], best[2]
+
+
+def scaled_error(weight, s, gram, bits=4, group_size=128):
+    """Mean squared output error of quantizing weight [out, in] with input scales s [in]:
+    mean over tokens and outputs of ((x / s) Q(W s)^T - x W^T)^2 = tr(dW G dW^T) / out, dW = Q(W s) / s - W."""
+    w = weight.float()
+    dw = fake_quantize(w * s, bits, group_size) / s - w
+    return ((dw @ gram) * dw).sum().item() / w.shape[0]
+
+
+def _scaling_pairs(layer):
+    """(norm, previous linear, linears that read its output, the linear whose input is captured) for one Qwen3
+    decoder layer; previous is None when the scale folds into the norm."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [(layer.input_layernorm, None, [attn.q_proj, attn.k_proj, attn.v_proj]),
+            (layer.post_attention_layernorm, None, [mlp.gate_proj, mlp.up_proj]),
+            (None, attn.v_proj, [attn.o_proj]),
+            (None, mlp.up_proj, [mlp.down_proj])]
+
+
+@torch.no_grad()
+def apply_awq(model, calibration_ids, bits=4, group_size=128, batch_size=8):
+    """Scale and quantize every decoder layer's linears in place, AutoAWQ's way. Returns {name: AffineQuantLinear}.
+
+    Inputs of q, o, gate and down are summarized (InputStats) by forward pre-hooks over the calibration tokens of
+    the float model, in batches of batch_size sequences; then each pair's scale is searched and folded in, and
+    finally every linear is rounded to nearest on its scaled weights."""
+    if calibration_ids is None or calibration_ids.numel() == 0:
+        raise ValueError("AWQ needs calibration_ids")
+    ids = calibration_ids if calibration_ids.dim() == 2 else calibration_ids.reshape(1, -1)
+    stats, handles = {}, []
+    for layer in model.model.layers:
+        for _, _, linears in _scaling_pairs(layer):
+            first = linears[0]
+            stats[first] = InputStats(first.in_features)
+            handles.append(first.register_forward_pre_hook(lambda m, args: stats[m].add(args[0].float())))
+    try:
+        for batch in ids.split(batch_size):
+            model(batch)
+    finally:
+        for h in handles:
+            h.remove()
+    for layer in model.model.layers:
+        for norm, previous, linears in _scaling_pairs(layer):
+            if previous is not None and previous.out_features != linears[0].in_features:
+                continue                                   # GQA: v's rows feed several heads' columns
+            s, _ = search_scale([lin.weight for lin in linears], stats[linears[0]], bits, group_size)
+            if norm is not None:
+                norm.weight.div_(s.to(norm.weight.dtype))
+            else:
+                previous.weight.div_(s[:, None].to(previous.weight.dtype))
+                if previous.bias is not None:
+                    previous.bias.div_(s.to(previous.bias.dtype))
+            for linear in linears:
+                linear.weight.mul_(s[None, :].to(linear.weight.dtype))
+
+    def make(name, linear):
+        codes, scales, offsets = quantize_to_affine(linear.weight.detach(), bits, group_size)
+        return AffineQuantLinear.from_codes(codes, scales, offsets, group_size, bits, bias=linear.bias)
+
+    names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.")}
+    return replace_linears(model, make, names)
+
+
+def quantize(model, calibration_ids, group_size=64, bits=4):
+    """AWQ every decoder-layer linear in place; returns the quantization_config AutoAWQ writes."""
+    _check_bits(bits)
+    apply_awq(model, calibration_ids, bits, group_size)
+    return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
+
+
+# ---- the checkpoint layout --------------------------------------------------------------------------------------
+
+def _check_bits(bits):
+    if bits != 4:
+        raise ValueError(f"AutoAWQ GEMM checkpoints are 4-bit, got bits={bits}")
+
+
+def pack_awq(values):
+    """[rows, cols] codes 0..15 (cols % 8 == 0) -> int32 [rows, cols / 8] in AWQ's interleaved order
+    (nibble j of each word holds column AWQ_ORDER[j] of its run of 8: output 1 sits in bits 16-19)."""
+    return pack_int32(values, 4, AWQ_ORDER)
+
+
+def unpack_awq(packed):
+    """int32 [rows, words] -> uint8 [rows, words * 8], undoing the interleave."""
+    return unpack_int32(packed, 4, AWQ_ORDER)
+
+
+def to_checkpoint(layer):
+    """AffineQuantLinear -> {"qweight", "qzeros", "scales"} (AutoAWQ GEMM). Refuses layers AWQ cannot store
+    exactly: a column permutation, non-integer zero points, non-f16 scales, out_features % 8 != 0."""
+    codes, scales, zeros, _ = affine_parts(layer)
+    if layer.perm is not None:
+        raise ValueError("AWQ checkpoints have no column permutation (g_idx); write this layer as GPTQ")
+    _check_bits(layer.bits)
+    if layer.out_features % 8:
+        raise ValueError(f"AWQ packs 8 outputs per word; out_features={layer.out_features}")
+    return {"qweight": pack_awq(codes.T), "qzeros": pack_awq(zeros.T),
+            "scales": scales.T.to(torch.float16).contiguous()}
+
+
+def from_checkpoint(qweight, qzeros, scales, group_size, bias=None):
+    """AutoAWQ GEMM tensors -> AffineQuantLinear (offsets = -zeros * scales)."""
+    if any(t.dtype != torch.int32 or t.dim() != 2 for t in (qweight, qzeros)):
+        raise ValueError("AWQ qweight / qzeros must be 2-D int32")
+    in_f, out_f = qweight.shape[0], qweight.shape[1] * 8
+    group_size = in_f if group_size == -1 else group_size
+    groups = -(-in_f // group_size)
+    if tuple(qzeros.shape) != (groups, out_f // 8) or tuple(scales.shape) != (groups, out_f):
+        raise ValueError(f"AWQ qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not fit qweight "
+                         f"{tuple(qweight.shape)} with group_size {group_size}")
+    codes = unpack_awq(qweight).T                                               # [out, in]
+    zeros = unpack_awq(qzeros).T.float()                                        # [out, groups]
+    s = scales.T.float()
+    return AffineQuantLinear.from_codes(codes, s, -zeros * s, group_size, 4, bias=bias)
+
+
+# ---- the registry entry -----------------------------------------------------------------------------------------
+
+def _config(qcfg):
+    _check_bits(qcfg.get("bits", qcfg.get("w_bit", 4)))
+    if not qcfg.get("zero_point", True):
+        raise ValueError("AWQ without zero points (zero_point: false) is not supported")
+    version = str(qcfg.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"AWQ version {version!r} is not supported (only 'gemm')")
+    group_size = qcfg.get("group_size", qcfg.get("q_group_size", 128))
+    if not isinstance(group_size, int) or group_size == 0 or group_size < -1:
+        raise ValueError(f"bad AWQ group_size {group_size!r}")
+    return group_size
+
+
+def _parts(qcfg):
+    _config(qcfg)
+    return ("qweight", "qzeros", "scales")
+
+
+def _read(parts, qcfg):
+    return from_checkpoint(parts["qweight"], parts["qzeros"], parts["scales"], _config(qcfg), parts.get("bias"))
+
+
+def _write(layer, qcfg):
+    group_size = _config(qcfg)
+    if layer.group_size != (layer.in_features if group_size == -1 else group_size):
+        raise ValueError(f"layer has group size {layer.group_size}; config says {group_size}")
+    return to_checkpoint(layer)
+
+
+CHECKPOINT = CheckpointMethod(name="awq", parts=_parts, read=_read, write=_write, quantize=quantize)

@@ -1,0 +1,378 @@
+"""GPTQ (Frantar et al., 2022): quantize a layer's columns one at a time, pushing each column's rounding error onto
+the columns not yet quantized, so that the layer's OUTPUT on calibration inputs X moves as little as possible.
+
+    minimize ||X W_hat^T - X W^T||^2,   Hessian H = 2 X^T X / n   (the same for every output row)
+    column i:  e = (w_i - quant(w_i)) / [H^-1]_ii,   w_j <- w_j - e [H^-1]_ij   for every later column j
+
+H^-1 comes once from a Cholesky factorization (damped by 1% of mean(diag H)); updates are applied lazily, one block
+of 128 columns at a time. Each group's grid (affine.find_params: f16 scale, integer zero) is chosen from the weights
+as already corrected when the loop enters the group. Act-order (desc_act) visits columns by decreasing H_ii; groups
+are then ranges of that order, and the checkpoint's g_idx [in] names each original column's group.
+
+Checkpoint (AutoGPTQ, `checkpoint_format` "gptq" = v1, the default everywhere; "gptq_v2" = raw zeros):
+
+    qweight int32 [in * b / 32, out]     32 / b codes along the INPUT dimension per word, low bits first
+    qzeros  int32 [groups, out * b / 32] zero points along the OUTPUT dimension; v1 stores zero - 1
+    scales  f16   [groups, out]          g_idx int32 [in]
+    W[o, i] = scales[g_idx[i], o] * (q[i, o] - zero[g_idx[i], o])
+
+v1 cannot store a zero point of 0: (0 - 1) & 0xF = 15 decodes as 16, a model that outputs garbage (real tools have
+shipped such files; GPTQModel's v2 -> v1 word subtraction even borrows into the next output's zero). So for v1 the
+quantizer picks grids with zero >= 1 (`min_zero=1`: a group whose range starts at 0 gets a one-step-wider grid), and
+the writer re-fits any other layer's zero-0 groups on such a grid rather than write a wrapped value.
+
+At load, `to_runtime` sorts the input columns by g_idx once so that groups are contiguous; the resulting
+AffineQuantLinear permutes the activations (x[:, perm]) instead.
+"""
+import warnings
+
+import torch
+
+from .affine import AffineQuantLinear, find_params, pack_int32, unpack_int32
+from .base import CheckpointMethod, replace_linears
+
+FORMATS = ("gptq", "gptq_v2")
+PACKABLE_BITS = (2, 4, 8)          # bit widths that tile an int32 word exactly (3-bit GPTQ uses a split layout)
+
+
+# ---- the Hessian ------------------------------------------------------------------------------------------------
+
+class HessianAccumulator:
+    """Running H = 2 X^T X / n over calibration batches, so that the inputs need never all be held at once.
+    add(x [..., in]) any number of times, then .hessian [in, in] (float32)."""
+
+    def __init__(self, in_features):
+        self.sum = torch.zeros(in_features, in_features, dtype=torch.float64)
+        self.count = 0
+
+    def add(self, x):
+        x = x.detach().reshape(-1, self.sum.shape[0]).to(torch.float64)
+        self.sum += x.T @ x                      # float64: a long calibration run sums many large squares
+        self.count += x.shape[0]
+
+    @property
+    def hessian(self):
+        if self.count == 0:
+            raise ValueError("no calibration inputs reached this layer")
+        return (2 * self.sum / self.count).float()
+
+
+def hessian_from(inputs):
+    """inputs: one tensor [..., in] or an iterable of such batches -> H = 2 X^T X / n [in, in]."""
+    batches = [inputs] if torch.is_tensor(inputs) else list(inputs)
+    if not batches:
+        raise ValueError("hessian_from needs at least one batch of inputs")
+    acc = HessianAccumulator(batches[0].shape[-1])
+    for x in batches:
+        acc.add(x)
+    return acc.hessian
+
+
+# ---- the algorithm ----------------------------------------------------------------------------------------------
+
+def group_grid(w, bits, sym=False, min_zero=0):
+    """w [rows, n] -> (scale, zero) [rows], as affine.find_params, but with zero >= min_zero.
+
+    A group whose grid would start at zero (its weights all >= 0, or nearly) gets zero = min_zero and a grid
+    stretched so its top code still reaches the group's maximum: scale = max / (top - min_zero)."""
+    scale, zero = find_params(w, bits, sym)
+    if min_zero:
+        top = 2 ** bits - 1
+        low = zero < min_zero
+        stretched = (w.float().max(1).values.clamp(min=0) / (top - min_zero)).half().float()
+        scale = torch.where(low & (stretched > 0), stretched, scale)
+        zero = zero.clamp(min=min_zero)
+    return scale, zero
+
+
+@torch.no_grad()
+def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp=0.01, block=128, sym=False,
+                  min_zero=0):
+    """weight [out, in], hessian [in, in] = 2 X^T X / n -> (codes uint8 [out, in], scales [out, groups],
+    zeros [out, groups], g_idx int32 [in]); W_hat[o, i] = scales[o, g_idx[i]] * (codes[o, i] - zeros[o, g_idx[i]]).
+
+    group_size -1 (or any value <= 0) means one group per row. min_zero=1 keeps every zero point storable in a v1 checkpoint.
+    Columns are processed in blocks of `block`; inside a block each column's error is pushed onto the block's
+    remaining columns at once, and onto the columns after the block in one matmul when the block is done.
+    """
+    out_f, cols = weight.shape
+    if hessian.shape != (cols, cols):
+        raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({cols}, {cols})")
+    group_size = cols if group_size <= 0 else group_size
+    W = weight.float().clone()
+    H = hessian.float().clone()
+    dead = torch.diag(H) == 0                              # inputs never active: their weights cannot matter
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else torch.arange(cols)
+    W, H = W[:, perm], H[perm][:, perm]
+    H += damp * torch.diag(H).mean() * torch.eye(cols)
+    # The upper Cholesky factor of H^-1 holds exactly the [H^-1]_ij / [H^-1]_ii rows OBQ needs, in the order
+    # the columns are eliminated (each row is the inverse Hessian of the columns still left).
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    codes = torch.zeros_like(W)
+    groups = -(-cols // group_size)
+    scales, zeros = torch.zeros(out_f, groups), torch.zeros(out_f, groups)
+    top = 2 ** bits - 1
+    for i1 in range(0, cols, block):
+        i2 = min(i1 + block, cols)
+        W1, Err = W[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1)
+        H1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            g = col // group_size
+            if col % group_size == 0:                      # a new group: its range from the CURRENT weights
+                ahead = torch.cat((W1[:, i:], W[:, i2:]), 1)[:, :group_size]
+                scales[:, g], zeros[:, g] = group_grid(ahead, bits, sym, min_zero)
+            q = (W1[:, i] / scales[:, g] + zeros[:, g]).round().clamp(0, top)
+            codes[:, col] = q
+            error = (W1[:, i] - scales[:, g] * (q - zeros[:, g])) / H1[i, i]
+            W1[:, i:] -= error[:, None] * H1[i, i:][None, :]
+            Err[:, i] = error
+        W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
+    inverse = torch.argsort(perm)
+    g_idx = (torch.arange(cols) // group_size)[inverse]    # the group of each ORIGINAL column
+    return codes[:, inverse].to(torch.uint8), scales, zeros, g_idx.to(torch.int32)
+
+
+def dequantize_gptq(codes, scales, zeros, g_idx):
+    """(codes [out, in], scales / zeros [out, groups], g_idx [in]) -> W_hat [out, in] float32."""
+    g = g_idx.long()
+    return scales.float()[:, g] * (codes.float() - zeros.float()[:, g])
+
+
+# ---- the checkpoint layout --------------------------------------------------------------------------------------
+
+def _check_bits(bits):
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f"GPTQ packing supports bits in {PACKABLE_BITS}, got {bits}")
+
+
+def _check_format(checkpoint_format):
+    if checkpoint_format not in FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+
+
+def pack_gptq(codes, scales, zeros, g_idx, bits=4, checkpoint_format="gptq"):
+    """codes [out, in], scales / zeros [out, groups], g_idx [in] -> {"qweight", "qzeros", "scales", "g_idx"}.
+
+    v1 ("gptq") stores zero - 1 and so refuses a zero point of 0 (it would wrap); v2 stores raw zeros."""
+    _check_bits(bits)
+    _check_format(checkpoint_format)
+    zeros = zeros.round().to(torch.int64)
+    if checkpoint_format == "gptq":
+        if (zeros < 1).any():
+            raise ValueError("a zero point of 0 cannot be stored in a GPTQ v1 checkpoint (0 - 1 wraps to "
+                             f"{2 ** bits - 1}); quantize with min_zero=1, use make_v1_safe, or write gptq_v2")
+        zeros = zeros - 1
+    return {"qweight": pack_int32(codes, bits).T.contiguous(),
+            "qzeros": pack_int32(zeros.T, bits).contiguous(),
+            "scales": scales.T.to(torch.float16).contiguous(),
+            "g_idx": g_idx.to(torch.int32).contiguous()}
+
+
+def unpack_gptq(qweight, qzeros, scales, g_idx, bits=4, checkpoint_format="gptq"):
+    """Checkpoint tensors -> (codes uint8 [out, in], scales [out, groups], zeros [out, groups], g_idx [in]).
+
+    v1 zeros are read as stored + 1, as every v1 reader does (so a wrapped 0 reads as 2^bits: faithfully garbage)."""
+    _check_bits(bits)
+    _check_format(checkpoint_format)
+    codes = unpack_int32(qweight.T.contiguous(), bits)                        # [out, in]
+    zeros = unpack_int32(qzeros, bits).T.float()                              # [out, groups]
+    if checkpoint_format == "gptq":
+        zeros = zeros + 1
+    return codes, scales.T.float(), zeros, g_idx.to(torch.int32)
+
+
+def make_v1_safe(codes, scales, zeros, g_idx, bits=4):
+    """Re-fit every (row, group) whose zero point is 0 on a grid with zero 1, so that it can go into a v1 file.
+
+    Exact when the group never uses the top code (codes shift up by one); otherwise the group is re-rounded on a
+    grid one step wider (scale * top / (top - 1)), an error of at most half that step. Returns new
+    (codes, scales, zeros) and the number of groups changed."""
+    top = 2 ** bits - 1
+    g = g_idx.long()
+    bad = zeros == 0
+    if not bad.any():
+        return codes, scales, zeros, 0
+    group_max = torch.zeros_like(scales).scatter_reduce(1, g.expand_as(codes), codes.float(), "amax")
+    wider = torch.where(group_max > top - 1, (scales * group_max / (top - 1)).half().float(), scales)
+    new_scales = torch.where(bad, wider, scales)
+    w = scales[:, g] * codes.float()                                          # zero 0: w = scale * q
+    refit = (w / new_scales[:, g]).round().add(1).clamp(0, top)
+    new_codes = torch.where(bad[:, g], refit, codes.float()).to(torch.uint8)
+    return new_codes, new_scales, torch.where(bad, 1.0, zeros), int(bad.sum())
+
+
+# ---- the runtime layer ------------------------------------------------------------------------------------------
+
+def to_runtime(codes, scales, zeros, g_idx, group_size, bits=4, bias=None):
+    """GPTQ tensors (original column order + g_idx) -> AffineQuantLinear.
+
+    Columns are sorted by g_idx once so that each group is contiguous; the layer then applies x[:, perm]. Without
+    act-order g_idx is already sorted and no permutation is stored. offsets = -zeros * scales."""
+    out_f, in_f = codes.shape
+    groups = scales.shape[1]
+    g = g_idx.long()
+    if g.shape != (in_f,) or zeros.shape != scales.shape or scales.shape[0] != out_f:
+        raise ValueError(f"inconsistent GPTQ shapes: codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, "
+                         f"zeros {tuple(zeros.shape)}, g_idx {tuple(g_idx.shape)}")
+    if in_f and (g.min() < 0 or g.max() >= groups):
+        raise ValueError(f"g_idx values must lie in [0, {groups})")
+    expected = (in_f - torch.arange(groups) * group_size).clamp(0, group_size)
+    if not torch.equal(torch.bincount(g, minlength=groups), expected):
+        raise ValueError(f"g_idx does not give each group {group_size} columns (group_size mismatch?)")
+    perm = torch.argsort(g, stable=True)
+    if torch.equal(perm, torch.arange(in_f)):
+        perm = None
+    stored = codes if perm is None else codes[:, perm]
+    scales = scales.float()
+    return AffineQuantLinear.from_codes(stored, scales, -zeros.float() * scales, group_size, bits, perm=perm,
+                                        bias=bias)
+
+
+def affine_parts(layer):
+    """AffineQuantLinear -> (codes [out, in] in ORIGINAL column order, scales, zeros [out, groups], g_idx [in]).
+
+    Zero points are recovered from offsets = -zero * scale, which is exact for layers built here (f16 scales times
+    small integers are exact in float32); a layer whose offsets are not such multiples, or whose scales are not
+    float16 values, cannot be written to an integer-zero f16 checkpoint without changing it, so it is refused."""
+    if not isinstance(layer, AffineQuantLinear):
+        raise TypeError(f"expected an AffineQuantLinear, got {type(layer).__name__}")
+    scales = layer.scales
+    if not torch.equal(scales.half().float(), scales):
+        raise ValueError("scales are not float16 values; writing them as f16 would change the model")
+    zeros = -layer.offsets / scales
+    if (zeros - zeros.round()).abs().max() > 1e-3 or zeros.min() < 0 or zeros.max() > 2 ** layer.bits - 1:
+        raise ValueError("offsets are not -zero * scale with integer zero points")
+    zeros = zeros.round()
+    group_of_stored = torch.arange(layer.in_features) // layer.group_size
+    codes = layer.codes()
+    if layer.perm is None:
+        return codes, scales, zeros, group_of_stored.to(torch.int32)
+    inverse = torch.argsort(layer.perm)
+    return codes[:, inverse], scales, zeros, group_of_stored[inverse].to(torch.int32)
+
+
+# ---- whole model ------------------------------------------------------------------------------------------------
+
+class _Captured(Exception):
+    """Raised by a hook to end a calibration forward once every layer of the current step has seen its input."""
+
+
+def _sequential_steps(model):
+    """The linears (but lm_head) in forward order, grouped into steps whose members read the same input:
+    q/k/v together, gate/up together, every other linear alone."""
+    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    steps = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name != "lm_head":
+            parent, _, leaf = name.rpartition(".")
+            steps.setdefault((parent, shared.get(leaf, leaf)), []).append(name)
+    return list(steps.values())
+
+
+def _capture_hessians(model, linears, ids, batch_size):
+    """{name: linear} -> {name: HessianAccumulator} from forward passes over ids, each stopped (by _Captured) as
+    soon as every one of `linears` has seen its input."""
+    accs = {name: HessianAccumulator(m.in_features) for name, m in linears.items()}
+    seen = set()
+
+    def hook(name):
+        def capture(module, args):
+            accs[name].add(args[0].float())
+            seen.add(name)
+            if len(seen) == len(linears):
+                raise _Captured
+        return capture
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in linears.items()]
+    try:
+        for batch in ids.split(batch_size):
+            seen.clear()
+            try:
+                model(batch)
+            except _Captured:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    return accs
+
+
+@torch.no_grad()
+def quantize(model, calibration_ids, group_size=64, act_order=False, bits=4, sym=False, checkpoint_format="gptq",
+             damp=0.01, batch_size=8):
+    """GPTQ every linear of `model` but lm_head, in place, step by step in forward order: each step's Hessians come
+    from a forward pass through the already-quantized earlier layers (GPTQModel's "true sequential"), stopped as
+    soon as the step's layers have seen their inputs. calibration_ids [B, T] go through in batches of batch_size.
+    For a v1 checkpoint (the default) every zero point is kept >= 1 (min_zero). Returns the quantization_config."""
+    _config({"bits": bits, "group_size": group_size, "checkpoint_format": checkpoint_format})
+    if calibration_ids is None or calibration_ids.numel() == 0:
+        raise ValueError("GPTQ needs calibration_ids")
+    ids = calibration_ids if calibration_ids.dim() == 2 else calibration_ids.reshape(1, -1)
+    min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
+    for step in _sequential_steps(model):
+        accs = _capture_hessians(model, {name: model.get_submodule(name) for name in step}, ids, batch_size)
+        hessians = {name: acc.hessian for name, acc in accs.items()}
+
+        def make(name, linear, hessians=hessians):
+            group = linear.in_features if group_size == -1 else group_size          # -1: one group per row
+            codes, scales, zeros, g_idx = gptq_quantize(linear.weight.detach(), hessians[name], bits, group,
+                                                        act_order, damp, sym=sym, min_zero=min_zero)
+            return to_runtime(codes, scales, zeros, g_idx, group, bits, linear.bias)
+
+        replace_linears(model, make, names=set(step))
+    return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": sym,
+            "checkpoint_format": checkpoint_format}
+
+
+# ---- the registry entry -----------------------------------------------------------------------------------------
+
+def _config(qcfg):
+    bits, fmt = qcfg.get("bits", 4), qcfg.get("checkpoint_format", "gptq")
+    _check_bits(bits)
+    _check_format(fmt)
+    group_size = qcfg.get("group_size", 128)
+    if not isinstance(group_size, int) or group_size == 0 or group_size < -1:
+        raise ValueError(f"bad GPTQ group_size {group_size!r}")
+    return bits, group_size, fmt
+
+
+def _parts(qcfg):
+    _config(qcfg)
+    return ("qweight", "qzeros", "scales", "g_idx")
+
+
+def _read(parts, qcfg):
+    bits, group_size, fmt = _config(qcfg)
+    qweight, qzeros, scales, g_idx = (parts[k] for k in ("qweight", "qzeros", "scales", "g_idx"))
+    if any(t.dtype != torch.int32 for t in (qweight, qzeros)) or qweight.dim() != 2 or qzeros.dim() != 2:
+        raise ValueError("GPTQ qweight / qzeros must be 2-D int32")
+    per = 32 // bits
+    in_f, out_f = qweight.shape[0] * per, qweight.shape[1]
+    group_size = in_f if group_size == -1 else group_size
+    groups = -(-in_f // group_size)
+    want = {"qzeros": (groups, out_f // per), "scales": (groups, out_f), "g_idx": (in_f,)}
+    for k, shape in want.items():
+        if tuple(parts[k].shape) != shape:
+            raise ValueError(f"GPTQ {k} has shape {tuple(parts[k].shape)}, expected {shape} for qweight "
+                             f"{tuple(qweight.shape)}, group_size {group_size}")
+    codes, scales, zeros, g_idx = unpack_gptq(qweight, qzeros, scales, g_idx, bits, fmt)
+    return to_runtime(codes, scales, zeros, g_idx, group_size, bits, parts.get("bias"))
+
+
+def _write(layer, qcfg):
+    bits, group_size, fmt = _config(qcfg)
+    codes, scales, zeros, g_idx = affine_parts(layer)
+    if layer.bits != bits or layer.group_size != (layer.in_features if group_size == -1 else group_size):
+        raise ValueError(f"layer has {layer.bits} bits, group {layer.group_size}; config says {bits}, {group_size}")
+    if fmt == "gptq":
+        codes, scales, zeros, changed = make_v1_safe(codes, scales, zeros, g_idx, bits)
+        if changed:
+            warnings.warn(f"{changed} groups had zero point 0, which GPTQ v1 cannot store; re-fitted them on a "
+                          "grid with zero 1 (write checkpoint_format='gptq_v2' to keep them exact)")
+    return pack_gptq(codes, scales, zeros, g_idx, bits, fmt)
+
+
+CHECKPOINT = CheckpointMethod(name="gptq", parts=_parts, read=_read, write=_write, quantize=quantize)

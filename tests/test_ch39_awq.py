@@ -1,0 +1,135 @@
+"""AWQ: the scale search (exact Gram-matrix error, never worse than RTN, >= 2x better with outlier channels), the
+scaling pairs with the GQA skip, the AutoAWQ GEMM layout (output 1's code in bits 16-19) and save -> load."""
+import pytest
+import torch
+
+from engine.formats import affine, awq, checkpoints
+from engine.qwen3 import Qwen3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: extra threads only add synchronization (and stall badly on a loaded machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def outlier_inputs(tokens, n, seed, outliers=4, factor=30.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, n, generator=g)
+    x[:, torch.randperm(n, generator=g)[:outliers]] *= factor
+    return x
+
+
+def output_error(x, w_hat, w):
+    return (x @ (w_hat - w).T).pow(2).mean().item()
+
+
+def test_pin_output_one_in_bits_16_to_19():
+    codes = torch.zeros(2, 8, dtype=torch.uint8)
+    codes[0, 1] = 0xF
+    codes[1] = torch.arange(8)
+    packed = awq.pack_awq(codes)
+    assert packed[0, 0].item() == 0xF << 16
+    assert packed[1, 0].item() == 0x75316420                  # nibbles hold columns 0 2 4 6 1 3 5 7
+    assert torch.equal(awq.unpack_awq(packed), codes)
+
+
+def test_gram_error_equals_direct_error():
+    """The search's error, from G = X^T X / n, is the book's mean squared output error over all tokens."""
+    x = outlier_inputs(300, 64, 0)
+    w = torch.randn(24, 64) * 0.1
+    s = x.abs().mean(0) ** 0.5
+    s = s / (s.max() * s.min()).sqrt()
+    direct = ((x / s) @ affine.fake_quantize(w * s, 4, 32).T - x @ w.T).pow(2).mean().item()
+    stats = awq.InputStats(64)
+    for batch in x.split(77):                                  # streamed, never all held
+        stats.add(batch)
+    assert awq.scaled_error(w, s, stats.gram, 4, 32) == pytest.approx(direct, rel=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_awq_beats_rtn_2x_with_outlier_channels(seed):
+    torch.manual_seed(seed)
+    x = outlier_inputs(1024, 128, seed)
+    w = torch.randn(64, 128) * 0.05
+    s, alpha = awq.search_scale([w], x, 4, 32)
+    awq_err = output_error(x, affine.fake_quantize(w * s, 4, 32) / s, w)
+    rtn_err = output_error(x, affine.fake_quantize(w, 4, 32), w)
+    assert alpha > 0 and awq_err * 2 <= rtn_err
+
+
+def test_search_never_worse_than_rtn_without_outliers():
+    torch.manual_seed(4)
+    x = torch.randn(512, 64)
+    ws = [torch.randn(32, 64) * 0.05, torch.randn(16, 64) * 0.05]
+    s, _ = awq.search_scale(ws, x, 4, 32)
+    for_s = sum(output_error(x, affine.fake_quantize(w * s, 4, 32) / s, w) for w in ws)
+    for_rtn = sum(output_error(x, affine.fake_quantize(w, 4, 32), w) for w in ws)
+    assert for_s <= for_rtn * (1 + 1e-5)
+
+
+def test_checkpoint_round_trip_and_refusals():
+    torch.manual_seed(5)
+    w = torch.randn(16, 64)
+    layer = affine.AffineQuantLinear.from_codes(*affine.quantize_to_affine(w, 4, 32), 32, 4)
+    t = awq.to_checkpoint(layer)
+    assert t["qweight"].shape == (64, 2) and t["qzeros"].shape == (2, 2) and t["scales"].shape == (2, 16)
+    assert t["scales"].dtype == torch.float16
+    back = awq.from_checkpoint(t["qweight"], t["qzeros"], t["scales"], 32)
+    assert torch.equal(back.dequantize(), layer.dequantize())
+    # The book rounds -offset / scale to a zero point and would silently write a different layer; we refuse.
+    layer.offsets.add_(0.3 * layer.scales)
+    with pytest.raises(ValueError, match="integer zero"):
+        awq.to_checkpoint(layer)
+    with pytest.raises(ValueError, match="qzeros"):
+        awq.from_checkpoint(t["qweight"], t["qzeros"][:1], t["scales"], 32)
+    with pytest.raises(ValueError, match="4-bit"):
+        awq.CHECKPOINT.parts({"quant_method": "awq", "bits": 8, "group_size": 32})
+    with pytest.raises(ValueError, match="version"):
+        awq.CHECKPOINT.parts({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv_fast"})
+
+
+def test_scales_fold_exactly_and_gqa_skip(tiny_model, monkeypatch):
+    """Force real scaling (alpha = 0.5 everywhere) and round to 8 bits: if the 1/s were folded wrongly into the
+    norms or the previous layers, the output would move far more than 8-bit rounding moves it. Under GQA (v has 32
+    rows, o reads 64 inputs) the v -> o pair is never searched: 3 searches per layer, not 4."""
+    ids = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        reference = tiny_model(ids)
+    searched = []
+
+    def fixed(weights, inputs, bits=4, group_size=128, grid=20):
+        searched.append(tuple(w.shape for w in weights))
+        s = inputs.mean_abs.clamp_min(1e-4) ** 0.5
+        return s / (s.max() * s.min()).sqrt(), 0.5
+
+    monkeypatch.setattr(awq, "search_scale", fixed)
+    norm_before = tiny_model.model.layers[0].input_layernorm.weight.clone()
+    awq.apply_awq(tiny_model, ids, bits=8, group_size=32)
+    assert not torch.equal(tiny_model.model.layers[0].input_layernorm.weight, norm_before)
+    assert len(searched) == 3 * len(tiny_model.model.layers)
+    assert (torch.Size([64, 64]),) not in searched                        # o_proj alone: the skipped pair
+    with torch.no_grad():
+        scaled = tiny_model(ids)
+    assert (scaled - reference).abs().max() < 0.02 * reference.abs().max()
+
+
+def test_model_save_load_and_quality(tiny_model, tmp_path):
+    torch.manual_seed(1)
+    calibration = torch.randint(0, 256, (4, 64))
+    held_out = torch.randint(0, 256, (2, 48))
+    with torch.no_grad():
+        reference = tiny_model(held_out)
+        rtn = Qwen3(tiny_model.cfg).eval()
+        rtn.load_state_dict(tiny_model.state_dict())
+        affine.rtn_quantize(rtn, 4, 32)
+        rtn_error = (rtn(held_out) - reference).pow(2).mean()
+    qcfg = checkpoints.save_quantized(tiny_model, tmp_path, "awq", calibration, group_size=32)
+    assert qcfg == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    with torch.no_grad():
+        ours = tiny_model(held_out)
+        assert torch.equal(checkpoints.load_quantized(tmp_path)(held_out), ours)
+    assert (ours - reference).pow(2).mean() <= rtn_error * 1.05

@@ -1,0 +1,205 @@
+"""GPTQ: the algorithm (never worse than RTN in the error it minimizes, act-order and g_idx), the AutoGPTQ v1 / v2
+layouts, the v1 zero-point-0 trap, and whole-model save -> load."""
+import pytest
+import torch
+
+from engine.formats import affine, checkpoints, gptq
+from engine.kernels import triton_formats
+from engine.qwen3 import Qwen3
+
+
+def correlated_inputs(tokens, n, seed):
+    """Calibration-like inputs: correlated channels with very different scales (what makes GPTQ matter)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(n, n, generator=g) * 0.3 + torch.eye(n)
+    return (torch.randn(tokens, n, generator=g) @ mix) * torch.linspace(0.2, 3.0, n)
+
+
+def weighted_error(w_hat, w, h):
+    """tr(dW H dW^T): the layer's output error on the calibration inputs, what GPTQ minimizes."""
+    d = w_hat - w
+    return (d @ h * d).sum().item()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: extra threads only add synchronization (and stall badly on a loaded machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_hessian_accumulates_batches():
+    x = torch.randn(300, 24)
+    h = gptq.hessian_from(x.split(70))                        # batches of unequal size
+    assert torch.allclose(h, 2 * x.T @ x / 300, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        _ = gptq.HessianAccumulator(24).hessian               # no data: a clear error, not a NaN Hessian
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_never_worse_than_rtn(seed, act_order):
+    torch.manual_seed(seed)
+    w = torch.randn(48, 128) * 0.05
+    h = gptq.hessian_from(correlated_inputs(512, 128, seed))
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, act_order, block=48)   # blocks cross groups
+    ours = weighted_error(gptq.dequantize_gptq(codes, scales, zeros, g_idx), w, h)
+    rtn = weighted_error(affine.fake_quantize(w, 4, 32), w, h)
+    assert ours < rtn
+    assert torch.equal(scales, scales.half().float())       # what the checkpoint stores (f16) is what was used
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+
+
+def test_dead_inputs_get_zero_weight():
+    w = torch.randn(8, 32)
+    x = torch.randn(64, 32)
+    x[:, 5] = 0
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, gptq.hessian_from(x), 4, 16)
+    assert torch.all(gptq.dequantize_gptq(codes, scales, zeros, g_idx)[:, 5].abs() <= scales[:, 0] / 2 + 1e-7)
+
+
+def test_act_order_g_idx_and_runtime_permutation():
+    torch.manual_seed(3)
+    w = torch.randn(32, 64)
+    h = gptq.hessian_from(correlated_inputs(256, 64, 3))
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, act_order=True)
+    # The first group holds the 16 most activated inputs (largest H_ii), and every group has 16 columns.
+    top16 = torch.argsort(torch.diag(h), descending=True)[:16]
+    assert set(torch.nonzero(g_idx == 0).flatten().tolist()) == set(top16.tolist())
+    assert torch.bincount(g_idx.long()).tolist() == [16] * 4
+    layer = gptq.to_runtime(codes, scales, zeros, g_idx, 16)
+    assert layer.perm is not None and torch.equal(g_idx[layer.perm].long(), torch.arange(64) // 16)
+    w_hat = gptq.dequantize_gptq(codes, scales, zeros, g_idx)
+    assert torch.equal(layer.dequantize(), w_hat)
+    x = torch.randn(5, 64)
+    with triton_formats.impl("torch"):
+        assert torch.allclose(layer(x), x @ w_hat.T, atol=1e-5)
+    with triton_formats.impl("engine"):
+        assert torch.allclose(layer(x), x @ w_hat.T, atol=1e-4)
+    # without act-order the columns are already in group order: nothing to permute
+    plain = gptq.to_runtime(*gptq.gptq_quantize(w, h, 4, 16), 16)
+    assert plain.perm is None
+
+
+def test_to_runtime_rejects_bad_g_idx():
+    codes, scales, zeros = torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2), torch.ones(4, 2)
+    with pytest.raises(ValueError, match="g_idx"):
+        gptq.to_runtime(codes, scales, zeros, torch.zeros(32, dtype=torch.int32), 16)   # all in group 0
+    with pytest.raises(ValueError, match="g_idx"):
+        gptq.to_runtime(codes, scales, zeros, torch.full((32,), 2, dtype=torch.int32), 16)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_round_trip(fmt, bits):
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2 ** bits, (16, 64), generator=g).to(torch.uint8)
+    scales = torch.rand(16, 4, generator=g).half().float()
+    zeros = torch.randint(1, 2 ** bits, (16, 4), generator=g).float()
+    g_idx = torch.randperm(64, generator=g).to(torch.int32) // 16
+    t = gptq.pack_gptq(codes, scales, zeros, g_idx, bits, fmt)
+    per = 32 // bits
+    assert t["qweight"].shape == (64 // per, 16) and t["qzeros"].shape == (4, 16 // per)
+    assert t["scales"].dtype == torch.float16 and t["scales"].shape == (4, 16)
+    back = gptq.unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, fmt)
+    for a, b in zip(back, (codes, scales, zeros, g_idx)):
+        assert torch.equal(a, b)
+
+
+def test_layout_pins():
+    """qweight: 8 codes along the INPUT dimension, low bits first; v1 qzeros hold zero - 1, v2 the raw zero."""
+    codes = torch.zeros(8, 8, dtype=torch.uint8)
+    codes[0, 1] = 0xA                                          # output 0, input 1 -> word [0, 0], bits 4-7
+    zeros = torch.full((8, 1), 5.0)
+    zeros[2, 0] = 9                                            # output 2 -> qzeros word 0, bits 8-11
+    v1 = gptq.pack_gptq(codes, torch.ones(8, 1), zeros, torch.zeros(8, dtype=torch.int32))
+    assert v1["qweight"][0, 0].item() == 0xA << 4
+    assert v1["qzeros"][0, 0].item() == 0x44444844
+    v2 = gptq.pack_gptq(codes, torch.ones(8, 1), zeros, torch.zeros(8, dtype=torch.int32), checkpoint_format="gptq_v2")
+    assert v2["qzeros"][0, 0].item() == 0x55555955
+
+
+def test_v1_zero_point_zero():
+    """A zero point of 0 stored minus one wraps to 15 and reads back as 16: the trap, and how we avoid it."""
+    codes = torch.randint(0, 16, (8, 16)).to(torch.uint8)
+    zeros = torch.zeros(8, 1)
+    g_idx = torch.zeros(16, dtype=torch.int32)
+    with pytest.raises(ValueError, match="zero point of 0"):
+        gptq.pack_gptq(codes, torch.ones(8, 1), zeros, g_idx)
+    wrapped = torch.full((1, 1), -1, dtype=torch.int32)      # what (0 - 1) & 0xF in every nibble writes
+    assert torch.all(gptq.unpack_gptq(torch.zeros(2, 8, dtype=torch.int32), wrapped, torch.ones(1, 8), g_idx)[2] == 16)
+
+    # All-positive weights: plain min/max grids start at 0 (zero point 0). Our v1 quantizer never picks those.
+    torch.manual_seed(0)
+    w = torch.rand(16, 64) + 0.1
+    h = gptq.hessian_from(torch.randn(128, 64))
+    assert (gptq.gptq_quantize(w, h, 4, 32)[2] == 0).any()
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, min_zero=1)
+    assert zeros.min() >= 1
+    layer = gptq.to_runtime(codes, scales, zeros, g_idx, 32)
+    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False,
+            "checkpoint_format": "gptq"}
+    back = gptq.CHECKPOINT.read(gptq.CHECKPOINT.write(layer, qcfg), qcfg)
+    assert torch.equal(back.dequantize(), layer.dequantize())             # the v1 file decodes to what we quantized
+    assert weighted_error(layer.dequantize(), w, h) < weighted_error(affine.fake_quantize(w, 4, 32), w, h)
+
+    # A layer quantized elsewhere (RTN) with zero-0 groups: the v1 writer re-fits them instead of wrapping.
+    rtn_layer = affine.AffineQuantLinear.from_codes(*affine.quantize_to_affine(w, 4, 32), 32, 4)
+    assert (rtn_layer.offsets == 0).any()
+    with pytest.warns(UserWarning, match="zero point 0"):
+        tensors = gptq.CHECKPOINT.write(rtn_layer, qcfg)
+    back = gptq.CHECKPOINT.read(tensors, qcfg)
+    step = rtn_layer.scales.repeat_interleave(32, 1) * 15 / 14 * 1.001   # f16 rounding of the wider scale
+    assert torch.all((back.dequantize() - rtn_layer.dequantize()).abs() <= step / 2 + 1e-6)
+    assert torch.all((back.dequantize() - w).abs() <= step)
+
+
+def test_writer_refuses_what_it_cannot_store():
+    layer = affine.AffineQuantLinear.from_codes(torch.zeros(8, 32, dtype=torch.uint8), torch.full((8, 1), 0.1),
+                                                torch.full((8, 1), -0.3), 32, 4)        # zero 2.4: not an integer
+    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    with pytest.raises(ValueError, match="float16"):
+        gptq.CHECKPOINT.write(layer, qcfg)                   # 0.1 is not an f16 value
+    layer.scales.fill_(0.125)
+    with pytest.raises(ValueError, match="integer zero"):
+        gptq.CHECKPOINT.write(layer, qcfg)
+
+
+def test_reader_validates():
+    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 16, "checkpoint_format": "gptq"}
+    t = gptq.pack_gptq(torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2), torch.ones(8, 2),
+                       torch.arange(32, dtype=torch.int32) // 16)
+    assert gptq.CHECKPOINT.read(dict(t), qcfg).out_features == 8
+    with pytest.raises(ValueError, match="scales"):
+        gptq.CHECKPOINT.read({**t, "scales": t["scales"][:1]}, qcfg)
+    with pytest.raises(ValueError, match="bits"):
+        gptq.CHECKPOINT.parts({**qcfg, "bits": 3})
+    with pytest.raises(ValueError, match="checkpoint_format"):
+        gptq.CHECKPOINT.parts({**qcfg, "checkpoint_format": "marlin"})
+    with pytest.raises(ValueError, match="int32"):
+        gptq.CHECKPOINT.read({**t, "qweight": t["qweight"].float()}, qcfg)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_model_save_load_and_quality(tiny_model, tmp_path, act_order):
+    torch.manual_seed(1)
+    calibration = torch.randint(0, 256, (4, 64))
+    held_out = torch.randint(0, 256, (2, 48))
+    with torch.no_grad():
+        reference = tiny_model(held_out)
+        rtn = Qwen3(tiny_model.cfg).eval()
+        rtn.load_state_dict(tiny_model.state_dict())
+        affine.rtn_quantize(rtn, 4, 32)
+        rtn_error = (rtn(held_out) - reference).pow(2).mean()
+    qcfg = checkpoints.save_quantized(tiny_model, tmp_path, "gptq", calibration, group_size=32, act_order=act_order)
+    assert qcfg == {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": act_order, "sym": False,
+                    "checkpoint_format": "gptq"}
+    with torch.no_grad():
+        ours = tiny_model(held_out)
+        loaded = checkpoints.load_quantized(tmp_path)
+        assert torch.equal(loaded(held_out), ours)
+    assert (ours - reference).pow(2).mean() < rtn_error
+    layers = [m for m in loaded.modules() if isinstance(m, affine.AffineQuantLinear)]
+    assert len(layers) == 14 and all((m.perm is not None) == act_order for m in layers)
