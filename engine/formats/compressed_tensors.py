@@ -1,0 +1,304 @@
+"""compressed-tensors checkpoints: what llm-compressor writes and vLLM serves.
+
+config.json's quantization_config says `"quant_method": "compressed-tensors"`, a `format` and `config_groups`, each
+group a scheme `{targets: ["Linear"], weights: {num_bits, type, symmetric, strategy, group_size, block_structure,
+...}, input_activations, format}`; `ignore` lists layers left dense (lm_head). One entry here reads and writes four
+formats, each into the layer its own chapter section built (nothing is re-quantized on the way in or out):
+
+  pack-quantized        int b-bit (W4A16), strategy "group" (or "channel": one group per row)  -> AffineQuantLinear
+      weight_packed      int32 [out, ceil(in * b / 32)]   q + 2^(b-1) (the signed code made unsigned), low bits first
+      weight_scale       [out, groups]                     float, the model's dtype (we write float32: readers
+                                                            dequantize in the scale's dtype, f16 would round W)
+      weight_zero_point  int32 [ceil(out * b / 32), groups] asymmetric only: zp + 2^(b-1), packed along the OUTPUTS
+      weight_shape       int64 [2] = (out, in)
+    compressed-tensors' codes are signed, q in [-2^(b-1), 2^(b-1) - 1]: W = (q - zp) * scale. Our codes are the
+    stored fields c = q + 2^(b-1) and our zero z = zp + 2^(b-1), so W = c * scale + offset with offset = -z * scale.
+    Symmetric means zp = 0: offset = -2^(b-1) * scale exactly, no zero points stored.
+  float-quantized       FP8 E4M3, strategy "block" [b, b]                                     -> FP8BlockLinear
+      weight             float8_e4m3fn [out, in]          weight_scale  f32 [ceil(out/b), ceil(in/b)]  (multiplies)
+  nvfp4-pack-quantized  E2M1, blocks of 16, strategy "tensor_group"                             -> NVFP4Linear
+      weight_packed      uint8 [out, in/2] (element 2j low nibble)   weight_scale  e4m3 [out, in/16]
+      weight_global_scale f32 [1] = 448 * 6 / amax: the RECIPROCAL of our tensor scale (W = e2m1 * scale / global)
+  mxfp4-pack-quantized  E2M1, blocks of 32, E8M0 scales, strategy "group"                       -> MXFP4Linear
+      weight_packed      uint8 [out, in/2] (element 2j low nibble)   weight_scale  uint8 E8M0 [out, in/32]
+
+The engine runs weights only: a scheme's dynamic input_activations (FP8_BLOCK's per-token FP8, NVFP4's FP4) are
+computed at run time by vLLM and are not emulated here; static activation scales are refused.
+"""
+import torch
+
+from .affine import AffineQuantLinear, pack_int32, quantize_to_affine, unpack_int32
+from .base import CheckpointMethod, quantized_linears, replace_linears
+from .fp8 import FP8BlockLinear
+from .mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear
+
+FORMATS = ("pack-quantized", "float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+
+
+# ---- the config -------------------------------------------------------------------------------------------------
+
+def quantization_config(format="pack-quantized", bits=4, group_size=64, symmetric=True, block=128):
+    """The quantization_config dict llm-compressor's presets write (W4A16 / W4A16_ASYM with our group size,
+    FP8_BLOCK, NVFP4A16, MXFP4A16), quantizing every Linear but lm_head."""
+    activations = None
+    if format == "pack-quantized":
+        if bits not in (1, 2, 4, 8):
+            raise ValueError(f"pack-quantized bits must be 1, 2, 4 or 8 here, got {bits}")
+        weights = {"num_bits": bits, "type": "int", "symmetric": bool(symmetric), "strategy": "group",
+                   "group_size": group_size, "dynamic": False}
+    elif format == "float-quantized":
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                   "block_structure": [block, block], "group_size": None, "dynamic": False}
+        # FP8_BLOCK's activations: quantized per token per 128 inputs at run time (nothing stored)
+        activations = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 128,
+                       "dynamic": True}
+    elif format == "nvfp4-pack-quantized":
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+                   "group_size": NV_BLOCK, "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
+    elif format == "mxfp4-pack-quantized":
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
+                   "group_size": MX_BLOCK, "dynamic": False, "scale_dtype": "torch.uint8"}
+    else:
+        raise ValueError(f"unknown compressed-tensors format {format!r}; choose from {FORMATS}")
+    scheme = {"targets": ["Linear"], "weights": weights, "input_activations": activations,
+              "output_activations": None, "format": format}
+    return {"quant_method": "compressed-tensors", "format": format, "quantization_status": "compressed",
+            "config_groups": {"group_0": scheme}, "ignore": ["lm_head"], "kv_cache_scheme": None,
+            "global_compression_ratio": None, "sparsity_config": {}, "transform_config": {}}
+
+
+def scheme_of(config):
+    """quantization_config -> (format, weights args dict, input_activations dict or None) of its one scheme.
+
+    Several config_groups are fine when they agree (same format and weights); a mixed-precision checkpoint, whose
+    layers differ, is a ValueError: a reader here sees a layer's tensors, not which group targeted it."""
+    if not isinstance(config, dict) or config.get("quant_method") != "compressed-tensors":
+        raise ValueError("not a compressed-tensors quantization_config (quant_method must be 'compressed-tensors')")
+    status = config.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ValueError(f"quantization_status is {status!r}: only 'compressed' checkpoints store packed weights")
+    groups = config.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups")
+    found = set()
+    for name, scheme in groups.items():
+        if not isinstance(scheme, dict) or not isinstance(scheme.get("weights"), dict):
+            raise ValueError(f"config group {name!r} has no weights scheme (preset names are not supported)")
+        fmt = scheme.get("format") or config.get("format")
+        found.add((fmt, repr(sorted(scheme["weights"].items())), repr(scheme.get("input_activations"))))
+    if len(found) > 1:
+        raise ValueError(f"config_groups use {len(found)} different schemes (mixed precision is not supported)")
+    fmt = next(iter(found))[0]
+    scheme = next(iter(groups.values()))
+    if fmt not in FORMATS:
+        raise ValueError(f"unsupported compressed-tensors format {fmt!r}; this engine reads {FORMATS}")
+    weights, acts = scheme["weights"], scheme.get("input_activations")
+    if weights.get("dynamic", False):
+        raise ValueError("dynamic weight quantization stores no weights to read")
+    if weights.get("actorder") in ("group", "dynamic"):
+        raise ValueError("actorder='group' checkpoints (weight_g_idx) are not supported")
+    if acts is not None and acts.get("dynamic") not in (True, "local"):
+        raise ValueError("static activation quantization (input_scale) is not supported: the engine runs weights "
+                         "only")
+    _check_weights(fmt, weights)
+    return fmt, weights, acts
+
+
+def _check_weights(fmt, w):
+    want = {"pack-quantized": ("int", None, ("group", "channel")),
+            "float-quantized": ("float", 8, ("block",)),
+            "nvfp4-pack-quantized": ("float", 4, ("tensor_group",)),
+            "mxfp4-pack-quantized": ("float", 4, ("group",))}[fmt]
+    kind, bits, strategies = want
+    if w.get("type") != kind or (bits is not None and w.get("num_bits") != bits):
+        raise ValueError(f"{fmt} holds {kind} {bits or ''} weights, config says {w.get('type')} {w.get('num_bits')}")
+    if w.get("strategy") not in strategies:
+        raise ValueError(f"{fmt}: strategy {w.get('strategy')!r} is not supported (only {strategies})")
+    if fmt == "pack-quantized":
+        if w.get("num_bits") not in (1, 2, 4, 8):
+            raise ValueError(f"pack-quantized num_bits {w.get('num_bits')!r} not supported (1, 2, 4, 8)")
+        if w["strategy"] == "group" and not (isinstance(w.get("group_size"), int) and w["group_size"] > 0):
+            raise ValueError(f"group strategy needs a positive group_size, got {w.get('group_size')!r}")
+    elif fmt == "float-quantized":
+        b = w.get("block_structure")
+        if not (isinstance(b, list) and len(b) == 2 and b[0] == b[1] and isinstance(b[0], int) and b[0] > 0):
+            raise ValueError(f"float-quantized needs square block_structure [b, b], got {b!r}")
+    elif not w.get("symmetric", True) or w.get("group_size") != {"nvfp4-pack-quantized": NV_BLOCK,
+                                                                  "mxfp4-pack-quantized": MX_BLOCK}[fmt]:
+        raise ValueError(f"{fmt} must be symmetric with group_size {NV_BLOCK if 'nv' in fmt else MX_BLOCK}")
+
+
+def parts(config):
+    """quantization_config -> the tensor suffixes of one quantized linear."""
+    fmt, weights, acts = scheme_of(config)
+    extra = ("input_global_scale",) if acts is not None and acts.get("strategy") == "tensor_group" else ()
+    if fmt == "pack-quantized":
+        zero = () if weights.get("symmetric", True) else ("weight_zero_point",)
+        return ("weight_packed", "weight_scale", "weight_shape") + zero + extra
+    if fmt == "float-quantized":
+        return ("weight", "weight_scale") + extra
+    if fmt == "nvfp4-pack-quantized":
+        return ("weight_packed", "weight_scale", "weight_global_scale") + extra
+    return ("weight_packed", "weight_scale") + extra
+
+
+# ---- reading ----------------------------------------------------------------------------------------------------
+
+def _expect(name, t, dtype, shape):
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}, expected {dtype} {tuple(shape)}")
+
+
+def _float_scale(name, t, shape):
+    if not t.dtype.is_floating_point or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}, expected a float tensor {tuple(shape)}")
+    if not torch.isfinite(t.float()).all():
+        raise ValueError(f"{name} has NaN or infinite values")
+    return t.float()
+
+
+def _read_packed_int(p, weights):
+    bits, per = weights["num_bits"], 32 // weights["num_bits"]
+    shape = p["weight_shape"]
+    if shape.dtype.is_floating_point or shape.numel() != 2:
+        raise ValueError(f"weight_shape must be 2 integers, got {shape.dtype} {tuple(shape.shape)}")
+    out_f, in_f = (int(v) for v in shape.tolist())
+    if out_f <= 0 or in_f <= 0:
+        raise ValueError(f"weight_shape {out_f, in_f} is not a matrix shape")
+    group_size = in_f if weights["strategy"] == "channel" else weights["group_size"]
+    groups = -(-in_f // group_size)
+    _expect("weight_packed", p["weight_packed"], torch.int32, (out_f, -(-in_f // per)))
+    codes = unpack_int32(p["weight_packed"], bits)[:, :in_f]
+    scales = _float_scale("weight_scale", p["weight_scale"], (out_f, groups))
+    middle = 2 ** (bits - 1)
+    if weights.get("symmetric", True):
+        zeros = torch.full_like(scales, middle)
+    else:
+        _expect("weight_zero_point", p["weight_zero_point"], torch.int32, (-(-out_f // per), groups))
+        zeros = unpack_int32(p["weight_zero_point"].T, bits)[:, :out_f].T.float()
+    return AffineQuantLinear.from_codes(codes, scales, -zeros * scales, group_size, bits, bias=p.get("bias"))
+
+
+def read(p, config):
+    """parts {suffix: tensor} + quantization_config -> the engine layer (see the module docstring for layouts)."""
+    fmt, weights, _ = scheme_of(config)
+    if fmt == "pack-quantized":
+        return _read_packed_int(p, weights)
+    if fmt == "float-quantized":
+        block = weights["block_structure"][0]
+        w = p["weight"]
+        if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
+            raise ValueError(f"weight must be float8_e4m3fn [out, in], got {w.dtype} {tuple(w.shape)}")
+        shape = (-(-w.shape[0] // block), -(-w.shape[1] // block))
+        return FP8BlockLinear(w, _float_scale("weight_scale", p["weight_scale"], shape), p.get("bias"), block)
+    packed = p["weight_packed"]
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise ValueError(f"weight_packed must be uint8 [out, in/2], got {packed.dtype} {tuple(packed.shape)}")
+    out_f, in_f = packed.shape[0], packed.shape[1] * 2
+    if fmt == "nvfp4-pack-quantized":
+        if in_f % NV_BLOCK:
+            raise ValueError(f"NVFP4 in_features {in_f} is not a multiple of {NV_BLOCK}")
+        _expect("weight_scale", p["weight_scale"], torch.float8_e4m3fn, (out_f, in_f // NV_BLOCK))
+        global_scale = _float_scale("weight_global_scale", p["weight_global_scale"].reshape(-1), (1,))
+        if global_scale.item() <= 0:
+            raise ValueError(f"weight_global_scale must be positive, got {global_scale.item()}")
+        return NVFP4Linear(packed, p["weight_scale"], 1.0 / global_scale[0], p.get("bias"))
+    if in_f % MX_BLOCK:
+        raise ValueError(f"MXFP4 in_features {in_f} is not a multiple of {MX_BLOCK}")
+    _expect("weight_scale", p["weight_scale"], torch.uint8, (out_f, in_f // MX_BLOCK))
+    return MXFP4Linear(packed.reshape(out_f, -1, 16), p["weight_scale"], p.get("bias"))
+
+
+# ---- writing ----------------------------------------------------------------------------------------------------
+
+def _write_packed_int(layer, weights):
+    if not isinstance(layer, AffineQuantLinear):
+        raise ValueError(f"pack-quantized holds AffineQuantLinear layers, got {type(layer).__name__}")
+    bits, per = layer.bits, 32 // layer.bits
+    group_size = layer.in_features if weights["strategy"] == "channel" else weights["group_size"]
+    if bits != weights["num_bits"] or layer.group_size != group_size:
+        raise ValueError(f"layer has {layer.bits} bits, group {layer.group_size}; config says "
+                         f"{weights['num_bits']} bits, group {group_size}")
+    if layer.perm is not None:
+        raise ValueError("act-order layer (perm): compressed-tensors has no g_idx, store it without act-order")
+    if (layer.scales <= 0).any():
+        raise ValueError("pack-quantized needs positive scales")
+    # our zero point is offset / -scale; it must be a whole code for the layer to be stored as (q - zp) * scale
+    zeros = (-layer.offsets / layer.scales).round()
+    if not torch.equal(-zeros * layer.scales, layer.offsets) or zeros.min() < 0 or zeros.max() > 2 ** bits - 1:
+        raise ValueError("offsets are not -zero * scale for integer zeros in range: not an integer-zero-point layer")
+    middle = 2 ** (bits - 1)
+    codes = torch.nn.functional.pad(layer.codes(), (0, -layer.in_features % per))
+    tensors = {"weight_packed": pack_int32(codes, bits), "weight_scale": layer.scales.float(),
+               "weight_shape": torch.tensor([layer.out_features, layer.in_features], dtype=torch.int64)}
+    if weights.get("symmetric", True):
+        if not (zeros == middle).all():
+            raise ValueError("asymmetric layer (zero points other than 2^(bits-1)) cannot be written as symmetric; "
+                             "use symmetric=False")
+    else:
+        z = torch.nn.functional.pad(zeros.T.to(torch.uint8), (0, -layer.out_features % per))
+        tensors["weight_zero_point"] = pack_int32(z, bits).T.contiguous()     # packed along the outputs
+    return tensors
+
+
+def write(layer, config):
+    """A quantized layer + quantization_config -> {suffix: tensor} in the config's format."""
+    fmt, weights, _ = scheme_of(config)
+    if fmt == "pack-quantized":
+        return _write_packed_int(layer, weights)
+    expected = {"float-quantized": FP8BlockLinear, "nvfp4-pack-quantized": NVFP4Linear,
+                "mxfp4-pack-quantized": MXFP4Linear}[fmt]
+    if not isinstance(layer, expected):
+        raise ValueError(f"{fmt} holds {expected.__name__} layers, got {type(layer).__name__}")
+    if fmt == "float-quantized":
+        if [layer.block, layer.block] != weights["block_structure"]:
+            raise ValueError(f"layer has {layer.block}x{layer.block} blocks, config says {weights['block_structure']}")
+        return {"weight": layer.weight, "weight_scale": layer.weight_scale_inv.float()}
+    if fmt == "nvfp4-pack-quantized":
+        return {"weight_packed": layer.packed, "weight_scale": layer.block_scale,
+                "weight_global_scale": (1.0 / layer.tensor_scale.float()).reshape(1)}
+    return {"weight_packed": layer.blocks.reshape(layer.out_features, -1), "weight_scale": layer.scales}
+
+
+# ---- quantizing -------------------------------------------------------------------------------------------------
+
+def quantize(model, calibration_ids=None, format="pack-quantized", group_size=64, symmetric=True, bits=4, block=128):
+    """Quantize every linear but lm_head IN PLACE into `format` (data-free: round to nearest for int, the FP8 / FP4
+    quantizers of fp8.py and mx.py; calibration_ids is not used) and return the quantization_config.
+    For GPTQ / AWQ layers, quantize with those methods and write with `config_for_model`."""
+    config = quantization_config(format, bits, group_size, symmetric, block)
+
+    def make(name, linear):
+        w = linear.weight.detach()
+        if format == "pack-quantized":
+            codes, scales, offsets = quantize_to_affine(w, bits, group_size, sym=symmetric)
+            return AffineQuantLinear.from_codes(codes, scales, offsets, group_size, bits, bias=linear.bias)
+        if format == "float-quantized":
+            return FP8BlockLinear.from_linear(linear, block)
+        return (NVFP4Linear if format == "nvfp4-pack-quantized" else MXFP4Linear).from_linear(linear)
+
+    replace_linears(model, make)
+    return config
+
+
+def config_for_model(model):
+    """The quantization_config describing a model that is already quantized (RTN, GPTQ, AWQ, FP8, FP4 layers), for
+    writing it as compressed-tensors. Int layers are symmetric only if every zero point is the middle code."""
+    layers = list(quantized_linears(model).values())
+    if not layers:
+        raise ValueError("model has no quantized layers")
+    first = layers[0]
+    if isinstance(first, AffineQuantLinear):
+        kinds = {(type(layer), getattr(layer, "bits", None), getattr(layer, "group_size", None)) for layer in layers}
+        if len(kinds) > 1:
+            raise ValueError(f"layers differ ({len(kinds)} kinds): mixed precision is not supported")
+        symmetric = all(torch.equal(layer.offsets, -(2 ** (layer.bits - 1)) * layer.scales) for layer in layers)
+        return quantization_config("pack-quantized", first.bits, first.group_size, symmetric)
+    fmt = {FP8BlockLinear: "float-quantized", NVFP4Linear: "nvfp4-pack-quantized",
+           MXFP4Linear: "mxfp4-pack-quantized"}.get(type(first))
+    if fmt is None or any(type(layer) is not type(first) for layer in layers):
+        raise ValueError(f"cannot describe {sorted({type(l).__name__ for l in layers})} layers as compressed-tensors")
+    return quantization_config(fmt, block=getattr(first, "block", 128))
+
+
+CHECKPOINT = CheckpointMethod(name="compressed-tensors", parts=parts, read=read, write=write, quantize=quantize)

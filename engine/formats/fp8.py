@@ -1,0 +1,170 @@
+"""FP8 E4M3 weights with one float32 scale per 128 x 128 block (the Qwen3-FP8 / DeepSeek-V3 checkpoint layout).
+
+E4M3 (float8_e4m3fn) has 4 exponent bits and 3 mantissa bits: 448 is its largest value and its grid is relative
+(every binade holds 8 steps), so each value is kept to about 2^-4 of itself. One scale per block maps the block's
+largest magnitude onto 448:
+
+    s[i, j] = amax(W[block i, block j]) / 448          q = e4m3(W / s)          W_hat = q * s
+
+The checkpoint stores q as `weight` (float8_e4m3fn [out, in]) and s as `weight_scale_inv` (float32
+[ceil(out/128), ceil(in/128)]); despite its name it multiplies. Storage: 8 bits per weight + 32 / 128^2 = 8.002.
+Shapes that are not multiples of the block get a ragged last block row / column (its scale covers fewer weights).
+
+The layer is W8A16: its kernel widens FP8 tiles to float32 in registers. `w8a8_reference` computes what an FP8 x FP8
+tensor-core GEMM does instead (activations rounded to E4M3 per token per 128 inputs), to measure that on a CPU.
+"""
+import torch
+import torch.nn.functional as F
+
+from ..kernels import triton_formats
+from .base import CheckpointMethod, QuantLinear, replace_linears
+
+E4M3_MAX = 448.0
+
+
+def _blocks(out_f, in_f, block):
+    return -(-out_f // block), -(-in_f // block)
+
+
+def _check_block(block):
+    if not isinstance(block, int) or block <= 0:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+
+
+def quantize_blocks(weight, block=128):
+    """weight [out, in] -> (weight float8_e4m3fn [out, in], scale_inv float32 [ceil(out/b), ceil(in/b)])."""
+    _check_block(block)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    if not torch.isfinite(weight).all():
+        raise ValueError("weight has NaN or infinite values")
+    out_f, in_f = weight.shape
+    rows, cols = _blocks(out_f, in_f, block)
+    # zero padding never raises a block's amax, so a ragged edge block is scaled by its real weights only
+    padded = F.pad(weight.float(), (0, cols * block - in_f, 0, rows * block - out_f))
+    tiles = padded.reshape(rows, block, cols, block)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12)                   # an all-zero block still gets a scale
+    scale = amax / E4M3_MAX
+    # the clamp guards against x / s rounding a hair above 448; torch's cast rounds to nearest even
+    q = (tiles / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(rows * block, cols * block)[:out_f, :in_f].contiguous(), scale
+
+
+def _expand(scale_inv, out_f, in_f, block):
+    """Per-block scales [rows, cols] -> per-weight scales [out, in]."""
+    return scale_inv.float().repeat_interleave(block, 0)[:out_f].repeat_interleave(block, 1)[:, :in_f]
+
+
+def _check_shapes(weight, scale_inv, block):
+    _check_block(block)
+    if weight.dim() != 2 or scale_inv.dim() != 2:
+        raise ValueError(f"weight and scale_inv must be 2-D, got {tuple(weight.shape)} and {tuple(scale_inv.shape)}")
+    expected = _blocks(*weight.shape, block)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} for weight "
+                         f"{tuple(weight.shape)} with {block}x{block} blocks")
+
+
+def dequantize_blocks(weight, scale_inv, block=128):
+    """weight fp8 [out, in], scale_inv [ceil(out/b), ceil(in/b)] -> float32 [out, in]."""
+    _check_shapes(weight, scale_inv, block)
+    return weight.float() * _expand(scale_inv, *weight.shape, block)
+
+
+def quantize_activations(x, group=128):
+    """x [n, k] -> (float8_e4m3fn [n, k], scale float32 [n, ceil(k/group)]): per token, per `group` inputs, the
+    FP8 activations a W8A8 GEMM consumes (computed on the fly at run time, hence "dynamic")."""
+    _check_block(group)
+    n, k = x.shape
+    groups = -(-k // group)
+    g = F.pad(x.float(), (0, groups * group - k)).reshape(n, groups, group)
+    scale = g.abs().amax(-1).clamp_min(1e-12) / E4M3_MAX
+    q = (g / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(n, groups * group)[:, :k].contiguous(), scale
+
+
+def w8a8_reference(x, weight, scale_inv, block=128):
+    """x [n, in], weight fp8 [out, in], scale_inv [ceil(out/b), ceil(in/b)] -> [n, out] float32.
+
+    What an FP8 x FP8 tensor-core GEMM computes: both operands in E4M3, the raw FP8 products of each b-wide slice of
+    the inputs accumulated in float32, then each slice's partial sum rescaled by its activation scale (per token)
+    and its weight scale (per block of outputs) and the slices added up."""
+    _check_shapes(weight, scale_inv, block)
+    out_f, in_f = weight.shape
+    if x.dim() != 2 or x.shape[1] != in_f:
+        raise ValueError(f"x must be [n, {in_f}], got {tuple(x.shape)}")
+    xq, xs = quantize_activations(x, block)
+    slices = scale_inv.shape[1]
+    pad = slices * block - in_f
+    a = F.pad(xq.float(), (0, pad)).reshape(x.shape[0], slices, block)
+    w = F.pad(weight.float(), (0, pad)).reshape(out_f, slices, block)
+    partial = torch.einsum("nsb,osb->nos", a, w)                            # [n, out, slices], one per slice
+    w_scale = scale_inv.float().repeat_interleave(block, 0)[:out_f]         # [out, slices]
+    return (partial * xs[:, None, :] * w_scale[None]).sum(-1)
+
+
+class FP8BlockLinear(QuantLinear):
+    """weight float8_e4m3fn [out, in] + weight_scale_inv float32 [ceil(out/b), ceil(in/b)] -> y = x @ W_hat^T."""
+
+    def __init__(self, weight_fp8, scale_inv, bias=None, block=128):
+        if weight_fp8.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"weight must be float8_e4m3fn, got {weight_fp8.dtype}")
+        _check_shapes(weight_fp8, scale_inv, block)
+        super().__init__(weight_fp8.shape[1], weight_fp8.shape[0], bias)
+        self.block = block
+        self.register_buffer("weight", weight_fp8.contiguous())
+        self.register_buffer("weight_scale_inv", scale_inv.float().contiguous())
+
+    @classmethod
+    def from_linear(cls, linear, block=128):
+        q, s = quantize_blocks(linear.weight.detach(), block)
+        return cls(q, s, linear.bias, block)
+
+    def dequantize(self):
+        return dequantize_blocks(self.weight, self.weight_scale_inv, self.block)
+
+    def kernel_matmul(self, x2d):
+        return triton_formats.fp8_block_matmul(x2d, self.weight, self.weight_scale_inv, self.block)
+
+    def storage_bits(self):
+        return self.weight.numel() * 8 + self.weight_scale_inv.numel() * 32
+
+
+def quantize(model, calibration_ids=None, block=128):
+    """Replace every linear but lm_head by an FP8BlockLinear (data-free: calibration_ids is not used). Returns the
+    quantization_config that transformers' fine-grained FP8 loader reads."""
+    _check_block(block)
+    replace_linears(model, lambda name, linear: FP8BlockLinear.from_linear(linear, block))
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [block, block]}
+
+
+def _config_block(config):
+    """The (square) block size a quantization_config names; anything this layer cannot run is a ValueError."""
+    if config.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"unsupported FP8 format {config.get('fmt')!r} (only e4m3)")
+    if config.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"unsupported activation_scheme {config.get('activation_scheme')!r} (only dynamic)")
+    size = config.get("weight_block_size")
+    if size is None:
+        raise ValueError("FP8 quantization_config has no weight_block_size (per-tensor FP8 is not supported)")
+    if not (isinstance(size, (list, tuple)) and len(size) == 2 and size[0] == size[1]
+            and isinstance(size[0], int) and size[0] > 0):
+        raise ValueError(f"unsupported weight_block_size {size!r}: expected square blocks [b, b]")
+    return size[0]
+
+
+def _read(parts, config):
+    return FP8BlockLinear(parts["weight"], parts["weight_scale_inv"], parts.get("bias"), _config_block(config))
+
+
+def _write(layer, config):
+    if not isinstance(layer, FP8BlockLinear):
+        raise TypeError(f"fp8 checkpoints hold FP8BlockLinear layers, got {type(layer).__name__}")
+    if layer.block != _config_block(config):
+        raise ValueError(f"layer has {layer.block}x{layer.block} blocks, config says {config['weight_block_size']}")
+    return {"weight": layer.weight, "weight_scale_inv": layer.weight_scale_inv}
+
+
+CHECKPOINT = CheckpointMethod(name="fp8", parts=lambda config: ("weight", "weight_scale_inv"),
+                              read=_read, write=_write, quantize=quantize)

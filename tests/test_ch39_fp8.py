@@ -1,0 +1,111 @@
+"""Chapter 39, FP8 block scales: quantize_blocks on ragged shapes, w8a8_reference, FP8BlockLinear and its kernel."""
+import pytest
+import torch
+from torch import nn
+
+from engine.formats import fp8
+from engine.kernels import triton_formats
+
+
+def _per_weight_scale(scale_inv, shape, block):
+    return scale_inv.repeat_interleave(block, 0)[:shape[0]].repeat_interleave(block, 1)[:, :shape[1]]
+
+
+@pytest.mark.parametrize("shape,block", [((130, 200), 128), ((256, 128), 128), ((5, 7), 4), ((33, 65), 32)])
+def test_quantize_blocks_ragged(shape, block):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * torch.rand(shape[0], 1) * 3
+    q, s = fp8.quantize_blocks(w, block)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert s.dtype == torch.float32 and s.shape == (-(-shape[0] // block), -(-shape[1] // block))
+    # every block's largest magnitude lands exactly on E4M3's top value 448
+    per = _per_weight_scale(s, shape, block)
+    top = (w.abs() / per - fp8.E4M3_MAX).abs() < 1e-3
+    assert torch.isclose(q.float().abs()[top], torch.tensor(fp8.E4M3_MAX)).all()
+    assert top.sum() >= s.numel()
+    # relative error of a 3-bit mantissa (half an ulp = 2^-4) or, in the subnormal range, half of 2^-9 * scale
+    err = (fp8.dequantize_blocks(q, s, block) - w).abs()
+    assert (err <= torch.maximum(w.abs() * 2 ** -4, per * 2 ** -10) * (1 + 1e-6)).all()
+
+
+def test_zero_block_and_bad_input():
+    w = torch.zeros(4, 6)
+    w[0, 0] = 1.0
+    q, s = fp8.quantize_blocks(w, 4)
+    assert torch.equal(fp8.dequantize_blocks(q, s, 4), w)
+    with pytest.raises(ValueError):
+        fp8.dequantize_blocks(q, s[:, :1], 4)
+    with pytest.raises(ValueError):
+        fp8.quantize_blocks(torch.tensor([[float("nan"), 1.0]]))
+    with pytest.raises(ValueError):
+        fp8.FP8BlockLinear(q.float(), s, block=4)
+
+
+def _w8a8_loop(x, weight, scale_inv, block):
+    """The seed's literal loop over 128-wide slices of K (the vectorized version must equal it)."""
+    xq, xs = fp8.quantize_activations(x, block)
+    out = torch.zeros(x.shape[0], weight.shape[0])
+    for kb in range(x.shape[1] // block):
+        a = xq[:, kb * block:(kb + 1) * block].float() * xs[:, kb:kb + 1]
+        w = weight[:, kb * block:(kb + 1) * block].float() * scale_inv[:, kb].repeat_interleave(block)[
+            :weight.shape[0], None]
+        out += a @ w.T
+    return out
+
+
+def test_w8a8_reference():
+    torch.manual_seed(1)
+    x, w = torch.randn(6, 256), torch.randn(200, 256) * 0.05
+    q, s = fp8.quantize_blocks(w)
+    y = fp8.w8a8_reference(x, q, s)
+    assert torch.allclose(y, _w8a8_loop(x, q, s, 128), rtol=1e-5, atol=1e-5)
+    dense = x @ w.T
+    rel = (y - dense).norm() / dense.norm()
+    assert rel < 0.05                                 # both operands in E4M3: a few percent at most
+    assert (y - x @ fp8.dequantize_blocks(q, s).T).abs().max() > 0     # activations really were rounded
+
+
+def test_quantize_activations_shapes():
+    x = torch.randn(3, 100)
+    xq, xs = fp8.quantize_activations(x, 32)
+    assert xq.shape == (3, 100) and xs.shape == (3, 4)
+    assert (xq.float().abs().amax(-1) == fp8.E4M3_MAX).all()
+
+
+@pytest.mark.parametrize("shape,block,m", [((70, 130), 128, 3), ((65, 33), 16, 5)])
+def test_kernel_equals_torch(shape, block, m):
+    torch.manual_seed(2)
+    layer = fp8.FP8BlockLinear(*fp8.quantize_blocks(torch.randn(shape), block), bias=torch.randn(shape[0]),
+                               block=block)
+    # with x = I the kernel returns the dequantized weight it decoded, exactly
+    eye = torch.eye(shape[1])
+    assert torch.equal(layer.kernel_matmul(eye).T, layer.dequantize())
+    x = torch.randn(m, shape[1])
+    with triton_formats.impl("engine"):
+        y_engine = layer(x)
+    y_torch = layer(x)
+    assert torch.allclose(y_engine, y_torch, rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_model_and_checkpoint_parts():
+    torch.manual_seed(3)
+    model = nn.Sequential()
+    model.add_module("up", nn.Linear(256, 300, bias=True))
+    model.add_module("lm_head", nn.Linear(300, 64, bias=False))
+    ref = model.up.weight.detach().clone()
+    config = fp8.quantize(model)
+    assert config == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                      "weight_block_size": [128, 128]}
+    assert isinstance(model.up, fp8.FP8BlockLinear) and isinstance(model.lm_head, nn.Linear)
+    assert 8.0 < model.up.bits_per_weight < 8.01
+    assert (model.up.dequantize() - ref).abs().max() <= ref.abs().max() * 2 ** -4
+    assert fp8.CHECKPOINT.parts(config) == ("weight", "weight_scale_inv")
+    parts = fp8.CHECKPOINT.write(model.up, config)
+    back = fp8.CHECKPOINT.read({**parts, "bias": model.up.bias}, config)
+    assert torch.equal(back.dequantize(), model.up.dequantize()) and torch.equal(back.bias, model.up.bias)
+    for bad in ({**config, "weight_block_size": [128, 64]}, {**config, "weight_block_size": None},
+                {**config, "fmt": "e5m2"}, {**config, "activation_scheme": "static"}):
+        with pytest.raises(ValueError):
+            fp8.CHECKPOINT.read(parts, bad)
+    with pytest.raises(ValueError):                     # scales that belong to 64x64 blocks
+        fp8.CHECKPOINT.read(parts, {**config, "weight_block_size": [64, 64]})

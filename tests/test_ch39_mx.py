@@ -1,0 +1,156 @@
+"""Chapter 39, FP4: the E2M1 grid and its rounding, MXFP4 (both layouts), NVFP4, the FP4 layers and kernels."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from engine.formats import mx
+from engine.kernels import triton_formats
+
+MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def test_e2m1_table():
+    assert mx.E2M1[:8].tolist() == MAGNITUDES
+    assert mx.E2M1[8:].tolist() == [-v for v in MAGNITUDES]
+    assert torch.signbit(mx.E2M1[8])                          # code 8 is -0
+    table = torch.tensor(triton_formats.E2M1_VALUES)           # the kernels' copy
+    assert torch.equal(table, mx.E2M1) and torch.equal(torch.signbit(table), torch.signbit(mx.E2M1))
+
+
+def test_to_e2m1_ties_to_even_and_saturation():
+    cases = {0.25: 0.0, 0.26: 0.5, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0, 5.01: 6.0,
+             7.0: 6.0, 1e30: 6.0, float("inf"): 6.0, -0.3: -0.5, -2.5: -2.0, -1e9: -6.0}
+    x = torch.tensor(list(cases))
+    assert mx.E2M1[mx.to_e2m1(x).long()].tolist() == list(cases.values())
+    assert mx.to_e2m1(torch.tensor([-0.0, -0.1])).tolist() == [8, 8]
+
+
+def test_to_e2m1_is_nearest_by_brute_force():
+    x = torch.linspace(-7, 7, 5601)                               # steps of 1/400: every midpoint is hit exactly
+    codes = mx.to_e2m1(x).long()
+    dist = (x[:, None] - mx.E2M1[None, :]).abs()
+    assert torch.equal(dist.gather(1, codes[:, None])[:, 0], dist.min(1).values)
+    # at a tie the chosen code has mantissa bit 0
+    tie = (dist == dist.min(1, keepdim=True).values).sum(1) > 1
+    tie &= x.abs() < 6
+    assert tie.sum() >= 14 and ((codes[tie] & 1) == 0).all()
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "split"])
+def test_mxfp4_round_trip(layout):
+    torch.manual_seed(0)
+    w = torch.randn(6, 5, 64) * torch.rand(6, 5, 1) * 10
+    blocks, scales = mx.quantize_mxfp4(w, layout)
+    assert blocks.shape == (6, 5, 2, 16) and blocks.dtype == torch.uint8 and scales.shape == (6, 5, 2)
+    # the shared exponent is floor(log2(amax)) - 2, checked block by block with Python's frexp
+    amax = w.reshape(-1, 32).abs().amax(1)
+    expected = [math.frexp(a)[1] - 1 - 2 + 127 for a in amax.tolist()]
+    assert scales.flatten().tolist() == expected
+    w_hat = mx.dequantize_mxfp4(blocks, scales, layout)
+    assert w_hat.shape == w.shape
+    # requantizing what we decoded changes nothing; every error is at most one step of the top binade (2 * 2^e)
+    assert all(torch.equal(a, b) for a, b in zip(mx.quantize_mxfp4(w_hat, layout), (blocks, scales)))
+    step = torch.exp2(scales.float() - 127).repeat_interleave(32, -1)
+    assert ((w - w_hat).abs() <= 2 * step).all()
+
+
+def test_mxfp4_layouts_hold_the_same_values():
+    torch.manual_seed(1)
+    w = torch.randn(3, 96)
+    inter, s1 = mx.quantize_mxfp4(w, "interleaved")
+    split, s2 = mx.quantize_mxfp4(w, "split")
+    assert torch.equal(s1, s2)
+    assert torch.equal(mx.dequantize_mxfp4(inter, s1, "interleaved"), mx.dequantize_mxfp4(split, s2, "split"))
+    codes = mx.to_e2m1(w.reshape(3, 3, 32) / torch.exp2(s1.float() - 127)[..., None])
+    assert torch.equal(inter & 0xF, codes[..., 0::2]) and torch.equal(inter >> 4, codes[..., 1::2])
+    assert torch.equal(split & 0xF, codes[..., :16]) and torch.equal(split >> 4, codes[..., 16:])
+
+
+def test_exponent_just_below_a_power_of_two():
+    w = torch.zeros(1, 32)
+    w[0, 0] = torch.nextafter(torch.tensor(8.0), torch.tensor(0.0))   # float32 log2 rounds this up to 3.0
+    assert mx.quantize_mxfp4(w)[1].item() == 127                 # floor(log2(7.99..)) - 2 = 0
+
+
+def test_nvfp4_round_trip():
+    torch.manual_seed(2)
+    w = torch.randn(40, 48) * torch.rand(40, 1) * 4
+    packed, block_scale, tensor_scale = mx.quantize_nvfp4(w)
+    assert packed.shape == (40, 24) and block_scale.shape == (40, 3) and block_scale.dtype == torch.float8_e4m3fn
+    assert tensor_scale.numel() == 1 and torch.isclose(tensor_scale, w.abs().max() / (448 * 6))
+    assert block_scale.float().max() == 448                      # the largest block uses E4M3's top value
+    scale = (block_scale.float() * tensor_scale).repeat_interleave(16, 1)
+    w_hat = mx.dequantize_nvfp4(packed, block_scale, tensor_scale)
+    assert ((w - w_hat).abs() <= scale * 1.0 + 1e-7).all()       # half of E2M1's widest step (2), or saturation
+    assert torch.equal(mx.to_e2m1(w_hat / scale) & 7, mx.to_e2m1(w / scale) & 7)   # codes are nearest
+
+
+def test_nvfp4_beats_mxfp4_on_gaussian_weights():
+    torch.manual_seed(3)
+    w = torch.randn(256, 256)
+    mse_mx = (mx.dequantize_mxfp4(*mx.quantize_mxfp4(w)) - w).pow(2).mean()
+    mse_nv = (mx.dequantize_nvfp4(*mx.quantize_nvfp4(w)) - w).pow(2).mean()
+    assert mse_nv < 0.8 * mse_mx
+
+
+def test_bad_input():
+    with pytest.raises(ValueError):
+        mx.quantize_mxfp4(torch.randn(4, 48))
+    with pytest.raises(ValueError):
+        mx.quantize_nvfp4(torch.randn(4, 40))
+    with pytest.raises(ValueError):
+        mx.quantize_mxfp4(torch.randn(4, 32), layout="gguf")
+    with pytest.raises(ValueError):
+        mx.quantize_nvfp4(torch.full((1, 16), float("nan")))
+    blocks, scales = mx.quantize_mxfp4(torch.randn(4, 64))
+    with pytest.raises(ValueError):
+        mx.MXFP4Linear(blocks, torch.full_like(scales, 255))
+    with pytest.raises(ValueError):
+        mx.dequantize_mxfp4(blocks, scales[:, :1])
+    packed, bs, ts = mx.quantize_nvfp4(torch.randn(4, 64))
+    with pytest.raises(ValueError):
+        mx.NVFP4Linear(packed, bs[:, :2], ts)
+    with pytest.raises(ValueError):
+        mx.NVFP4Linear(packed, bs, torch.ones(2))
+
+
+def _layers(n, k):
+    torch.manual_seed(4)
+    w = torch.randn(n, k) * torch.rand(n, 1)
+    w[1, :32] *= 2.0 ** -126                                     # an E8M0 scale byte of 0 (2^-127, subnormal)
+    bias = torch.randn(n)
+    return [mx.MXFP4Linear(*mx.quantize_mxfp4(w), bias=bias), mx.NVFP4Linear(*mx.quantize_nvfp4(w), bias=bias)]
+
+
+@pytest.mark.parametrize("n,k,m", [(70, 96, 3), (33, 160, 1)])
+def test_kernels_equal_torch(n, k, m):
+    for layer in _layers(n, k):
+        # with x = I the kernel hands back exactly the weight it decoded
+        assert torch.equal(layer.kernel_matmul(torch.eye(k)).T, layer.dequantize())
+        x = torch.randn(m, k)
+        with triton_formats.impl("engine"):
+            y_engine = layer(x)
+        assert torch.allclose(y_engine, layer(x), rtol=1e-5, atol=1e-5)
+    assert _layers(n, k)[0].scales[1, 0] == 0
+
+
+def test_quantize_models():
+    for quantize, kind, bits in ((mx.quantize_model_mxfp4, mx.MXFP4Linear, 4.25),
+                                 (mx.quantize_model_nvfp4, mx.NVFP4Linear, 4.5)):
+        torch.manual_seed(5)
+        model = nn.Sequential()
+        model.add_module("up", nn.Linear(64, 96))
+        model.add_module("lm_head", nn.Linear(96, 32))
+        ref = model.up.weight.detach().clone()
+        config = quantize(model)
+        assert isinstance(config, dict) and config["format"] in ("mxfp4", "nvfp4")
+        assert isinstance(model.up, kind) and isinstance(model.lm_head, nn.Linear)
+        assert bits <= model.up.bits_per_weight <= bits + 32 / ref.numel()
+        rel = (model.up.dequantize() - ref).norm() / ref.norm()
+        assert 0.01 < rel < 0.2
+    ragged = nn.Sequential()
+    ragged.add_module("down", nn.Linear(40, 8))
+    with pytest.raises(ValueError, match="down: in_features=40"):
+        mx.quantize_model_nvfp4(ragged)
