@@ -1,0 +1,475 @@
+"""Trellis-coded quantization (QTIP, ExLlamaV3's EXL3): a bitshift trellis, no stored codebook.
+
+A state is an L-bit integer and each weight shifts in K new bits:  s_t = ((s_{t-1} << K) | b_t) mod 2^L.
+Every state stands for a value computed by a tiny hash of its bits (QTIP's "1MAD" or "3INST"), normalized over all
+2^L states to zero mean and unit variance (`codebook`). A tile of T weights (T = 256: one row's 256 inputs, or
+QTIP's 16 x 16 block) is coded as
+
+    w_t ~ scale * codebook[s_t],    scale an f16 per tile,
+
+and the best symbols b_t are a shortest path through 2^L states per step (Viterbi). Weights are first rotated
+group by group with a random Hadamard transform R = H D / sqrt(n) so they look i.i.d. Gaussian (QuIP#); the layer
+keeps the rotated weight and rotates the activations instead, y = (x R^T) (W R^T)^T, with a fast Walsh-Hadamard
+transform.
+
+The stream of one tile is one integer N read as little-endian bytes; state t is the L-bit field at bit K(T-1-t):
+  - free start:   N = s_0 followed by b_1 .. b_{T-1}, L + K(T-1) bits, padded to whole bytes;
+  - tail-biting:  N = b_0 .. b_{T-1}, K T bits, read circularly (s_0's high bits are s_{T-1}'s low bits), so the
+                  start state costs nothing. QTIP's two-pass trick picks the wrap state: code the sequence rotated
+                  by T/2, then code it again with start and end pinned to the state that pass chose mid-way.
+Bits per weight = (stored bytes * 8 + 16) / T: 2.09 at L=8, K=2 with a free start (2 pad bits), 2.0625 tail-biting.
+
+BlockLDLQ (QTIP): GPTQ's error feedback where each block of tile-width columns is trellis-coded as a whole: with
+U = chol(H^-1) upper, W[:, rest] -= (W_B - Q_B) U_BB^-1 U_B,rest (the best linear correction of the later columns).
+"""
+import contextlib
+import functools
+import math
+
+import torch
+
+from ..kernels import triton_formats
+from .affine import pack_bits
+from .base import CheckpointMethod, QuantLinear, replace_linears
+from .gptq import HessianAccumulator
+
+CODES = ("1mad", "3inst")
+
+
+# ---- the codes ----------------------------------------------------------------------------------------------------
+
+def code_1mad(states):
+    """states (int) -> float32: one multiply-add mod 2^32, then the sum of the result's four bytes (a sum of four
+    roughly uniform bytes is roughly Gaussian), centred and scaled as QTIP does."""
+    x = (states.to(torch.int64) * 34038481 + 76625530) & 0xFFFFFFFF
+    total = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
+    return (total - 510).float() / 147.800537109375
+
+
+def _fp16_bits(h):
+    """16-bit patterns (int64 0..65535) -> their float16 values, as float32."""
+    return (h - ((h >> 15) << 16)).to(torch.int16).view(torch.float16).float()
+
+
+def code_3inst(states):
+    """states (int) -> float32: multiply-add mod 2^32, keep each half's sign and low 12 bits and set a fixed exponent
+    pattern (x & 0x8FFF8FFF) ^ 0x3B603B60, read the halves as two float16 numbers and add them (exactly, in f32)."""
+    x = (states.to(torch.int64) * 89226354 + 64248484) & 0xFFFFFFFF
+    x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+    return _fp16_bits(x >> 16) + _fp16_bits(x & 0xFFFF)
+
+
+def _check_code(L, K, code):
+    if code not in CODES:
+        raise ValueError(f"code must be one of {CODES}, got {code!r}")
+    if not (isinstance(L, int) and isinstance(K, int) and 1 <= K <= 8 and K < L <= 24):
+        raise ValueError(f"need integers 1 <= K <= 8, K < L <= 24, got L={L!r}, K={K!r}")
+
+
+@functools.cache
+def code_stats(L, code="1mad"):
+    """(mean, 1 / std) of the raw code over all 2^L states, as float32-representable floats."""
+    _check_code(L, 1, code)
+    raw = (code_1mad if code == "1mad" else code_3inst)(torch.arange(2 ** L)).double()
+    return float(raw.mean().float()), float((1 / raw.std()).float())
+
+
+@functools.cache
+def _codebook(L, code):
+    mean, inv_std = code_stats(L, code)
+    raw = (code_1mad if code == "1mad" else code_3inst)(torch.arange(2 ** L))
+    return (raw - mean) * inv_std                          # float32 ops in this order: the kernel repeats them
+
+
+def codebook(L, code="1mad"):
+    """The value of every L-bit state [2^L] float32: zero mean, unit variance over the states."""
+    return _codebook(L, code).clone()
+
+
+# ---- Viterbi ------------------------------------------------------------------------------------------------------
+
+def _viterbi(x, table, L, K, wrap=None, budget=2 ** 28):
+    """x [B, T] -> least-squared-error state paths [B, T] (int64).
+
+    wrap [B] (optional) pins the path's ends: s_0 >> K == wrap and s_{T-1} mod 2^(L-K) == wrap (tail-biting).
+    cost[s] = least error of a path ending in s; s's predecessors are p = j 2^(L-K) + (s >> K), j < 2^K, so a view
+    of cost as [B, 2^K, 2^(L-K)] puts them on one axis. Back-pointers keep only j (int8), 2^(L-K) per step; the
+    batch is cut into chunks so that they fit in `budget` bytes (L=16: 16384 per step per sequence).
+    """
+    B, T = x.shape
+    S, H, J = 2 ** L, 2 ** (L - K), 2 ** K
+    chunk = max(1, budget // (T * H + 16 * S))
+    if B > chunk:
+        return torch.cat([_viterbi(x[i:i + chunk], table, L, K, None if wrap is None else wrap[i:i + chunk], budget)
+                          for i in range(0, B, chunk)])
+    states = torch.arange(S)
+    back = torch.empty((T, B, H), dtype=torch.int8 if J <= 128 else torch.int16)
+    cost = (x[:, :1] - table).square_()
+    if wrap is not None:
+        cost.masked_fill_((states >> K)[None, :] != wrap[:, None], float("inf"))
+    for t in range(1, T):
+        best, which = cost.view(B, J, H).min(1)
+        back[t] = which
+        d = (x[:, t, None] - table).square_()
+        cost = (d.view(B, H, J) + best[:, :, None]).view(B, S)
+    if wrap is not None:
+        cost.masked_fill_((states & (H - 1))[None, :] != wrap[:, None], float("inf"))
+    path = torch.empty((B, T), dtype=torch.int64)
+    path[:, -1] = cost.argmin(1)
+    for t in range(T - 1, 0, -1):
+        h = path[:, t] >> K
+        path[:, t - 1] = h + (back[t].gather(1, h[:, None])[:, 0].long() << (L - K))
+    return path
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Each Viterbi step is a few small tensor ops; handing them to a thread pool costs more than it saves
+    (measured on 2 busy cores: 8 sequences at L=8 took 3.1 s with 2 threads, 0.1 s with one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def viterbi_encode(x, L=8, K=2, code="1mad", tail_biting=False):
+    """x [B, T] or [T] (unit variance) -> (states [B, T] int64, symbols, reconstruction [B, T] float32).
+
+    symbols are the K new bits of each step: [B, T - 1] (steps 1..T-1; the start state is stored whole) or, with
+    tail_biting, [B, T] (s_0's high bits are s_{T-1}'s low bits, so the stream is exactly K T bits).
+    """
+    _check_code(L, K, code)
+    single = x.dim() == 1
+    x = x.float().reshape(1, -1) if single else x.float()
+    if x.dim() != 2 or x.shape[1] * K < L:
+        raise ValueError(f"x must be [T] or [B, T] with K*T >= L, got shape {tuple(x.shape)}")
+    table = _codebook(L, code)
+    with _one_thread():
+        if tail_biting:
+            half = x.shape[1] // 2
+            first = _viterbi(x.roll(half, 1), table, L, K)   # original position 0 sits at index `half`
+            path = _viterbi(x, table, L, K, wrap=first[:, half] >> K)
+        else:
+            path = _viterbi(x, table, L, K)
+    symbols = path & (2 ** K - 1)
+    if not tail_biting:
+        symbols = symbols[:, 1:]
+    out = path, symbols, table[path]
+    return tuple(t[0] for t in out) if single else out
+
+
+# ---- the bitstream ------------------------------------------------------------------------------------------------
+
+def stream_bits(L, K, T, tail_biting):
+    """Bits in one tile's stream (before padding to whole bytes)."""
+    return K * T if tail_biting else L + K * (T - 1)
+
+
+def pack_stream(states, L, K, tail_biting):
+    """states [B, T] -> uint8 [B, ceil(bits / 8)]: the integer N whose L-bit field at bit K(T-1-t) is s_t."""
+    B = states.shape[0]
+    sym = (states & (2 ** K - 1)).flip(-1)                   # b_{T-1} lands in the lowest bits
+    if not tail_biting:
+        sym = sym[:, :-1]
+    bits = ((sym[..., None] >> torch.arange(K)) & 1).reshape(B, -1)
+    if not tail_biting:
+        bits = torch.cat((bits, (states[:, :1] >> torch.arange(L)) & 1), 1)
+    return pack_bits(bits, 1)
+
+
+def stream_states(codes, L, K, T, tail_biting):
+    """Inverse of pack_stream: uint8 [B, nbytes] -> states [B, T]. State t is the L-bit field at bit o = K(T-1-t),
+    read from four bytes starting at byte o // 8 (circularly: a tail-biting stream wraps around)."""
+    nbits = stream_bits(L, K, T, tail_biting)
+    nbytes = -(-nbits // 8)
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != nbytes:
+        raise ValueError(f"a stream of L={L}, K={K}, T={T} ({'tail-biting' if tail_biting else 'free start'}) "
+                         f"is {nbytes} uint8 bytes per tile, got {codes.dtype} {tuple(codes.shape)}")
+    if tail_biting and nbits % 8:
+        raise ValueError(f"a tail-biting stream must fill whole bytes, K*T = {nbits}")
+    if nbits % 8 and bool((codes[:, -1] >> (nbits % 8)).any()):
+        raise ValueError("corrupted stream: padding bits after the last symbol are not zero")
+    o = K * (T - 1 - torch.arange(T))
+    idx = (o[:, None] // 8 + torch.arange(4)) % nbytes                       # [T, 4]
+    word = (codes.long()[:, idx] << (8 * torch.arange(4))).sum(-1)           # [B, T]
+    return (word >> (o % 8)) & (2 ** L - 1)
+
+
+# ---- rotation -----------------------------------------------------------------------------------------------------
+
+def _check_pow2(n):
+    if n < 2 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two >= 2, got {n}")
+
+
+def fwht(x):
+    """Fast Walsh-Hadamard transform over the last dim (a power of two), unnormalized, Sylvester order:
+    fwht(x) = x @ H with H = [[H, H], [H, -H]]. log2(n) butterfly stages, each one tensor op."""
+    n = x.shape[-1]
+    _check_pow2(n)
+    y = x.reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), 2)
+        h *= 2
+    return y.reshape(x.shape)
+
+
+@functools.cache
+def _signs(n, seed):
+    return torch.where(torch.rand(n, generator=torch.Generator().manual_seed(seed)) < 0.5, -1.0, 1.0)
+
+
+def random_hadamard(n, seed=0):
+    """An orthogonal n x n matrix H D / sqrt(n): Sylvester Hadamard times random signs."""
+    _check_pow2(n)
+    return fwht(torch.eye(n)) * _signs(n, seed)[None, :] / math.sqrt(n)
+
+
+def rotate(x, group=256, seed=0):
+    """x [..., n] -> each group of `group` columns times R^T (R = random_hadamard(group, seed)): fwht(x D) / sqrt(g).
+    The same map rotates a weight's rows and a layer's activations."""
+    _check_pow2(group)
+    if x.shape[-1] % group:
+        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the rotation group {group}")
+    g = x.float().reshape(*x.shape[:-1], -1, group) * _signs(group, seed)
+    return (fwht(g) / math.sqrt(group)).reshape(x.shape)
+
+
+def unrotate(x, group=256, seed=0):
+    """Inverse of rotate: each group times R = H D / sqrt(g)."""
+    _check_pow2(group)
+    g = fwht(x.float().reshape(*x.shape[:-1], -1, group)) * _signs(group, seed) / math.sqrt(group)
+    return g.reshape(x.shape)
+
+
+# ---- a weight matrix ----------------------------------------------------------------------------------------------
+
+def _check_tile(shape, tile):
+    th, tw = tile
+    if th < 1 or tw < 1 or shape[0] % th or shape[1] % tw:
+        raise ValueError(f"weight {tuple(shape)} does not split into {th} x {tw} tiles")
+    return th, tw
+
+
+def to_tiles(w, tile):
+    """[out, in] -> [out / th, in / tw, th * tw]: each tile's weights in row-major order (one trellis sequence)."""
+    th, tw = _check_tile(w.shape, tile)
+    r, c = w.shape[0] // th, w.shape[1] // tw
+    return w.reshape(r, th, c, tw).permute(0, 2, 1, 3).reshape(r, c, th * tw)
+
+
+def from_tiles(seq, tile):
+    """Inverse of to_tiles: [R, C, th * tw] -> [R * th, C * tw]."""
+    th, tw = tile
+    r, c, _ = seq.shape
+    return seq.reshape(r, c, th, tw).permute(0, 2, 1, 3).reshape(r * th, c * tw)
+
+
+def _code_tiles(seqs, L, K, code, tail_biting):
+    """[seq [R, C, T], ...] -> [(codes uint8 [R, C, nbytes], scales f16 [R, C], reconstruction [R, C, T]), ...].
+
+    All tiles of all the tensors go through one batched Viterbi (a big batch amortizes each step's overhead). Each
+    tile is coded at its RMS, then its scale is refit by least squares on the chosen path (never worse) and rounded
+    to f16 before the reconstruction is formed, so it is exactly what a decoder computes."""
+    T = seqs[0].shape[-1]
+    flat = torch.cat([s.reshape(-1, T) for s in seqs]).float()
+    rms = flat.pow(2).mean(1, keepdim=True).sqrt()
+    states, _, values = viterbi_encode(flat / torch.where(rms > 0, rms, 1.0), L, K, code, tail_biting)
+    fit = (flat * values).sum(1) / values.pow(2).sum(1).clamp_min(1e-30)
+    scales = fit.clamp_min(0).half()
+    if not torch.isfinite(scales).all():
+        raise ValueError("a tile's scale overflows float16")
+    recon = values * scales.float()[:, None]
+    codes = pack_stream(states, L, K, tail_biting)
+    sizes = [s.shape[0] * s.shape[1] for s in seqs]
+    return [(c.reshape(*s.shape[:2], -1), sc.reshape(s.shape[:2]), r.reshape(s.shape))
+            for s, c, sc, r in zip(seqs, codes.split(sizes), scales.split(sizes), recon.split(sizes))]
+
+
+@torch.no_grad()
+def quantize_trellis(weight, L=8, K=2, group=256, seed=0, code="1mad", tail_biting=False, tile=None):
+    """weight [out, in] -> (codes uint8 [out / th, in / tw, nbytes], scales f16 [out / th, in / tw], w_rot [out, in]).
+
+    Rows are rotated in groups of `group` inputs (`rotate`), then cut into tiles (th, tw) (default (1, group): one
+    row's group, the book's layout; (16, 16) is QTIP's), each a sequence of T = th * tw weights coded by the trellis.
+    w_rot is the reconstruction in the rotated basis, exactly decode_trellis(codes, scales, ...); the weight it
+    stands for is unrotate(w_rot, group, seed)."""
+    _check_code(L, K, code)
+    tile = tuple(tile) if tile is not None else (1, group)
+    seq = to_tiles(rotate(weight, group, seed), tile)
+    [(codes, scales, recon)] = _code_tiles([seq], L, K, code, tail_biting)
+    return codes, scales, from_tiles(recon, tile)
+
+
+def decode_trellis(codes, scales, L=8, K=2, code="1mad", tail_biting=False, tile=(1, 256)):
+    """Rebuild the rotated weight [out, in] float32 from the streams alone: codes uint8 [R, C, nbytes], scales f16
+    [R, C]. Replays the shift register (`stream_states`), looks up the code, multiplies by the tile's scale."""
+    _check_code(L, K, code)
+    th, tw = tile
+    if codes.dim() != 3 or scales.shape != codes.shape[:2] or scales.dtype != torch.float16:
+        raise ValueError(f"codes must be [R, C, bytes] with f16 scales [R, C], got codes {tuple(codes.shape)}, "
+                         f"scales {scales.dtype} {tuple(scales.shape)}")
+    if not torch.isfinite(scales).all():
+        raise ValueError("corrupted stream: a scale is not finite")
+    R, C, nbytes = codes.shape
+    states = stream_states(codes.reshape(R * C, nbytes), L, K, th * tw, tail_biting)
+    w = _codebook(L, code)[states] * scales.reshape(-1, 1).float()
+    return from_tiles(w.reshape(R, C, -1), (th, tw))
+
+
+# ---- BlockLDLQ ----------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def block_ldlq(weights, hessians, L=8, K=2, group=256, seed=0, code="1mad", tail_biting=False, tile=(16, 16),
+               damp=0.01):
+    """GPTQ's error feedback with trellis coding (QTIP's BlockLDLQ). weights: [out, in] or a list of them, hessians:
+    their [in, in] input Hessians (unrotated) -> (codes, scales, w_rot) as quantize_trellis (a list for a list).
+
+    Works in the rotated basis (H_rot = R H R^T per group), codes one block of tw columns (all its tiles at once),
+    and corrects the later columns: W[:, rest] -= (W_B - Q_B) U_BB^-1 U_B,rest with U = chol(H_rot^-1) upper.
+    Several layers advance block by block in lockstep, so that one Viterbi call codes the block of all of them."""
+    _check_code(L, K, code)
+    single = torch.is_tensor(weights)
+    weights, hessians = ([weights], [hessians]) if single else (list(weights), list(hessians))
+    tile = tuple(tile)
+    tw = tile[1]
+    ws, us = [], []
+    for weight, hessian in zip(weights, hessians, strict=True):
+        _check_tile(weight.shape, tile)
+        in_f = weight.shape[1]
+        if hessian.shape != (in_f, in_f):
+            raise ValueError(f"hessian must be [{in_f}, {in_f}], got {tuple(hessian.shape)}")
+        h = rotate(rotate(hessian.double(), group, seed).T, group, seed).double()   # R H R^T, group by group
+        h = h + damp * h.diagonal().mean().clamp_min(1e-12) * torch.eye(in_f, dtype=h.dtype)
+        us.append(torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True))
+        ws.append(rotate(weight, group, seed).double())
+    parts = [([], [], []) for _ in ws]
+    for c0 in range(0, max(w.shape[1] for w in ws), tw):
+        blk = slice(c0, c0 + tw)
+        active = [i for i, w in enumerate(ws) if w.shape[1] > c0]
+        coded = _code_tiles([to_tiles(ws[i][:, blk], tile) for i in active], L, K, code, tail_biting)
+        for i, (cb, sb, rb) in zip(active, coded):
+            err = torch.linalg.solve_triangular(us[i][blk, blk], ws[i][:, blk] - from_tiles(rb, tile).double(),
+                                                upper=True, left=False)
+            ws[i][:, c0 + tw:] -= err @ us[i][blk, c0 + tw:]
+            for part, new in zip(parts[i], (cb, sb, rb)):
+                part.append(new)
+    out = [(torch.cat(c, 1), torch.cat(s, 1), from_tiles(torch.cat(r, 1), tile)) for c, s, r in parts]
+    return out[0] if single else out
+
+
+# ---- the layer ----------------------------------------------------------------------------------------------------
+
+class TrellisLinear(QuantLinear):
+    """Trellis streams per tile + f16 scales; the rotation is rebuilt from its seed.
+
+    codes uint8 [out / th, in / tw, nbytes], scales f16 [out / th, in / tw]. forward: y = rotate(x) @ W_rot^T, W_rot
+    decoded on the fly (the kernel replays each tile's shift register). dequantize() = unrotate(W_rot)."""
+
+    def __init__(self, codes, scales, L=8, K=2, code="1mad", tail_biting=False, tile=(1, 256), group=256, seed=0,
+                 bias=None):
+        _check_code(L, K, code)
+        _check_pow2(group)
+        th, tw = tile = tuple(int(t) for t in tile)
+        if codes.dim() != 3 or codes.dtype != torch.uint8 or scales.shape != codes.shape[:2] \
+                or scales.dtype != torch.float16:
+            raise ValueError(f"need codes uint8 [R, C, bytes] and scales f16 [R, C], got codes {codes.dtype} "
+                             f"{tuple(codes.shape)}, scales {scales.dtype} {tuple(scales.shape)}")
+        nbytes = -(-stream_bits(L, K, th * tw, tail_biting) // 8)
+        if codes.shape[2] != nbytes:
+            raise ValueError(f"truncated or oversized stream: {codes.shape[2]} bytes per tile, expected {nbytes}")
+        out_f, in_f = codes.shape[0] * th, codes.shape[1] * tw
+        if in_f % group:
+            raise ValueError(f"in_features {in_f} is not a multiple of the rotation group {group}")
+        super().__init__(in_f, out_f, bias)
+        self.L, self.K, self.code, self.tail_biting, self.tile, self.group, self.seed = \
+            L, K, code, bool(tail_biting), tile, group, seed
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.decode_rotated()                                   # a malformed stream fails here, not mid-forward
+
+    def decode_rotated(self):
+        """The rotated weight W R^T [out, in] float32, straight from the streams."""
+        return decode_trellis(self.codes, self.scales, self.L, self.K, self.code, self.tail_biting, self.tile)
+
+    def dequantize(self):
+        return unrotate(self.decode_rotated(), self.group, self.seed)
+
+    def kernel_matmul(self, x2d):
+        mean, inv_std = code_stats(self.L, self.code)
+        return triton_formats.trellis_matmul(rotate(x2d, self.group, self.seed), self.codes, self.scales.float(),
+                                             self.L, self.K, self.tile, mean, inv_std, CODES.index(self.code))
+
+    def storage_bits(self):
+        return self.codes.numel() * 8 + self.scales.numel() * 16
+
+    def extra_repr(self):
+        return super().extra_repr() + f", L={self.L}, K={self.K}, code={self.code}, tile={self.tile}"
+
+
+# ---- whole model and checkpoint -----------------------------------------------------------------------------------
+
+def _calibration_hessians(model, names, calibration_ids):
+    """{name: H [in, in]} from one forward pass of the dense model over calibration_ids [B, T], hooked at each named
+    linear's input (all layers at once: the Hessians do not see earlier layers' quantization error)."""
+    accs = {name: HessianAccumulator(model.get_submodule(name).in_features) for name in names}
+    hooks = [model.get_submodule(name).register_forward_pre_hook(lambda m, args, name=name: accs[name].add(args[0]))
+             for name in names]
+    try:
+        model(calibration_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: acc.hessian for name, acc in accs.items()}
+
+
+@torch.no_grad()
+def quantize(model, calibration_ids=None, L=8, K=2, code="1mad", tail_biting=False, tile=None, group=256, seed=0,
+             ldlq=False):
+    """Replace every linear but lm_head by a TrellisLinear, in place. ldlq=True runs BlockLDLQ with Hessians from
+    calibration_ids [B, T] (default tile (16, 16): 16-column blocks). Returns the quantization_config."""
+    _check_code(L, K, code)
+    tile = tuple(tile) if tile is not None else ((16, 16) if ldlq else (1, group))
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    weights = [model.get_submodule(n).weight.detach().float() for n in names]
+    if ldlq:
+        if calibration_ids is None:
+            raise ValueError("ldlq=True needs calibration_ids")
+        hessians = _calibration_hessians(model, names, calibration_ids)
+        coded = dict(zip(names, block_ldlq(weights, [hessians[n] for n in names], L, K, group, seed, code,
+                                           tail_biting, tile)))
+    else:
+        tiles = [to_tiles(rotate(w, group, seed), tile) for w in weights]
+        coded = dict(zip(names, _code_tiles(tiles, L, K, code, tail_biting)))
+
+    def make(name, linear):
+        codes, scales, _ = coded[name]
+        return TrellisLinear(codes, scales, L, K, code, tail_biting, tile, group, seed, bias=linear.bias)
+    replace_linears(model, make)
+    return {"quant_method": "trellis", "L": L, "K": K, "code": code, "tail_biting": bool(tail_biting),
+            "tile": list(tile), "group": group, "seed": seed, "ldlq": bool(ldlq)}
+
+
+def _layer_options(q):
+    try:
+        return {"L": int(q["L"]), "K": int(q["K"]), "code": q["code"], "tail_biting": bool(q["tail_biting"]),
+                "tile": tuple(int(t) for t in q["tile"]), "group": int(q["group"]), "seed": int(q["seed"])}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"bad trellis quantization_config {q!r}: {e}") from None
+
+
+def _read(parts, q):
+    return TrellisLinear(parts["trellis_codes"], parts["trellis_scales"], **_layer_options(q), bias=parts.get("bias"))
+
+
+def _write(layer, q):
+    return {"trellis_codes": layer.codes, "trellis_scales": layer.scales}
+
+
+CHECKPOINT = CheckpointMethod(name="trellis", parts=lambda q: ("trellis_codes", "trellis_scales"),
+                              read=_read, write=_write, quantize=quantize)

@@ -1,0 +1,228 @@
+"""Trellis codes (QTIP / EXL3 style): the codes, Viterbi's optimality, the bitstream, the kernel, BlockLDLQ."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from engine.formats import checkpoints, trellis
+from engine.formats.base import quantized_linears
+from engine.kernels import triton_formats
+
+
+def _1mad_by_hand(s):
+    x = (s * 34038481 + 76625530) % 2 ** 32
+    return (sum((x >> (8 * i)) & 255 for i in range(4)) - 510) / 147.800537109375
+
+
+def _3inst_by_hand(s):
+    x = ((s * 89226354 + 64248484) % 2 ** 32 & 0x8FFF8FFF) ^ 0x3B603B60
+    halves = np.array([x >> 16, x & 0xFFFF], dtype=np.uint16).view(np.float16).astype(np.float64)
+    return float(halves.sum())
+
+
+def test_codes_match_their_definitions_and_codebook_is_normalized():
+    states = [0, 1, 2, 255, 4096, 65535, 123457]
+    got_1mad = trellis.code_1mad(torch.tensor(states))
+    got_3inst = trellis.code_3inst(torch.tensor(states))
+    for s, a, b in zip(states, got_1mad.tolist(), got_3inst.tolist()):
+        assert a == pytest.approx(_1mad_by_hand(s), abs=1e-6)
+        assert b == pytest.approx(_3inst_by_hand(s), abs=1e-6)
+    for code in trellis.CODES:
+        table = trellis.codebook(10, code).double()
+        assert abs(table.mean()) < 1e-5 and table.std() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_fwht_is_the_sylvester_hadamard_and_rotation_is_orthogonal():
+    h = torch.ones(1, 1)
+    for _ in range(5):
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]]), h)
+    x = torch.randn(3, 7, 32)
+    assert torch.allclose(trellis.fwht(x), x @ h, atol=1e-5)
+    r = trellis.random_hadamard(32, seed=4)
+    assert torch.allclose(r @ r.T, torch.eye(32), atol=1e-6)
+    w = torch.randn(5, 64)
+    assert torch.allclose(trellis.rotate(w, 32, 4), (w.reshape(5, 2, 32) @ r.T).reshape(5, 64), atol=1e-5)
+    assert torch.allclose(trellis.unrotate(trellis.rotate(w, 32, 4), 32, 4), w, atol=1e-5)
+    with pytest.raises(ValueError):
+        trellis.random_hadamard(24)
+
+
+def _brute_force(x, table, L, K, wrap=None):
+    """Least squared error over every start state and every symbol sequence (optionally tail-biting-pinned)."""
+    T = len(x)
+    best = float("inf")
+    for s0 in range(2 ** L):
+        if wrap is not None and s0 >> K != wrap:
+            continue
+        for syms in itertools.product(range(2 ** K), repeat=T - 1):
+            path = [s0]
+            for b in syms:
+                path.append(((path[-1] << K) | b) % 2 ** L)
+            if wrap is not None and path[-1] % 2 ** (L - K) != wrap:
+                continue
+            best = min(best, float(((x - table[path]) ** 2).sum()))
+    return best
+
+
+def _is_trellis_path(states, L, K):
+    return bool((states[..., 1:] >> K == states[..., :-1] % 2 ** (L - K)).all())
+
+
+def test_viterbi_is_optimal_by_brute_force():
+    """Every one of the 2^4 x 2^5 codes of a 16-state, 1-bit trellis over 6 steps; three sequences in one batch."""
+    L, K = 4, 1
+    torch.manual_seed(0)
+    x = torch.randn(3, 6)
+    states, symbols, recon = trellis.viterbi_encode(x, L, K)
+    table = trellis.codebook(L)
+    assert _is_trellis_path(states, L, K) and torch.equal(symbols, states[:, 1:] % 2)
+    assert torch.equal(recon, table[states])
+    for i in range(3):
+        assert float(((x[i] - recon[i]) ** 2).sum()) == pytest.approx(_brute_force(x[i], table, L, K), rel=1e-5)
+    # the tail-biting pass is optimal among the paths whose ends it pins
+    wrap = torch.tensor([0, 5, 7])
+    pinned = trellis._viterbi(x, table, L, K, wrap=wrap)
+    assert torch.equal(pinned[:, 0] >> K, wrap) and torch.equal(pinned[:, -1] % 2 ** (L - K), wrap)
+    for i in range(3):
+        err = float(((x[i] - table[pinned[i]]) ** 2).sum())
+        assert err == pytest.approx(_brute_force(x[i], table, L, K, int(wrap[i])), rel=1e-5)
+
+
+def test_tail_biting_path_closes_on_itself():
+    L, K = 8, 2
+    states, symbols, _ = trellis.viterbi_encode(torch.randn(4, 64), L, K, tail_biting=True)
+    assert symbols.shape == (4, 64)
+    assert _is_trellis_path(torch.cat((states, states[:, :1]), 1), L, K)        # s_0 follows s_{T-1}
+
+
+@pytest.mark.parametrize("code", trellis.CODES)
+@pytest.mark.parametrize("tail_biting", [False, True])
+@pytest.mark.parametrize("L,K,tile", [(8, 2, (1, 128)), (12, 3, (8, 16))])
+def test_decoder_rebuilds_the_encoder_reconstruction_bit_for_bit(code, tail_biting, L, K, tile):
+    torch.manual_seed(1)
+    w = torch.randn(16, 256) * 0.02
+    codes, scales, w_rot = trellis.quantize_trellis(w, L, K, group=128, seed=3, code=code, tail_biting=tail_biting,
+                                                    tile=tile)
+    T = tile[0] * tile[1]
+    assert codes.dtype == torch.uint8 and codes.shape == (16 // tile[0], 256 // tile[1],
+                                                          -(-trellis.stream_bits(L, K, T, tail_biting) // 8))
+    assert torch.equal(trellis.decode_trellis(codes, scales, L, K, code, tail_biting, tile), w_rot)
+    layer = trellis.TrellisLinear(codes, scales, L, K, code, tail_biting, tile, group=128, seed=3)
+    assert torch.equal(layer.decode_rotated(), w_rot)
+    rel = (layer.dequantize() - w).pow(2).mean() / w.pow(2).mean()
+    assert rel < (0.12 if K == 2 else 0.05)
+
+
+@pytest.mark.parametrize("code,tail_biting,L,K,tile", [("1mad", False, 8, 2, (1, 256)), ("3inst", True, 16, 3, (16, 16))])
+def test_kernel_equals_torch_decoder(code, tail_biting, L, K, tile):
+    """Any byte string is a valid tail-biting stream, so random bytes test the decoders at L=16 without encoding."""
+    torch.manual_seed(2)
+    if tail_biting:
+        codes = torch.randint(0, 256, (32 // tile[0], 256 // tile[1], K * 256 // 8), dtype=torch.uint8)
+        scales = (torch.rand(codes.shape[:2]) + 0.5).half()
+    else:
+        codes, scales, _ = trellis.quantize_trellis(torch.randn(32, 256), L, K, 256, 0, code, tail_biting, tile)
+    layer = trellis.TrellisLinear(codes, scales, L, K, code, tail_biting, tile, 256, 0)
+    mean, inv_std = trellis.code_stats(L, code)
+    eye = torch.eye(256)                              # y = W_rot^T exactly: one product per output
+    w_kernel = triton_formats.trellis_matmul(eye, codes, scales.float(), L, K, tile, mean, inv_std,
+                                             trellis.CODES.index(code)).T
+    assert torch.equal(w_kernel, layer.decode_rotated())
+    x = torch.randn(5, 256)
+    y_torch = layer(x)
+    with triton_formats.impl("engine"):
+        y_engine = layer(x)
+    assert torch.allclose(y_engine, y_torch, rtol=1e-4, atol=1e-4)
+
+
+def test_gaussian_mse_at_two_bits_with_honest_rate():
+    """Tail-biting: the stream is exactly K T bits, so MSE is measured at 2 bits per weight (+16/T for the scale).
+    Lloyd-Max, the best scalar 2-bit code, reaches 0.118; the rate-distortion bound is 0.0625."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 256)
+    states, _, recon = trellis.viterbi_encode(x, 8, 2, tail_biting=True)
+    stream = trellis.pack_stream(states, 8, 2, True)
+    assert stream.shape[1] * 8 == 2 * 256
+    assert (recon - x).pow(2).mean() <= 0.088
+    codes, scales, _ = trellis.quantize_trellis(x, 8, 2, tail_biting=True)
+    layer = trellis.TrellisLinear(codes, scales, 8, 2, tail_biting=True)
+    assert layer.bits_per_weight == (2 * 256 + 16) / 256
+    assert (layer.dequantize() - x).pow(2).mean() <= 0.088
+
+
+def test_block_ldlq_beats_plain_trellis_on_output_error():
+    torch.manual_seed(0)
+    n = 128
+    x = (torch.randn(1024, n) @ (torch.eye(n) + 2 * torch.randn(n, n) / n ** 0.5)) * torch.linspace(0.2, 2, n)
+    w = torch.randn(32, n) * 0.05
+    hessian = 2 * x.T @ x / x.shape[0]
+
+    def output_error(w_rot):
+        return (x @ (w - trellis.unrotate(w_rot, 64, 0)).T).pow(2).mean()
+    _, _, plain = trellis.quantize_trellis(w, 8, 2, group=64, tile=(16, 16))
+    codes, scales, fed_back = trellis.block_ldlq(w, hessian, 8, 2, group=64, tile=(16, 16))
+    assert torch.equal(trellis.decode_trellis(codes, scales, 8, 2, tile=(16, 16)), fed_back)
+    assert output_error(fed_back) < 0.8 * output_error(plain)
+
+
+def _layer(tail_biting=False):
+    w = torch.randn(16, 256)
+    codes, scales, _ = trellis.quantize_trellis(w, 8, 2, tail_biting=tail_biting)
+    return codes, scales
+
+
+def test_malformed_streams_raise_value_error():
+    codes, scales = _layer()                                  # free start: 8 + 2 * 255 = 518 bits in 65 bytes
+    with pytest.raises(ValueError, match="truncated"):
+        trellis.TrellisLinear(codes[..., :-1], scales)
+    with pytest.raises(ValueError):
+        trellis.decode_trellis(codes[..., :-1], scales)
+    bad = codes.clone()
+    bad[0, 0, -1] |= 0x80                                      # a padding bit
+    with pytest.raises(ValueError, match="padding"):
+        trellis.TrellisLinear(bad, scales)
+    nan = scales.clone()
+    nan[3, 0] = float("nan")
+    with pytest.raises(ValueError, match="scale"):
+        trellis.TrellisLinear(codes, nan)
+    with pytest.raises(ValueError):
+        trellis.TrellisLinear(codes.int(), scales)
+    with pytest.raises(ValueError):
+        trellis.TrellisLinear(codes, scales, tail_biting=True)  # 65 bytes cannot be a 512-bit tail-biting stream
+    with pytest.raises(ValueError):
+        trellis.TrellisLinear(codes, scales, L=8, K=8)
+    with pytest.raises(ValueError):
+        trellis.TrellisLinear(codes, scales, code="2mad")
+    with pytest.raises(ValueError):
+        trellis.quantize_trellis(torch.randn(16, 200), 8, 2)
+    with pytest.raises(ValueError):
+        triton_formats.trellis_matmul(torch.randn(2, 128), codes, scales.float(), 8, 2, (1, 256), 0.0, 1.0)
+
+
+def test_model_quantize_engine_and_checkpoint_round_trip(tiny_model, tmp_path, monkeypatch):
+    ids = torch.randint(0, 256, (2, 24))
+    config = trellis.quantize(tiny_model, L=8, K=2, group=64, tail_biting=True)
+    layers = quantized_linears(tiny_model)
+    assert len(layers) == 14 and all(isinstance(m, trellis.TrellisLinear) for m in layers.values())
+    assert all(m.bits_per_weight == (2 * 64 + 16) / 64 for m in layers.values())
+    with torch.no_grad():
+        ref = tiny_model(ids)
+        with triton_formats.impl("engine"):
+            engine = tiny_model(ids)
+    assert torch.allclose(engine, ref, rtol=1e-3, atol=1e-3)
+    monkeypatch.setitem(checkpoints.METHODS, "trellis", trellis.CHECKPOINT)
+    checkpoints.save_quantized(tiny_model, tmp_path / "ckpt", "trellis", quantization_config=config)
+    loaded = checkpoints.load_quantized(tmp_path / "ckpt")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), ref)
+
+
+def test_model_block_ldlq_needs_and_uses_calibration(tiny_model):
+    ids = torch.randint(0, 256, (2, 32))
+    with pytest.raises(ValueError):
+        trellis.quantize(tiny_model, None, ldlq=True, group=64)
+    config = trellis.quantize(tiny_model, ids, L=8, K=2, group=64, ldlq=True, tile=(8, 8))
+    assert config["ldlq"] and config["tile"] == [8, 8]
+    with torch.no_grad():
+        assert torch.isfinite(tiny_model(ids)).all()
