@@ -1,0 +1,134 @@
+"""EntQuant on the tiny trained Qwen3: the lambda -> bits-per-weight table the rate control starts from, and the
+coder's and the runtime's figures.
+
+    python benchmarks/entquant_rate.py calibrate      # rebuilds data/entquant_lambda_bpw.json (Float8 and Int8)
+    python benchmarks/entquant_rate.py measure        # KL rows (with NF4, RTN int2 and, if installed, HQQ),
+                                                      # coder throughput, compression time, resident memory
+
+The model comes from engine.training's cache (trained on first use, as `run.py quantformats` does). bpw counts
+every byte: streams (header, table, lane states, offsets, words), float16 log2 scales, Int8 super weights.
+"""
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.data import Corpus, load_corpus
+from engine.evaluation import held_out_logits, kl_stats
+from engine.formats import entropy
+from engine.formats.affine import rtn_quantize
+from engine.formats.base import quantized_linears
+from engine.qwen3 import Qwen3Config
+from engine.training import TrainConfig, trained_model
+
+LAMBDAS = [1.0, 2.0, 3.9, 7.5, 14.5, 29.0, 58.0, 116.0]
+
+
+def model_for(args):
+    return trained_model(Qwen3Config(), Corpus.from_bytes(load_corpus(args.text)),
+                         TrainConfig(steps=args.steps, seed=args.seed))
+
+
+def calibrate(args):
+    model = model_for(args)
+    linears = entropy._block_linears(model)
+    table = {"model": "tiny Qwen3 (2 layers, hidden 256, intermediate 768), engine.training defaults",
+             "train_steps": args.steps, "seed": args.seed}
+    for fmt in args.fmts:
+        rows = []
+        for lam in args.lambdas:
+            start = time.time()
+            _, streams, bits, count = entropy.compress_blocks(linears, lam, fmt)
+            symbols = sum(entropy.RansStream(s).n for s in streams.values())
+            row = {"lambda": lam, "bpw": round(bits / count, 4), "seconds": round(time.time() - start, 1),
+                   "stream_bytes": sum(map(len, streams.values())), "symbols": symbols}
+            rows.append(row)
+            print(json.dumps({"fmt": fmt, **row}), flush=True)
+        table[fmt] = rows
+    Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+def hqq_row(model, bits, kl_row, group_size=64):
+    """The hqq package's data-free HQQ (half-quadratic zero / scale search) as fake quantization, scale and zero
+    rounded to float16 as its checkpoints store them: bits + 32 / group_size per weight. Skipped without hqq."""
+    try:
+        from hqq.core.quantize import Quantizer
+    except ImportError:
+        print(json.dumps({"format": f"HQQ int{bits}, g{group_size}", "skipped": "pip install hqq termcolor"}))
+        return
+    m = copy.deepcopy(model)
+    for linear in entropy._block_linears(m).values():
+        for _, layer in linear:
+            w = layer.weight.detach().float()
+            q, meta = Quantizer.quantize(w, nbits=bits, group_size=group_size, axis=1, optimize=True,
+                                         round_zero=False, compute_dtype=torch.float32, device="cpu")
+            meta["scale"], meta["zero"] = meta["scale"].half().float(), meta["zero"].half().float()
+            layer.weight.data = Quantizer.dequantize(q, meta).reshape(w.shape).float()
+    kl_row(f"HQQ int{bits}, g{group_size} (hqq package)", m, bits + 32 / group_size)
+
+
+@torch.no_grad()
+def measure(args):
+    corpus = Corpus.from_bytes(load_corpus(args.text))
+    model = model_for(args)
+    windows = corpus.eval_windows()
+    ref = held_out_logits(model, windows)
+
+    def kl_row(label, m, bits, **extra):
+        stats = kl_stats(ref, held_out_logits(m, windows))
+        print(json.dumps({"format": label, "bits": round(bits, 3), "kl_nats": round(stats["kl_nats"], 6),
+                          "same_top_pct": round(stats["same_top_pct"], 2), **extra}), flush=True)
+
+    for label, quantize in (("NF4, g64", entropy.quantize_nf4), ("RTN int2, g64", lambda m: rtn_quantize(m, 2, 64))):
+        m = copy.deepcopy(model)
+        quantize(m)
+        layers = quantized_linears(m).values()
+        kl_row(label, m, sum(x.storage_bits() for x in layers) / sum(x.in_features * x.out_features for x in layers))
+    for bits in (4, 3, 2):
+        hqq_row(model, bits, kl_row)
+    for target in args.bpw:
+        m = copy.deepcopy(model)
+        start = time.time()
+        qcfg = entropy.quantize_entquant(m, bpw=target)
+        seconds = time.time() - start
+        raw = m.entquant_decoder.blocks[0][0].stream.numpy().tobytes()
+        stream = entropy.RansStream(raw)
+        symbols = entropy.rans_decode(stream)
+        t0 = time.time()
+        entropy.rans_encode(symbols)
+        enc = time.time() - t0
+        t0 = time.time()
+        entropy.rans_decode(raw)
+        dec = time.time() - t0
+        h = entropy.empirical_entropy_bits(symbols) / 8
+        kl_row(f"EntQuant Float8+ANS (bpw={target})", m, qcfg["bits_per_weight"], **{
+            "lambda": round(qcfg["lambda"], 3), "compress_seconds": round(seconds, 1), "block0_symbols": stream.n,
+            "lanes": stream.states.size, "block0_bytes": len(raw), "block0_entropy_bytes": round(h),
+            "rate_over_entropy": round(len(raw) / h, 4), "encode_Msym_s": round(stream.n / enc / 1e6, 2),
+            "decode_Msym_s": round(stream.n / dec / 1e6, 2), **entropy.resident_bytes(m)})
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["calibrate", "measure"])
+    p.add_argument("--text", default=None)
+    p.add_argument("--steps", type=int, default=TrainConfig().steps)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lambdas", type=float, nargs="+", default=LAMBDAS)
+    p.add_argument("--fmts", nargs="+", default=["float8", "int8"])
+    p.add_argument("--bpw", type=float, nargs="+", default=[4.0, 3.0, 2.1])
+    p.add_argument("--out", default=str(entropy.LAMBDA_TABLE))
+    args = p.parse_args()
+    torch.set_num_threads(1)                    # timings: one thread, no contention between threads
+    calibrate(args) if args.command == "calibrate" else measure(args)
+
+
+if __name__ == "__main__":
+    main()
