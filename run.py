@@ -20,7 +20,7 @@ import torch
 
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats, perplexity
-from engine.formats import affine
+from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, trellis
 from engine.formats.base import quantized_linears
 from engine.kernels import triton_formats
 from engine.qwen3 import Qwen3Config
@@ -43,11 +43,40 @@ def rtn(bits, group_size=64):
     return quantize
 
 
+def kv_only(lattice_name, bps, rotation, dither):
+    """Weights stay dense; K (after RoPE) and V are lattice-quantized as they enter the cache. The bits column is
+    the coded KV rate per scalar, read after the evaluation forward pass."""
+    def quantize(model, calibration_ids):
+        kv = lattice.kv_quantize(model, lattice_name, bps, rotation, dither)
+        return {"bits": lambda: kv.report()["total_bps"], "weights": "dense"}
+    return quantize
+
+
 def rows():
-    """The table, in the book's order."""
+    """The table: the book's rows in the book's order, then EntQuant, HyperQuant and the KV cache."""
     return [
         Row("RTN int4, g64", rtn(4)),
+        Row("GPTQ int4, g64", lambda m, calib: gptq.quantize(m, calib, group_size=64) and None),
+        Row("GPTQ int4, g64, act-order", lambda m, calib: gptq.quantize(m, calib, group_size=64, act_order=True) and None),
+        Row("AWQ int4, g64", lambda m, calib: awq.quantize(m, calib, group_size=64) and None),
+        Row("FP8 E4M3, 128x128 blocks", lambda m, calib: fp8.quantize(m, calib, block=128) and None),
+        Row("MXFP4", lambda m, calib: mx.quantize_model_mxfp4(m, calib) and None),
+        Row("NVFP4", lambda m, calib: mx.quantize_model_nvfp4(m, calib) and None),
+        Row("trellis (QTIP-style), L=8", lambda m, calib: trellis.quantize(m, calib, L=8, K=2) and None),
+        Row("trellis (QTIP-style), L=8, K=3", lambda m, calib: trellis.quantize(m, calib, L=8, K=3) and None),
         Row("RTN int2, g64 (for comparison)", rtn(2)),
+        Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles",
+            lambda m, calib: trellis.quantize(m, calib, L=8, K=2, ldlq=True) and None),
+        Row("EntQuant Float8+ANS, ~4 bpw", lambda m, calib: entropy.quantize_entquant(m, bpw=4.0) and None),
+        Row("EntQuant Float8+ANS, ~3 bpw", lambda m, calib: entropy.quantize_entquant(m, bpw=3.0) and None),
+        Row("EntQuant Float8+ANS, ~2.1 bpw", lambda m, calib: entropy.quantize_entquant(m, bpw=2.1) and None),
+        Row("NF4, g64", lambda m, calib: entropy.quantize_nf4(m, group_size=64) and None),
+        *[Row(f"lattice E8, {b} bps", lambda m, calib, b=b: lattice.quantize(m, lattice="E8", bps=b) and None)
+          for b in (2.0, 3.0, 4.0)],
+        *[Row(f"lattice {name}, 3 bps", lambda m, calib, name=name: lattice.quantize(m, lattice=name, bps=3.0) and None)
+          for name in ("D4", "A2", "Z")],
+        *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", kv_only("E8", b, rot, dither))
+          for b in (2.0, 3.0) for rot in ("none", "signs", "qjl") for dither in (False, True)],
     ]
 
 
@@ -101,6 +130,7 @@ def cmd_quantformats(args):
         model = copy.deepcopy(reference)
         extra = row.quantize(model, calibration) or {}
         stats = kl_stats(ref_logits, evaluate(model, windows, args.impl))
+        extra = {k: v() if callable(v) else v for k, v in extra.items()}
         result = {"format": row.label, "bits": round(extra.pop("bits", model_bits(model)), 2),
                   **{k: round(v, 6 if k.startswith("kl") else 2) for k, v in stats.items()}, **extra,
                   "seconds": round(time.time() - start, 1)}

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Test-only reference tools (never runtime dependencies of engine). Pinned to torch 2.13.0 so nothing upgrades it;
-# some tools declare a newer torch than they need and are installed with --no-deps (DESIGN.md, section 4).
+# tools that declare a newer torch than they need are installed with --no-deps (DESIGN.md, section 4), and their
+# import-time needs are listed by hand.
 set -euo pipefail
 pin=$(mktemp); echo "torch==2.13.0" > "$pin"
 pip install -q -c "$pin" transformers ml_dtypes gguf compressed-tensors constriction
+# GPTQModel, AutoAWQ, torchao: --no-deps (they declare a newer torch), then what they import.
+pip install -q -c "$pin" --no-deps gptqmodel==7.7.0 autoawq==0.2.9 torchao==0.18.0
+pip install -q -c "$pin" pypcre logbar threadpoolctl device-smi tokenicer defuser pillow accelerate datasets optimum

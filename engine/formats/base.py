@@ -94,9 +94,12 @@ class CheckpointMethod:
       read      (parts {suffix: tensor}, quantization_config) -> QuantLinear (bias, if any, arrives in parts["bias"])
       write     (layer, quantization_config) -> {suffix: tensor}
       quantize  (model, calibration_ids or None, **options) -> quantization_config; replaces the model's linears
+      finish    optional (model, quantization_config) -> None, run once every layer is loaded (e.g. EntQuant
+                attaches its shared per-block decoder)
     """
     name: str
     parts: Callable
     read: Callable
     write: Callable
     quantize: Callable
+    finish: Callable | None = None

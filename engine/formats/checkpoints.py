@@ -14,9 +14,11 @@ import torch
 from ..loaders import assign, empty_model, read_config
 from ..qwen3 import Qwen3Config
 from ..safetensors_io import atomic_directory, save_file, snapshot_tensors
+from . import awq, compressed_tensors, entropy, fp8, gptq, lattice, trellis
 from .base import QuantLinear, quantized_linears
 
-METHODS = {m.name: m for m in ()}
+METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
+                               trellis.CHECKPOINT, entropy.CHECKPOINT, lattice.CHECKPOINT)}
 
 
 def method_for(quantization_config):
@@ -80,6 +82,8 @@ def load_quantized(directory, dtype=torch.float32, device="cpu"):
     if missing:
         raise ValueError(f"checkpoint {directory} lacks tensor(s) {missing[:5]}")
     model.quantization_config = qcfg
+    if method.finish is not None:
+        method.finish(model, qcfg)
     return model.eval()
 
 

@@ -52,10 +52,11 @@ def impl(name: str):
 
 
 def tile_sizes(m):
-    """(BLOCK_M, BLOCK_N, BLOCK_K). Under the interpreter each program is a Python-level step, so big tiles (few
-    programs, wide NumPy ops) are fastest; compiled, small-M decode shapes want a small BLOCK_M."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K), powers of two >= 16. Under the interpreter every program and every tl op costs
+    Python overhead, so the fastest tiles are the biggest (a 1024 x 768 x 256 int4 matmul: 30 s with 64^3 tiles,
+    1.2 s with 1024 x 256 x 128, measured on 2 cores); compiled, small-M decode shapes want a small BLOCK_M."""
     if INTERPRETED:
-        return 64, 64, 64
+        return min(1024, max(16, triton.next_power_of_2(m))), 256, 128
     return (16 if m <= 16 else 64), 64, 64
 
 
@@ -107,4 +108,429 @@ def affine_matmul(x, packed, scales, offsets, group_size, bits):
     affine_matmul_kernel[grid](x.float().contiguous(), packed.contiguous(), scales.float().contiguous(),
                                offsets.float().contiguous(), y, m, n, k, packed.shape[1], scales.shape[1],
                                group_size, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 and FP4 (engine/formats/fp8.py, engine/formats/mx.py). Every kernel only widens low-precision codes to f32,
+# which is exact (f32 -> fp8 inside a kernel is the interpreter trap above).
+#   FP8 block  W[n, k] = e4m3[n, k] * s[n // B, k // B]                        (W8A16; B = 128 in checkpoints)
+#   MXFP4      W[n, k] = e2m1[n, k] * 2^(e[n, k // 32] - 127)                  (E8M0 scale per 32)
+#   NVFP4      W[n, k] = e2m1[n, k] * (e4m3[n, k // 16] * t)                   (E4M3 scale per 16, f32 per tensor)
+# FP4 codes are two per byte, element 2j in the low nibble (the interleaved layout).
+
+
+@triton.jit
+def fp8_block_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, s_cols, block,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W8A16: FP8 weight tiles are widened in registers and scaled by their block's factor."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w_ok = (rn[:, None] < N) & (rk[None, :] < K)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_ok, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + (rn[:, None] // block) * s_cols + rk[None, :] // block, mask=w_ok, other=0.0)
+        acc += tl.dot(x, tl.trans(w * s), input_precision="ieee")
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def fp8_block_matmul(x, weight, scale_inv, block=128):
+    """x [M, K] float32, weight float8_e4m3fn [N, K], scale_inv float32 [ceil(N/block), ceil(K/block)] -> y [M, N]."""
+    check_inputs(x, weight, scale_inv)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn [N, {k}], got {weight.dtype} {tuple(weight.shape)}")
+    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
+    bm, bn, bk = tile_sizes(m)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    fp8_block_kernel[grid](x.float().contiguous(), weight.contiguous(), scale_inv.float().contiguous(), y, m, n, k,
+                           scale_inv.shape[1], block, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+# E2M1 code -> value (engine.formats.mx.E2M1; code = sign << 3 | magnitude index). One gather from this 16-entry
+# table decodes a nibble; under the interpreter it is also ~30% faster than decoding sign / exponent / mantissa bits.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_e2m1_tables = {}
+
+
+def e2m1_table(device):
+    if device not in _e2m1_tables:
+        _e2m1_tables[device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return _e2m1_tables[device]
+
+
+@triton.jit
+def mxfp4_matmul_kernel(x_ptr, b_ptr, e_ptr, lut_ptr, y_ptr, M, N, K,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w_ok = (rn[:, None] < N) & (rk[None, :] < K)
+        byte = tl.load(b_ptr + rn[:, None] * (K // 2) + rk[None, :] // 2, mask=w_ok, other=0).to(tl.int32)
+        code = (byte >> ((rk[None, :] % 2) * 4)) & 0xF                       # element 2j low nibble, 2j+1 high
+        e = tl.load(e_ptr + rn[:, None] * (K // 32) + rk[None, :] // 32, mask=w_ok, other=0).to(tl.int32)
+        # 2^(e - 127) built from its float32 bits: exponent field e; e = 0 is the subnormal 2^-127 = bit 22
+        scale = tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
+        w = tl.load(lut_ptr + code) * scale
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def mxfp4_matmul(x, blocks, scales):
+    """x [M, K] float32, blocks uint8 [N, K/32, 16] (interleaved), scales uint8 E8M0 [N, K/32] -> y [M, N]."""
+    check_inputs(x, blocks, scales)
+    m, k = x.shape
+    n = blocks.shape[0]
+    if tuple(blocks.shape) != (n, k // 32, 16) or tuple(scales.shape) != (n, k // 32) or k % 32:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} do not fit K={k}")
+    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
+    bm, bn, bk = tile_sizes(m)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    mxfp4_matmul_kernel[grid](x.float().contiguous(), blocks.contiguous(), scales.contiguous(),
+                              e2m1_table(x.device), y, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+@triton.jit
+def nvfp4_matmul_kernel(x_ptr, p_ptr, s_ptr, t_ptr, lut_ptr, y_ptr, M, N, K,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.load(t_ptr)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w_ok = (rn[:, None] < N) & (rk[None, :] < K)
+        byte = tl.load(p_ptr + rn[:, None] * (K // 2) + rk[None, :] // 2, mask=w_ok, other=0).to(tl.int32)
+        code = (byte >> ((rk[None, :] % 2) * 4)) & 0xF
+        s = tl.load(s_ptr + rn[:, None] * (K // 16) + rk[None, :] // 16, mask=w_ok, other=0.0).to(tl.float32)
+        w = tl.load(lut_ptr + code) * (s * t)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def nvfp4_matmul(x, packed, block_scale, tensor_scale):
+    """x [M, K] float32, packed uint8 [N, K/2], block_scale float8_e4m3fn [N, K/16], tensor_scale f32 -> y [M, N]."""
+    check_inputs(x, packed, block_scale)
+    m, k = x.shape
+    n = packed.shape[0]
+    if tuple(packed.shape) != (n, k // 2) or tuple(block_scale.shape) != (n, k // 16) or k % 16:
+        raise ValueError(f"NVFP4 packed {tuple(packed.shape)} / block_scale {tuple(block_scale.shape)} "
+                         f"do not fit K={k}")
+    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
+    t = torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device).reshape(1)
+    bm, bn, bk = tile_sizes(m)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    nvfp4_matmul_kernel[grid](x.float().contiguous(), packed.contiguous(), block_scale.contiguous(), t,
+                              e2m1_table(x.device), y, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HyperQuant lattice codes (engine.formats.lattice): Rice sub-streams -> lattice points, inverse strip fused.
+# One lane (GPU thread) per sub-stream: it seeks to the sub-stream's start bit and decodes its symbols in one pass,
+# reading a 32-bit MSB-first window from 5 bytes; the unary run is the window's count of leading zeros, taken from
+# the float32 exponent of its top 24 bits (a valid codeword has its '1' among the first 16). Symbol orders per
+# vector: E8 [comb, s0..s6], D4 [c0, c1, c2, t], A2 [n_x, t_y], Z [n]; the vector's position r is a compile-time
+# constant (static inner loop), and the dropped coordinate is rebuilt at the vector's last symbol.
+# Output: float32 code * axis * scale[row]; end_ptr gets each lane's final bit position (-1: invalid codeword).
+
+_LATTICE_KINDS = {"Z": (0, 1), "A2": (1, 2), "D4": (2, 4), "E8": (3, 8)}
+
+
+@triton.jit
+def lattice_decode_kernel(payload_ptr, nbytes, offsets_ptr, ks_ptr, count, n_streams, vectors, scale_ptr, row_len,
+                          axis0, out_ptr, end_ptr, KIND: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
+                          ESCAPE: tl.constexpr, BLOCK: tl.constexpr):
+    sid = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = sid < n_streams
+    pos = tl.load(offsets_ptr + sid, mask=live, other=0).to(tl.int64)
+    kb = tl.load(ks_ptr + sid, mask=live, other=0).to(tl.int64)
+    k0, k1 = kb & 7, (kb >> 3) & 7
+    mask0, mask1, shift0, shift1 = (1 << k0) - 1, (1 << k1) - 1, 31 - k0, 31 - k1
+    bad = live & (pos < 0)
+    for vec in range(vectors):                            # S // N, fewer when the whole tensor is shorter
+        base = sid.to(tl.int64) * S + vec * N             # this vector's first element
+        act = live & (base < count)                       # vectors never straddle the end
+        row_scale = tl.load(scale_ptr + base // row_len, mask=act, other=0.0)
+        parity = tl.zeros((BLOCK,), dtype=tl.int64)
+        for r in tl.static_range(N):
+            if (KIND == 1 and r == 1) or (KIND == 2 and r == 3):        # the second Rice parameter's symbols
+                k, k_mask, k_shift = k1, mask1, shift1
+            else:
+                k, k_mask, k_shift = k0, mask0, shift0
+            # One Rice codeword per lane at bit pos. The payload is padded by 8 bytes and byte is clamped, so a
+            # corrupt stream never reads outside it.
+            byte = tl.minimum(pos >> 3, nbytes)
+            win = tl.load(payload_ptr + byte).to(tl.int64)
+            for i in tl.static_range(1, 5):
+                win = (win << 8) | tl.load(payload_ptr + byte + i).to(tl.int64)
+            w = (win >> (8 - (pos & 7))) & 0xFFFFFFFF                   # bits pos .. pos+31, MSB first
+            lead = ((w >> 8).to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF    # 127 + top one's index
+            q = (150 - lead).to(tl.int64)                               # leading zeros of w
+            bad = bad | (act & (q > ESCAPE))
+            q = tl.minimum(q, ESCAPE)
+            esc = q == ESCAPE
+            m = tl.where(esc, w & 0xFFFF, (q << k) | ((w >> (k_shift - q)) & k_mask))
+            pos += tl.where(act, tl.where(esc, 32, q + 1 + k), 0)
+            v = (m >> 1) ^ -(m & 1)                       # zig-zag back to signed
+            if KIND == 3:                                 # E8int: [comb, s0..s6]
+                if r == 0:
+                    coset = m & 1
+                    half = (m >> 2) ^ -((m >> 1) & 1)
+                else:
+                    parity += v
+                    tl.store(out_ptr + base + r - 1, (2 * v + coset).to(tl.float32) * row_scale, mask=act)
+                    if r == N - 1:
+                        last = 2 * (2 * half + (parity & 1)) + coset
+                        tl.store(out_ptr + base + r, last.to(tl.float32) * row_scale, mask=act)
+            elif KIND == 2:                               # D4: [c0, c1, c2, t]
+                if r == 3:
+                    v = 2 * v + (parity & 1)
+                parity += v
+                tl.store(out_ptr + base + r, v.to(tl.float32) * row_scale, mask=act)
+            elif KIND == 1:                               # A2: [n_x, t_y] -> (n_y * axis0, n_x)
+                if r == 0:
+                    parity = v
+                    tl.store(out_ptr + base + 1, v.to(tl.float32) * row_scale, mask=act)
+                else:
+                    tl.store(out_ptr + base, (2 * v + (parity & 1)).to(tl.float32) * axis0 * row_scale, mask=act)
+            else:
+                tl.store(out_ptr + base, v.to(tl.float32) * row_scale, mask=act)
+    tl.store(end_ptr + sid, tl.where(bad, -1, pos), mask=live)
+
+
+def lattice_decode(payload, offsets, ks, count, ends, lattice, scales, row_len, axis0=1.0, substream=512,
+                   escape=15):
+    """Rice sub-streams -> float32 [count]: element e = lattice code * axis * scales[e // row_len].
+
+    payload uint8 [bytes], offsets int32 [streams] (start bits), ks uint8 [streams], ends int64 [streams] (where
+    each sub-stream must end), scales float32 [count // row_len]. Raises ValueError if a sub-stream does not
+    decode to exactly its end (a corrupt stream)."""
+    check_inputs(payload[:, None], offsets, ks, scales)
+    if lattice not in _LATTICE_KINDS:
+        raise ValueError(f"lattice must be one of {sorted(_LATTICE_KINDS)}, got {lattice!r}")
+    kind, n = _LATTICE_KINDS[lattice]
+    streams = offsets.numel()
+    if streams != -(-count // substream) or ks.numel() != streams or count % row_len or row_len % n or substream % n:
+        raise ValueError(f"{streams} sub-streams / {ks.numel()} ks do not fit {count} symbols of rows {row_len}")
+    padded = torch.cat([payload.to(torch.uint8), payload.new_zeros(8, dtype=torch.uint8)])
+    out = torch.zeros(count, device=payload.device, dtype=torch.float32)
+    found = torch.empty(streams, device=payload.device, dtype=torch.int64)
+    block = min(1024, triton.next_power_of_2(streams)) if INTERPRETED else 32
+    lattice_decode_kernel[(triton.cdiv(streams, block),)](
+        padded, payload.numel(), offsets.contiguous(), ks.contiguous(), count, streams, min(substream, count) // n,
+        scales.float().contiguous(), row_len, float(axis0), out, found, KIND=kind, N=n, S=substream, ESCAPE=escape,
+        BLOCK=block)
+    wrong = found != ends.to(found.device)
+    if bool(wrong.any()):
+        i = int(wrong.nonzero()[0])
+        raise ValueError(f"sub-stream {i} does not decode to its boundary (ends at {int(found[i])}, expected "
+                         f"{int(ends[i])}): stream is corrupt")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EntQuant (engine/formats/entropy.py): rANS decoding of a block's E4M3 bytes, the per-channel-scaled FP8 / Int8
+# matmul that reads them, and the NF4 baseline.
+#   rANS  per lane: slot = x mod 2^P, s = sym[slot], x = f[slot] * (x >> P) + bias[slot]; if x < 2^16 it takes
+#         the next 16-bit word of its sub-stream, x = (x << 16) | word. Symbol i belongs to lane i mod K at step
+#         i // K; the W lanes of one sub-stream find their word positions by a prefix sum over who reads.
+#   EntQuant matmul  W[n, k] = code[n, k] * 2^s[n]  (code E4M3 or int8; the scale is applied after the dot)
+#   NF4   W[n, k] = NF4[q[n, k]] * absmax[n, k // G]  (two codes per byte, element 2j in the low nibble)
+
+
+@triton.jit
+def rans_decode_kernel(states_ptr, starts_ptr, words_ptr, sym_ptr, freq_ptr, bias_ptr, out_ptr, final_ptr,
+                       read_ptr, n, steps, n_streams, PROB_BITS: tl.constexpr, SUBS: tl.constexpr,
+                       W: tl.constexpr):
+    """One program decodes SUBS sub-streams of W lanes each, all lanes in lockstep over the steps."""
+    sub = tl.program_id(0) * SUBS + tl.arange(0, SUBS)
+    sub_ok = sub < n_streams
+    lane = sub[:, None] * W + tl.arange(0, W)[None, :]                        # global lane ids [SUBS, W]
+    lanes = n_streams * W
+    x = tl.load(states_ptr + lane, mask=sub_ok[:, None], other=65536)
+    ptr = tl.load(starts_ptr + sub, mask=sub_ok, other=0)
+    end = tl.load(starts_ptr + sub + 1, mask=sub_ok, other=0)
+    for t in range(steps):
+        i = t * lanes + lane
+        active = (i < n) & sub_ok[:, None]
+        slot = x & ((1 << PROB_BITS) - 1)
+        tl.store(out_ptr + i, tl.load(sym_ptr + slot, mask=active, other=0), mask=active)
+        y = tl.load(freq_ptr + slot, mask=active, other=0) * (x >> PROB_BITS) + tl.load(bias_ptr + slot,
+                                                                                       mask=active, other=0)
+        need = active & (y < 65536)
+        pos = ptr[:, None] + tl.cumsum(need.to(tl.int64), axis=1) - 1
+        word = tl.load(words_ptr + pos, mask=need & (pos < end[:, None]), other=0)   # never past its sub-stream
+        x = tl.where(active, tl.where(need, (y << 16) | word, y), x)
+        ptr += tl.sum(need.to(tl.int64), axis=1)
+    tl.store(final_ptr + lane, x, mask=sub_ok[:, None])
+    tl.store(read_ptr + sub, ptr, mask=sub_ok)
+
+
+def rans_decode(states, starts, words, slot_sym, slot_freq, slot_bias, out, prob_bits):
+    """Decode one rANS stream into out (uint8 [n]). states int64 [S, W] (the encoder's final states), starts int64
+    [S + 1] (word offsets of the sub-streams), words int64 [total], slot tables [2^prob_bits] (symbol uint8,
+    frequency and slot - cumulative int64), all on out's device. Raises ValueError if any lane does not end at the
+    start state 2^16 having read its sub-stream exactly to its end (a corrupted stream)."""
+    check_inputs(states, starts, words, slot_sym, slot_freq, slot_bias, out)
+    n_streams, w = states.shape
+    n = out.numel()
+    if starts.numel() != n_streams + 1 or w & (w - 1) or slot_sym.numel() != 1 << prob_bits:
+        raise ValueError(f"inconsistent rANS tables: states {tuple(states.shape)}, starts {starts.numel()}, "
+                         f"slot table {slot_sym.numel()} for prob_bits {prob_bits}")
+    subs = triton.next_power_of_2(n_streams) if INTERPRETED else 1   # interpreter: one wide program is fastest
+    final = torch.empty_like(states)
+    read = torch.empty(n_streams, dtype=torch.int64, device=out.device)
+    words = words if words.numel() else torch.zeros(1, dtype=torch.int64, device=out.device)
+    grid = (triton.cdiv(n_streams, subs),)
+    rans_decode_kernel[grid](states.contiguous(), starts.contiguous(), words.contiguous(), slot_sym, slot_freq,
+                             slot_bias, out, final, read, n, triton.cdiv(n, n_streams * w), n_streams,
+                             PROB_BITS=prob_bits, SUBS=subs, W=w)
+    if bool((final != 65536).any()) or bool((read != starts[1:]).any()):
+        raise ValueError("rANS stream corrupted: final states or read positions do not match")
+    return out
+
+
+@triton.jit
+def entquant_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w = tl.load(q_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+    scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc * scale[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def entquant_matmul(x, codes, scale, fmt="float8"):
+    """x [M, K] float32, codes uint8 [N, K] (E4M3 or int8 bytes), scale float32 [N] (= 2^log_scale) -> y [M, N]."""
+    check_inputs(x, codes, scale)
+    m, k = x.shape
+    n = codes.shape[0]
+    if codes.shape != (n, k) or scale.shape != (n,) or fmt not in ("float8", "int8"):
+        raise ValueError(f"codes must be [N, {k}] with scale [N] and fmt float8 / int8, got {tuple(codes.shape)}, "
+                         f"{tuple(scale.shape)}, {fmt!r}")
+    q = codes.contiguous().view(torch.float8_e4m3fn if fmt == "float8" else torch.int8)
+    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
+    bm, bn, bk = tile_sizes(m)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    entquant_matmul_kernel[grid](x.float().contiguous(), q, scale.float().contiguous(), y, m, n, k,
+                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+@triton.jit
+def nf4_matmul_kernel(x_ptr, p_ptr, a_ptr, t_ptr, y_ptr, M, N, K, p_cols, groups, group_size,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w_ok = (rn[:, None] < N) & (rk[None, :] < K)
+        byte = tl.load(p_ptr + rn[:, None] * p_cols + rk[None, :] // 2, mask=w_ok, other=0).to(tl.int32)
+        q = (byte >> ((rk[None, :] % 2) * 4)) & 15
+        a = tl.load(a_ptr + rn[:, None] * groups + rk[None, :] // group_size, mask=w_ok, other=0.0)
+        w = tl.load(t_ptr + q, mask=w_ok, other=0.0) * a
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def nf4_matmul(x, packed, absmax, table, group_size=64):
+    """x [M, K] float32, packed uint8 [N, ceil(K / 2)], absmax float32 [N, groups], table float32 [16] -> y [M, N]."""
+    check_inputs(x, packed, absmax, table)
+    m, k = x.shape
+    n = packed.shape[0]
+    if packed.shape[1] != -(-k // 2) or absmax.shape != (n, -(-k // group_size)) or table.numel() != 16:
+        raise ValueError(f"NF4 shapes do not fit K={k}: packed {tuple(packed.shape)}, absmax {tuple(absmax.shape)}")
+    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
+    bm, bn, bk = tile_sizes(m)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    nf4_matmul_kernel[grid](x.float().contiguous(), packed.contiguous(), absmax.float().contiguous(),
+                            table.float().contiguous(), y, m, n, k, packed.shape[1], absmax.shape[1], group_size,
+                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Trellis codes (QTIP / EXL3 style, engine.formats.trellis): W_rot[n, k] = scale[tile] * code(s_t), where the
+# state s_t is the L-bit field at bit KBITS*(T-1-t) of its tile's stream (uint8, little-endian, read circularly),
+# t = (n % TH) * TW + k % TW. The activations arrive already rotated (x R^T), so no Hadamard happens here.
+
+
+@triton.jit
+def trellis_matmul_kernel(x_ptr, c_ptr, s_ptr, y_ptr, M, N, K, tile_cols, nbytes, mean, inv_std,
+                          L: tl.constexpr, KBITS: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                          CODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w_ok = (rn[:, None] < N) & (rk[None, :] < K)
+        tile = (rn[:, None] // TH) * tile_cols + rk[None, :] // TW
+        t = (rn[:, None] % TH) * TW + rk[None, :] % TW
+        o = KBITS * (TH * TW - 1 - t)                         # bit offset of this weight's state
+        word = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.uint32)
+        for j in tl.static_range(4):                          # the 4 bytes holding the L-bit field (L <= 24)
+            byte = tl.load(c_ptr + tile * nbytes + (o // 8 + j) % nbytes, mask=w_ok, other=0)
+            word = word | (byte.to(tl.uint32) << (8 * j))
+        state = (word >> (o % 8).to(tl.uint32)) & ((1 << L) - 1)
+        if CODE == 0:                                         # 1MAD: multiply-add mod 2^32, sum of the 4 bytes
+            h = state * 34038481 + 76625530
+            total = (h & 255) + ((h >> 8) & 255) + ((h >> 16) & 255) + ((h >> 24) & 255)
+            raw = (total.to(tl.int32) - 510).to(tl.float32) / 147.800537109375
+        else:                                                 # 3INST: two float16 halves with a fixed exponent
+            h = (state * 89226354 + 64248484) & 0x8FFF8FFF
+            h = h ^ 0x3B603B60
+            hi = (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            lo = (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            raw = hi + lo
+        s = tl.load(s_ptr + tile, mask=w_ok, other=0.0)
+        w = ((raw - mean) * inv_std) * s
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def trellis_matmul(x, codes, scales, L, K, tile, mean, inv_std, code=0):
+    """x [M, in] float32 (already rotated), codes uint8 [out / th, in / tw, nbytes], scales float32 [out / th,
+    in / tw] -> y [M, out]. mean / inv_std normalize the raw code (engine.formats.trellis.code_stats); code 0 = 1MAD,
+    1 = 3INST."""
+    check_inputs(x, codes, scales)
+    th, tw = tile
+    if codes.dim() != 3 or codes.dtype != torch.uint8 or tuple(scales.shape) != tuple(codes.shape[:2]):
+        raise ValueError(f"codes must be uint8 [R, C, bytes] with scales [R, C], got {tuple(codes.shape)}, "
+                         f"{tuple(scales.shape)}")
+    if x.shape[1] != codes.shape[1] * tw or not 1 <= K < L <= 24 or code not in (0, 1):
+        raise ValueError(f"x {tuple(x.shape)} / L={L}, K={K}, code={code} do not fit codes {tuple(codes.shape)}")
+    m, k = x.shape
+    n = codes.shape[0] * th
+    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
+    bm, bn, bk = tile_sizes(m)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    trellis_matmul_kernel[grid](x.float().contiguous(), codes.contiguous(), scales.float().contiguous(), y, m, n, k,
+                                codes.shape[1], codes.shape[2], mean, inv_std, L=L, KBITS=K, TH=th, TW=tw,
+                                CODE=code, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y
