@@ -43,6 +43,13 @@ def rtn(bits, group_size=64):
     return quantize
 
 
+def method(fn, **options):
+    """A row that quantizes with fn(model, calibration_ids, **options) (every method's quantize has that form)."""
+    def quantize(model, calibration_ids):
+        fn(model, calibration_ids, **options)
+    return quantize
+
+
 def kv_only(lattice_name, bps, rotation, dither):
     """Weights stay dense; K (after RoPE) and V are lattice-quantized as they enter the cache. The bits column is
     the coded KV rate per scalar, read after the evaluation forward pass."""
@@ -56,25 +63,20 @@ def rows():
     """The table: the book's rows in the book's order, then EntQuant, HyperQuant and the KV cache."""
     return [
         Row("RTN int4, g64", rtn(4)),
-        Row("GPTQ int4, g64", lambda m, calib: gptq.quantize(m, calib, group_size=64) and None),
-        Row("GPTQ int4, g64, act-order", lambda m, calib: gptq.quantize(m, calib, group_size=64, act_order=True) and None),
-        Row("AWQ int4, g64", lambda m, calib: awq.quantize(m, calib, group_size=64) and None),
-        Row("FP8 E4M3, 128x128 blocks", lambda m, calib: fp8.quantize(m, calib, block=128) and None),
-        Row("MXFP4", lambda m, calib: mx.quantize_model_mxfp4(m, calib) and None),
-        Row("NVFP4", lambda m, calib: mx.quantize_model_nvfp4(m, calib) and None),
-        Row("trellis (QTIP-style), L=8", lambda m, calib: trellis.quantize(m, calib, L=8, K=2) and None),
-        Row("trellis (QTIP-style), L=8, K=3", lambda m, calib: trellis.quantize(m, calib, L=8, K=3) and None),
+        Row("GPTQ int4, g64", method(gptq.quantize, group_size=64)),
+        Row("GPTQ int4, g64, act-order", method(gptq.quantize, group_size=64, act_order=True)),
+        Row("AWQ int4, g64", method(awq.quantize, group_size=64)),
+        Row("FP8 E4M3, 128x128 blocks", method(fp8.quantize, block=128)),
+        Row("MXFP4", method(mx.quantize_model_mxfp4)),
+        Row("NVFP4", method(mx.quantize_model_nvfp4)),
+        Row("trellis (QTIP-style), L=8", method(trellis.quantize, L=8, K=2)),
+        Row("trellis (QTIP-style), L=8, K=3", method(trellis.quantize, L=8, K=3)),
         Row("RTN int2, g64 (for comparison)", rtn(2)),
-        Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles",
-            lambda m, calib: trellis.quantize(m, calib, L=8, K=2, ldlq=True) and None),
-        Row("EntQuant Float8+ANS, ~4 bpw", lambda m, calib: entropy.quantize_entquant(m, bpw=4.0) and None),
-        Row("EntQuant Float8+ANS, ~3 bpw", lambda m, calib: entropy.quantize_entquant(m, bpw=3.0) and None),
-        Row("EntQuant Float8+ANS, ~2.1 bpw", lambda m, calib: entropy.quantize_entquant(m, bpw=2.1) and None),
-        Row("NF4, g64", lambda m, calib: entropy.quantize_nf4(m, group_size=64) and None),
-        *[Row(f"lattice E8, {b} bps", lambda m, calib, b=b: lattice.quantize(m, lattice="E8", bps=b) and None)
-          for b in (2.0, 3.0, 4.0)],
-        *[Row(f"lattice {name}, 3 bps", lambda m, calib, name=name: lattice.quantize(m, lattice=name, bps=3.0) and None)
-          for name in ("D4", "A2", "Z")],
+        Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles", method(trellis.quantize, L=8, K=2, ldlq=True)),
+        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", method(entropy.quantize_entquant, bpw=b)) for b in (4.0, 3.0, 2.1)],
+        Row("NF4, g64", method(entropy.quantize_nf4, group_size=64)),
+        *[Row(f"lattice E8, {b} bps", method(lattice.quantize, lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
+        *[Row(f"lattice {name}, 3.0 bps", method(lattice.quantize, lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],
         *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", kv_only("E8", b, rot, dither))
           for b in (2.0, 3.0) for rot in ("none", "signs", "qjl") for dither in (False, True)],
     ]
