@@ -4,8 +4,9 @@
       Train (or load from cache) a tiny Qwen3 on bytes, quantize it every way, and print the KL table:
       one JSON line per row as it finishes, then a markdown table.
   python run.py train     [--steps] [--text] [--seed] [--out DIR]       train (cached) and optionally save dense
-  python run.py quantize  --method NAME --out DIR [--group-size 64] [--act-order] [--steps/--text/--seed]
-      write the trained model as a quantized checkpoint (gptq, awq, fp8, compressed-tensors, ...)
+  python run.py quantize  --method NAME --out DIR [--group-size 64] [--act-order] [--bpw 2.1] [--option K=V ...]
+      write the trained model as a quantized checkpoint (gptq, awq, fp8, compressed-tensors, trellis, entquant,
+      lattice); --option passes any other keyword of that method's quantize()
   python run.py eval      DIR [--impl] [--steps/--text/--seed]          KL of a quantized checkpoint vs the reference
 """
 import argparse
@@ -156,11 +157,29 @@ def cmd_quantize(args):
     if args.method not in METHODS:
         raise SystemExit(f"--method must be one of {sorted(METHODS)}")
     corpus, model = setup(args)
-    options = {"group_size": args.group_size} if args.group_size else {}
+    options = dict(parse_option(o) for o in args.option or [])
+    if args.group_size:
+        options["group_size"] = args.group_size
     if args.act_order:
         options["act_order"] = True
-    qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), **options)
+    if args.bpw is not None:
+        options["bpw"] = args.bpw
+    try:
+        qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), **options)
+    except TypeError as e:                                  # an option the method's quantize() does not take
+        raise SystemExit(f"error: --method {args.method}: {e}")
     log(f"wrote {args.out}: {json.dumps(qcfg)}")
+
+
+def parse_option(text):
+    """KEY=VALUE -> (key, value), the value read as JSON when it is JSON (numbers, true/false) and as text otherwise."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--option wants KEY=VALUE, got {text!r}")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), value
 
 
 def cmd_eval(args):
@@ -192,7 +211,10 @@ def main(argv=None):
     z.add_argument("--method", required=True)
     z.add_argument("--out", required=True)
     z.add_argument("--group-size", type=int)
-    z.add_argument("--act-order", action="store_true")
+    z.add_argument("--act-order", action="store_true", help="gptq: visit columns by decreasing Hessian diagonal")
+    z.add_argument("--bpw", type=float, help="entquant: target bits per weight (lambda found by bisection)")
+    z.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="any other option of the method's quantize(), e.g. format=nvfp4-pack-quantized, L=8, bps=3")
     e = common(sub.add_parser("eval", help="KL of a quantized checkpoint against the reference model"))
     e.add_argument("directory")
     e.add_argument("--impl", choices=["torch", "engine"], default="torch")

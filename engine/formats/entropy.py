@@ -38,6 +38,7 @@ import functools
 import json
 import math
 import struct
+import sys
 import time
 from pathlib import Path
 
@@ -576,12 +577,14 @@ def quantize_entquant(model, calibration_ids=None, lam=None, bpw=None, fmt="floa
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
     linears = _block_linears(model)
-    start = time.time()
     found = {}
 
     def measure(lam_):
+        start = time.time()
         found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes)
         _, _, bits, count = found[lam_]
+        print(f"entquant: lambda {lam_:.4g} -> {bits / count:.3f} bits per weight ({time.time() - start:.1f} s)",
+              file=sys.stderr, flush=True)
         return bits / count
 
     if bpw is not None:
@@ -599,8 +602,7 @@ def quantize_entquant(model, calibration_ids=None, lam=None, bpw=None, fmt="floa
     replace_linears(model, make, names=set(per_layer))
     attach_decoder(model)
     return {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
-            "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS,
-            "seconds": round(time.time() - start, 2)}
+            "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
 
 
 def resident_bytes(model):
