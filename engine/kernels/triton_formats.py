@@ -240,76 +240,98 @@ def nvfp4_matmul(x, packed, block_scale, tensor_scale):
 
 # ----------------------------------------------------------------------------------------------------------------
 # HyperQuant lattice codes (engine.formats.lattice): Rice sub-streams -> lattice points, inverse strip fused.
-# One lane (GPU thread) per sub-stream: it seeks to the sub-stream's start bit and decodes its symbols in one pass,
-# reading a 32-bit MSB-first window from 5 bytes; the unary run is the window's count of leading zeros, taken from
-# the float32 exponent of its top 24 bits (a valid codeword has its '1' among the first 16). Symbol orders per
-# vector: E8 [comb, s0..s6], D4 [c0, c1, c2, t], A2 [n_x, t_y], Z [n]; the vector's position r is a compile-time
-# constant (static inner loop), and the dropped coordinate is rebuilt at the vector's last symbol.
-# Output: float32 code * axis * scale[row]; end_ptr gets each lane's final bit position (-1: invalid codeword).
+# A decoder lane per sub-stream: it seeks to the sub-stream's start bit and decodes its symbols in one pass. A program
+# decodes STREAMS sub-streams side by side as a vector (lane i: sub-stream program * STREAMS + i, with its own bit
+# position; lanes past the last sub-stream are masked), all lanes stepping through their symbols in lockstep.
+# Why STREAMS: a sub-stream's symbols must be read one after the other (a codeword's start is known only once the one
+# before it is decoded), so the kernel is 512 steps long whatever the layer. Compiled, a lane is a GPU thread and
+# STREAMS = 32 (one warp per program) spreads the sub-streams over the SMs. Under the interpreter every tl op of
+# every program costs ~0.1 ms of Python whatever its width, so the launcher runs ONE program for all sub-streams
+# (STREAMS = next power of two of their count): 512 vector steps instead of 512 per sub-stream (384 sub-streams in a
+# 768 x 256 layer). For the same reason a step is kept to few ops, and its numbers are tensors made once (below).
+# A codeword is read through a 32-bit window, bits pos .. pos+31 MSB first, cut from one 64-bit load: the launcher
+# lays the payload out as windows[i] = bytes 4i .. 4i+7 (like rice_decode's win40). The unary run is the window's
+# count of leading zeros, taken from the float32 exponent of its top 24 bits (a valid codeword has its '1' among the
+# first 16). Symbol orders per vector: E8 [comb, s0..s6], D4 [c0, c1, c2, t], A2 [n_x, t_y], Z [n]; the vector's
+# position r is a compile-time constant (static inner loop), and the dropped coordinate is rebuilt at the vector's
+# last symbol. Output: float32 code * axis * scale[row]; end_ptr gets each lane's final bit position (-1: a start
+# below 0 or an invalid codeword), which the launcher checks against where each sub-stream must end.
 
 _LATTICE_KINDS = {"Z": (0, 1), "A2": (1, 2), "D4": (2, 4), "E8": (3, 8)}
 
 
 @triton.jit
-def lattice_decode_kernel(payload_ptr, nbytes, offsets_ptr, ks_ptr, count, n_streams, vectors, scale_ptr, row_len,
+def lattice_decode_kernel(windows_ptr, nwords, offsets_ptr, ks_ptr, count, n_streams, vectors, scale_ptr, row_len,
                           axis0, out_ptr, end_ptr, KIND: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
-                          ESCAPE: tl.constexpr, BLOCK: tl.constexpr):
-    sid = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+                          ESCAPE: tl.constexpr, STREAMS: tl.constexpr):
+    sid = tl.program_id(0) * STREAMS + tl.arange(0, STREAMS)        # this program's sub-streams, one per lane
     live = sid < n_streams
     pos = tl.load(offsets_ptr + sid, mask=live, other=0).to(tl.int64)
     kb = tl.load(ks_ptr + sid, mask=live, other=0).to(tl.int64)
     k0, k1 = kb & 7, (kb >> 3) & 7
-    mask0, mask1, shift0, shift1 = (1 << k0) - 1, (1 << k1) - 1, 31 - k0, 31 - k1
-    bad = live & (pos < 0)
+    mask0, mask1, shift0, shift1, len0, len1 = (1 << k0) - 1, (1 << k1) - 1, 31 - k0, 31 - k1, k0 + 1, k1 + 1
+    worst = tl.where(live & (pos < 0), ESCAPE + 1, 0).to(tl.int64)    # largest unary run seen (> ESCAPE: invalid)
+    pos = tl.maximum(pos, 0)                                          # a corrupt negative start reads from 0
+    # The loop's numbers as [STREAMS] tensors, made once (cN is N): under the interpreter an op with a Python number
+    # first broadcasts it into a fresh array, which about doubles the op's cost; compiled, they are plain constants.
+    zero = tl.zeros((STREAMS,), dtype=tl.int64)
+    c1, c2, c5, c8, c23, c31, c32 = zero + 1, zero + 2, zero + 5, zero + 8, zero + 23, zero + 31, zero + 32
+    c150, low16, low32, last_word = zero + 150, zero + 0xFFFF, zero + 0xFFFFFFFF, zero + nwords
+    escape, cap = zero + ESCAPE, zero + ESCAPE + 1
+    stream_base = sid.to(tl.int64) * S                    # each lane's first element
     for vec in range(vectors):                            # S // N, fewer when the whole tensor is shorter
-        base = sid.to(tl.int64) * S + vec * N             # this vector's first element
+        base = stream_base + vec * N                      # this vector's first element
         act = live & (base < count)                       # vectors never straddle the end
+        out_vec = out_ptr + base
         row_scale = tl.load(scale_ptr + base // row_len, mask=act, other=0.0)
-        parity = tl.zeros((BLOCK,), dtype=tl.int64)
+        parity = tl.zeros((STREAMS,), dtype=tl.int64)
+        start = pos          # a lane past its last vector decodes junk in this one: stores masked, q ignored, and
+                             # pos goes back here afterwards
         for r in tl.static_range(N):
             if (KIND == 1 and r == 1) or (KIND == 2 and r == 3):        # the second Rice parameter's symbols
-                k, k_mask, k_shift = k1, mask1, shift1
+                k, k_mask, k_shift, k_len = k1, mask1, shift1, len1
             else:
-                k, k_mask, k_shift = k0, mask0, shift0
-            # One Rice codeword per lane at bit pos. The payload is padded by 8 bytes and byte is clamped, so a
-            # corrupt stream never reads outside it.
-            byte = tl.minimum(pos >> 3, nbytes)
-            win = tl.load(payload_ptr + byte).to(tl.int64)
-            for i in tl.static_range(1, 5):
-                win = (win << 8) | tl.load(payload_ptr + byte + i).to(tl.int64)
-            w = (win >> (8 - (pos & 7))) & 0xFFFFFFFF                   # bits pos .. pos+31, MSB first
-            lead = ((w >> 8).to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF    # 127 + top one's index
-            q = (150 - lead).to(tl.int64)                               # leading zeros of w
-            bad = bad | (act & (q > ESCAPE))
-            q = tl.minimum(q, ESCAPE)
-            esc = q == ESCAPE
-            m = tl.where(esc, w & 0xFFFF, (q << k) | ((w >> (k_shift - q)) & k_mask))
-            pos += tl.where(act, tl.where(esc, 32, q + 1 + k), 0)
-            v = (m >> 1) ^ -(m & 1)                       # zig-zag back to signed
+                k, k_mask, k_shift, k_len = k0, mask0, shift0, len0
+            # One Rice codeword per lane at bit pos: one load of the 64-bit window of 32-bit word pos // 32 (the
+            # index is clamped and the windows end in zeros, so a corrupt stream never reads outside them).
+            win = tl.load(windows_ptr + tl.minimum(pos >> c5, last_word))
+            w = (win >> (c32 - (pos & c31))) & low32      # bits pos .. pos+31, MSB first
+            q = c150 - ((w >> c8).to(tl.float32).to(tl.int32, bitcast=True) >> c23)  # 150 - (127 + top one's index)
+            q = tl.minimum(q, cap)                        # = leading zeros of w, capped: shifts stay in range
+            esc = q >= escape                             # escape: m is the 16 raw bits after the '1'
+            m = tl.where(esc, w & low16, (q << k) | ((w >> (k_shift - q)) & k_mask))
+            pos += tl.where(esc, c32, q + k_len)
+            vec_worst = q if r == 0 else tl.maximum(vec_worst, q)
             if KIND == 3:                                 # E8int: [comb, s0..s6]
                 if r == 0:
-                    coset = m & 1
-                    half = (m >> 2) ^ -((m >> 1) & 1)
+                    coset = m & c1
+                    half = (m >> c2) ^ -((m >> c1) & c1)
                 else:
+                    v = (m >> c1) ^ -(m & c1)             # zig-zag back to signed
                     parity += v
-                    tl.store(out_ptr + base + r - 1, (2 * v + coset).to(tl.float32) * row_scale, mask=act)
+                    tl.store(out_vec + (r - 1), (c2 * v + coset).to(tl.float32) * row_scale, mask=act)
                     if r == N - 1:
-                        last = 2 * (2 * half + (parity & 1)) + coset
-                        tl.store(out_ptr + base + r, last.to(tl.float32) * row_scale, mask=act)
-            elif KIND == 2:                               # D4: [c0, c1, c2, t]
-                if r == 3:
-                    v = 2 * v + (parity & 1)
-                parity += v
-                tl.store(out_ptr + base + r, v.to(tl.float32) * row_scale, mask=act)
-            elif KIND == 1:                               # A2: [n_x, t_y] -> (n_y * axis0, n_x)
-                if r == 0:
-                    parity = v
-                    tl.store(out_ptr + base + 1, v.to(tl.float32) * row_scale, mask=act)
-                else:
-                    tl.store(out_ptr + base, (2 * v + (parity & 1)).to(tl.float32) * axis0 * row_scale, mask=act)
+                        last = c2 * (c2 * half + (parity & c1)) + coset
+                        tl.store(out_vec + r, last.to(tl.float32) * row_scale, mask=act)
             else:
-                tl.store(out_ptr + base, v.to(tl.float32) * row_scale, mask=act)
-    tl.store(end_ptr + sid, tl.where(bad, -1, pos), mask=live)
+                v = (m >> c1) ^ -(m & c1)
+                if KIND == 2:                             # D4: [c0, c1, c2, t]
+                    if r == 3:
+                        v = c2 * v + (parity & c1)
+                    else:
+                        parity += v
+                    tl.store(out_vec + r, v.to(tl.float32) * row_scale, mask=act)
+                elif KIND == 1:                           # A2: [n_x, t_y] -> (n_y * axis0, n_x)
+                    if r == 0:
+                        parity = v
+                        tl.store(out_vec + 1, v.to(tl.float32) * row_scale, mask=act)
+                    else:
+                        tl.store(out_vec, (c2 * v + (parity & c1)).to(tl.float32) * axis0 * row_scale, mask=act)
+                else:
+                    tl.store(out_vec, v.to(tl.float32) * row_scale, mask=act)
+        worst = tl.maximum(worst, tl.where(act, vec_worst, 0))
+        pos = tl.where(act, pos, start)
+    tl.store(end_ptr + sid, tl.where(worst > ESCAPE, -1, pos), mask=live)
 
 
 def lattice_decode(payload, offsets, ks, count, ends, lattice, scales, row_len, axis0=1.0, substream=512,
@@ -326,14 +348,22 @@ def lattice_decode(payload, offsets, ks, count, ends, lattice, scales, row_len, 
     streams = offsets.numel()
     if streams != -(-count // substream) or ks.numel() != streams or count % row_len or row_len % n or substream % n:
         raise ValueError(f"{streams} sub-streams / {ks.numel()} ks do not fit {count} symbols of rows {row_len}")
-    padded = torch.cat([payload.to(torch.uint8), payload.new_zeros(8, dtype=torch.uint8)])
+    # 64-bit windows: windows[i] = bytes 4i .. 4i+7, MSB first (what rice_decode's win40 is for every byte), so a
+    # lane gets any 32 bits starting in word i with one load; zero bytes pad the end.
+    nwords = -(-payload.numel() // 4)
+    padded = payload.new_zeros(4 * (nwords + 2), dtype=torch.uint8)
+    padded[:payload.numel()] = payload
+    b = padded.view(-1, 4).long()
+    words = (b[:, 0] << 24) | (b[:, 1] << 16) | (b[:, 2] << 8) | b[:, 3]
+    windows = (words[:-1] << 32) | words[1:]                                  # [nwords + 1] int64
     out = torch.zeros(count, device=payload.device, dtype=torch.float32)
     found = torch.empty(streams, device=payload.device, dtype=torch.int64)
-    block = min(1024, triton.next_power_of_2(streams)) if INTERPRETED else 32
-    lattice_decode_kernel[(triton.cdiv(streams, block),)](
-        padded, payload.numel(), offsets.contiguous(), ks.contiguous(), count, streams, min(substream, count) // n,
+    # Interpreter: one program for all sub-streams (up to 4096 lanes); compiled: one warp's worth per program.
+    per_program = min(4096, triton.next_power_of_2(streams)) if INTERPRETED else 32
+    lattice_decode_kernel[(triton.cdiv(streams, per_program),)](
+        windows, nwords, offsets.contiguous(), ks.contiguous(), count, streams, min(substream, count) // n,
         scales.float().contiguous(), row_len, float(axis0), out, found, KIND=kind, N=n, S=substream, ESCAPE=escape,
-        BLOCK=block)
+        STREAMS=per_program)
     wrong = found != ends.to(found.device)
     if bool(wrong.any()):
         i = int(wrong.nonzero()[0])
