@@ -190,17 +190,6 @@ def test_rate_control_hits_target(name, bps):
         L.snr_for_rate(0.5, name)
 
 
-def test_hadamard_is_orthonormal_and_rotation_inverts():
-    x = torch.randn(3, 64, dtype=torch.float64)
-    h = L.hadamard_transform(torch.eye(16, dtype=torch.float64))
-    assert torch.allclose(h @ h.T, torch.eye(16, dtype=torch.float64))
-    assert torch.allclose(h * 4, torch.tensor([[(-1) ** (i & j).bit_count() for j in range(16)]
-                                               for i in range(16)], dtype=torch.float64))
-    signs = torch.where(torch.rand(64) < 0.5, -1.0, 1.0).double()
-    assert torch.allclose(L.unrotate(L.rotate(x, signs, 16), signs, 16), x)
-    assert torch.allclose(L.rotate(x, signs, 16).norm(dim=1), x.norm(dim=1))
-
-
 def test_lattice_linear_engine_matches_torch_and_counts_storage():
     torch.manual_seed(0)
     w = torch.randn(4, 32) * 0.05                   # 128 symbols: the interpreted kernel decodes 32 steps

@@ -33,21 +33,6 @@ def test_codes_match_their_definitions_and_codebook_is_normalized():
         assert abs(table.mean()) < 1e-5 and table.std() == pytest.approx(1.0, abs=1e-5)
 
 
-def test_fwht_is_the_sylvester_hadamard_and_rotation_is_orthogonal():
-    h = torch.ones(1, 1)
-    for _ in range(5):
-        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]]), h)
-    x = torch.randn(3, 7, 32)
-    assert torch.allclose(trellis.fwht(x), x @ h, atol=1e-5)
-    r = trellis.random_hadamard(32, seed=4)
-    assert torch.allclose(r @ r.T, torch.eye(32), atol=1e-6)
-    w = torch.randn(5, 64)
-    assert torch.allclose(trellis.rotate(w, 32, 4), (w.reshape(5, 2, 32) @ r.T).reshape(5, 64), atol=1e-5)
-    assert torch.allclose(trellis.unrotate(trellis.rotate(w, 32, 4), 32, 4), w, atol=1e-5)
-    with pytest.raises(ValueError):
-        trellis.random_hadamard(24)
-
-
 def _brute_force(x, table, L, K, wrap=None):
     """Least squared error over every start state and every symbol sequence (optionally tail-biting-pinned)."""
     T = len(x)

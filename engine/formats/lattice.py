@@ -32,7 +32,6 @@ Weights: random signs + Hadamard per tile of inputs, per-row alpha (rms), lattic
 head vector, rotation none / signs / Haar ("qjl"), per-vector alpha, optional subtractive dither Q(x + U) - U with
 U ~ Uniform(Voronoi cell) drawn fresh on every call, which makes <q, x_hat> unbiased for every single x.
 """
-import functools
 import json
 import math
 import sys
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 
 from ..kernels import triton_formats
+from .hadamard import rotate, unrotate
 from .affine import pack_bits, unpack_bits
 from .base import CheckpointMethod, QuantLinear, replace_linears
 
@@ -457,35 +457,7 @@ def snr_for_rate(bps, lattice):
     return float(np.interp(bps, rates, snrs))
 
 
-# ---- Hadamard rotation ------------------------------------------------------------------------------------------
-
-@functools.cache
-def hadamard(n):
-    """The orthonormal Sylvester-Hadamard matrix [n, n] (n a power of two), float64: H = H^T = H^-1."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"Hadamard size must be a power of two, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / math.sqrt(n)
-
-
-def hadamard_transform(x):
-    """x [..., n] -> x H_n. A dense matmul: for tiles of <= 256 it beats an O(n log n) butterfly made of many
-    small tensor ops."""
-    return x @ hadamard(x.shape[-1]).to(x.dtype)
-
-
-def rotate(x, signs, tile):
-    """x [..., in] -> x R with R = blockdiag(diag(signs_t) H_t): flip signs, then Hadamard per tile of inputs."""
-    s = x * signs
-    return hadamard_transform(s.reshape(*x.shape[:-1], -1, tile)).reshape(x.shape)
-
-
-def unrotate(x, signs, tile):
-    """x [..., in] -> x R^T (inverse of rotate)."""
-    return hadamard_transform(x.reshape(*x.shape[:-1], -1, tile)).reshape(x.shape) * signs
-
+# ---- rotation tile (the rotation itself: engine.formats.hadamard) -------------------------------------------------
 
 def rotation_tile(in_features, tile=128):
     """The largest power of two <= tile that divides in_features."""

@@ -24,11 +24,11 @@ U = chol(H^-1) upper, W[:, rest] -= (W_B - Q_B) U_BB^-1 U_B,rest (the best linea
 """
 import contextlib
 import functools
-import math
 
 import torch
 
 from ..kernels import triton_formats
+from . import hadamard
 from .affine import pack_bits
 from .base import CheckpointMethod, QuantLinear, replace_linears
 from .gptq import HessianAccumulator
@@ -200,51 +200,15 @@ def stream_states(codes, L, K, T, tail_biting):
 
 # ---- rotation -----------------------------------------------------------------------------------------------------
 
-def _check_pow2(n):
-    if n < 2 or n & (n - 1):
-        raise ValueError(f"Hadamard size must be a power of two >= 2, got {n}")
-
-
-def fwht(x):
-    """Fast Walsh-Hadamard transform over the last dim (a power of two), unnormalized, Sylvester order:
-    fwht(x) = x @ H with H = [[H, H], [H, -H]]. log2(n) butterfly stages, each one tensor op."""
-    n = x.shape[-1]
-    _check_pow2(n)
-    y = x.reshape(-1, n)
-    h = 1
-    while h < n:
-        y = y.view(-1, n // (2 * h), 2, h)
-        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), 2)
-        h *= 2
-    return y.reshape(x.shape)
-
-
-@functools.cache
-def _signs(n, seed):
-    return torch.where(torch.rand(n, generator=torch.Generator().manual_seed(seed)) < 0.5, -1.0, 1.0)
-
-
-def random_hadamard(n, seed=0):
-    """An orthogonal n x n matrix H D / sqrt(n): Sylvester Hadamard times random signs."""
-    _check_pow2(n)
-    return fwht(torch.eye(n)) * _signs(n, seed)[None, :] / math.sqrt(n)
-
-
 def rotate(x, group=256, seed=0):
-    """x [..., n] -> each group of `group` columns times R^T (R = random_hadamard(group, seed)): fwht(x D) / sqrt(g).
-    The same map rotates a weight's rows and a layer's activations."""
-    _check_pow2(group)
-    if x.shape[-1] % group:
-        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the rotation group {group}")
-    g = x.float().reshape(*x.shape[:-1], -1, group) * _signs(group, seed)
-    return (fwht(g) / math.sqrt(group)).reshape(x.shape)
+    """x [..., n] -> each group of `group` columns times R^T, R = random_hadamard(group, seed): the trellis layer
+    stores its rotation as this seed."""
+    return hadamard.rotate(x.float(), hadamard.random_signs(group, seed), group)
 
 
 def unrotate(x, group=256, seed=0):
-    """Inverse of rotate: each group times R = H D / sqrt(g)."""
-    _check_pow2(group)
-    g = fwht(x.float().reshape(*x.shape[:-1], -1, group)) * _signs(group, seed) / math.sqrt(group)
-    return g.reshape(x.shape)
+    """Inverse of rotate: each group times R."""
+    return hadamard.unrotate(x.float(), hadamard.random_signs(group, seed), group)
 
 
 # ---- a weight matrix ----------------------------------------------------------------------------------------------
@@ -374,7 +338,7 @@ class TrellisLinear(QuantLinear):
     def __init__(self, codes, scales, L=8, K=2, code="1mad", tail_biting=False, tile=(1, 256), group=256, seed=0,
                  bias=None):
         _check_code(L, K, code)
-        _check_pow2(group)
+        hadamard.check_power_of_two(group)
         th, tw = tile = tuple(int(t) for t in tile)
         if codes.dim() != 3 or codes.dtype != torch.uint8 or scales.shape != codes.shape[:2] \
                 or scales.dtype != torch.float16:
