@@ -60,6 +60,18 @@ def tile_sizes(m):
     return (16 if m <= 16 else 64), 64, 64
 
 
+def launch_matmul(kernel, x, n, weights, extras=(), **constexprs):
+    """Run a dequantize-and-matmul kernel: kernel(x, *weights, y, M, N, K, *extras, **constexprs, BLOCK_M, BLOCK_N,
+    BLOCK_K) over a grid of output tiles. Every matmul kernel below has that signature. Returns y [M, n] float32."""
+    m, k = x.shape
+    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
+    bm, bn, bk = tile_sizes(m)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    kernel[grid](x.float().contiguous(), *weights, y, m, n, k, *extras, **constexprs,
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
 def check_inputs(x, *tensors):
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
@@ -100,15 +112,9 @@ def affine_matmul(x, packed, scales, offsets, group_size, bits):
     check_inputs(x, packed, scales, offsets)
     if bits not in (2, 4, 8):
         raise ValueError(f"affine kernel supports 2, 4 or 8 bits, got {bits}")
-    m, k = x.shape
-    n = packed.shape[0]
-    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
-    bm, bn, bk = tile_sizes(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    affine_matmul_kernel[grid](x.float().contiguous(), packed.contiguous(), scales.float().contiguous(),
-                               offsets.float().contiguous(), y, m, n, k, packed.shape[1], scales.shape[1],
-                               group_size, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    return y
+    return launch_matmul(affine_matmul_kernel, x, packed.shape[0],
+                         (packed.contiguous(), scales.float().contiguous(), offsets.float().contiguous()),
+                         (packed.shape[1], scales.shape[1], group_size), BITS=bits)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -141,16 +147,12 @@ def fp8_block_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, s_cols, block,
 def fp8_block_matmul(x, weight, scale_inv, block=128):
     """x [M, K] float32, weight float8_e4m3fn [N, K], scale_inv float32 [ceil(N/block), ceil(K/block)] -> y [M, N]."""
     check_inputs(x, weight, scale_inv)
-    m, k = x.shape
+    k = x.shape[1]
     n = weight.shape[0]
     if weight.shape[1] != k or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight must be float8_e4m3fn [N, {k}], got {weight.dtype} {tuple(weight.shape)}")
-    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
-    bm, bn, bk = tile_sizes(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    fp8_block_kernel[grid](x.float().contiguous(), weight.contiguous(), scale_inv.float().contiguous(), y, m, n, k,
-                           scale_inv.shape[1], block, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    return y
+    return launch_matmul(fp8_block_kernel, x, n, (weight.contiguous(), scale_inv.float().contiguous()),
+                         (scale_inv.shape[1], block))
 
 
 # E2M1 code -> value (engine.formats.mx.E2M1; code = sign << 3 | magnitude index). One gather from this 16-entry
@@ -189,16 +191,11 @@ def mxfp4_matmul_kernel(x_ptr, b_ptr, e_ptr, lut_ptr, y_ptr, M, N, K,
 def mxfp4_matmul(x, blocks, scales):
     """x [M, K] float32, blocks uint8 [N, K/32, 16] (interleaved), scales uint8 E8M0 [N, K/32] -> y [M, N]."""
     check_inputs(x, blocks, scales)
-    m, k = x.shape
+    k = x.shape[1]
     n = blocks.shape[0]
     if tuple(blocks.shape) != (n, k // 32, 16) or tuple(scales.shape) != (n, k // 32) or k % 32:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} do not fit K={k}")
-    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
-    bm, bn, bk = tile_sizes(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    mxfp4_matmul_kernel[grid](x.float().contiguous(), blocks.contiguous(), scales.contiguous(),
-                              e2m1_table(x.device), y, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    return y
+    return launch_matmul(mxfp4_matmul_kernel, x, n, (blocks.contiguous(), scales.contiguous(), e2m1_table(x.device)))
 
 
 @triton.jit
@@ -224,18 +221,14 @@ def nvfp4_matmul_kernel(x_ptr, p_ptr, s_ptr, t_ptr, lut_ptr, y_ptr, M, N, K,
 def nvfp4_matmul(x, packed, block_scale, tensor_scale):
     """x [M, K] float32, packed uint8 [N, K/2], block_scale float8_e4m3fn [N, K/16], tensor_scale f32 -> y [M, N]."""
     check_inputs(x, packed, block_scale)
-    m, k = x.shape
+    k = x.shape[1]
     n = packed.shape[0]
     if tuple(packed.shape) != (n, k // 2) or tuple(block_scale.shape) != (n, k // 16) or k % 16:
         raise ValueError(f"NVFP4 packed {tuple(packed.shape)} / block_scale {tuple(block_scale.shape)} "
                          f"do not fit K={k}")
-    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
     t = torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device).reshape(1)
-    bm, bn, bk = tile_sizes(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    nvfp4_matmul_kernel[grid](x.float().contiguous(), packed.contiguous(), block_scale.contiguous(), t,
-                              e2m1_table(x.device), y, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    return y
+    return launch_matmul(nvfp4_matmul_kernel, x, n,
+                         (packed.contiguous(), block_scale.contiguous(), t, e2m1_table(x.device)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -453,18 +446,13 @@ def entquant_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K,
 def entquant_matmul(x, codes, scale, fmt="float8"):
     """x [M, K] float32, codes uint8 [N, K] (E4M3 or int8 bytes), scale float32 [N] (= 2^log_scale) -> y [M, N]."""
     check_inputs(x, codes, scale)
-    m, k = x.shape
+    k = x.shape[1]
     n = codes.shape[0]
     if codes.shape != (n, k) or scale.shape != (n,) or fmt not in ("float8", "int8"):
         raise ValueError(f"codes must be [N, {k}] with scale [N] and fmt float8 / int8, got {tuple(codes.shape)}, "
                          f"{tuple(scale.shape)}, {fmt!r}")
     q = codes.contiguous().view(torch.float8_e4m3fn if fmt == "float8" else torch.int8)
-    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
-    bm, bn, bk = tile_sizes(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    entquant_matmul_kernel[grid](x.float().contiguous(), q, scale.float().contiguous(), y, m, n, k,
-                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    return y
+    return launch_matmul(entquant_matmul_kernel, x, n, (q, scale.float().contiguous()))
 
 
 @triton.jit
@@ -489,17 +477,13 @@ def nf4_matmul_kernel(x_ptr, p_ptr, a_ptr, t_ptr, y_ptr, M, N, K, p_cols, groups
 def nf4_matmul(x, packed, absmax, table, group_size=64):
     """x [M, K] float32, packed uint8 [N, ceil(K / 2)], absmax float32 [N, groups], table float32 [16] -> y [M, N]."""
     check_inputs(x, packed, absmax, table)
-    m, k = x.shape
+    k = x.shape[1]
     n = packed.shape[0]
     if packed.shape[1] != -(-k // 2) or absmax.shape != (n, -(-k // group_size)) or table.numel() != 16:
         raise ValueError(f"NF4 shapes do not fit K={k}: packed {tuple(packed.shape)}, absmax {tuple(absmax.shape)}")
-    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
-    bm, bn, bk = tile_sizes(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    nf4_matmul_kernel[grid](x.float().contiguous(), packed.contiguous(), absmax.float().contiguous(),
-                            table.float().contiguous(), y, m, n, k, packed.shape[1], absmax.shape[1], group_size,
-                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    return y
+    return launch_matmul(nf4_matmul_kernel, x, n,
+                         (packed.contiguous(), absmax.float().contiguous(), table.float().contiguous()),
+                         (packed.shape[1], absmax.shape[1], group_size))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -555,12 +539,6 @@ def trellis_matmul(x, codes, scales, L, K, tile, mean, inv_std, code=0):
                          f"{tuple(scales.shape)}")
     if x.shape[1] != codes.shape[1] * tw or not 1 <= K < L <= 24 or code not in (0, 1):
         raise ValueError(f"x {tuple(x.shape)} / L={L}, K={K}, code={code} do not fit codes {tuple(codes.shape)}")
-    m, k = x.shape
-    n = codes.shape[0] * th
-    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
-    bm, bn, bk = tile_sizes(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    trellis_matmul_kernel[grid](x.float().contiguous(), codes.contiguous(), scales.float().contiguous(), y, m, n, k,
-                                codes.shape[1], codes.shape[2], mean, inv_std, L=L, KBITS=K, TH=th, TW=tw,
-                                CODE=code, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    return y
+    return launch_matmul(trellis_matmul_kernel, x, codes.shape[0] * th,
+                         (codes.contiguous(), scales.float().contiguous()),
+                         (codes.shape[1], codes.shape[2], mean, inv_std), L=L, KBITS=K, TH=th, TW=tw, CODE=code)
