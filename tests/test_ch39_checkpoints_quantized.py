@@ -1,0 +1,92 @@
+"""load_quantized / save_quantized: the registry, the streaming build, and a clear error for every malformed input."""
+import copy
+import json
+
+import pytest
+import torch
+
+from engine.formats.checkpoints import METHODS, load_quantized, save_quantized
+from engine.safetensors_io import save_file, snapshot_tensors
+
+
+@pytest.fixture
+def fp8_model(tiny_model):
+    return copy.deepcopy(tiny_model)           # save_quantized quantizes the model it is given in place
+
+
+@pytest.fixture
+def fp8_checkpoint(fp8_model, tmp_path):
+    save_quantized(fp8_model, tmp_path / "fp8", "fp8")
+    return tmp_path / "fp8"
+
+
+def _edit_config(directory, change):
+    raw = json.loads((directory / "config.json").read_text())
+    change(raw)
+    (directory / "config.json").write_text(json.dumps(raw))
+
+
+def _edit_tensors(directory, change):
+    tensors = dict(snapshot_tensors(directory))
+    change(tensors)
+    save_file(tensors, directory / "model.safetensors")
+
+
+def test_every_method_is_registered_under_its_quant_method():
+    assert {"gptq", "awq", "fp8", "compressed-tensors", "trellis", "entquant", "lattice"} <= set(METHODS)
+    assert all(name == m.name for name, m in METHODS.items())
+
+
+def test_save_then_load_gives_identical_logits(tiny_model, fp8_model, fp8_checkpoint):
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loaded = load_quantized(fp8_checkpoint)(ids)
+        assert torch.equal(loaded, fp8_model(ids))
+        assert not torch.equal(loaded, tiny_model(ids))
+
+
+def test_unknown_method_is_refused_when_saving(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="unknown method 'bitnet'"):
+        save_quantized(tiny_model, tmp_path / "x", "bitnet")
+    assert not (tmp_path / "x").exists()
+
+
+def test_unsupported_quant_method(fp8_checkpoint):
+    _edit_config(fp8_checkpoint, lambda raw: raw["quantization_config"].update(quant_method="bitnet"))
+    with pytest.raises(ValueError, match="unsupported quant_method 'bitnet'"):
+        load_quantized(fp8_checkpoint)
+
+
+def test_dense_checkpoint_is_not_a_quantized_one(fp8_checkpoint):
+    _edit_config(fp8_checkpoint, lambda raw: raw.pop("quantization_config"))
+    with pytest.raises(ValueError, match="no quantization_config"):
+        load_quantized(fp8_checkpoint)
+
+
+def test_incomplete_layer(fp8_checkpoint):
+    _edit_tensors(fp8_checkpoint, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale_inv"))
+    with pytest.raises(ValueError, match="incomplete quantized layer.*mlp.up_proj"):
+        load_quantized(fp8_checkpoint)
+
+
+def test_unexpected_tensor(fp8_checkpoint):
+    _edit_tensors(fp8_checkpoint, lambda t: t.update({"model.layers.0.mlp.up_proj.qweight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="unexpected tensor model.layers.0.mlp.up_proj.qweight"):
+        load_quantized(fp8_checkpoint)
+
+
+def test_layer_shape_that_does_not_match_the_config(fp8_checkpoint):
+    _edit_config(fp8_checkpoint, lambda raw: raw.update(intermediate_size=96))
+    with pytest.raises(ValueError, match=r"mlp\.\w+_proj: checkpoint layer is \d+ x \d+, the config says"):
+        load_quantized(fp8_checkpoint)
+
+
+def test_unsupported_bits_and_block_size(tiny_model, tmp_path, fp8_checkpoint):
+    _edit_config(fp8_checkpoint, lambda raw: raw["quantization_config"].update(weight_block_size=[64, 32]))
+    with pytest.raises(ValueError, match="weight_block_size"):
+        load_quantized(fp8_checkpoint)
+    calibration = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    save_quantized(tiny_model, tmp_path / "gptq", "gptq", calibration, group_size=32)
+    _edit_config(tmp_path / "gptq", lambda raw: raw["quantization_config"].update(bits=3))
+    with pytest.raises(ValueError, match="bits"):
+        load_quantized(tmp_path / "gptq")
