@@ -11,6 +11,7 @@
 """
 import argparse
 import copy
+import inspect
 import json
 import sys
 import time
@@ -156,18 +157,20 @@ def cmd_quantize(args):
     from engine.formats.checkpoints import METHODS, save_quantized
     if args.method not in METHODS:
         raise SystemExit(f"--method must be one of {sorted(METHODS)}")
-    corpus, model = setup(args)
     options = dict(parse_option(o) for o in args.option or [])
-    if args.group_size:
+    if args.group_size is not None:
         options["group_size"] = args.group_size
     if args.act_order:
         options["act_order"] = True
     if args.bpw is not None:
         options["bpw"] = args.bpw
-    try:
-        qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), **options)
-    except TypeError as e:                                  # an option the method's quantize() does not take
-        raise SystemExit(f"error: --method {args.method}: {e}")
+    accepted = inspect.signature(METHODS[args.method].quantize).parameters
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise SystemExit(f"error: --method {args.method} takes no option {unknown}; it takes "
+                         f"{[p for p in accepted if p not in ('model', 'calibration_ids')]}")
+    corpus, model = setup(args)
+    qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), **options)
     log(f"wrote {args.out}: {json.dumps(qcfg)}")
 
 
@@ -188,7 +191,8 @@ def cmd_eval(args):
     windows = corpus.eval_windows()
     model = load_quantized(args.directory)
     stats = kl_stats(held_out_logits(reference, windows), evaluate(model, windows, args.impl))
-    print(json.dumps({"checkpoint": args.directory, "bits": round(model_bits(model), 3), **stats}))
+    bits = model_bits(model)
+    print(json.dumps({"checkpoint": args.directory, "bits": None if bits is None else round(bits, 3), **stats}))
 
 
 def main(argv=None):

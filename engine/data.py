@@ -43,8 +43,10 @@ class Corpus:
 
     def batch(self, batch_size, seq_len, generator):
         """Random training windows: (inputs, targets) [batch, seq_len], targets shifted by one byte."""
-        starts = torch.randint(0, len(self.train) - seq_len - 1, (batch_size,), generator=generator)
-        windows = torch.stack([self.train[s:s + seq_len + 1] for s in starts.tolist()])
+        if len(self.train) < seq_len + 1:
+            raise ValueError(f"training text ({len(self.train)} bytes) is shorter than one {seq_len + 1}-byte window")
+        starts = torch.randint(0, len(self.train) - seq_len, (batch_size,), generator=generator)
+        windows = self.train[starts[:, None] + torch.arange(seq_len + 1)]
         return windows[:, :-1], windows[:, 1:]
 
     def eval_windows(self, seq_len=128, max_windows=16):
@@ -52,7 +54,7 @@ class Corpus:
         n = min(max_windows, (len(self.held_out) - 1) // seq_len)
         if n < 1:
             raise ValueError(f"held-out text ({len(self.held_out)} bytes) is shorter than one {seq_len}-byte window")
-        return torch.stack([self.held_out[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)])
+        return self.held_out[:n * seq_len + 1].unfold(0, seq_len + 1, seq_len)
 
     def calibration(self, seq_len=128, n=16, seed=1234):
         """Calibration windows [n, seq_len] from the TRAINING split only (never the held-out text)."""

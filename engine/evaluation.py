@@ -17,7 +17,8 @@ def kl_per_position(ref_logits, logits):
     """[..., vocab] x2 -> KL(P_ref || P) per position [...], in nats, computed in float64."""
     logp = torch.log_softmax(ref_logits.double(), -1)
     logq = torch.log_softmax(logits.double(), -1)
-    return (logp.exp() * (logp - logq)).sum(-1).clamp_min(0)
+    p = logp.exp()
+    return (torch.xlogy(p, p) - p * logq).sum(-1).clamp_min(0)       # xlogy: 0 log 0 = 0 where P(v) = 0
 
 
 def kl_stats(ref_logits, logits):

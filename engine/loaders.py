@@ -12,8 +12,6 @@ import torch
 from .qwen3 import Qwen3, Qwen3Config
 from .safetensors_io import atomic_directory, save_file, snapshot_tensors
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def read_config(directory):
     """config.json as a dict; ValueError if it is missing or not a JSON object."""

@@ -41,6 +41,11 @@ class Qwen3Config:
     torch_dtype: str = "float32"
 
     def __post_init__(self):
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim")
+        bad = [name for name in sizes if not isinstance(getattr(self, name), int) or getattr(self, name) < 1]
+        if bad:
+            raise ValueError(f"config sizes must be positive integers: {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -55,6 +60,9 @@ class Qwen3Config:
             raise ValueError(f"config.json lacks required key(s) {missing}")
         if raw.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"model_type is {raw.get('model_type')!r}, expected 'qwen3'")
+        if raw.get("hidden_act", "silu") != "silu" or raw.get("use_sliding_window"):
+            raise ValueError(f"only SiLU MLPs with full attention are implemented, got hidden_act="
+                             f"{raw.get('hidden_act')!r}, use_sliding_window={raw.get('use_sliding_window')!r}")
         rope = raw.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
             raise ValueError(f"only default RoPE is implemented, got {rope or raw.get('rope_scaling')}")

@@ -30,6 +30,9 @@ def checkpoint_files(directory):
             weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{directory / INDEX} is not a valid shard index: {e}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and Path(f).name == f
+                                                       for f in weight_map.values()):
+            raise ValueError(f"{directory / INDEX}: weight_map must map tensor names to file names in the folder")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (directory / f).exists()]
         if missing:

@@ -6,6 +6,7 @@ a key made of the corpus hash, the config, the steps, the seed and the hyper-par
 """
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -36,7 +37,7 @@ def lr_at(step, tc: TrainConfig):
     if step < tc.warmup:
         return tc.lr * (step + 1) / tc.warmup
     progress = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
-    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item()))
+    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(progress * math.pi)))
 
 
 def train(cfg, corpus, tc: TrainConfig, log=print):

@@ -110,3 +110,23 @@ def test_rtn_quantize_model_replaces_every_linear_but_lm_head(tiny_model):
 def test_impl_switch_rejects_unknown_names():
     with pytest.raises(ValueError, match="impl"):
         triton_formats.set_impl("cuda")
+
+
+def test_bad_inputs_are_clear_errors():
+    w = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_to_affine(w, 4, 0)
+    with pytest.raises(ValueError, match="not finite"):
+        quantize_to_affine(torch.full((4, 64), float("nan")), 4, 32)
+    with pytest.raises(ValueError, match="bits"):
+        pack_bits(torch.zeros(2, 8, dtype=torch.uint8), 3)
+    layer = AffineQuantLinear.from_codes(*quantize_to_affine(w, 4, 32), 32, 4)
+    with pytest.raises(ValueError, match="input has 32 features, the layer expects 64"):
+        layer(torch.zeros(2, 32))
+
+
+def test_a_tiny_range_still_gets_a_usable_scale():
+    w = torch.tensor([[1e-9, -2e-9, 0.0, 3e-9]])
+    codes, scales, offsets = quantize_to_affine(w, 4, 4)
+    assert (scales > 0).all() and torch.isfinite(offsets).all()
+    assert (fake_quantize(w, 4, 4) - w).abs().max() < 1e-7

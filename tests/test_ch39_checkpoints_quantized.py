@@ -90,3 +90,19 @@ def test_unsupported_bits_and_block_size(tiny_model, tmp_path, fp8_checkpoint):
     _edit_config(tmp_path / "gptq", lambda raw: raw["quantization_config"].update(bits=3))
     with pytest.raises(ValueError, match="bits"):
         load_quantized(tmp_path / "gptq")
+
+
+def test_stray_bias_on_a_quantized_linear_is_refused(fp8_checkpoint):
+    _edit_tensors(fp8_checkpoint, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}))
+    with pytest.raises(ValueError, match="unexpected tensor model.layers.0.self_attn.q_proj.bias"):
+        load_quantized(fp8_checkpoint)
+
+
+def test_casting_a_quantized_model_keeps_its_stored_codes(fp8_checkpoint):
+    model = load_quantized(fp8_checkpoint)
+    layer = model.model.layers[0].mlp.up_proj
+    weight, scale = layer.weight.clone(), layer.weight_scale_inv.clone()
+    model.to(torch.bfloat16)
+    assert layer.weight.dtype == torch.float8_e4m3fn and torch.equal(layer.weight_scale_inv, scale)
+    assert torch.equal(layer.weight.view(torch.uint8), weight.view(torch.uint8))
+    assert model(torch.zeros(1, 3, dtype=torch.long)).dtype == torch.bfloat16

@@ -34,6 +34,10 @@ def find_params(w, bits, sym=False):
     empty = hi == lo                                       # an all-zero row: any grid reproduces it
     lo, hi = torch.where(empty, -1.0, lo), torch.where(empty, 1.0, hi)
     scale = ((hi - lo) / top).half().float()
+    if not torch.isfinite(scale).all():
+        raise ValueError(f"weights are not finite or their range exceeds what an f16 scale covers "
+                         f"(|w| up to {65504 * top / 2:.3g} with {bits} bits)")
+    scale = scale.clamp_min(2.0 ** -24)                    # a range so tiny its f16 scale would round to 0
     zero = torch.full_like(scale, (top + 1) / 2) if sym else (-lo / scale).round().clamp(0, top)
     return scale, zero
 
@@ -42,6 +46,8 @@ def _grouped(weight, group_size):
     """[out, in] -> [out, groups, group_size], zero-padding a ragged last group (zeros never change a range that
     already includes 0)."""
     out_f, in_f = weight.shape
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     groups = -(-in_f // group_size)
     return F.pad(weight.float(), (0, groups * group_size - in_f)).reshape(out_f, groups, group_size)
 
@@ -97,20 +103,27 @@ def choose_clip(weight, inputs, bits=4, group_size=64, grid=20, max_shrink=0.5, 
 
 # ---- packing ----------------------------------------------------------------------------------------------------
 
+def check_bits(bits, allowed=(1, 2, 4, 8)):
+    if bits not in allowed:
+        raise ValueError(f"bits must be one of {allowed}, got {bits!r}")
+
+
 def pack_bits(codes, bits):
     """codes [..., n] (0 <= c < 2^bits) -> uint8 [..., ceil(n * bits / 8)]: code j in byte j // (8 / bits),
     at bit (j % (8 / bits)) * bits. Low bits first, as every format here."""
+    check_bits(bits)
     per = 8 // bits
     n = codes.shape[-1]
     c = F.pad(codes.to(torch.int32), (0, -n % per)).reshape(*codes.shape[:-1], -1, per)
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
     return (c << shifts).sum(-1).to(torch.uint8)
 
 
 def unpack_bits(packed, bits, n):
     """Inverse of pack_bits: uint8 [..., bytes] -> codes uint8 [..., n]."""
+    check_bits(bits)
     per = 8 // bits
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     c = (packed.to(torch.int32)[..., None] >> shifts) & (2 ** bits - 1)
     return c.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
 
@@ -136,16 +149,16 @@ def pack_int32(values, bits=4, order=None):
     v = values.to(torch.int64).reshape(*values.shape[:-1], -1, per)
     if order is not None:
         v = v[..., list(order)]
-    word = (v << (torch.arange(per) * bits)).sum(-1)
+    word = (v << (torch.arange(per, device=v.device) * bits)).sum(-1)
     return (word - (word >= 2 ** 31).long() * 2 ** 32).to(torch.int32)        # same 32 bits, two's complement
 
 
 def unpack_int32(packed, bits=4, order=None):
     """Inverse of pack_int32: int32 [..., words] -> uint8 [..., words * 32 / bits]."""
     per = 32 // bits
-    fields = (packed.to(torch.int64)[..., None] >> (torch.arange(per) * bits)) & (2 ** bits - 1)
+    fields = (packed.to(torch.int64)[..., None] >> (torch.arange(per, device=packed.device) * bits)) & (2 ** bits - 1)
     if order is not None:
-        fields = fields[..., torch.argsort(torch.tensor(order))]
+        fields = fields[..., torch.argsort(torch.tensor(order, device=packed.device))]
     return fields.reshape(*packed.shape[:-1], -1).to(torch.uint8)
 
 
@@ -185,6 +198,12 @@ class AffineQuantLinear(QuantLinear):
     def from_codes(cls, codes, scales, offsets, group_size, bits=4, perm=None, bias=None):
         return cls(pack_bits(codes, bits), scales, offsets, group_size, bits, codes.shape[1], perm, bias)
 
+    @classmethod
+    def from_linear(cls, linear, bits=4, group_size=64, sym=False):
+        """Round-to-nearest of an nn.Linear."""
+        codes, scales, offsets = quantize_to_affine(linear.weight.detach(), bits, group_size, sym=sym)
+        return cls.from_codes(codes, scales, offsets, group_size, bits, bias=linear.bias)
+
     def codes(self):
         """The stored codes [out, in] (in stored column order)."""
         return unpack_bits(self.packed, self.bits, self.in_features)
@@ -207,7 +226,4 @@ class AffineQuantLinear(QuantLinear):
 
 def rtn_quantize(model, bits=4, group_size=64):
     """Round-to-nearest: replace every linear (but lm_head) by an AffineQuantLinear. Returns {name: layer}."""
-    def make(name, linear):
-        codes, scales, offsets = quantize_to_affine(linear.weight.detach(), bits, group_size)
-        return AffineQuantLinear.from_codes(codes, scales, offsets, group_size, bits, bias=linear.bias)
-    return replace_linears(model, make)
+    return replace_linears(model, lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size))

@@ -26,7 +26,6 @@ from .affine import (
     AffineQuantLinear,
     fake_quantize,
     pack_int32,
-    quantize_to_affine,
     unpack_int32,
 )
 from .base import CheckpointMethod, replace_linears
@@ -53,6 +52,8 @@ class InputStats:
         return stats
 
     def add(self, x):
+        if x.shape[-1] != self.abs_sum.shape[0]:
+            raise ValueError(f"calibration inputs have {x.shape[-1]} features, the layer has {self.abs_sum.shape[0]}")
         x = x.detach().reshape(-1, self.abs_sum.shape[0]).to(torch.float64)
         self.abs_sum += x.abs().sum(0)
         self.xtx += x.T @ x
@@ -114,7 +115,8 @@ def _scaling_pairs(layer):
 
 @torch.no_grad()
 def apply_awq(model, calibration_ids, bits=4, group_size=128, batch_size=8):
-    """Scale and quantize every decoder layer's linears in place, AutoAWQ's way. Returns {name: AffineQuantLinear}.
+    """Scale and quantize every decoder layer's linears in place, AutoAWQ's way (its scale search; AutoAWQ's clipping
+    search is not done here). Returns {name: AffineQuantLinear}.
 
     Inputs of q, o, gate and down are summarized (InputStats) by forward pre-hooks over the calibration tokens of
     the float model, in batches of batch_size sequences; then each pair's scale is searched and folded in, and
@@ -148,12 +150,8 @@ def apply_awq(model, calibration_ids, bits=4, group_size=128, batch_size=8):
             for linear in linears:
                 linear.weight.mul_(s[None, :].to(linear.weight.dtype))
 
-    def make(name, linear):
-        codes, scales, offsets = quantize_to_affine(linear.weight.detach(), bits, group_size)
-        return AffineQuantLinear.from_codes(codes, scales, offsets, group_size, bits, bias=linear.bias)
-
     names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.")}
-    return replace_linears(model, make, names)
+    return replace_linears(model, lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size), names)
 
 
 def quantize(model, calibration_ids, group_size=64, bits=4):

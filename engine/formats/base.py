@@ -46,7 +46,14 @@ class QuantLinear(nn.Module):
     def bits_per_weight(self) -> float:
         return self.storage_bits() / (self.in_features * self.out_features)
 
+    def _apply(self, fn, recurse=True):
+        """model.to(torch.bfloat16) must not re-round what is stored (fp8 codes, f32 scales): a quantized layer only
+        follows the device. Its forward computes in float32 and returns the activation's dtype anyway."""
+        return super()._apply(lambda t: t.to(fn(t.new_empty(0)).device), recurse)
+
     def forward(self, x):
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.in_features}")
         shape, dtype = x.shape, x.dtype
         x2d = x.reshape(-1, self.in_features).float()
         if triton_formats.get_impl() == "engine":

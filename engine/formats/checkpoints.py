@@ -50,7 +50,7 @@ def load_quantized(directory, dtype=torch.float32, device="cpu"):
     pending, built, loaded = {}, set(), set()
     for name, value in snapshot_tensors(directory):
         module, _, part = name.rpartition(".")
-        if module in linears and (part in needed or part == "bias"):
+        if module in linears and (part in needed or (part == "bias" and linears[module].bias is not None)):
             parts = pending.setdefault(module, {})
             parts[part] = value
             want = needed | ({"bias"} if linears[module].bias is not None else set())

@@ -3,7 +3,9 @@
 config.json's quantization_config says `"quant_method": "compressed-tensors"`, a `format` and `config_groups`, each
 group a scheme `{targets: ["Linear"], weights: {num_bits, type, symmetric, strategy, group_size, block_structure,
 ...}, input_activations, format}`; `ignore` lists layers left dense (lm_head). One entry here reads and writes four
-formats, each into the layer its own chapter section built (nothing is re-quantized on the way in or out):
+formats, each into the layer its own chapter section built (codes and scales are copied, never re-quantized; the one
+arithmetic step is NVFP4's weight_global_scale = 1 / tensor_scale, whose round trip can move the tensor scale by one
+float32 ulp):
 
   pack-quantized        int b-bit (W4A16), strategy "group" (or "channel": one group per row)  -> AffineQuantLinear
       weight_packed      int32 [out, ceil(in * b / 32)]   q + 2^(b-1) (the signed code made unsigned), low bits first
@@ -27,7 +29,7 @@ computed at run time by vLLM and are not emulated here; static activation scales
 """
 import torch
 
-from .affine import AffineQuantLinear, pack_int32, quantize_to_affine, unpack_int32
+from .affine import AffineQuantLinear, pack_int32, unpack_int32
 from .base import CheckpointMethod, quantized_linears, replace_linears
 from .fp8 import FP8BlockLinear
 from .mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear
@@ -269,10 +271,8 @@ def quantize(model, calibration_ids=None, format="pack-quantized", group_size=64
     config = quantization_config(format, bits, group_size, symmetric, block)
 
     def make(name, linear):
-        w = linear.weight.detach()
         if format == "pack-quantized":
-            codes, scales, offsets = quantize_to_affine(w, bits, group_size, sym=symmetric)
-            return AffineQuantLinear.from_codes(codes, scales, offsets, group_size, bits, bias=linear.bias)
+            return AffineQuantLinear.from_linear(linear, bits, group_size, sym=symmetric)
         if format == "float-quantized":
             return FP8BlockLinear.from_linear(linear, block)
         return (NVFP4Linear if format == "nvfp4-pack-quantized" else MXFP4Linear).from_linear(linear)

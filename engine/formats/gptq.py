@@ -6,7 +6,8 @@ the columns not yet quantized, so that the layer's OUTPUT on calibration inputs 
 
 H^-1 comes once from a Cholesky factorization (damped by 1% of mean(diag H)); updates are applied lazily, one block
 of 128 columns at a time. Each group's grid (affine.find_params: f16 scale, integer zero) is chosen from the weights
-as already corrected when the loop enters the group. Act-order (desc_act) visits columns by decreasing H_ii; groups
+as corrected when the loop enters the group (columns beyond the current 128-column block have received the earlier
+blocks' corrections but not yet this block's: the lazy update lands when the block ends). Act-order (desc_act) visits columns by decreasing H_ii; groups
 are then ranges of that order, and the checkpoint's g_idx [in] names each original column's group.
 
 Checkpoint (AutoGPTQ, `checkpoint_format` "gptq" = v1, the default everywhere; "gptq_v2" = raw zeros):
@@ -46,6 +47,9 @@ class HessianAccumulator:
         self.count = 0
 
     def add(self, x):
+        if x.shape[-1] != self.sum.shape[0]:
+            raise ValueError(f"calibration inputs have {x.shape[-1]} features, the layer has {self.sum.shape[0]}")
+        self.sum = self.sum.to(x.device)
         x = x.detach().reshape(-1, self.sum.shape[0]).to(torch.float64)
         self.sum += x.T @ x                      # float64: a long calibration run sums many large squares
         self.count += x.shape[0]
@@ -104,25 +108,26 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
     dead = torch.diag(H) == 0                              # inputs never active: their weights cannot matter
     H[dead, dead] = 1
     W[:, dead] = 0
-    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else torch.arange(cols)
+    dev = W.device
+    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else torch.arange(cols, device=dev)
     W, H = W[:, perm], H[perm][:, perm]
-    H += damp * torch.diag(H).mean() * torch.eye(cols)
+    H += damp * torch.diag(H).mean() * torch.eye(cols, device=dev)
     # The upper Cholesky factor of H^-1 holds exactly the [H^-1]_ij / [H^-1]_ii rows OBQ needs, in the order
     # the columns are eliminated (each row is the inverse Hessian of the columns still left).
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     codes = torch.zeros_like(W)
     groups = -(-cols // group_size)
-    scales, zeros = torch.zeros(out_f, groups), torch.zeros(out_f, groups)
+    scales, zeros = torch.zeros(out_f, groups, device=dev), torch.zeros(out_f, groups, device=dev)
     top = 2 ** bits - 1
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
-        W1, Err = W[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1)
+        W1, Err = W[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1, device=dev)
         H1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
             g = col // group_size
             if col % group_size == 0:                      # a new group: its range from the CURRENT weights
-                ahead = torch.cat((W1[:, i:], W[:, i2:]), 1)[:, :group_size]
+                ahead = torch.cat((W1[:, i:i + group_size], W[:, i2:i2 + group_size]), 1)[:, :group_size]
                 scales[:, g], zeros[:, g] = group_grid(ahead, bits, sym, min_zero)
             q = (W1[:, i] / scales[:, g] + zeros[:, g]).round().clamp(0, top)
             codes[:, col] = q
@@ -131,7 +136,7 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
             Err[:, i] = error
         W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
     inverse = torch.argsort(perm)
-    g_idx = (torch.arange(cols) // group_size)[inverse]    # the group of each ORIGINAL column
+    g_idx = (torch.arange(cols, device=dev) // group_size)[inverse]    # the group of each ORIGINAL column
     return codes[:, inverse].to(torch.uint8), scales, zeros, g_idx.to(torch.int32)
 
 

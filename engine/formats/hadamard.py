@@ -32,9 +32,13 @@ def fwht(x):
     return y.reshape(x.shape)
 
 
-@functools.cache
 def random_signs(n, seed):
-    """n signs +-1 (float32) drawn from `seed`: the D of R = H D / sqrt(n)."""
+    """n signs +-1 (float32) drawn from `seed`: the D of R = H D / sqrt(n). A copy: callers may modify it."""
+    return _signs(n, seed).clone()
+
+
+@functools.cache
+def _signs(n, seed):
     return torch.where(torch.rand(n, generator=torch.Generator().manual_seed(seed)) < 0.5, -1.0, 1.0)
 
 

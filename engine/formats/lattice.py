@@ -481,21 +481,23 @@ def _pack_signs(signs):
 class LatticeLinear(QuantLinear):
     """A weight stored as Rice sub-streams of stripped lattice codes.
 
-    W' = W R (R: random signs + Hadamard per tile of `tile` inputs), row o of W' is cut into vectors of n and
-    quantized as scales[o] * code * axis. Stored: the RiceStreams (payload, offsets, ks), scales f16 [out],
-    signs (1 bit per input), header int64 [in, out, tile, total_bits, crc]. Forward: y = (x R) W'^T, W' decoded
+    W' = W R^T (R = H D / sqrt(tile) per tile of inputs, engine.formats.hadamard); row o of W' is cut into vectors
+    of n and quantized as scales[o] * code * axis. Stored: the RiceStreams (payload, offsets, ks), scales f16
+    [out], signs (1 bit per input), header int64 [in, out, tile, total_bits, crc]. Forward: y = (x R^T) W'^T, W' decoded
     on the fly (CPU lockstep decoder for impl torch, the Triton decoder for impl engine).
     """
 
     def __init__(self, streams, scales, signs, lattice, in_features, tile, bias=None):
         lat = get_lattice(lattice)
         out_f = scales.numel()
-        if in_features % lat.n or in_features % 8 or in_features % tile or tile & (tile - 1):
+        if tile < 2 or in_features % lat.n or in_features % 8 or in_features % tile or tile & (tile - 1):
             raise ValueError(f"in_features {in_features} must be a multiple of 8, of {lat.name}'s n={lat.n} and of "
                              f"the power-of-two tile {tile}")
         if streams.count != out_f * in_features or signs.numel() * 8 != in_features:
             raise ValueError(f"stream of {streams.count} symbols / {signs.numel() * 8} signs do not fit a "
                              f"[{out_f}, {in_features}] weight")
+        if streams.substream != SUBSTREAM:
+            raise ValueError(f"a LatticeLinear stores {SUBSTREAM}-symbol sub-streams, got {streams.substream}")
         streams.validate()
         super().__init__(in_features, out_features=out_f, bias=bias)
         self.lattice, self.tile = lat.name, tile

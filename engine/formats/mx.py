@@ -39,7 +39,8 @@ def to_e2m1(x):
     """x [...] float -> E2M1 codes uint8 [...]: nearest, ties to even, saturating at +-6 (the sign of -0 and of
     negatives that round to 0 is kept, as hardware and ml_dtypes do)."""
     a = x.float().abs()[..., None]
-    index = torch.where(_TIE_GOES_UP, a >= _MIDPOINTS, a > _MIDPOINTS).sum(-1)
+    mid = _MIDPOINTS.to(a.device)
+    index = torch.where(_TIE_GOES_UP.to(a.device), a >= mid, a > mid).sum(-1)
     return (index | (torch.signbit(x).long() << 3)).to(torch.uint8)
 
 
@@ -86,7 +87,7 @@ def dequantize_mxfp4(blocks, scales, layout="interleaved"):
     codes = unpack_nibbles(blocks).long()
     if layout == "split":
         codes = codes.reshape(*codes.shape[:-1], 16, 2).transpose(-1, -2).flatten(-2)
-    return (E2M1[codes] * e8m0_to_float(scales)[..., None]).flatten(-2)
+    return (E2M1.to(codes.device)[codes] * e8m0_to_float(scales)[..., None]).flatten(-2)
 
 
 # ---- NVFP4 ------------------------------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def dequantize_nvfp4(packed, block_scale, tensor_scale):
         raise ValueError("tensor_scale must be a single number")
     codes = unpack_nibbles(packed).long().reshape(*block_scale.shape, NV_BLOCK)
     scale = block_scale.float() * torch.as_tensor(tensor_scale, dtype=torch.float32)
-    return (E2M1[codes] * scale[..., None]).flatten(-2)
+    return (E2M1.to(codes.device)[codes] * scale[..., None]).flatten(-2)
 
 
 # ---- layers -----------------------------------------------------------------------------------------------------

@@ -203,12 +203,17 @@ def stream_states(codes, L, K, T, tail_biting):
 def rotate(x, group=256, seed=0):
     """x [..., n] -> each group of `group` columns times R^T, R = random_hadamard(group, seed): the trellis layer
     stores its rotation as this seed."""
-    return hadamard.rotate(x.float(), hadamard.random_signs(group, seed), group)
+    return hadamard.rotate(_wide(x), hadamard.random_signs(group, seed), group)
 
 
 def unrotate(x, group=256, seed=0):
     """Inverse of rotate: each group times R."""
-    return hadamard.unrotate(x.float(), hadamard.random_signs(group, seed), group)
+    return hadamard.unrotate(_wide(x), hadamard.random_signs(group, seed), group)
+
+
+def _wide(x):
+    """float32, or float64 when given (BlockLDLQ rotates its Hessian in double precision)."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 # ---- a weight matrix ----------------------------------------------------------------------------------------------
@@ -241,7 +246,11 @@ def _code_tiles(seqs, L, K, code, tail_biting):
     tile is coded at its RMS, then its scale is refit by least squares on the chosen path (never worse) and rounded
     to f16 before the reconstruction is formed, so it is exactly what a decoder computes."""
     T = seqs[0].shape[-1]
+    if tail_biting and K * T % 8:
+        raise ValueError(f"a tail-biting stream of {T} x {K} bits must fill whole bytes")
     flat = torch.cat([s.reshape(-1, T) for s in seqs]).float()
+    if not torch.isfinite(flat).all():
+        raise ValueError("weights are not finite (NaN or inf)")
     rms = flat.pow(2).mean(1, keepdim=True).sqrt()
     states, _, values = viterbi_encode(flat / torch.where(rms > 0, rms, 1.0), L, K, code, tail_biting)
     fit = (flat * values).sum(1) / values.pow(2).sum(1).clamp_min(1e-30)
