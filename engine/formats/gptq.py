@@ -277,7 +277,7 @@ def _sequential_steps(model):
     return list(steps.values())
 
 
-def _capture_hessians(model, linears, ids, batch_size):
+def capture_hessians(model, linears, ids, batch_size=8):
     """{name: linear} -> {name: HessianAccumulator} from forward passes over ids, each stopped (by _Captured) as
     soon as every one of `linears` has seen its input."""
     accs = {name: HessianAccumulator(m.in_features) for name, m in linears.items()}
@@ -318,7 +318,7 @@ def quantize(model, calibration_ids, group_size=64, act_order=False, bits=4, sym
     ids = calibration_ids if calibration_ids.dim() == 2 else calibration_ids.reshape(1, -1)
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
     for step in _sequential_steps(model):
-        accs = _capture_hessians(model, {name: model.get_submodule(name) for name in step}, ids, batch_size)
+        accs = capture_hessians(model, {name: model.get_submodule(name) for name in step}, ids, batch_size)
         hessians = {name: acc.hessian for name, acc in accs.items()}
 
         def make(name, linear, hessians=hessians):

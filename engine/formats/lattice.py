@@ -32,6 +32,7 @@ Weights: random signs + Hadamard per tile of inputs, per-row alpha (rms), lattic
 head vector, rotation none / signs / Haar ("qjl"), per-vector alpha, optional subtractive dither Q(x + U) - U with
 U ~ Uniform(Voronoi cell) drawn fresh on every call, which makes <q, x_hat> unbiased for every single x.
 """
+import itertools
 import json
 import math
 import sys
@@ -559,11 +560,9 @@ def quantize(model, calibration_ids=None, lattice="E8", bps=3.0, tile=128, seed=
     Rice payload rate of the Gaussian calibration table; layers report their full storage in bits_per_weight.
     Returns the quantization_config."""
     snr = snr_for_rate(bps, lattice)
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
-
-    def make(name, linear):
-        return quantize_weight(linear.weight, lattice, snr, tile, seed + names.index(name), linear.bias)
-    replace_linears(model, make)
+    seeds = itertools.count(seed)                       # one rotation per layer, in module order
+    replace_linears(model, lambda name, linear: quantize_weight(linear.weight, lattice, snr, tile, next(seeds),
+                                                                linear.bias))
     return {"quant_method": "lattice", "lattice": lattice, "bps": bps, "snr_db": snr, "substream": SUBSTREAM,
             "rice_k_max": K_MAX, "rotation": "hadamard", "tile": tile, "seed": seed}
 

@@ -31,7 +31,7 @@ from ..kernels import triton_formats
 from . import hadamard
 from .affine import pack_bits
 from .base import CheckpointMethod, QuantLinear, replace_linears
-from .gptq import HessianAccumulator
+from .gptq import capture_hessians
 
 CODES = ("1mad", "3inst")
 
@@ -387,20 +387,6 @@ class TrellisLinear(QuantLinear):
 
 # ---- whole model and checkpoint -----------------------------------------------------------------------------------
 
-def _calibration_hessians(model, names, calibration_ids):
-    """{name: H [in, in]} from one forward pass of the dense model over calibration_ids [B, T], hooked at each named
-    linear's input (all layers at once: the Hessians do not see earlier layers' quantization error)."""
-    accs = {name: HessianAccumulator(model.get_submodule(name).in_features) for name in names}
-    hooks = [model.get_submodule(name).register_forward_pre_hook(lambda m, args, name=name: accs[name].add(args[0]))
-             for name in names]
-    try:
-        model(calibration_ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {name: acc.hessian for name, acc in accs.items()}
-
-
 @torch.no_grad()
 def quantize(model, calibration_ids=None, L=8, K=2, code="1mad", tail_biting=False, tile=None, group=256, seed=0,
              ldlq=False):
@@ -413,7 +399,9 @@ def quantize(model, calibration_ids=None, L=8, K=2, code="1mad", tail_biting=Fal
     if ldlq:
         if calibration_ids is None:
             raise ValueError("ldlq=True needs calibration_ids")
-        hessians = _calibration_hessians(model, names, calibration_ids)
+        # one pass of the dense model: unlike gptq.quantize, the Hessians do not see earlier layers' error
+        accs = capture_hessians(model, {name: model.get_submodule(name) for name in names}, calibration_ids)
+        hessians = {name: acc.hessian for name, acc in accs.items()}
         coded = dict(zip(names, block_ldlq(weights, [hessians[n] for n in names], L, K, group, seed, code,
                                            tail_biting, tile)))
     else:
