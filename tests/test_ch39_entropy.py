@@ -75,15 +75,33 @@ def test_corrupted_or_truncated_streams_raise_value_error():
         E.rans_decode(bytes(states))
 
 
-def test_triton_decoder_equals_numpy_decoder():
-    symbols = np.concatenate([STREAMS["very skewed"][::7], STREAMS["uniform random"][:500]])
-    stream = E.RansStream(E.rans_encode(symbols, lanes=64))
+@pytest.mark.parametrize("symbols, lanes", [
+    (np.concatenate([STREAMS["very skewed"][::7], STREAMS["uniform random"][:500]]), 64),  # partial last step
+    (STREAMS["uniform random"], 96),                # 3 sub-streams: one program of 4 rows, the last masked
+    (_fp8_like(1 << 15, 0.02).numpy(), 128),        # K divides n: full steps only
+    (STREAMS["one symbol once"], 32),
+    (STREAMS["empty"], 32),
+])
+def test_triton_decoder_equals_numpy_decoder(symbols, lanes):
+    stream = E.RansStream(E.rans_encode(symbols, lanes=lanes))
     out = torch.empty(stream.n, dtype=torch.uint8)
     triton_formats.rans_decode(*stream.tensors("cpu"), out, stream.prob_bits)
-    assert torch.equal(out, E.rans_decode(stream))
+    assert torch.equal(out, E.rans_decode(stream)) and np.array_equal(out.numpy(), symbols)
+    if stream.n < 100:
+        return
     bad = list(stream.tensors("cpu"))
     bad[2] = bad[2].clone()
-    bad[2][3] ^= 0x1234
+    bad[2][3] ^= 0x1234                                         # a flipped word
+    with pytest.raises(ValueError):
+        triton_formats.rans_decode(*bad, out, stream.prob_bits)
+    bad = list(stream.tensors("cpu"))
+    bad[0] = bad[0].clone()
+    bad[0][-1, -1] += 1                                         # the last lane's start state
+    with pytest.raises(ValueError):
+        triton_formats.rans_decode(*bad, out, stream.prob_bits)
+    bad = list(stream.tensors("cpu"))
+    bad[1] = bad[1].clone()
+    bad[1][1] -= 1                                              # a sub-stream boundary one word early
     with pytest.raises(ValueError):
         triton_formats.rans_decode(*bad, out, stream.prob_bits)
 
@@ -140,7 +158,7 @@ def _reference_with(model, quantized):
     return model
 
 
-def test_model_runs_block_by_block_from_one_shared_buffer(tiny_model, tiny_cfg):
+def test_model_runs_block_by_block_from_one_shared_buffer(tiny_model, tiny_cfg, monkeypatch):
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     dense = Qwen3(tiny_cfg).eval()
     dense.load_state_dict(tiny_model.state_dict())
@@ -159,8 +177,12 @@ def test_model_runs_block_by_block_from_one_shared_buffer(tiny_model, tiny_cfg):
     with torch.no_grad():
         reference = _reference_with(dense, quantized)(ids)
         assert torch.allclose(logits, reference, atol=1e-4, rtol=1e-4)
-        with triton_formats.impl("engine"):
+        calls = []
+        triton_decode = triton_formats.rans_decode
+        monkeypatch.setattr(triton_formats, "rans_decode", lambda *a: (calls.append(1), triton_decode(*a))[1])
+        with triton_formats.impl("engine"):                        # the Triton decoder, also without a GPU
             assert torch.allclose(tiny_model(ids), logits, atol=1e-4, rtol=1e-4)
+        assert len(calls) == 2
     streams = sum(len(m.stream) for m in quantized.values())
     bits = 8 * streams + sum(16 * m.out_features for m in quantized.values())
     assert sum(m.storage_bits() for m in quantized.values()) == bits
@@ -239,3 +261,13 @@ def test_nf4_levels_bits_and_kernel():
     x = torch.randn(5, 130)
     with triton_formats.impl("engine"):
         assert torch.allclose(layer(x), x @ deq.T, atol=1e-4, rtol=1e-4)
+
+
+def test_a_corrupted_symbol_count_is_refused_before_decoding():
+    data = bytearray(E.rans_encode(np.random.default_rng(0).integers(0, 7, 10000).astype(np.uint8)))
+    magic, version, prob_bits, lanes, n, streams = E._HEADER.unpack_from(data)
+    E._HEADER.pack_into(data, 0, magic, version, prob_bits, lanes, 300_000_000, streams)
+    with pytest.raises(ValueError, match="claims 300000000 symbols"):
+        E.rans_decode(bytes(data))
+    with pytest.raises(ValueError, match="lanes"):
+        E.rans_encode(np.zeros(10, np.uint8), lanes=0)

@@ -42,7 +42,7 @@ def find_params(w, bits, sym=False):
     return scale, zero
 
 
-def _grouped(weight, group_size):
+def grouped(weight, group_size):
     """[out, in] -> [out, groups, group_size], zero-padding a ragged last group (zeros never change a range that
     already includes 0)."""
     out_f, in_f = weight.shape
@@ -57,7 +57,7 @@ def quantize_to_affine(weight, bits=4, group_size=64, clip=None, sym=False):
 
     clip [out, groups] (optional, from choose_clip) shrinks each group's range before the grid is chosen."""
     out_f, in_f = weight.shape
-    g = _grouped(weight, group_size)
+    g = grouped(weight, group_size)
     fit = g if clip is None else g * clip[..., None]
     scale, zero = find_params(fit.reshape(-1, group_size), bits, sym)
     scale, zero = scale.reshape(out_f, -1), zero.reshape(out_f, -1)
@@ -88,13 +88,13 @@ def choose_clip(weight, inputs, bits=4, group_size=64, grid=20, max_shrink=0.5, 
     """
     x = inputs.reshape(-1, inputs.shape[-1]).float()
     x = x[torch.linspace(0, x.shape[0] - 1, min(max_tokens, x.shape[0])).long()]
-    xg = _grouped(x, group_size)                                           # [tokens, groups, G]
-    wg = _grouped(weight, group_size)                                      # [out, groups, G]
+    xg = grouped(x, group_size)                                           # [tokens, groups, G]
+    wg = grouped(weight, group_size)                                      # [out, groups, G]
     best_err = torch.full(wg.shape[:2], float("inf"))
     best = torch.ones(wg.shape[:2])
     for ratio in torch.linspace(1.0, 1.0 - max_shrink, grid):
         clip = torch.full(wg.shape[:2], float(ratio))
-        dw = _grouped(fake_quantize(weight, bits, group_size, clip), group_size) - wg
+        dw = grouped(fake_quantize(weight, bits, group_size, clip), group_size) - wg
         err = torch.einsum("tgk,ogk->tog", xg, dw).pow(2).mean(0)
         better = err < best_err
         best_err, best = torch.where(better, err, best_err), torch.where(better, clip, best)

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ..kernels import triton_formats
-from .affine import pack_bits, unpack_bits
+from .affine import grouped, pack_bits, unpack_bits
 from .base import CheckpointMethod, QuantLinear, replace_linears
 
 PROB_BITS = 15                      # frequency table precision: sum of f = 2^15
@@ -107,7 +107,8 @@ def _as_numpy(symbols):
 
 
 def default_lanes(n, lanes_per_stream=LANES_PER_STREAM):
-    """K lanes for n symbols: a power of two, a multiple of lanes_per_stream, with n / K >= MIN_STEPS."""
+    """K lanes for n symbols: a power of two, a multiple of lanes_per_stream, with n / K >= MIN_STEPS where n allows
+    (never fewer than lanes_per_stream lanes)."""
     k = 1 << max(n // MIN_STEPS, 1).bit_length() - 1
     return int(min(max(k, lanes_per_stream), MAX_LANES))
 
@@ -120,9 +121,9 @@ def rans_encode(symbols, lanes=None, lanes_per_stream=LANES_PER_STREAM, prob_bit
     s_all = _as_numpy(symbols)
     n = s_all.size
     lanes = default_lanes(n, lanes_per_stream) if lanes is None else lanes
-    if lanes % lanes_per_stream or not 1 <= prob_bits <= 15:
-        raise ValueError(f"lanes ({lanes}) must be a multiple of lanes_per_stream ({lanes_per_stream}); "
-                         f"prob_bits ({prob_bits}) in 1..15")
+    if not 1 <= lanes_per_stream < 1 << 16 or lanes < 1 or lanes % lanes_per_stream or not 1 <= prob_bits <= 15:
+        raise ValueError(f"lanes ({lanes}) must be a positive multiple of lanes_per_stream ({lanes_per_stream}, "
+                         f"1..65535); prob_bits ({prob_bits}) in 1..15")
     f = quantize_frequencies(np.bincount(s_all, minlength=256), prob_bits)
     c = np.concatenate([[0], np.cumsum(f)[:-1]])
     x_max = f << (32 - prob_bits)                     # emit a word first when x >= x_max(s): then x' < 2^32
@@ -194,6 +195,15 @@ class RansStream:
             raise ValueError("rANS frequency table does not sum to 2^prob_bits")
         if ((self.states < STATE_LOW) | (self.states >= 1 << 32)).any():
             raise ValueError("rANS start state out of range")
+        # Every symbol costs at least log2(2^prob_bits / max f) bits and a lane's state holds at most 16 bits more
+        # than its final value, so the words bound n (unless one symbol takes the whole table and costs nothing):
+        # a corrupted count is refused here instead of starting a decode that would never end.
+        top = int(self.f.max())
+        if self.n and top < 1 << self.prob_bits:
+            most = (16 * (len(self.words) + self.states.size)) / (self.prob_bits - math.log2(top)) + self.states.size
+            if self.n > most:
+                raise ValueError(f"rANS header claims {self.n} symbols, its {len(self.words)} words hold at most "
+                                 f"{int(most)}")
 
     def tensors(self, device):
         """What the Triton decoder takes, as torch tensors on device: (states [S, W], starts [S + 1], words,
@@ -202,14 +212,6 @@ class RansStream:
                                                                                       np.int64))
         arrays = (self.states, self.starts, self.words, sym.astype(np.uint8), f, bias)
         return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays)
-
-    @property
-    def streams(self):
-        return self.states.shape[0]
-
-    @property
-    def lanes_per_stream(self):
-        return self.states.shape[1]
 
 
 def check_final(stream, x, read):
@@ -408,9 +410,9 @@ class EntQuantLinear(QuantLinear):
 class BlockDecoder:
     """A model's decode machinery: the blocks' EntQuant layers (each block's stream sits in its first layer), ONE
     uint8 buffer sized to the largest block, and the index of the block it holds. decode(i) is what the forward
-    pre-hook of transformer layer i calls. The Triton decoder runs under impl "engine" on a GPU; the NumPy decoder
-    otherwise, also under "engine" without a GPU: a block is thousands of sequential lockstep steps, which the Triton
-    interpreter runs at tens of ms each (tests pin the Triton decoder equal to the NumPy one on small streams)."""
+    pre-hook of transformer layer i calls. The Triton decoder runs under impl "engine", on a GPU or under the
+    interpreter (a block's ~3072 lockstep steps take ~6 s there on 2 cores: all lanes in one program); the NumPy
+    decoder under impl "torch" (tests pin the two decoders equal)."""
 
     def __init__(self, blocks):
         self.blocks = blocks                                    # {block index: [EntQuantLinear, ...]}
@@ -429,7 +431,7 @@ class BlockDecoder:
             if index not in self.parsed:
                 self.parsed[index] = RansStream(head.stream, self.sizes[index])
             stream, out = self.parsed[index], self.buffer[:self.sizes[index]]
-            if triton_formats.get_impl() == "engine" and not triton_formats.INTERPRETED:
+            if triton_formats.get_impl() == "engine":
                 if (index, out.device) not in self.on_device:
                     self.on_device[index, out.device] = stream.tensors(out.device)
                 triton_formats.rans_decode(*self.on_device[index, out.device], out, stream.prob_bits)
@@ -589,7 +591,7 @@ def quantize_entquant(model, calibration_ids=None, lam=None, bpw=None, fmt="floa
 
     if bpw is not None:
         lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt), tol=tol)
-    elif lam not in found:
+    else:
         measure(lam)
     per_layer, streams, bits, count = found[lam]
     heads = {named[0][0]: i for i, named in linears.items()}
@@ -664,8 +666,7 @@ NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394
 def quantize_to_nf4(weight, group_size=64):
     """weight [out, in] -> (codes uint8 [out, in] in 0..15, absmax float16 [out, groups]): the nearest level."""
     out_f, in_f = weight.shape
-    groups = -(-in_f // group_size)
-    g = torch.nn.functional.pad(weight.detach().float(), (0, groups * group_size - in_f)).reshape(out_f, groups, -1)
+    g = grouped(weight.detach(), group_size)
     absmax = g.abs().amax(-1).half()
     a = absmax.float().clamp(min=torch.finfo(torch.float16).tiny)
     mids = (NF4_TABLE[1:] + NF4_TABLE[:-1]) / 2                 # nearest level = number of midpoints below
@@ -701,7 +702,7 @@ class NF4Linear(QuantLinear):
                                          self.group_size)
 
     def storage_bits(self):
-        return 4 * self.out_features * self.in_features + 16 * self.absmax.numel()
+        return 8 * self.packed.numel() + 16 * self.absmax.numel()
 
 
 def quantize_nf4(model, calibration_ids=None, group_size=64):
