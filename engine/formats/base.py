@@ -73,6 +73,11 @@ def quantized_linears(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
+def linear_names(model):
+    """The names of the model's nn.Linear layers that quantization replaces: all but lm_head, in module order."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+
+
 def replace_linears(model, make_layer, names=None):
     """Replace the model's nn.Linear layers (all but lm_head, or those in `names`) by make_layer(name, linear).
 
@@ -80,10 +85,10 @@ def replace_linears(model, make_layer, names=None):
     (tied) lm_head stay dense.
     """
     replaced = {}
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
-    for name, linear in targets:
+    for name in linear_names(model):
         if names is not None and name not in names:
             continue
+        linear = model.get_submodule(name)
         layer = make_layer(name, linear)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)

@@ -15,7 +15,7 @@ from ..loaders import assign, empty_model, read_config
 from ..qwen3 import Qwen3Config
 from ..safetensors_io import atomic_directory, save_file, snapshot_tensors
 from . import awq, compressed_tensors, entropy, fp8, gptq, lattice, trellis
-from .base import QuantLinear, quantized_linears
+from .base import QuantLinear, linear_names, quantized_linears
 
 METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
                                trellis.CHECKPOINT, entropy.CHECKPOINT, lattice.CHECKPOINT)}
@@ -45,7 +45,7 @@ def load_quantized(directory, dtype=torch.float32, device="cpu"):
     cfg = Qwen3Config.from_hf(raw)
     model = empty_model(cfg, dtype, device)
     params = dict(model.named_parameters())
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"}
+    linears = {name: model.get_submodule(name) for name in linear_names(model)}
     needed = set(method.parts(qcfg))
     pending, built, loaded = {}, set(), set()
     for name, value in snapshot_tensors(directory):

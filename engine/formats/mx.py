@@ -23,9 +23,10 @@ import torch
 from ..kernels import triton_formats
 from .affine import pack_nibbles, unpack_nibbles
 from .base import QuantLinear, replace_linears
+from .fp8 import E4M3_MAX
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-E4M3_MAX, E2M1_MAX = 448.0, 6.0
+E2M1_MAX = 6.0
 MX_BLOCK, NV_BLOCK = 32, 16
 LAYOUTS = ("interleaved", "split")
 

@@ -30,7 +30,7 @@ import torch
 from ..kernels import triton_formats
 from . import hadamard
 from .affine import pack_bits
-from .base import CheckpointMethod, QuantLinear, replace_linears
+from .base import CheckpointMethod, QuantLinear, linear_names, replace_linears
 from .gptq import capture_hessians
 
 CODES = ("1mad", "3inst")
@@ -394,7 +394,7 @@ def quantize(model, calibration_ids=None, L=8, K=2, code="1mad", tail_biting=Fal
     calibration_ids [B, T] (default tile (16, 16): 16-column blocks). Returns the quantization_config."""
     _check_code(L, K, code)
     tile = tuple(tile) if tile is not None else ((16, 16) if ldlq else (1, group))
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    names = linear_names(model)
     weights = [model.get_submodule(n).weight.detach().float() for n in names]
     if ldlq:
         if calibration_ids is None:
