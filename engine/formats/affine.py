@@ -199,9 +199,9 @@ class AffineQuantLinear(QuantLinear):
         return cls(pack_bits(codes, bits), scales, offsets, group_size, bits, codes.shape[1], perm, bias)
 
     @classmethod
-    def from_linear(cls, linear, bits=4, group_size=64, sym=False):
-        """Round-to-nearest of an nn.Linear."""
-        codes, scales, offsets = quantize_to_affine(linear.weight.detach(), bits, group_size, sym=sym)
+    def from_linear(cls, linear, bits=4, group_size=64, sym=False, clip=None):
+        """Round-to-nearest of an nn.Linear (clip [out, groups]: optional range shrink from choose_clip)."""
+        codes, scales, offsets = quantize_to_affine(linear.weight.detach(), bits, group_size, clip, sym)
         return cls.from_codes(codes, scales, offsets, group_size, bits, bias=linear.bias)
 
     def codes(self):

@@ -24,6 +24,7 @@ import torch
 
 from .affine import (
     AffineQuantLinear,
+    choose_clip,
     fake_quantize,
     pack_int32,
     unpack_int32,
@@ -115,12 +116,13 @@ def _scaling_pairs(layer):
 
 @torch.no_grad()
 def apply_awq(model, calibration_ids, bits=4, group_size=128, batch_size=8):
-    """Scale and quantize every decoder layer's linears in place, AutoAWQ's way (its scale search; AutoAWQ's clipping
-    search is not done here). Returns {name: AffineQuantLinear}.
+    """Scale, clip and quantize every decoder layer's linears in place, AutoAWQ's way. Returns {name:
+    AffineQuantLinear}.
 
     Inputs of q, o, gate and down are summarized (InputStats) by forward pre-hooks over the calibration tokens of
-    the float model, in batches of batch_size sequences; then each pair's scale is searched and folded in, and
-    finally every linear is rounded to nearest on its scaled weights."""
+    the float model, in batches of batch_size sequences; then each pair's scale is searched and folded in, each
+    group's clipping range is searched on the scaled weights (affine.choose_clip), and every linear is rounded to
+    nearest within its clipped ranges."""
     if calibration_ids is None or calibration_ids.numel() == 0:
         raise ValueError("AWQ needs calibration_ids")
     ids = calibration_ids if calibration_ids.dim() == 2 else calibration_ids.reshape(1, -1)
@@ -136,22 +138,39 @@ def apply_awq(model, calibration_ids, bits=4, group_size=128, batch_size=8):
     finally:
         for h in handles:
             h.remove()
+    clips = {}
     for layer in model.model.layers:
         for norm, previous, linears in _scaling_pairs(layer):
-            if previous is not None and previous.out_features != linears[0].in_features:
-                continue                                   # GQA: v's rows feed several heads' columns
-            s, _ = search_scale([lin.weight for lin in linears], stats[linears[0]], bits, group_size)
-            if norm is not None:
-                norm.weight.div_(s.to(norm.weight.dtype))
-            else:
-                previous.weight.div_(s[:, None].to(previous.weight.dtype))
-                if previous.bias is not None:
-                    previous.bias.div_(s.to(previous.bias.dtype))
+            s = torch.ones(linears[0].in_features)
+            if previous is None or previous.out_features == linears[0].in_features:   # GQA: v's rows feed
+                s, _ = search_scale([lin.weight for lin in linears], stats[linears[0]], bits, group_size)  # several
+                _fold_scale(norm, previous, linears, s)                                                  # heads
+            # AutoAWQ's clipping search, on the scaled weights and inputs: any X with X^T X / n = G / (s s^T) gives
+            # choose_clip's group-wise output error; sqrt(n) diag(sqrt(lambda)) V^T (G / (s s^T) = V diag(lambda)
+            # V^T) is one with only n rows
+            g = stats[linears[0]].gram.double() / (s[:, None] * s[None, :]).double()
+            n = g.shape[0]
+            lam, v = torch.linalg.eigh(g)
+            x = (n ** 0.5 * lam.clamp_min(0).sqrt()[:, None] * v.T).float()
             for linear in linears:
-                linear.weight.mul_(s[None, :].to(linear.weight.dtype))
+                clips[linear] = choose_clip(linear.weight.detach(), x, bits, group_size, max_tokens=n)
 
     names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.")}
-    return replace_linears(model, lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size), names)
+    return replace_linears(model, lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size,
+                                                                                    clip=clips[linear]), names)
+
+
+def _fold_scale(norm, previous, linears, s):
+    """Multiply the linears' input columns by s and divide what produces their input (the norm's weight, or the
+    previous linear's output rows) by s: the product is unchanged before rounding."""
+    if norm is not None:
+        norm.weight.div_(s.to(norm.weight.dtype))
+    else:
+        previous.weight.div_(s[:, None].to(previous.weight.dtype))
+        if previous.bias is not None:
+            previous.bias.div_(s.to(previous.bias.dtype))
+    for linear in linears:
+        linear.weight.mul_(s[None, :].to(linear.weight.dtype))
 
 
 def quantize(model, calibration_ids, group_size=64, bits=4):
