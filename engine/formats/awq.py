@@ -5,7 +5,8 @@ gives the big-activation channels a finer relative grid. The 1/s folds into what
 (-> q, k, v and -> gate, up) or the previous linear's output rows (v -> o, up -> down; skipped when v's rows do not
 match o's columns, as under GQA). s = mean|x|^alpha (normalized by sqrt(max * min)), alpha from a 20-point grid
 minimizing the linears' output error; alpha = 0 is plain round-to-nearest, so the search never does worse than RTN
-on the error it measures.
+on the error it measures. Then, as AutoAWQ does, each group's range is clipped (affine.choose_clip: the shrink that
+minimizes that group's output error), which matters more than the scales on a model without outlier channels.
 
 Improvements over the book's code (tested in tests/test_ch39_awq.py):
   * The book keeps every calibration input and recomputes x @ W^T for all tokens at each of the 20 alphas. The
