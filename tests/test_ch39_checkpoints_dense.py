@@ -6,6 +6,7 @@ import torch
 
 from engine.loaders import load_dense, read_config, save_dense
 from engine.safetensors_io import atomic_directory, save_file, snapshot_tensors
+from helpers import rewrite_tensors
 
 
 @pytest.fixture
@@ -41,32 +42,26 @@ def test_sharded_checkpoint_streams_every_tensor(saved, tmp_path):
     assert torch.equal(load_dense(shard_dir).model.norm.weight, tensors["model.norm.weight"])
 
 
-def _rewrite(directory, change):
-    tensors = dict(snapshot_tensors(directory))
-    change(tensors)
-    save_file(tensors, directory / "model.safetensors")
-
-
 def test_missing_tensor(saved):
-    _rewrite(saved, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    rewrite_tensors(saved, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ValueError, match="lacks tensor.*mlp.up_proj"):
         load_dense(saved)
 
 
 def test_unexpected_tensor(saved):
-    _rewrite(saved, lambda t: t.update({"model.layers.0.surprise": torch.zeros(2)}))
+    rewrite_tensors(saved, lambda t: t.update({"model.layers.0.surprise": torch.zeros(2)}))
     with pytest.raises(ValueError, match="unexpected tensor model.layers.0.surprise"):
         load_dense(saved)
 
 
 def test_wrong_shape(saved):
-    _rewrite(saved, lambda t: t.update({"model.norm.weight": torch.zeros(3)}))
+    rewrite_tensors(saved, lambda t: t.update({"model.norm.weight": torch.zeros(3)}))
     with pytest.raises(ValueError, match=r"model.norm.weight: checkpoint shape \(3,\)"):
         load_dense(saved)
 
 
 def test_integer_tensor_for_a_float_parameter(saved):
-    _rewrite(saved, lambda t: t.update({"model.norm.weight": torch.zeros(64, dtype=torch.int32)}))
+    rewrite_tensors(saved, lambda t: t.update({"model.norm.weight": torch.zeros(64, dtype=torch.int32)}))
     with pytest.raises(ValueError, match="dtype"):
         load_dense(saved)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.formats.checkpoints import METHODS, load_quantized, save_quantized
-from engine.safetensors_io import save_file, snapshot_tensors
+from helpers import rewrite_tensors
 
 
 @pytest.fixture
@@ -24,12 +24,6 @@ def _edit_config(directory, change):
     raw = json.loads((directory / "config.json").read_text())
     change(raw)
     (directory / "config.json").write_text(json.dumps(raw))
-
-
-def _edit_tensors(directory, change):
-    tensors = dict(snapshot_tensors(directory))
-    change(tensors)
-    save_file(tensors, directory / "model.safetensors")
 
 
 def test_every_method_is_registered_under_its_quant_method():
@@ -64,13 +58,13 @@ def test_dense_checkpoint_is_not_a_quantized_one(fp8_checkpoint):
 
 
 def test_incomplete_layer(fp8_checkpoint):
-    _edit_tensors(fp8_checkpoint, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale_inv"))
+    rewrite_tensors(fp8_checkpoint, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale_inv"))
     with pytest.raises(ValueError, match="incomplete quantized layer.*mlp.up_proj"):
         load_quantized(fp8_checkpoint)
 
 
 def test_unexpected_tensor(fp8_checkpoint):
-    _edit_tensors(fp8_checkpoint, lambda t: t.update({"model.layers.0.mlp.up_proj.qweight": torch.zeros(2)}))
+    rewrite_tensors(fp8_checkpoint, lambda t: t.update({"model.layers.0.mlp.up_proj.qweight": torch.zeros(2)}))
     with pytest.raises(ValueError, match="unexpected tensor model.layers.0.mlp.up_proj.qweight"):
         load_quantized(fp8_checkpoint)
 
@@ -93,7 +87,7 @@ def test_unsupported_bits_and_block_size(tiny_model, tmp_path, fp8_checkpoint):
 
 
 def test_stray_bias_on_a_quantized_linear_is_refused(fp8_checkpoint):
-    _edit_tensors(fp8_checkpoint, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}))
+    rewrite_tensors(fp8_checkpoint, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}))
     with pytest.raises(ValueError, match="unexpected tensor model.layers.0.self_attn.q_proj.bias"):
         load_quantized(fp8_checkpoint)
 

@@ -5,7 +5,7 @@ import torch
 
 from engine.formats import affine, checkpoints, gptq
 from engine.kernels import triton_formats
-from engine.qwen3 import Qwen3
+from helpers import rtn_baseline
 
 
 def correlated_inputs(tokens, n, seed):
@@ -187,12 +187,7 @@ def test_model_save_load_and_quality(tiny_model, tmp_path, act_order):
     torch.manual_seed(1)
     calibration = torch.randint(0, 256, (4, 64))
     held_out = torch.randint(0, 256, (2, 48))
-    with torch.no_grad():
-        reference = tiny_model(held_out)
-        rtn = Qwen3(tiny_model.cfg).eval()
-        rtn.load_state_dict(tiny_model.state_dict())
-        affine.rtn_quantize(rtn, 4, 32)
-        rtn_error = (rtn(held_out) - reference).pow(2).mean()
+    reference, rtn_error = rtn_baseline(tiny_model, held_out)
     qcfg = checkpoints.save_quantized(tiny_model, tmp_path, "gptq", calibration, group_size=32, act_order=act_order)
     assert qcfg == {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": act_order, "sym": False,
                     "checkpoint_format": "gptq"}

@@ -1,0 +1,24 @@
+"""Small helpers several test files share."""
+import torch
+
+from engine.formats import affine
+from engine.qwen3 import Qwen3
+from engine.safetensors_io import save_file, snapshot_tensors
+
+
+def rewrite_tensors(directory, change):
+    """Apply change(dict of tensors) to a checkpoint's model.safetensors in place (to make it malformed)."""
+    tensors = dict(snapshot_tensors(directory))
+    change(tensors)
+    save_file(tensors, directory / "model.safetensors")
+
+
+@torch.no_grad()
+def rtn_baseline(model, held_out, group_size=32):
+    """(reference logits of model, mean squared logit error of its RTN int4 copy) on held_out ids: the bar a
+    calibrated method has to clear."""
+    reference = model(held_out)
+    rtn = Qwen3(model.cfg).eval()
+    rtn.load_state_dict(model.state_dict())
+    affine.rtn_quantize(rtn, 4, group_size)
+    return reference, (rtn(held_out) - reference).pow(2).mean()
