@@ -2,7 +2,8 @@
 
 Deterministic under a seed (initialisation and batches both come from it). The weights start at N(0, 0.02), so the
 first loss is about ln 256 = 5.55 nats: a uniform guess over bytes. A trained model is cached in the HF layout under
-a key made of the corpus hash, the config, the steps, the seed and the hyper-parameters, so a re-run skips training.
+a key made of the corpus hash, the config, the steps, the seed, the hyper-parameters and TRAINING_VERSION, so a re-run
+skips training.
 """
 import hashlib
 import json
@@ -66,8 +67,14 @@ def train(cfg, corpus, tc: TrainConfig, log=print):
     return model.eval()
 
 
+# Bump when the training code changes what it produces for the same settings (version 2: the batch-start fix), so
+# that a model cached by older code is trained again instead of silently reused.
+TRAINING_VERSION = 2
+
+
 def cache_key(cfg, corpus, tc: TrainConfig):
-    blob = json.dumps({"corpus": corpus.digest, "model": asdict(cfg), "train": asdict(tc)}, sort_keys=True)
+    blob = json.dumps({"corpus": corpus.digest, "model": asdict(cfg), "train": asdict(tc),
+                       "version": TRAINING_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -6,6 +6,7 @@ import torch
 
 from engine.data import Corpus, default_corpus, load_corpus
 from engine.qwen3 import Qwen3, Qwen3Config
+from engine import training
 from engine.training import TrainConfig, train, trained_model
 
 
@@ -100,6 +101,16 @@ def test_trained_model_is_cached(tiny_cfg, tmp_path):
     second = trained_model(tiny_cfg, corpus, tc, tmp_path, log=lines.append)
     assert "using cached model" in lines[-1]
     assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters()))
+
+
+def test_a_model_cached_by_older_training_code_is_not_reused(tiny_cfg, tmp_path, monkeypatch):
+    corpus = Corpus.from_bytes(default_corpus()[:60000])
+    tc = TrainConfig(steps=2, batch_size=2, seq_len=16)
+    trained_model(tiny_cfg, corpus, tc, tmp_path, log=lambda msg: None)
+    monkeypatch.setattr(training, "TRAINING_VERSION", training.TRAINING_VERSION + 1)
+    lines = []
+    trained_model(tiny_cfg, corpus, tc, tmp_path, log=lines.append)
+    assert lines[0].startswith("training") and len(list(tmp_path.iterdir())) == 2
 
 
 def test_held_out_split_is_never_trained_on():
