@@ -75,7 +75,10 @@ def rows():
         Row("trellis (QTIP-style), L=8, K=3", method(trellis.quantize, L=8, K=3)),
         Row("RTN int2, g64 (for comparison)", rtn(2)),
         Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles", method(trellis.quantize, L=8, K=2, ldlq=True)),
-        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", method(entropy.quantize_entquant, bpw=b)) for b in (4.0, 3.0, 2.1)],
+        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", method(entropy.quantize_entquant, bpw=b, tol=0.01))
+          for b in (4.0, 3.0, 2.1)],
+        *[Row(f"EntQuant Float8+ANS + self-Fisher, ~{b} bpw",
+              method(entropy.quantize_entquant, bpw=b, tol=0.01, sensitivity="fisher")) for b in (3.0, 2.1)],
         Row("NF4, g64", method(entropy.quantize_nf4, group_size=64)),
         *[Row(f"lattice E8, {b} bps", method(lattice.quantize, lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
         *[Row(f"lattice {name}, 3.0 bps", method(lattice.quantize, lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],

@@ -1,12 +1,15 @@
 """EntQuant: the rANS coder (exact, near the entropy, robust to corruption), the Triton decoder, the scale search,
 the block-by-block runtime, rate control, the checkpoint, and the NF4 baseline."""
+import copy
+
 import numpy as np
 import pytest
 import torch
 
+from engine.evaluation import kl_stats
 from engine.formats import entropy as E
 from engine.kernels import triton_formats
-from engine.qwen3 import Qwen3
+from engine.qwen3 import Qwen3, Qwen3Config
 
 
 def _fp8_like(n, spread, seed=0):
@@ -271,3 +274,78 @@ def test_a_corrupted_symbol_count_is_refused_before_decoding():
         E.rans_decode(bytes(data))
     with pytest.raises(ValueError, match="lanes"):
         E.rans_encode(np.zeros(10, np.uint8), lanes=0)
+
+
+# ---- the Fisher-weighted loss (our addition) --------------------------------------------------------------------
+
+def test_self_generated_ids_are_reproducible_and_in_vocabulary(tiny_model):
+    a = E.self_generated_ids(tiny_model, samples=3, seq_len=10, seed=4)
+    assert a.shape == (3, 10) and a.dtype == torch.long and int(a.min()) >= 0 and int(a.max()) < 256
+    assert torch.equal(a, E.self_generated_ids(tiny_model, samples=3, seq_len=10, seed=4))
+    assert not torch.equal(a, E.self_generated_ids(tiny_model, samples=3, seq_len=10, seed=5))
+
+
+def _exact_fisher(model, names, ids):
+    """sum over positions of E_{y ~ p} (d log p(y) / dW)^2, every label y enumerated: the quantity the sampled,
+    summed-then-squared estimate is unbiased for."""
+    weights = [model.get_submodule(n).weight for n in names]
+    exact = [torch.zeros_like(w) for w in weights]
+    logp = model(ids).log_softmax(-1)
+    for b in range(ids.shape[0]):
+        for t in range(ids.shape[1]):
+            for y in range(logp.shape[-1]):
+                grads = torch.autograd.grad(logp[b, t, y], weights, retain_graph=True)
+                for e, g in zip(exact, grads):
+                    e += logp[b, t, y].exp().detach() * g.square()
+    return exact
+
+
+def test_fisher_estimate_matches_the_exact_expectation():
+    torch.manual_seed(0)
+    model = Qwen3(Qwen3Config(vocab_size=8, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=8, num_hidden_layers=1)).eval()
+    names = ["model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj"]
+    ids = torch.tensor([[1, 5, 2], [7, 0, 3]])
+    exact = _exact_fisher(model, names, ids)
+    k = sum((e.mean(1) * model.get_submodule(n).weight.detach().square().sum(1)).sum() for n, e in zip(names, exact))
+    k = k / sum(e.numel() for e in exact)
+    estimate = E.fisher_importance(model, names, ids, draws=1000, seed=1)
+    for n, e in zip(names, exact):
+        want = e.mean(1) / k
+        assert (estimate[n] - want).abs().sum() / want.sum() < 0.06        # 1000 draws: seen 0.010-0.018
+    assert all(p.requires_grad for p in model.parameters())             # the flags come back as they were
+
+
+def test_fisher_importance_is_relative_to_the_whole_model(tiny_model):
+    names = [n for n, m in tiny_model.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n]
+    imp = E.fisher_importance(tiny_model, names, E.self_generated_ids(tiny_model, samples=4, seq_len=16))
+    total = sum((imp[n] * tiny_model.get_submodule(n).weight.detach().square().sum(1)).sum() for n in names)
+    assert total == pytest.approx(sum(tiny_model.get_submodule(n).weight.numel() for n in names), rel=1e-4)
+    assert all(imp[n].shape == (tiny_model.get_submodule(n).out_features,) and (imp[n] > 0).all() for n in names)
+    with pytest.raises(ValueError, match="not linears"):
+        E.fisher_importance(tiny_model, ["model.layers.0.mlp"], torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_fisher_weighted_loss_lowers_kl_at_the_same_rate(tiny_model):
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        reference = tiny_model(ids)
+    kl, bits = {}, {}
+    for sensitivity in (None, "fisher"):
+        model = copy.deepcopy(tiny_model)
+        qcfg = E.quantize_entquant(model, bpw=2.5, tol=0.02, sensitivity=sensitivity, fisher_samples=16)
+        with torch.no_grad():
+            kl[sensitivity] = kl_stats(reference, model(ids))["kl_nats"]
+        bits[sensitivity] = qcfg["bits_per_weight"]
+    assert abs(bits[None] - 2.5) <= 0.02 and abs(bits["fisher"] - 2.5) <= 0.02
+    assert kl["fisher"] < 0.8 * kl[None]                                  # seen 0.55x
+
+
+def test_bad_sensitivity_or_importance_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="sensitivity"):
+        E.quantize_entquant(tiny_model, lam=10.0, sensitivity="hessian")
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="importance"):
+        E.entquant_scales(w, 10.0, importance=torch.ones(3))
+    with pytest.raises(ValueError, match="importance"):
+        E.entquant_scales(w, 10.0, importance=torch.tensor([1.0, float("nan"), 1.0, 1.0]))

@@ -28,6 +28,18 @@ Runtime. The model keeps only each block's stream; one decode buffer (uint8, the
 blocks, and a forward pre-hook on every transformer layer decodes that block into it just before the layer runs.
 The matmul reads the buffer's E4M3 (or int8) bytes and applies 2^s per output channel.
 
+Sensitivity (our addition, optional: sensitivity="fisher"). The paper's loss treats every weight alike, so every
+layer ends up near the same rate. What the model's output loses is, to second order, a Fisher-weighted squared
+error: KL(p || p_hat) ~ 1/2 sum_ij F_ij (W_hat - W)_ij^2 with F the diagonal Fisher information. We estimate F on
+sequences the model samples itself (labels drawn from its own predictions: still no calibration text), average it
+over each output row (phi_j, one number per scale) and replace the reconstruction term by
+
+    sum_j phi_j ||W_hat_j - W_j||^2 / (K * n_layer),     K = sum_rows phi_j ||W_j||^2 / n_model
+
+(K makes it a relative error across the whole model, so one lambda trades rate against the estimated KL in every
+layer alike: sensitive layers and rows get finer steps, robust ones coarser). Measured on the tiny model at ~2.1 bits
+per weight: KL 0.0042 against 0.0078 with the paper's loss (RTN int2 g64: 0.0235).
+
 Rate control. lambda -> bits per weight is close to log-linear (the paper: nearly model-independent); the table
 measured on the tiny model ships in data/entquant_lambda_bpw.json and seeds a bracketing search on lambda that
 meets a bpw target (measured: coded bytes of everything, scales included) within +-0.05.
@@ -54,6 +66,7 @@ STATE_LOW = 1 << 16                 # x lives in [2^16, 2^32): one 16-bit word p
 LANES_PER_STREAM = 32
 MIN_STEPS = 3072                    # symbols per lane at least, so that states cost < 1% (see module docstring)
 MAX_LANES = 4096
+DECODE_CHUNK = 1 << 15              # CPU decode: symbols per batch of deferred symbol lookups
 _MAGIC = b"rANS"
 _HEADER = struct.Struct("<4sBBHQI")  # magic, version, prob_bits, lanes per stream, n, sub-streams
 
@@ -222,40 +235,75 @@ def check_final(stream, x, read):
 
 
 def rans_decode(data, n=None):
-    """bytes (or a uint8 tensor) from rans_encode -> torch.uint8 [n] (n: the count expected, checked against the
-    header before any work). All lanes step in lockstep: a Python loop over
-    the n / K steps, NumPy over the K = S * W lanes; lane w of sub-stream s finds its next word at
-    start[s] + (words read so far) + (lanes before w in s that also read now): a prefix sum along W."""
+    """bytes (or a uint8 tensor, or a RansStream) from rans_encode -> torch.uint8 [n] (n: the count expected, checked
+    against the header before any work). All lanes step in lockstep: a Python loop over the n / K steps, NumPy over
+    the K = S * W lanes. At the default K of small blocks (256) each NumPy call costs more than its arithmetic, so a
+    step is 12 calls on preallocated int64 buffers, every one with out=:
+
+        z = F[slot] * x + D[slot] = (f * (x >> p) + slot - c) << 16   (F = f << 16-p, D folds the rest: no x >> p)
+        need = z < STATE_LOW << 16;  x = need ? z | word : z >> 16     (z | word is y << 16 | word)
+
+    The word indices come from one in-place accumulate over [ptr | need] per sub-stream, in a buffer whose columns
+    run on from step to step, so last step's final index is this step's ptr without a copy. Slots are kept for a
+    chunk of steps and turned into symbols with one lookup per chunk."""
     st = data if isinstance(data, RansStream) else RansStream(data, n)
     n, (s_count, w_count) = st.n, st.states.shape
-    lanes = s_count * w_count
+    lanes, shape = s_count * w_count, st.states.shape
     out = np.empty(n, dtype=np.uint8)
     if n == 0:
         check_final(st, st.states, np.zeros(s_count, np.int64))
         return torch.from_numpy(out)
-    sym_of, f_of, bias_of = (t.astype(d) for t, d in zip(_slot_tables(st.f, st.prob_bits),
-                                                         (np.uint8, np.uint32, np.uint32)))
-    mask, shift = np.uint32((1 << st.prob_bits) - 1), np.uint32(st.prob_bits)
-    words = (st.words if len(st.words) else np.zeros(1, np.int64)).astype(np.uint32)
-    x = st.states.astype(np.uint32)                             # 32-bit arithmetic suffices and halves the traffic
-    ptr = st.starts[:-1].copy()[:, None] - 1                   # last word read by each sub-stream, [S, 1]
+    p = st.prob_bits
+    sym_of, f_of, bias_of = _slot_tables(st.f, p)
+    sym_of = sym_of.astype(np.uint8)
+    F = f_of << (16 - p)
+    D = ((bias_of << p) - f_of * np.arange(1 << p)) << (16 - p)
+    words = st.words if len(st.words) else np.zeros(1, np.int64)
+    x = st.states.copy()
+    # 0-d arrays, not Python or NumPy scalars: a ufunc converts those on every call.
+    mask, top, s16 = np.array((1 << p) - 1), np.array(STATE_LOW << 16), np.array(16)
     full = n // lanes
-    rows = out[:full * lanes].reshape(full, s_count, w_count)
-    for t in range(full + (n % lanes > 0)):
-        slot = x & mask
-        if t < full:
-            np.take(sym_of, slot, out=rows[t])
-        else:                                                   # last, partial step: lanes [0, k) take part
-            k = n - full * lanes
-            out[full * lanes:] = sym_of[slot].reshape(-1)[:k]
-            active = (np.arange(lanes) < k).reshape(s_count, w_count)
-        y = f_of[slot] * (x >> shift) + bias_of[slot]
-        need = y < STATE_LOW
-        if t >= full:
-            need &= active
-            y = np.where(active, y, x)
+    rows = out[:full * lanes].reshape((full,) + shape)
+    c = max(1, min(full, DECODE_CHUNK // lanes))
+    slots = np.empty((c,) + shape, np.int64)
+    a, z, w = (np.empty(shape, np.int64) for _ in range(3))
+    need = np.empty(shape, bool)
+    # rk[s]: the word index last read by sub-stream s, then per step W counts that the accumulate turns into indices.
+    rk = np.empty((s_count, c * w_count + 1), np.int64)
+    rk[:, 0] = st.starts[:-1] - 1
+    plan = [(slots[j], rk[:, j * w_count:(j + 1) * w_count + 1], rk[:, j * w_count + 1:(j + 1) * w_count + 1])
+            for j in range(c)]
+    # Local names and positional arguments: at ~1 us per call, lookups and keyword parsing are a real share.
+    band, mul, add, rsh, less, bor = np.bitwise_and, np.multiply, np.add, np.right_shift, np.less, np.bitwise_or
+    acc, copyto, putmask = np.add.accumulate, np.copyto, np.putmask
+    take_f, take_d, take_w = F.take, D.take, words.take       # positional args and mode 'clip': the cheapest take
+    for t0 in range(0, full, c):
+        t1 = min(t0 + c, full)
+        for sl, block, idx in plan[:t1 - t0]:
+            band(x, mask, sl)
+            take_f(sl, None, a, 'clip')
+            mul(a, x, z)
+            take_d(sl, None, a, 'clip')
+            add(z, a, z)
+            rsh(z, s16, x)
+            less(z, top, need)
+            copyto(idx, need)
+            acc(block, 1, None, block)
+            take_w(idx, None, w, 'clip')            # 'clip': a corrupted stream reads a wrong word, check_final says so
+            bor(z, w, z)
+            putmask(x, need, z)
+        sym_of.take(slots[:t1 - t0], None, rows[t0:t1], 'clip')
+        rk[:, 0] = rk[:, (t1 - t0) * w_count]
+    ptr = rk[:, :1].copy()
+    k = n - full * lanes
+    if k:                                           # last, partial step: lanes [0, k) take part
+        active = (np.arange(lanes) < k).reshape(shape)
+        sl = x & mask
+        out[full * lanes:] = sym_of[sl].reshape(-1)[:k]
+        z = F[sl] * x + D[sl]
+        need = (z < top) & active
         rank = need.cumsum(1)
-        x = np.where(need, (y << np.uint32(16)) | words.take(ptr + rank, mode="clip"), y)
+        x = np.where(active, np.where(need, z | words.take(ptr + rank, mode="clip"), z >> 16), x)
         ptr += rank[:, -1:]
     check_final(st, x, ptr[:, 0] + 1 - st.starts[:-1])
     return torch.from_numpy(out)
@@ -287,10 +335,11 @@ def _ste_codes(x, fmt):
     return x + (q - x).detach()
 
 
-def entquant_scales(weight, lam, fmt="float8", max_iter=500, history=100, lr=1.0, keep=None):
+def entquant_scales(weight, lam, fmt="float8", max_iter=500, history=100, lr=1.0, keep=None, importance=None):
     """weight [out, in] -> log2 scales s [out] (float32 holding float16 values) minimizing
     ||Q 2^s - W||_1 / ||W||_1 + lam * R(Q) with L-BFGS (strong Wolfe). keep (bool [out, in], optional) marks
-    weights stored exactly (Int8 super weights): they take no part in the loss."""
+    weights stored exactly (Int8 super weights): they take no part in the loss. importance [out] (optional, from
+    fisher_importance: phi_j / K) replaces the reconstruction term by sum_j importance_j ||W_hat_j - W_j||^2 / numel."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
     w = weight.detach().float()
@@ -301,10 +350,16 @@ def entquant_scales(weight, lam, fmt="float8", max_iter=500, history=100, lr=1.0
     s = torch.log2(absmax / top).requires_grad_()              # start: absmax scaling, every weight representable
     norm = w.abs().sum().clamp(min=1e-30)
     rate_weight = 4.0 if fmt == "float8" else 1.0 / 128
+    if importance is not None:
+        importance = importance.detach().float().reshape(-1, 1)
+        if importance.shape[0] != w.shape[0] or not bool(torch.isfinite(importance).all() & (importance >= 0).all()):
+            raise ValueError(f"importance must be {w.shape[0]} finite, non-negative numbers (one per output row)")
 
     def loss_fn():
         q = _ste_codes(w * torch.exp2(-s)[:, None], fmt)
-        return (q * torch.exp2(s)[:, None] - w).abs().sum() / norm + lam * rate_weight * q.abs().mean()
+        err = q * torch.exp2(s)[:, None] - w
+        recon = (err.abs().sum() / norm if importance is None else (importance * err.square()).sum() / w.numel())
+        return recon + lam * rate_weight * q.abs().mean()
 
     opt = torch.optim.LBFGS([s], lr=lr, max_iter=max_iter, history_size=history, line_search_fn="strong_wolfe")
 
@@ -343,6 +398,61 @@ def super_weight_mask(weight, count):
     if count > 0:
         keep[weight.detach().abs().reshape(-1).topk(min(count, weight.numel())).indices] = True
     return keep.reshape(weight.shape)
+
+
+# ---- data-free sensitivities: the diagonal Fisher information on the model's own samples -----------------------
+
+@torch.no_grad()
+def self_generated_ids(model, samples=64, seq_len=128, seed=0):
+    """ids [samples, seq_len]: what the model writes itself (temperature 1) after a uniformly random first token. No
+    calibration text is read: this is the only input the Fisher estimate sees."""
+    if samples < 1 or seq_len < 2:
+        raise ValueError(f"need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.cfg.vocab_size
+    device = next(model.parameters()).device
+    first = torch.randint(vocab, (samples, 1), generator=g).to(device)
+    return model.generate(first, seq_len - 1, temperature=1.0, generator=g if device.type == "cpu" else None)
+
+
+def fisher_importance(model, names, ids, draws=4, batch_size=8, seed=0):
+    """Per-output-row importance {name: [out]} of the listed linears: the diagonal Fisher information of their
+    weights, F = E_x E_{y ~ p(.|x)} (d log p(y|x) / dW)^2, averaged over each row (phi_j), divided by
+    K = sum_rows phi_j ||W_j||^2 / (weights of all listed linears).
+
+    Labels y are sampled from the model's own predictions (draws per sequence), so no text is needed. Summing the
+    log-likelihood over the positions of a batch before squaring is unbiased: given the inputs, the positions'
+    gradients have mean zero and are independent, so the cross terms vanish in expectation."""
+    modules = dict(model.named_modules())
+    missing = [n for n in names if not isinstance(modules.get(n), torch.nn.Linear)]
+    if missing:
+        raise ValueError(f"fisher_importance: not linears of this model: {missing[:3]}")
+    weights = {n: modules[n].weight for n in names}
+    acc = {n: torch.zeros_like(w, dtype=torch.float32) for n, w in weights.items()}
+    flags = {p: p.requires_grad for p in model.parameters()}
+    g = torch.Generator().manual_seed(seed)
+    try:
+        for p in flags:
+            p.requires_grad_(False)
+        for w in weights.values():
+            w.requires_grad_(True)
+        with torch.enable_grad():
+            for batch in ids.split(batch_size):
+                for _ in range(draws):
+                    logits = model(batch).float().flatten(0, 1)
+                    y = torch.multinomial(logits.detach().softmax(-1).cpu(), 1, generator=g)[:, 0]
+                    loss = torch.nn.functional.cross_entropy(logits, y.to(logits.device), reduction="sum")
+                    for n, grad in zip(weights, torch.autograd.grad(loss, list(weights.values()))):
+                        acc[n] += grad.float().square()
+    finally:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+    phi = {n: a.mean(1) for n, a in acc.items()}
+    k = sum((phi[n] * weights[n].detach().float().square().sum(1)).sum() for n in names)
+    k = k / sum(w.numel() for w in weights.values())
+    if not k > 0:
+        raise ValueError("the Fisher estimate is zero: the model's predictions do not depend on these weights")
+    return {n: (p / k).cpu() for n, p in phi.items()}
 
 
 # ---- the layer and the per-model block decoder ------------------------------------------------------------------
@@ -505,16 +615,18 @@ def _block_linears(model):
     return out
 
 
-def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, lanes=None):
+def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, lanes=None, importance=None):
     """{block: [(name, linear)]} -> ({name: (log_scale [out], super_index [k], super_value [k])},
-    {block: stream bytes}, total bits, weight count). super_weights applies to Int8 only."""
+    {block: stream bytes}, total bits, weight count). super_weights applies to Int8 only; importance: {name: [out]}
+    from fisher_importance, or None for the paper's loss."""
     per_layer, streams, bits, count = {}, {}, 0, 0
     for i, named in linears.items():
         codes = []
         for name, linear in named:
             w = linear.weight.detach().float()
             keep = super_weight_mask(w, super_weights) if fmt == "int8" else None
-            s = entquant_scales(w, lam, fmt, max_iter=max_iter, keep=keep)
+            s = entquant_scales(w, lam, fmt, max_iter=max_iter, keep=keep,
+                                importance=None if importance is None else importance[name])
             codes.append(encode_weight(w, s, fmt, keep).reshape(-1))
             idx = torch.zeros(0, dtype=torch.int32) if keep is None else keep.reshape(-1).nonzero()[:, 0].int()
             per_layer[name] = (s, idx, w.reshape(-1)[idx.long()])
@@ -558,11 +670,20 @@ def lambda_for_bpw(target, measure, table, tol=0.05, max_evals=10):
 LAMBDA_TABLE = Path(__file__).resolve().parents[2] / "data" / "entquant_lambda_bpw.json"
 
 
-def load_lambda_table(fmt="float8", path=LAMBDA_TABLE):
+SENSITIVITIES = (None, "fisher")
+
+
+def table_key(fmt, sensitivity=None):
+    """The lambda table's key: the format, plus "+fisher" when the Fisher-weighted loss sets the scales (its lambda
+    has another scale than the paper's)."""
+    return fmt if sensitivity is None else f"{fmt}+{sensitivity}"
+
+
+def load_lambda_table(fmt="float8", sensitivity=None, path=LAMBDA_TABLE):
     """[(lambda, bpw), ...] measured on the tiny trained model (benchmarks/entquant_rate.py rebuilds the file);
-    without it, the paper's Float8 presets."""
+    without it, the paper's Float8 presets (the search then brackets from there)."""
     path = Path(path)
-    table = json.loads(path.read_text()).get(fmt, []) if path.exists() else []
+    table = json.loads(path.read_text()).get(table_key(fmt, sensitivity), []) if path.exists() else []
     if not table:
         return [(3.9, 4.0), (14.5, 3.0), (58.0, 2.0)]
     return [(row["lambda"], row["bpw"]) for row in table]
@@ -570,27 +691,39 @@ def load_lambda_table(fmt="float8", path=LAMBDA_TABLE):
 
 @torch.no_grad()
 def quantize_entquant(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", super_weights=8,
-                      max_iter=500, lanes=None, tol=0.05):
+                      max_iter=500, lanes=None, tol=0.05, sensitivity=None, fisher_samples=64):
     """EntQuant, data-free (calibration_ids is ignored): replace every linear of every transformer block by an
     EntQuantLinear, IN PLACE. Give lam (lambda) or bpw (a target in coded bits per weight, metadata included, reached
-    within tol by searching lambda). Returns the quantization_config."""
+    within tol by searching lambda). sensitivity="fisher" weights the reconstruction by the Fisher information
+    estimated on fisher_samples sequences the model writes itself (see the module docstring). Returns the
+    quantization_config."""
     if (lam is None) == (bpw is None):
         raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+    sensitivity = None if sensitivity == "none" else sensitivity            # what --option sensitivity=none passes
+    if sensitivity not in SENSITIVITIES:
+        raise ValueError(f"sensitivity must be one of {SENSITIVITIES}, got {sensitivity!r}")
     linears = _block_linears(model)
+    importance = None
+    if sensitivity == "fisher":
+        start = time.time()
+        ids = self_generated_ids(model, fisher_samples)
+        importance = fisher_importance(model, [n for named in linears.values() for n, _ in named], ids)
+        print(f"entquant: Fisher sensitivities from {fisher_samples} self-generated sequences "
+              f"({time.time() - start:.1f} s)", file=sys.stderr, flush=True)
     found = {}
 
     def measure(lam_):
         start = time.time()
-        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes)
+        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes, importance)
         _, _, bits, count = found[lam_]
         print(f"entquant: lambda {lam_:.4g} -> {bits / count:.3f} bits per weight ({time.time() - start:.1f} s)",
               file=sys.stderr, flush=True)
         return bits / count
 
     if bpw is not None:
-        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt), tol=tol)
+        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt, sensitivity), tol=tol)
     else:
         measure(lam)
     per_layer, streams, bits, count = found[lam]
@@ -604,7 +737,7 @@ def quantize_entquant(model, calibration_ids=None, lam=None, bpw=None, fmt="floa
     replace_linears(model, make, names=set(per_layer))
     attach_decoder(model)
     return {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
-            "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
+            "sensitivity": sensitivity, "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
 
 
 def resident_bytes(model):
