@@ -703,7 +703,7 @@ def quantize_entquant(model, calibration_ids=None, lam=None, bpw=None, fmt="floa
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
     sensitivity = None if sensitivity == "none" else sensitivity            # what --option sensitivity=none passes
     if sensitivity not in SENSITIVITIES:
-        raise ValueError(f"sensitivity must be one of {SENSITIVITIES}, got {sensitivity!r}")
+        raise ValueError(f"sensitivity must be 'none' (the paper's loss) or 'fisher', got {sensitivity!r}")
     linears = _block_linears(model)
     importance = None
     if sensitivity == "fisher":
