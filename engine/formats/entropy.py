@@ -405,7 +405,8 @@ def super_weight_mask(weight, count):
 @torch.no_grad()
 def self_generated_ids(model, samples=64, seq_len=128, seed=0):
     """ids [samples, seq_len]: what the model writes itself (temperature 1) after a uniformly random first token. No
-    calibration text is read: this is the only input the Fisher estimate sees."""
+    calibration text is read: this is the only input the Fisher estimate sees. Reproducible on a CPU; on a GPU the
+    sampling draws from torch's global generator of that device."""
     if samples < 1 or seq_len < 2:
         raise ValueError(f"need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
     g = torch.Generator().manual_seed(seed)
