@@ -29,7 +29,7 @@ from engine.qwen3 import Qwen3Config
 from engine.training import TrainConfig, trained_model
 
 LAMBDAS = {None: [1.0, 2.0, 3.9, 7.5, 14.5, 29.0, 58.0, 116.0],      # the paper's loss
-           "fisher": [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}        # Fisher-weighted: another lambda scale
+           "fisher": [0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}        # Fisher-weighted: another lambda scale
 
 
 def model_for(args):
@@ -42,7 +42,7 @@ def calibrate(args):
     linears = entropy._block_linears(model)
     table = {"model": "tiny Qwen3 (2 layers, hidden 256, intermediate 768), engine.training defaults",
              "train_steps": args.steps, "seed": args.seed}
-    for sensitivity in [None if s == "none" else s for s in args.sensitivities]:
+    for sensitivity in map(entropy.parse_sensitivity, args.sensitivities):
         importance = None
         if sensitivity == "fisher":
             names = [n for named in linears.values() for n, _ in named]
@@ -81,7 +81,6 @@ def hqq_row(model, bits, kl_row, group_size=64):
     kl_row(f"HQQ int{bits}, g{group_size} (hqq package)", m, bits + 32 / group_size)
 
 
-@torch.no_grad()
 def best_seconds(fn, repeats=5):
     """The fastest of a few runs: what the code costs without the machine's other work."""
     times = []
@@ -92,6 +91,7 @@ def best_seconds(fn, repeats=5):
     return min(times)
 
 
+@torch.no_grad()
 def measure(args):
     corpus = Corpus.from_bytes(load_corpus(args.text))
     model = model_for(args)
@@ -111,7 +111,7 @@ def measure(args):
     for bits in (4, 3, 2):
         hqq_row(model, bits, kl_row)
     for sensitivity, target in [(s, b) for s in args.sensitivities for b in args.bpw]:
-        sensitivity = None if sensitivity == "none" else sensitivity
+        sensitivity = entropy.parse_sensitivity(sensitivity)
         m = copy.deepcopy(model)
         start = time.time()
         qcfg = entropy.quantize_entquant(m, bpw=target, sensitivity=sensitivity, tol=args.tol)
@@ -121,7 +121,8 @@ def measure(args):
         symbols = entropy.rans_decode(stream)
         enc, dec = best_seconds(lambda: entropy.rans_encode(symbols)), best_seconds(lambda: entropy.rans_decode(raw))
         h = entropy.empirical_entropy_bits(symbols) / 8
-        kl_row(f"EntQuant Float8+ANS{' + self-Fisher' if sensitivity else ''} (bpw={target})", m, qcfg["bits_per_weight"], **{
+        label = f"EntQuant Float8+ANS{' + self-Fisher' if sensitivity else ''} (bpw={target})"
+        kl_row(label, m, qcfg["bits_per_weight"], **{
             "lambda": round(qcfg["lambda"], 3), "compress_seconds": round(seconds, 1), "block0_symbols": stream.n,
             "lanes": stream.states.size, "block0_bytes": len(raw), "block0_entropy_bytes": round(h),
             "rate_over_entropy": round(len(raw) / h, 4), "encode_Msym_s": round(stream.n / enc / 1e6, 2),

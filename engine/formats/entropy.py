@@ -29,16 +29,16 @@ blocks, and a forward pre-hook on every transformer layer decodes that block int
 The matmul reads the buffer's E4M3 (or int8) bytes and applies 2^s per output channel.
 
 Sensitivity (our addition, optional: sensitivity="fisher"). The paper's loss treats every weight alike, so every
-layer ends up near the same rate. What the model's output loses is, to second order, a Fisher-weighted squared
-error: KL(p || p_hat) ~ 1/2 sum_ij F_ij (W_hat - W)_ij^2 with F the diagonal Fisher information. We estimate F on
-sequences the model samples itself (labels drawn from its own predictions: still no calibration text), average it
-over each output row (phi_j, one number per scale) and replace the reconstruction term by
+layer ends up near the same rate. What the model's output loses is, to second order and keeping only the diagonal F
+of the Fisher information, a weighted squared error: KL(p || p_hat) ~ 1/2 sum_ij F_ij (W_hat - W)_ij^2. We estimate
+F on sequences the model samples itself (labels drawn from its own predictions: still no calibration text), average
+it over each output row (phi_j, one number per scale) and replace the reconstruction term by
 
     sum_j phi_j ||W_hat_j - W_j||^2 / (K * n_layer),     K = sum_rows phi_j ||W_j||^2 / n_model
 
 (K makes it a relative error across the whole model, so one lambda trades rate against the estimated KL in every
 layer alike: sensitive layers and rows get finer steps, robust ones coarser). Measured on the tiny model at ~2.1 bits
-per weight: KL 0.0042 against 0.0078 with the paper's loss (RTN int2 g64: 0.0235).
+per weight: KL 0.0043 against 0.0078 with the paper's loss (RTN int2 g64: 0.0235).
 
 Rate control. lambda -> bits per weight is close to log-linear (the paper: nearly model-independent); the table
 measured on the tiny model ships in data/entquant_lambda_bpw.json and seeds a bracketing search on lambda that
@@ -66,6 +66,7 @@ STATE_LOW = 1 << 16                 # x lives in [2^16, 2^32): one 16-bit word p
 LANES_PER_STREAM = 32
 MIN_STEPS = 3072                    # symbols per lane at least, so that states cost < 1% (see module docstring)
 MAX_LANES = 4096
+ONE_SYMBOL_LIMIT = 1 << 32          # a one-symbol stream's count is trusted up to here (its words bound nothing)
 DECODE_CHUNK = 1 << 15              # CPU decode: symbols per batch of deferred symbol lookups
 _MAGIC = b"rANS"
 _HEADER = struct.Struct("<4sBBHQI")  # magic, version, prob_bits, lanes per stream, n, sub-streams
@@ -217,6 +218,9 @@ class RansStream:
             if self.n > most:
                 raise ValueError(f"rANS header claims {self.n} symbols, its {len(self.words)} words hold at most "
                                  f"{int(most)}")
+        elif self.n > ONE_SYMBOL_LIMIT and n is None:
+            raise ValueError(f"one-symbol rANS stream claims {self.n} symbols: its size cannot confirm that, pass the "
+                             "n you expect")
 
     def tensors(self, device):
         """What the Triton decoder takes, as torch tensors on device: (states [S, W], starts [S + 1], words,
@@ -247,6 +251,8 @@ def rans_decode(data, n=None):
     run on from step to step, so last step's final index is this step's ptr without a copy. Slots are kept for a
     chunk of steps and turned into symbols with one lookup per chunk."""
     st = data if isinstance(data, RansStream) else RansStream(data, n)
+    if n is not None and st.n != n:
+        raise ValueError(f"rANS stream holds {st.n} symbols, expected {n}")
     n, (s_count, w_count) = st.n, st.states.shape
     lanes, shape = s_count * w_count, st.states.shape
     out = np.empty(n, dtype=np.uint8)
@@ -257,7 +263,7 @@ def rans_decode(data, n=None):
     sym_of, f_of, bias_of = _slot_tables(st.f, p)
     sym_of = sym_of.astype(np.uint8)
     F = f_of << (16 - p)
-    D = ((bias_of << p) - f_of * np.arange(1 << p)) << (16 - p)
+    D = ((bias_of << p) - f_of * np.arange(1 << p)) << (16 - p)     # may be negative; F[slot] * x + D[slot] is not
     words = st.words if len(st.words) else np.zeros(1, np.int64)
     x = st.states.copy()
     # 0-d arrays, not Python or NumPy scalars: a ufunc converts those on every call.
@@ -351,9 +357,10 @@ def entquant_scales(weight, lam, fmt="float8", max_iter=500, history=100, lr=1.0
     norm = w.abs().sum().clamp(min=1e-30)
     rate_weight = 4.0 if fmt == "float8" else 1.0 / 128
     if importance is not None:
-        importance = importance.detach().float().reshape(-1, 1)
-        if importance.shape[0] != w.shape[0] or not bool(torch.isfinite(importance).all() & (importance >= 0).all()):
+        importance = torch.as_tensor(importance).detach().to(w.device, torch.float32)
+        if importance.shape != (w.shape[0],) or not bool(torch.isfinite(importance).all() & (importance >= 0).all()):
             raise ValueError(f"importance must be {w.shape[0]} finite, non-negative numbers (one per output row)")
+        importance = importance[:, None]
 
     def loss_fn():
         q = _ste_codes(w * torch.exp2(-s)[:, None], fmt)
@@ -402,58 +409,86 @@ def super_weight_mask(weight, count):
 
 # ---- data-free sensitivities: the diagonal Fisher information on the model's own samples -----------------------
 
+def _vocab_and_device(model):
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ValueError("the model needs cfg.vocab_size (an engine Qwen3) to sample its own text")
+    return vocab, next(model.parameters()).device
+
+
 @torch.no_grad()
 def self_generated_ids(model, samples=64, seq_len=128, seed=0):
-    """ids [samples, seq_len]: what the model writes itself (temperature 1) after a uniformly random first token. No
-    calibration text is read: this is the only input the Fisher estimate sees. Reproducible on a CPU; on a GPU the
-    sampling draws from torch's global generator of that device."""
-    if samples < 1 or seq_len < 2:
-        raise ValueError(f"need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.cfg.vocab_size
-    device = next(model.parameters()).device
-    first = torch.randint(vocab, (samples, 1), generator=g).to(device)
-    return model.generate(first, seq_len - 1, temperature=1.0, generator=g if device.type == "cpu" else None)
+    """ids [samples, seq_len]: what the model writes itself (temperature 1, eval mode) after a uniformly random first
+    token. No calibration text is read: this is the only input the Fisher estimate sees. Seeded on the model's
+    device, so a run repeats on the same device."""
+    if not (isinstance(samples, int) and isinstance(seq_len, int) and samples >= 1 and seq_len >= 2):
+        raise ValueError(f"need integers samples >= 1 and seq_len >= 2, got {samples!r} and {seq_len!r}")
+    vocab, device = _vocab_and_device(model)
+    g = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    try:
+        model.eval()
+        first = torch.randint(vocab, (samples, 1), generator=g, device=device)
+        return model.generate(first, seq_len - 1, temperature=1.0, generator=g)
+    finally:
+        model.train(was_training)
 
 
 def fisher_importance(model, names, ids, draws=4, batch_size=8, seed=0):
     """Per-output-row importance {name: [out]} of the listed linears: the diagonal Fisher information of their
     weights, F = E_x E_{y ~ p(.|x)} (d log p(y|x) / dW)^2, averaged over each row (phi_j), divided by
-    K = sum_rows phi_j ||W_j||^2 / (weights of all listed linears).
+    K = sum_rows phi_j ||W_j||^2 / (weights of all listed linears). ids [batch, T]: the inputs x (self_generated_ids).
 
-    Labels y are sampled from the model's own predictions (draws per sequence), so no text is needed. Summing the
-    log-likelihood over the positions of a batch before squaring is unbiased: given the inputs, the positions'
-    gradients have mean zero and are independent, so the cross terms vanish in expectation."""
+    Labels y are sampled from the model's own predictions (draws per batch, one forward pass and `draws` backward
+    passes), so no text is needed. Summing the log-likelihood over the positions of a batch before squaring keeps
+    the estimate of sum_positions F unbiased: given the inputs the labels are drawn independently and each position's
+    score has mean zero, so the cross terms vanish in expectation. What is accumulated is that sum over positions
+    and draws, not the mean F; the scale cancels in the division by K (a ratio: consistent, not unbiased)."""
+    if not names or len(set(names)) != len(names):
+        raise ValueError("fisher_importance needs a non-empty list of distinct linear names")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.numel() and not ids.is_floating_point()):
+        raise ValueError(f"ids must be a non-empty [batch, T] integer tensor, got {getattr(ids, 'shape', ids)}")
+    if draws < 1 or batch_size < 1:
+        raise ValueError(f"draws ({draws}) and batch_size ({batch_size}) must be >= 1")
+    if torch.is_inference_mode_enabled():
+        raise ValueError("fisher_importance needs gradients: call it outside torch.inference_mode()")
     modules = dict(model.named_modules())
     missing = [n for n in names if not isinstance(modules.get(n), torch.nn.Linear)]
     if missing:
         raise ValueError(f"fisher_importance: not linears of this model: {missing[:3]}")
+    _, device = _vocab_and_device(model)
     weights = {n: modules[n].weight for n in names}
-    acc = {n: torch.zeros_like(w, dtype=torch.float32) for n, w in weights.items()}
-    flags = {p: p.requires_grad for p in model.parameters()}
-    g = torch.Generator().manual_seed(seed)
+    acc = {n: torch.zeros(w.shape[0], device=w.device) for n, w in weights.items()}    # row sums of grad^2
+    flags, was_training = {p: p.requires_grad for p in model.parameters()}, model.training
+    g = torch.Generator(device=device).manual_seed(seed)
     try:
+        model.eval()
         for p in flags:
             p.requires_grad_(False)
         for w in weights.values():
             w.requires_grad_(True)
         with torch.enable_grad():
-            for batch in ids.split(batch_size):
-                for _ in range(draws):
-                    logits = model(batch).float().flatten(0, 1)
-                    y = torch.multinomial(logits.detach().softmax(-1).cpu(), 1, generator=g)[:, 0]
-                    loss = torch.nn.functional.cross_entropy(logits, y.to(logits.device), reduction="sum")
-                    for n, grad in zip(weights, torch.autograd.grad(loss, list(weights.values()))):
-                        acc[n] += grad.float().square()
+            for batch in ids.to(device).split(batch_size):
+                logits = model(batch).float().flatten(0, 1)
+                probs = logits.detach().softmax(-1)
+                for d in range(draws):
+                    y = torch.multinomial(probs, 1, generator=g)[:, 0]
+                    loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
+                    grads = torch.autograd.grad(loss, list(weights.values()), retain_graph=d + 1 < draws,
+                                                allow_unused=True)          # an unused linear has Fisher 0
+                    for n, grad in zip(weights, grads):
+                        if grad is not None:
+                            acc[n] += grad.float().square().sum(1)
     finally:
         for p, flag in flags.items():
             p.requires_grad_(flag)
-    phi = {n: a.mean(1) for n, a in acc.items()}
-    k = sum((phi[n] * weights[n].detach().float().square().sum(1)).sum() for n in names)
+        model.train(was_training)
+    phi = {n: acc[n] / weights[n].shape[1] for n in weights}
+    k = sum((phi[n] * weights[n].detach().float().square().sum(1)).sum() for n in weights)
     k = k / sum(w.numel() for w in weights.values())
     if not k > 0:
         raise ValueError("the Fisher estimate is zero: the model's predictions do not depend on these weights")
-    return {n: (p / k).cpu() for n, p in phi.items()}
+    return {n: (v / k).cpu() for n, v in phi.items()}
 
 
 # ---- the layer and the per-model block decoder ------------------------------------------------------------------
@@ -671,7 +706,17 @@ def lambda_for_bpw(target, measure, table, tol=0.05, max_evals=10):
 LAMBDA_TABLE = Path(__file__).resolve().parents[2] / "data" / "entquant_lambda_bpw.json"
 
 
-SENSITIVITIES = (None, "fisher")
+# Where no table is shipped: the paper's Float8 presets, and what the Fisher-weighted loss measured on the tiny model.
+PRESETS = {None: [(3.9, 4.0), (14.5, 3.0), (58.0, 2.0)], "fisher": [(0.25, 4.04), (2.0, 3.06), (16.0, 2.16)]}
+
+
+def parse_sensitivity(sensitivity):
+    """None or "none" -> None (the paper's loss); "fisher" -> "fisher" (the Fisher-weighted loss)."""
+    if sensitivity in (None, "none"):
+        return None
+    if sensitivity != "fisher":
+        raise ValueError(f"sensitivity must be 'none' (the paper's loss) or 'fisher', got {sensitivity!r}")
+    return sensitivity
 
 
 def table_key(fmt, sensitivity=None):
@@ -682,11 +727,11 @@ def table_key(fmt, sensitivity=None):
 
 def load_lambda_table(fmt="float8", sensitivity=None, path=LAMBDA_TABLE):
     """[(lambda, bpw), ...] measured on the tiny trained model (benchmarks/entquant_rate.py rebuilds the file);
-    without it, the paper's Float8 presets (the search then brackets from there)."""
+    without it, PRESETS (the search then brackets from there)."""
     path = Path(path)
     table = json.loads(path.read_text()).get(table_key(fmt, sensitivity), []) if path.exists() else []
     if not table:
-        return [(3.9, 4.0), (14.5, 3.0), (58.0, 2.0)]
+        return PRESETS[sensitivity]
     return [(row["lambda"], row["bpw"]) for row in table]
 
 
@@ -702,9 +747,7 @@ def quantize_entquant(model, calibration_ids=None, lam=None, bpw=None, fmt="floa
         raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
-    sensitivity = None if sensitivity == "none" else sensitivity            # what --option sensitivity=none passes
-    if sensitivity not in SENSITIVITIES:
-        raise ValueError(f"sensitivity must be 'none' (the paper's loss) or 'fisher', got {sensitivity!r}")
+    sensitivity = parse_sensitivity(sensitivity)
     linears = _block_linears(model)
     importance = None
     if sensitivity == "fisher":
