@@ -10,6 +10,16 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("ENGINE_CACHE", str(tmp_path_factory.getbasetemp() / "engine-cache"))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny tensors (pytestmark = pytest.mark.usefixtures("one_thread")): extra threads only add
+    synchronization there, and stall badly on a loaded machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture
 def tiny_cfg():
     """Smaller than the book's model so tests stay fast, with the same structure (GQA, 2 layers)."""

@@ -7,13 +7,7 @@ from engine.formats import affine, awq, checkpoints
 from helpers import rtn_baseline
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: extra threads only add synchronization (and stall badly on a loaded machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def outlier_inputs(tokens, n, seed, outliers=4, factor=30.0):

@@ -21,13 +21,7 @@ def weighted_error(w_hat, w, h):
     return (d @ h * d).sum().item()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: extra threads only add synchronization (and stall badly on a loaded machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_hessian_accumulates_batches():
