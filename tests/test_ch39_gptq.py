@@ -8,6 +8,9 @@ from engine.kernels import triton_formats
 from helpers import rtn_baseline
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 def correlated_inputs(tokens, n, seed):
     """Calibration-like inputs: correlated channels with very different scales (what makes GPTQ matter)."""
     g = torch.Generator().manual_seed(seed)
@@ -19,9 +22,6 @@ def weighted_error(w_hat, w, h):
     """tr(dW H dW^T): the layer's output error on the calibration inputs, what GPTQ minimizes."""
     d = w_hat - w
     return (d @ h * d).sum().item()
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_hessian_accumulates_batches():
