@@ -23,8 +23,7 @@ import torch
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats, perplexity
 from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, trellis
-from engine.formats.base import quantized_linears
-from engine.kernels import triton_formats
+from engine.formats.base import impl, quantized_linears
 from engine.qwen3 import Qwen3Config
 from engine.training import TrainConfig, trained_model
 
@@ -100,8 +99,8 @@ def setup(args):
     return corpus, model
 
 
-def evaluate(model, windows, impl):
-    with triton_formats.impl(impl):
+def evaluate(model, windows, impl_name):
+    with impl(impl_name):
         return held_out_logits(model, windows)
 
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
+from engine.formats import base
 from engine.formats.affine import (AffineQuantLinear, choose_clip, fake_quantize, find_params, pack_bits,
                                    pack_int32, pack_nibbles, quantize_to_affine, rtn_quantize, unpack_bits,
                                    unpack_int32, unpack_nibbles)
-from engine.kernels import triton_formats
 
 
 def test_find_params_covers_the_range_and_rounds_scales_to_f16():
@@ -74,7 +74,7 @@ def test_input_permutation_is_undone():
     stored = w[:, perm]                                          # columns kept in the order perm
     layer = AffineQuantLinear.from_codes(*quantize_to_affine(stored, 4, 16), 16, 4, perm=perm)
     assert torch.allclose(layer.dequantize()[:, perm], fake_quantize(stored, 4, 16))
-    with triton_formats.impl("engine"):
+    with base.impl("engine"):
         y = layer(x)
     assert torch.allclose(y, x @ layer.dequantize().T, atol=1e-4)
 
@@ -86,7 +86,7 @@ def test_triton_kernel_equals_torch_on_odd_shapes(bits, m, n, k, group):
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
     layer = AffineQuantLinear.from_codes(*quantize_to_affine(w, bits, group), group, bits)
     reference = layer(x)
-    with triton_formats.impl("engine"):
+    with base.impl("engine"):
         out = layer(x)
     assert torch.allclose(out, reference, atol=1e-4, rtol=1e-4)
 
@@ -109,7 +109,7 @@ def test_rtn_quantize_model_replaces_every_linear_but_lm_head(tiny_model):
 
 def test_impl_switch_rejects_unknown_names():
     with pytest.raises(ValueError, match="impl"):
-        triton_formats.set_impl("cuda")
+        base.set_impl("cuda")
 
 
 def test_bad_inputs_are_clear_errors():

@@ -5,12 +5,12 @@ import pytest
 import torch
 from torch import nn
 
+from engine.formats import base
 from engine.formats import compressed_tensors as ct
 from engine.formats.affine import AffineQuantLinear, quantize_to_affine, rtn_quantize
 from engine.formats.base import quantized_linears
 from engine.formats.fp8 import FP8BlockLinear
 from engine.formats.mx import MXFP4Linear, NVFP4Linear
-from engine.kernels import triton_formats
 from engine.qwen3 import Qwen3
 
 
@@ -249,7 +249,7 @@ def test_qwen3_checkpoint_round_trip_and_kernels(tmp_path, registered, tiny_cfg,
     with torch.no_grad():
         reference = tiny_model(ids)
         torch.testing.assert_close(loaded(ids), reference, rtol=1e-5, atol=1e-5)
-        with triton_formats.impl("engine"):                              # the loaded layers run their kernels
+        with base.impl("engine"):                              # the loaded layers run their kernels
             torch.testing.assert_close(loaded(ids), reference, rtol=1e-4, atol=1e-4)
 
 

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from engine.formats import base
 from engine.evaluation import kl_stats
 from engine.formats import entropy as E
-from engine.kernels import triton_formats
+from engine.kernels import stream_decoders
 from engine.qwen3 import Qwen3, Qwen3Config
 
 
@@ -88,7 +89,7 @@ def test_corrupted_or_truncated_streams_raise_value_error():
 def test_triton_decoder_equals_numpy_decoder(symbols, lanes):
     stream = E.RansStream(E.rans_encode(symbols, lanes=lanes))
     out = torch.empty(stream.n, dtype=torch.uint8)
-    triton_formats.rans_decode(*stream.tensors("cpu"), out, stream.prob_bits)
+    stream_decoders.rans_decode(*stream.tensors("cpu"), out, stream.prob_bits)
     assert torch.equal(out, E.rans_decode(stream)) and np.array_equal(out.numpy(), symbols)
     if stream.n < 100:
         return
@@ -96,17 +97,17 @@ def test_triton_decoder_equals_numpy_decoder(symbols, lanes):
     bad[2] = bad[2].clone()
     bad[2][3] ^= 0x1234                                         # a flipped word
     with pytest.raises(ValueError):
-        triton_formats.rans_decode(*bad, out, stream.prob_bits)
+        stream_decoders.rans_decode(*bad, out, stream.prob_bits)
     bad = list(stream.tensors("cpu"))
     bad[0] = bad[0].clone()
     bad[0][-1, -1] += 1                                         # the last lane's start state
     with pytest.raises(ValueError):
-        triton_formats.rans_decode(*bad, out, stream.prob_bits)
+        stream_decoders.rans_decode(*bad, out, stream.prob_bits)
     bad = list(stream.tensors("cpu"))
     bad[1] = bad[1].clone()
     bad[1][1] -= 1                                              # a sub-stream boundary one word early
     with pytest.raises(ValueError):
-        triton_formats.rans_decode(*bad, out, stream.prob_bits)
+        stream_decoders.rans_decode(*bad, out, stream.prob_bits)
 
 
 def test_round_e4m3_equals_torch_cast():
@@ -181,9 +182,9 @@ def test_model_runs_block_by_block_from_one_shared_buffer(tiny_model, tiny_cfg, 
         reference = _reference_with(dense, quantized)(ids)
         assert torch.allclose(logits, reference, atol=1e-4, rtol=1e-4)
         calls = []
-        triton_decode = triton_formats.rans_decode
-        monkeypatch.setattr(triton_formats, "rans_decode", lambda *a: (calls.append(1), triton_decode(*a))[1])
-        with triton_formats.impl("engine"):                        # the Triton decoder, also without a GPU
+        triton_decode = stream_decoders.rans_decode
+        monkeypatch.setattr(stream_decoders, "rans_decode", lambda *a: (calls.append(1), triton_decode(*a))[1])
+        with base.impl("engine"):                        # the Triton decoder, also without a GPU
             assert torch.allclose(tiny_model(ids), logits, atol=1e-4, rtol=1e-4)
         assert len(calls) == 2
     streams = sum(len(m.stream) for m in quantized.values())
@@ -262,7 +263,7 @@ def test_nf4_levels_bits_and_kernel():
     nearest = levels.gather(-1, (levels - w[..., None]).abs().argmin(-1, keepdim=True))[..., 0]
     assert torch.allclose(deq, nearest)
     x = torch.randn(5, 130)
-    with triton_formats.impl("engine"):
+    with base.impl("engine"):
         assert torch.allclose(layer(x), x @ deq.T, atol=1e-4, rtol=1e-4)
 
 

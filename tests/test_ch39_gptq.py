@@ -3,8 +3,8 @@ layouts, the v1 zero-point-0 trap, and whole-model save -> load."""
 import pytest
 import torch
 
+from engine.formats import base
 from engine.formats import affine, checkpoints, gptq
-from engine.kernels import triton_formats
 from helpers import rtn_baseline
 
 
@@ -68,9 +68,9 @@ def test_act_order_g_idx_and_runtime_permutation():
     w_hat = gptq.dequantize_gptq(codes, scales, zeros, g_idx)
     assert torch.equal(layer.dequantize(), w_hat)
     x = torch.randn(5, 64)
-    with triton_formats.impl("torch"):
+    with base.impl("torch"):
         assert torch.allclose(layer(x), x @ w_hat.T, atol=1e-5)
-    with triton_formats.impl("engine"):
+    with base.impl("engine"):
         assert torch.allclose(layer(x), x @ w_hat.T, atol=1e-4)
     # without act-order the columns are already in group order: nothing to permute
     plain = gptq.to_runtime(*gptq.gptq_quantize(w, h, 4, 16), 16)

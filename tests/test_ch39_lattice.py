@@ -6,10 +6,11 @@ import math
 import pytest
 import torch
 
+from engine.formats import base
 from engine.formats import checkpoints
 from engine.formats import lattice as L
 from engine.formats.base import quantized_linears
-from engine.kernels import triton_formats
+from engine.kernels import stream_decoders
 
 PAPER_RATES_21DB = {"E8": 3.74, "D4": 3.77, "A2": 3.81, "Z": 3.84}
 SAVING = {"E8": 1.0, "D4": 0.25, "A2": 0.5, "Z": 0.0}
@@ -147,7 +148,7 @@ def test_corrupt_streams_raise():
     for payload, offsets in ((torch.zeros_like(short.payload), short.offsets), (short.payload, moved)):
         bad = L.RiceStreams.seal(payload, offsets, short.ks, short.count, short.total_bits, 16)
         with pytest.raises(ValueError, match="boundary"):
-            triton_formats.lattice_decode(bad.payload, bad.offsets, bad.ks, bad.count, bad.stream_ends(), "E8",
+            stream_decoders.lattice_decode(bad.payload, bad.offsets, bad.ks, bad.count, bad.stream_ends(), "E8",
                                           torch.ones(8), 8, substream=16)
 
 
@@ -160,7 +161,7 @@ def test_kernel_equals_cpu_decoder(name):
     streams = L.encode_codes(codes, name, substream=16)
     rows = 2
     scales = torch.tensor([0.5, 2.0])
-    out = triton_formats.lattice_decode(streams.payload, streams.offsets, streams.ks, streams.count,
+    out = stream_decoders.lattice_decode(streams.payload, streams.offsets, streams.ks, streams.count,
                                         streams.stream_ends(), name, scales, streams.count // rows, lat.axis[0],
                                         substream=16)
     cpu = L.decode_codes(streams, name).float() * torch.tensor(lat.axis, dtype=torch.float32)
@@ -197,7 +198,7 @@ def test_lattice_linear_engine_matches_torch_and_counts_storage():
     snr = 10 * torch.log10(w.pow(2).sum() / (layer.dequantize() - w).pow(2).sum())
     assert abs(float(snr) - 20.0) < 1.0
     x = torch.randn(3, 32)
-    with triton_formats.impl("engine"):
+    with base.impl("engine"):
         y_engine = layer(x)
     y_torch = layer(x)
     assert torch.allclose(y_engine, y_torch, rtol=1e-4, atol=1e-5)

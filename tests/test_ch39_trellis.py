@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.formats import base
 from engine.formats import checkpoints, trellis
 from engine.formats.base import quantized_linears
 from engine.kernels import triton_formats
@@ -116,7 +117,7 @@ def test_kernel_equals_torch_decoder(code, tail_biting, L, K, tile):
     assert torch.equal(w_kernel, layer.decode_rotated())
     x = torch.randn(5, 256)
     y_torch = layer(x)
-    with triton_formats.impl("engine"):
+    with base.impl("engine"):
         y_engine = layer(x)
     assert torch.allclose(y_engine, y_torch, rtol=1e-4, atol=1e-4)
 
@@ -193,7 +194,7 @@ def test_model_quantize_engine_and_checkpoint_round_trip(tiny_model, tmp_path, m
     assert all(m.bits_per_weight == (2 * 64 + 16) / 64 for m in layers.values())
     with torch.no_grad():
         ref = tiny_model(ids)
-        with triton_formats.impl("engine"):
+        with base.impl("engine"):
             engine = tiny_model(ids)
     assert torch.allclose(engine, ref, rtol=1e-3, atol=1e-3)
     monkeypatch.setitem(checkpoints.METHODS, "trellis", trellis.CHECKPOINT)

@@ -2,21 +2,46 @@
 
 A quantized layer stores its weight in some compressed form and can always give back the dense weight it stands
 for (`dequantize()`, [out, in] float32). Its forward pass has two implementations, chosen by one global switch
-(`engine.kernels.triton_formats.set_impl`):
+(`set_impl` below, or `with impl("engine"):`):
 
   torch   y = x @ dequantize().T            (plain PyTorch, the reference)
   engine  y = self.kernel_matmul(x)         (the layer's Triton kernel, decoding on the fly)
 
-Both must agree to float32 rounding; the tests pin that for every format. Each layer also reports its storage
+Both must agree to float32 rounding; the tests pin that for every format. `run.py --impl` turns the switch. Each layer also reports its storage
 cost in bits per weight, metadata (scales, offsets, tables) included, because that is what a user pays.
 """
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from ..kernels import triton_formats
+IMPLS = ("torch", "engine")
+_impl = "torch"
+
+
+def set_impl(name: str) -> None:
+    """Choose how quantized layers compute: "torch" (dequantize + matmul) or "engine" (Triton kernels)."""
+    global _impl
+    if name not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {name!r}")
+    _impl = name
+
+
+def get_impl() -> str:
+    return _impl
+
+
+@contextlib.contextmanager
+def impl(name: str):
+    """`with impl("engine"): model(ids)` runs every quantized layer through its kernel, then restores the switch."""
+    previous = get_impl()
+    set_impl(name)
+    try:
+        yield
+    finally:
+        set_impl(previous)
 
 
 class QuantLinear(nn.Module):
@@ -56,7 +81,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.in_features}")
         shape, dtype = x.shape, x.dtype
         x2d = x.reshape(-1, self.in_features).float()
-        if triton_formats.get_impl() == "engine":
+        if get_impl() == "engine":
             y = self.kernel_matmul(x2d)
         else:
             y = x2d @ self.dequantize().T

@@ -57,9 +57,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..kernels import triton_formats
+from ..kernels import stream_decoders, triton_formats
 from .affine import grouped, pack_bits, unpack_bits
-from .base import CheckpointMethod, QuantLinear, replace_linears
+from .base import CheckpointMethod, QuantLinear, get_impl, replace_linears
 
 PROB_BITS = 15                      # frequency table precision: sum of f = 2^15
 STATE_LOW = 1 << 16                 # x lives in [2^16, 2^32): one 16-bit word per renormalization
@@ -577,10 +577,10 @@ class BlockDecoder:
             if index not in self.parsed:
                 self.parsed[index] = RansStream(head.stream, self.sizes[index])
             stream, out = self.parsed[index], self.buffer[:self.sizes[index]]
-            if triton_formats.get_impl() == "engine":
+            if get_impl() == "engine":
                 if (index, out.device) not in self.on_device:
                     self.on_device[index, out.device] = stream.tensors(out.device)
-                triton_formats.rans_decode(*self.on_device[index, out.device], out, stream.prob_bits)
+                stream_decoders.rans_decode(*self.on_device[index, out.device], out, stream.prob_bits)
             else:
                 out.copy_(rans_decode(stream))
             self.current = index

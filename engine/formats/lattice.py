@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..kernels import triton_formats
+from ..kernels import stream_decoders
 from .hadamard import rotate, unrotate
 from .affine import pack_bits, unpack_bits
 from .base import CheckpointMethod, QuantLinear, replace_linears
@@ -527,7 +527,7 @@ class LatticeLinear(QuantLinear):
 
     def kernel_matmul(self, x2d):
         lat = get_lattice(self.lattice)
-        w = triton_formats.lattice_decode(self.payload, self.offsets, self.ks, self.in_features * self.out_features,
+        w = stream_decoders.lattice_decode(self.payload, self.offsets, self.ks, self.in_features * self.out_features,
                                           self.stream_ends(), lat.name, self.scales.float(), self.in_features,
                                           lat.axis[0])
         return rotate(x2d, self._signs().to(x2d.device), self.tile) @ w.reshape(self.out_features, -1).T
