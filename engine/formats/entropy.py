@@ -60,6 +60,7 @@ import torch
 from ..kernels import stream_decoders, triton_formats
 from .affine import grouped, pack_bits, unpack_bits
 from .base import CheckpointMethod, QuantLinear, get_impl, replace_linears
+from .minifloats import E4M3_MAX, round_e4m3
 
 PROB_BITS = 15                      # frequency table precision: sum of f = 2^15
 STATE_LOW = 1 << 16                 # x lives in [2^16, 2^32): one 16-bit word per renormalization
@@ -317,19 +318,7 @@ def rans_decode(data, n=None):
 
 # ---- EntQuant: choosing the per-channel scales ------------------------------------------------------------------
 
-FORMATS = {"float8": 448.0, "int8": 127.0}          # largest code magnitude
-
-
-def round_e4m3(x):
-    """float32 -> the nearest E4M3 value (ties to even, saturating at +-448), as float32. Equals
-    x.clamp(-448, 448).to(torch.float8_e4m3fn).float() but runs as a few vectorized integer ops (torch's CPU cast
-    is element by element): normals keep 3 mantissa bits by adding a round-to-even bias to the f32 bit pattern;
-    below 2^-6 the grid is uniform with step 2^-9 (the subnormals)."""
-    x = x.clamp(-448.0, 448.0)
-    bits = x.view(torch.int32)
-    bits = (bits + ((1 << 19) - 1) + ((bits >> 20) & 1)) & ~((1 << 20) - 1)
-    normal = bits.view(torch.float32)
-    return torch.where(x.abs() < 2.0 ** -6, torch.round(x * 512.0) / 512.0, normal)
+FORMATS = {"float8": E4M3_MAX, "int8": 127.0}          # largest code magnitude
 
 
 def _ste_codes(x, fmt):
@@ -388,7 +377,7 @@ def encode_weight(weight, log_scale, fmt="float8", keep=None):
     if keep is not None:
         x = x.masked_fill(keep, 0.0)
     if fmt == "float8":
-        codes = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+        codes = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         return torch.where(codes == 0x80, torch.zeros_like(codes), codes)
     return x.round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
 

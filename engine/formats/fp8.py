@@ -18,8 +18,7 @@ import torch.nn.functional as F
 
 from ..kernels import triton_formats
 from .base import CheckpointMethod, QuantLinear, replace_linears
-
-E4M3_MAX = 448.0
+from .minifloats import E4M3_MAX
 
 
 def _blocks(out_f, in_f, block):

@@ -23,26 +23,10 @@ import torch
 from ..kernels import triton_formats
 from .affine import pack_nibbles, unpack_nibbles
 from .base import QuantLinear, replace_linears
-from .fp8 import E4M3_MAX
+from .minifloats import E2M1, E2M1_MAX, E4M3_MAX, e8m0_to_float, to_e2m1
 
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-E2M1_MAX = 6.0
 MX_BLOCK, NV_BLOCK = 32, 16
 LAYOUTS = ("interleaved", "split")
-
-# Midpoints between neighbouring magnitudes 0, 0.5, 1, ... 6. At a tie the even code (mantissa bit 0) wins: below
-# the midpoint after an even index (0.25 -> 0, 2.5 -> 2), above it after an odd one (0.75 -> 1, 1.75 -> 2).
-_MIDPOINTS = (E2M1[1:8] + E2M1[0:7]) / 2
-_TIE_GOES_UP = torch.arange(7) % 2 == 1
-
-
-def to_e2m1(x):
-    """x [...] float -> E2M1 codes uint8 [...]: nearest, ties to even, saturating at +-6 (the sign of -0 and of
-    negatives that round to 0 is kept, as hardware and ml_dtypes do)."""
-    a = x.float().abs()[..., None]
-    mid = _MIDPOINTS.to(a.device)
-    index = torch.where(_TIE_GOES_UP.to(a.device), a >= mid, a > mid).sum(-1)
-    return (index | (torch.signbit(x).long() << 3)).to(torch.uint8)
 
 
 def _blocked(w, block, what):
@@ -71,12 +55,6 @@ def quantize_mxfp4(w, layout="interleaved"):
     if layout == "split":
         codes = codes.reshape(*codes.shape[:-1], 2, 16).transpose(-1, -2).flatten(-2)  # j beside j + 16
     return pack_nibbles(codes), (exponent + 127).to(torch.uint8)
-
-
-def e8m0_to_float(scales):
-    """E8M0 bytes -> 2^(e - 127) float32 (255 is NaN in the OCP spec)."""
-    e = scales.long()
-    return torch.where(e == 255, float("nan"), torch.exp2((e - 127).float()))
 
 
 def dequantize_mxfp4(blocks, scales, layout="interleaved"):
