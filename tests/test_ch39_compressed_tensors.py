@@ -7,7 +7,8 @@ from torch import nn
 
 from engine.formats import base
 from engine.formats import compressed_tensors as ct
-from engine.formats.affine import AffineQuantLinear, quantize_to_affine, rtn_quantize
+from engine.formats import affine
+from engine.formats.affine import AffineQuantLinear, quantize_to_affine
 from engine.formats.base import quantized_linears
 from engine.formats.fp8 import FP8BlockLinear
 from engine.formats.mx import MXFP4Linear, NVFP4Linear
@@ -254,7 +255,7 @@ def test_qwen3_checkpoint_round_trip_and_kernels(tmp_path, registered, tiny_cfg,
 
 
 def test_already_quantized_rtn_model_saved_as_asymmetric(tmp_path, registered, tiny_model):
-    rtn_quantize(tiny_model, 4, 32)                                      # asymmetric: zero points per group
+    affine.quantize(tiny_model, bits=4, group_size=32)                                      # asymmetric: zero points per group
     config = ct.config_for_model(tiny_model)
     assert config["config_groups"]["group_0"]["weights"]["symmetric"] is False
     registered.save_quantized(tiny_model, tmp_path, "compressed-tensors", quantization_config=config)
