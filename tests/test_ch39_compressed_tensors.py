@@ -191,12 +191,16 @@ def test_bad_configs_and_tensors_raise_value_error():
     unknown = ct.quantization_config("pack-quantized", group_size=64)
     unknown["config_groups"]["group_0"]["format"] = "marlin-24"
     bad.append(unknown)
-    for config in bad:
-        with pytest.raises(ValueError):
+    reasons = ["quant_method must be 'compressed-tensors'", "quantization_status is 'frozen'", "no config_groups",
+               "mixed precision", "static activation", "num_bits 3", "format 'marlin-24'"]
+    for config, reason in zip(bad, reasons, strict=True):
+        with pytest.raises(ValueError, match=reason):
             ct.read(t, config)
-    for name, value in [("weight_packed", t["weight_packed"][:, :-1]), ("weight_scale", t["weight_scale"][:, :2]),
-                        ("weight_shape", torch.tensor([36, 999])), ("weight_packed", t["weight_packed"].float())]:
-        with pytest.raises(ValueError):
+    for name, value, reason in [("weight_packed", t["weight_packed"][:, :-1], "weight_packed is torch.int32 \\(36, 24\\)"),
+                                ("weight_scale", t["weight_scale"][:, :2], "weight_scale is"),
+                                ("weight_shape", torch.tensor([36, 999]), "expected torch.int32 \\(36, 125\\)"),
+                                ("weight_packed", t["weight_packed"].float(), "weight_packed is torch.float32")]:
+        with pytest.raises(ValueError, match=reason):
             ct.read(dict(t, **{name: value}), good)
     with pytest.raises(ValueError, match="format"):
         ct.quantization_config("int-quantized")

@@ -33,11 +33,11 @@ def test_zero_block_and_bad_input():
     w[0, 0] = 1.0
     q, s = fp8.quantize_blocks(w, 4)
     assert torch.equal(fp8.dequantize_blocks(q, s, 4), w)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='scale_inv has shape'):
         fp8.dequantize_blocks(q, s[:, :1], 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='NaN or infinite'):
         fp8.quantize_blocks(torch.tensor([[float("nan"), 1.0]]))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='must be float8_e4m3fn'):
         fp8.FP8BlockLinear(q.float(), s, block=4)
 
 

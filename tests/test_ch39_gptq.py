@@ -27,7 +27,7 @@ def test_hessian_accumulates_batches():
     x = torch.randn(300, 24)
     h = gptq.hessian_from(x.split(70))                        # batches of unequal size
     assert torch.allclose(h, 2 * x.T @ x / 300, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='no calibration inputs'):
         _ = calibration.InputStats(24).hessian               # no data: a clear error, not a NaN Hessian
 
 

@@ -97,23 +97,23 @@ def test_nvfp4_beats_mxfp4_on_gaussian_weights():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='multiple of 32'):
         mx.quantize_mxfp4(torch.randn(4, 48))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='multiple of 16'):
         mx.quantize_nvfp4(torch.randn(4, 40))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='layout must be one of'):
         mx.quantize_mxfp4(torch.randn(4, 32), layout="gguf")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='NaN or infinite'):
         mx.quantize_nvfp4(torch.full((1, 16), float("nan")))
     blocks, scales = mx.quantize_mxfp4(torch.randn(4, 64))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='0xFF is NaN'):
         mx.MXFP4Linear(blocks, torch.full_like(scales, 255))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='do not match'):
         mx.dequantize_mxfp4(blocks, scales[:, :1])
     packed, bs, ts = mx.quantize_nvfp4(torch.randn(4, 64))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='NVFP4Linear needs'):
         mx.NVFP4Linear(packed, bs[:, :2], ts)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='one finite number'):
         mx.NVFP4Linear(packed, bs, torch.ones(2))
 
 
