@@ -85,10 +85,14 @@ def test_unexpected_tensor(fp8_checkpoint):
         load_quantized(fp8_checkpoint)
 
 
-def test_layer_shape_that_does_not_match_the_config(fp8_checkpoint):
+def test_layer_shape_that_does_not_match_the_config(fp8_checkpoint, tiny_model, tmp_path):
     _edit_config(fp8_checkpoint, lambda raw: raw.update(intermediate_size=96))
+    with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight: checkpoint shape \(\d+, 128\) != model shape"):
+        load_quantized(fp8_checkpoint)                      # seen in the header, before anything is allocated
+    save_quantized(tiny_model, tmp_path / "gptq", "gptq", torch.randint(0, 256, (2, 16)), group_size=32)
+    _edit_config(tmp_path / "gptq", lambda raw: raw.update(intermediate_size=96))
     with pytest.raises(ValueError, match=r"mlp\.\w+_proj: checkpoint layer is \d+ x \d+, the config says"):
-        load_quantized(fp8_checkpoint)
+        load_quantized(tmp_path / "gptq")                   # packed parts: seen when the layer is built
 
 
 def test_unsupported_bits_and_block_size(tiny_model, tmp_path, fp8_checkpoint):
