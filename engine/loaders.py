@@ -9,14 +9,15 @@ ValueError naming the tensor. Weights keep their stored dtype unless a dtype is 
 
 `save_dense` writes what transformers' {Llama,Qwen2,Qwen3}ForCausalLM.from_pretrained reads.
 """
+import hashlib
 import re
 
 import torch
 from torch import nn
 
 from .qwen3 import Qwen3, Qwen3Config
-from .safetensors_io import (atomic_directory, read_json, recover_interrupted_swap, save_file,
-                             snapshot_tensors, tensor_specs, write_json)
+from .safetensors_io import (atomic_directory, checkpoint_files, read_header, read_json, recover_interrupted_swap,
+                             save_file, snapshot_tensors, tensor_digest, tensor_specs, write_json)
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -125,6 +126,20 @@ def load_dense(directory, dtype=None, device="cpu", verify=True):
     dtype = dtype or default_dtype(specs)
     check_complete(model, load_tensors(model, directory, dtype, device, verify=verify), directory)
     return model.eval()
+
+
+def model_digest(model):
+    """SHA-256 of a model's tensors (floating-point ones as float32, so that a lossless bf16 / f16 -> f32 load gives
+    the same digest): the provenance a quantized checkpoint records and `run.py eval` checks."""
+    tied = model.cfg.tie_word_embeddings
+    lines = [f"{name}:{tensor_digest(t.float() if t.dtype.is_floating_point else t)}"
+             for name, t in sorted(model.state_dict().items()) if not (tied and name == "lm_head.weight")]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def checkpoint_source(directory):
+    """The model_digest of the model a checkpoint was quantized from, as its writer recorded it (None if unknown)."""
+    return read_header(checkpoint_files(directory)[0])[1].get("engine.source_sha256")
 
 
 def dense_tensors(model, dtype=None):
