@@ -27,6 +27,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import struct
@@ -324,9 +325,9 @@ def recover_interrupted_swap(directory):
             os.replace(new if new.exists() else old, directory)
         journal.unlink()
     for leftover in directory.parent.glob(f".{directory.name}.*.tmp"):
-        pid = leftover.name.rsplit(".", 2)[-2].rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+        owner = re.match(rf"\.{re.escape(directory.name)}\.(?:new|old)-(\d+)\.", leftover.name)
+        if owner and leftover.is_dir() and not _alive(int(owner.group(1))):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 @contextlib.contextmanager

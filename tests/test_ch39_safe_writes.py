@@ -1,0 +1,136 @@
+"""Writes that never lose data: an output that holds other files is refused, a save killed at any instant leaves the
+complete old or the complete new checkpoint, the next save cleans up, modes follow the umask."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.loaders import load_dense, save_dense
+from engine.safetensors_io import atomic_directory, check_output, is_engine_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def saved(tiny_model, tmp_path):
+    save_dense(tiny_model, tmp_path / "ck")
+    return tmp_path / "ck"
+
+
+def test_a_folder_with_other_files_is_refused_and_kept(tiny_model, tmp_path):
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    (mine / "sub" / "a.txt").write_text("and me")
+    with pytest.raises(ValueError, match=r"holds files that are not an engine checkpoint \(notes.txt, sub/\)"):
+        save_dense(tiny_model, mine)
+    assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub" / "a.txt").read_text() == "and me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]            # no temporary folder left either
+
+
+def test_a_file_is_never_replaced(tiny_model, tmp_path):
+    (tmp_path / "out").write_text("a file")
+    for force in (False, True):
+        with pytest.raises(ValueError, match="exists and is not a folder"):
+            save_dense(tiny_model, tmp_path / "out", force=force)
+    assert (tmp_path / "out").read_text() == "a file"
+
+
+def test_an_engine_checkpoint_is_replaced_and_force_replaces_anything(tiny_model, saved, tmp_path):
+    assert is_engine_checkpoint(saved)
+    check_output(saved)                                   # an engine checkpoint may be replaced
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x.txt").write_text("x")
+    save_dense(tiny_model, other, force=True)
+    assert is_engine_checkpoint(other) and not (other / "x.txt").exists()
+
+
+def test_modes_follow_the_umask(saved):
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (saved.stat().st_mode & 0o777) == 0o777 & ~mask
+    for f in saved.iterdir():
+        assert (f.stat().st_mode & 0o777) == 0o666 & ~mask
+
+
+def test_interrupted_save_leaves_no_checkpoint(tmp_path):
+    target = tmp_path / "ck"
+    with pytest.raises(RuntimeError, match="disk full"):
+        with atomic_directory(target) as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise RuntimeError("disk full")
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_overwrite_keeps_the_old_checkpoint(saved):
+    before = (saved / "model.safetensors").read_bytes()
+    with pytest.raises(RuntimeError, match="killed"):
+        with atomic_directory(saved) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"half")
+            raise RuntimeError("killed")
+    assert (saved / "model.safetensors").read_bytes() == before
+
+
+# A child process overwrites the checkpoint and is killed (os._exit) at the n-th call of one of the steps of the
+# swap; whatever n, the folder then holds the complete old or the complete new checkpoint, and the next save leaves
+# nothing behind. "fallback" disables the atomic rename-exchange to test the journalled two-rename swap.
+CHILD = textwrap.dedent("""
+    import os, shutil, sys, torch
+    from engine import safetensors_io
+    from engine.loaders import load_dense, save_dense
+    step, n, fallback, target = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+    if fallback:
+        safetensors_io._exchange = lambda a, b: False
+    calls = [0]
+    real = {"replace": os.replace, "rmtree": shutil.rmtree, "exchange": safetensors_io._exchange}[step]
+    def dying(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            os._exit(9)
+        return real(*args, **kwargs)
+    model = load_dense(target)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(7.0)                       # the new checkpoint: recognizable
+    if step == "replace":
+        safetensors_io.os.replace = dying
+    elif step == "rmtree":
+        safetensors_io.shutil.rmtree = dying
+    else:
+        safetensors_io._exchange = dying
+    save_dense(model, target)
+""")
+
+
+# (swap, step killed just before its n-th call, what the folder must then hold). The exchange swap: killed before
+# the exchange -> old; after it, before the old copy is removed -> new. The two-rename fallback (os.replace calls 1
+# and 2 write config.json and the weights into the temporary folder, 3 moves the old checkpoint aside, 4 moves the
+# new one in): killed before 4 -> the folder is missing until the next load finishes the swap from the journal.
+KILLS = [(False, "exchange", 1, "old"), (False, "rmtree", 1, "new"), (True, "replace", 2, "old"),
+         (True, "replace", 3, "old"), (True, "replace", 4, "new"), (True, "rmtree", 1, "new")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fallback, step, n, expected", KILLS)
+def test_a_save_killed_at_any_step_of_the_swap_leaves_old_or_new(tiny_model, saved, fallback, step, n, expected):
+    old_norm = tiny_model.model.norm.weight.detach().clone()
+    child = subprocess.run([sys.executable, "-c", CHILD, step, str(n), str(int(fallback)), str(saved)], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert child.returncode == 9, child.stderr                          # it was killed where we asked
+    norm = load_dense(saved).model.norm.weight                          # complete (this would raise otherwise)
+    assert torch.equal(norm, torch.full_like(norm, 7.0) if expected == "new" else old_norm)
+    save_dense(tiny_model, saved)                                       # cleans every leftover of the killed run
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
+
+
+def test_leftovers_of_a_live_save_are_not_touched(saved):
+    live = saved.parent / f".ck.new-{os.getpid()}.abc.tmp"
+    live.mkdir()
+    (live / "config.json").write_text(json.dumps({}))
+    save_dense(load_dense(saved), saved)
+    assert live.exists()                                                # its process (us) is alive
