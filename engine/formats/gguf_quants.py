@@ -1,0 +1,179 @@
+"""GGML's block formats (what GGUF files store), decoded into the engine's layers without dequantizing.
+
+A row of n weights is n / B blocks of `size` bytes; f16 is an IEEE half, "q" the codes, a K-quant super-block
+holds 256 weights in sub-blocks of 16 or 32 with their own scales. Every integer type is an affine grid per group
+(w = q * scale + offset) with these exact groups, so each loads as an AffineQuantLinear:
+
+  type   B    bytes  layout                                      weight                     group  codes
+  Q4_0   32   18     f16 d, 16 B nibbles                         d * (q - 8)                32     4-bit
+  Q4_1   32   20     f16 d, f16 m, 16 B nibbles                  d * q + m                  32     4-bit
+  Q5_0   32   22     f16 d, u32 high bits, 16 B nibbles          d * (q - 16)               32     8-bit
+  Q5_1   32   24     f16 d, f16 m, u32 high bits, 16 B nibbles   d * q + m                  32     8-bit
+  Q8_0   32   34     f16 d, 32 int8                              d * q   (codes q + 128)    32     8-bit
+  Q2_K   256  84     16 B (4-bit sc | 4-bit m << 4), 64 B 2-bit q, f16 d, f16 dmin
+                                                                 d * sc * q - dmin * m      16     2-bit
+  Q3_K   256  110    32 B high bits, 64 B 2-bit q, 12 B 6-bit sc, f16 d
+                                                                 d * (sc - 32) * (q - 4)    16     4-bit
+  Q4_K   256  144    f16 d, f16 dmin, 12 B 6-bit (sc, m) x 8, 128 B nibbles
+                                                                 d * sc * q - dmin * m      32     4-bit
+  Q5_K   256  176    as Q4_K + 32 B high bits                    d * sc * q - dmin * m      32     8-bit
+  Q6_K   256  210    128 B low nibbles, 64 B 2-bit high, 16 int8 sc, f16 d
+                                                                 d * sc * (q - 32)          16     8-bit
+  MXFP4  32   17     E8M0 byte e, 16 B nibbles                   E2M1(q) * 2^(e - 127)      -> MXFP4Linear
+
+(Q3_K's stored bit is "not 4": q = low 2 bits + 4 * high bit, minus 4.) Products of an f16 and a small integer are
+exact in float32, so q * scale + offset gives exactly ggml's float32 values (as numbers: ggml's d * (q - 8) is -0
+where this is +0). Codes of 5 and 6 bits are held one per byte (the engine packs 1, 2, 4 or 8 bits); scales and
+offsets are float32 in memory, so storage_bits counts 32 bits per group, not the super-block's packed 6-bit scales.
+
+Bit order: ggml never interleaves neighbours. In a run of S bytes, bits [f*b, f*b + b) of byte j hold element
+f * S + j (`_fields`): Q4_0 nibbles are element j low, j + 16 high (S = 16, the "split" layout of mx.py); Q4_K / Q5_K
+runs of 32 bytes cover 64 weights; Q2_K / Q3_K 2-bit runs of 32 bytes cover 128; the high-bit planes of Q3_K / Q5_K
+are 8 planes of 32. Q5_0's u32 is plain little-endian, bit i = element i.
+"""
+import torch
+
+from .affine import AffineQuantLinear, pack_nibbles, unpack_bits
+from .minifloats import E2M1, e8m0_to_float
+from .mx import MXFP4Linear
+
+QK_K = 256
+
+# GGML's type table (ggml.h): name -> (id, weights per block, bytes per block). All of it is listed so that any
+# file can be parsed and sized; only the types below are decoded.
+GGML_TYPES = {
+    "F32": (0, 1, 4), "F16": (1, 1, 2), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34), "Q8_1": (9, 32, 40), "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "Q8_K": (15, 256, 292),
+    "IQ2_XXS": (16, 256, 66), "IQ2_XS": (17, 256, 74), "IQ3_XXS": (18, 256, 98), "IQ1_S": (19, 256, 50),
+    "IQ4_NL": (20, 32, 18), "IQ3_S": (21, 256, 110), "IQ2_S": (22, 256, 82), "IQ4_XS": (23, 256, 136),
+    "I8": (24, 1, 1), "I16": (25, 1, 2), "I32": (26, 1, 4), "I64": (27, 1, 8), "F64": (28, 1, 8),
+    "IQ1_M": (29, 256, 56), "BF16": (30, 1, 2), "TQ1_0": (34, 256, 54), "TQ2_0": (35, 256, 66),
+    "MXFP4": (39, 32, 17), "NVFP4": (40, 64, 36), "Q1_0": (41, 128, 18),
+}
+TYPE_NAMES = {type_id: name for name, (type_id, _, _) in GGML_TYPES.items()}
+DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _fields(data, bits, span):
+    """uint8 [n, runs * span] -> codes uint8 [n, runs * span * 8 / bits]: in each run of `span` bytes, bits
+    [f * bits, f * bits + bits) of byte j hold element f * span + j."""
+    runs = data.reshape(len(data), -1, 1, span)
+    return torch.cat([(runs >> shift) & (2 ** bits - 1) for shift in range(0, 8, bits)], 2).reshape(len(data), -1)
+
+
+def _f16(blocks, at):
+    """The f16 at byte `at` of each block: uint8 [n, bytes] -> float32 [n, 1]. (Viewing whole rows: a copy of a
+    narrow uint8 slice is far slower.)"""
+    return blocks.view(torch.float16)[:, at // 2, None].float()
+
+
+def _k_scales(s):
+    """Q4_K / Q5_K: 12 bytes -> (sc [n, 8], m [n, 8]), 6 bits each. Sub-blocks 0-3 keep their scale and min in the
+    low 6 bits of bytes 0-3 and 4-7; sub-blocks 4-7 take 4 bits from bytes 8-11 and 2 from the top of bytes 0-7."""
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], 1)
+    m = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], 1)
+    return sc.float(), m.float()
+
+
+# Each decoder: blocks uint8 [n, bytes] -> (codes uint8 [n, B], scale [n, B / group], offset [n, B / group]).
+
+def _q4_0(b):
+    d = _f16(b, 0)
+    return _fields(b[:, 2:], 4, 16), d, -8 * d
+
+
+def _q4_1(b):
+    return _fields(b[:, 4:], 4, 16), _f16(b, 0), _f16(b, 2)
+
+
+def _q5_0(b):
+    d = _f16(b, 0)
+    return _fields(b[:, 6:], 4, 16) | (unpack_bits(b[:, 2:6], 1, 32) << 4), d, -16 * d
+
+
+def _q5_1(b):
+    return _fields(b[:, 8:], 4, 16) | (unpack_bits(b[:, 4:8], 1, 32) << 4), _f16(b, 0), _f16(b, 2)
+
+
+def _q8_0(b):
+    d = _f16(b, 0)
+    return (b.view(torch.int8)[:, 2:].short() + 128).to(torch.uint8), d, -128 * d
+
+
+def _q2_k(b):
+    scale = _f16(b, 80) * (b[:, :16] & 15).float()
+    offset = -_f16(b, 82) * (b[:, :16] >> 4).float()
+    return _fields(b[:, 16:80], 2, 32), scale, offset
+
+
+def _q3_k(b):
+    sc = _fields(b[:, 96:104], 4, 8) | (_fields(b[:, 104:108], 2, 4) << 4)          # 16 six-bit scales
+    scale = _f16(b, 108) * (sc.float() - 32)
+    return _fields(b[:, 32:96], 2, 32) | (_fields(b[:, 0:32], 1, 32) << 2), scale, -4 * scale
+
+
+def _q4_k(b):
+    sc, m = _k_scales(b[:, 4:16])
+    return _fields(b[:, 16:], 4, 32), _f16(b, 0) * sc, -_f16(b, 2) * m
+
+
+def _q5_k(b):
+    sc, m = _k_scales(b[:, 4:16])
+    codes = _fields(b[:, 48:], 4, 32) | (_fields(b[:, 16:48], 1, 32) << 4)
+    return codes, _f16(b, 0) * sc, -_f16(b, 2) * m
+
+
+def _q6_k(b):
+    codes = _fields(b[:, :128], 4, 64) | (_fields(b[:, 128:192], 2, 32) << 4)
+    scale = _f16(b, 208) * b.view(torch.int8)[:, 192:208].float()
+    return codes, scale, -32 * scale
+
+
+# name -> (decoder, group size, bits the codes are packed with)
+AFFINE = {"Q4_0": (_q4_0, 32, 4), "Q4_1": (_q4_1, 32, 4), "Q5_0": (_q5_0, 32, 8), "Q5_1": (_q5_1, 32, 8),
+          "Q8_0": (_q8_0, 32, 8), "Q2_K": (_q2_k, 16, 2), "Q3_K": (_q3_k, 16, 4), "Q4_K": (_q4_k, 32, 4),
+          "Q5_K": (_q5_k, 32, 8), "Q6_K": (_q6_k, 16, 8)}
+DECODED = (*DENSE, *AFFINE, "MXFP4")
+
+
+def _blocks(raw, type_name, shape):
+    """raw uint8 [nbytes] of a tensor of `shape` (torch order, last = row) -> blocks uint8 [rows * per_row, size]."""
+    if type_name not in DECODED:
+        raise ValueError(f"GGML type {type_name} is not supported (this engine reads {', '.join(DECODED)})")
+    _, block, size = GGML_TYPES[type_name]
+    if shape[-1] % block or raw.numel() % size or raw.numel() // size * block != torch.Size(shape).numel():
+        raise ValueError(f"{raw.numel()} bytes of {type_name} do not hold a tensor of shape {tuple(shape)}")
+    return raw.reshape(-1, size)
+
+
+def dequantize(raw, type_name, shape):
+    """The reference decoder: raw uint8 [nbytes] -> tensor of `shape` (dense types in their own dtype, every
+    quantized type in float32)."""
+    blocks = _blocks(raw, type_name, shape)
+    if type_name in DENSE:
+        return blocks.view(DENSE[type_name]).reshape(shape)
+    if type_name == "MXFP4":
+        codes = _fields(blocks[:, 1:], 4, 16).long()
+        return (E2M1[codes] * e8m0_to_float(blocks[:, :1])).reshape(shape)
+    decode, group, _ = AFFINE[type_name]
+    codes, scale, offset = decode(blocks)
+    w = codes.float().reshape(len(blocks), -1, group) * scale[..., None] + offset[..., None]
+    return w.reshape(shape)
+
+
+def quantized_linear(raw, type_name, shape, bias=None):
+    """raw uint8 [nbytes] of a quantized weight [out, in] -> the engine layer holding exactly its codes and grid:
+    AffineQuantLinear for the integer types, MXFP4Linear for MXFP4."""
+    if len(shape) != 2 or type_name in DENSE:
+        raise ValueError(f"a quantized linear needs a 2-D quantized weight, got {type_name} {tuple(shape)}")
+    out_f, in_f = shape
+    blocks = _blocks(raw, type_name, shape)
+    if type_name == "MXFP4":
+        codes = _fields(blocks[:, 1:], 4, 16)                # split layout -> element order -> interleaved
+        return MXFP4Linear(pack_nibbles(codes).reshape(out_f, -1, 16), blocks[:, 0].reshape(out_f, -1), bias)
+    decode, group, bits = AFFINE[type_name]
+    codes, scale, offset = decode(blocks)
+    return AffineQuantLinear.from_codes(codes.reshape(out_f, in_f), scale.reshape(out_f, -1),
+                                        offset.reshape(out_f, -1), group, bits, bias=bias)
