@@ -86,6 +86,21 @@ def place(model, name, value, dtype, device):
     setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=param.requires_grad))
 
 
+def install_layer(model, name, layer, device="cpu"):
+    """Put a quantized layer (a QuantLinear built from a format's tensors) in place of the model's nn.Linear `name`,
+    which must exist and have the layer's shape."""
+    from .formats.base import QuantLinear
+    linear = dict(model.named_modules()).get(name)
+    if not isinstance(layer, QuantLinear) or not isinstance(linear, nn.Linear):
+        raise ValueError(f"{name}: a {type(layer).__name__} cannot replace {type(linear).__name__} (not a linear of "
+                         "this model)")
+    if (layer.in_features, layer.out_features) != (linear.in_features, linear.out_features):
+        raise ValueError(f"{name}: checkpoint layer is {layer.out_features} x {layer.in_features}, the config says "
+                         f"{linear.out_features} x {linear.in_features}")
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, layer.to(device))
+
+
 def load_tensors(model, directory, dtype, device="cpu", claim=None, verify=True):
     """The one loader loop: stream every tensor of the checkpoint in `directory` into `model`.
 

@@ -12,10 +12,10 @@ import json
 
 import torch
 
-from ..loaders import check_complete, default_dtype, load_tensors, model_digest, place, prepare
+from ..loaders import check_complete, default_dtype, install_layer, load_tensors, model_digest, place, prepare
 from ..safetensors_io import atomic_directory, check_output, checkpoint_files, read_header, save_file, write_json
 from . import awq, compressed_tensors, entropy, fp8, gptq, lattice, trellis
-from .base import QuantLinear, linear_names, quantized_linears
+from .base import linear_names, quantized_linears
 
 METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
                                trellis.CHECKPOINT, entropy.CHECKPOINT, lattice.CHECKPOINT)}
@@ -82,14 +82,7 @@ class LayerAssembler:
         return dense
 
     def _install(self, name, layer):
-        linear = self.linears[name]
-        if not isinstance(layer, QuantLinear):
-            raise TypeError(f"reader returned {type(layer).__name__} for {name}, expected a QuantLinear")
-        if (layer.in_features, layer.out_features) != (linear.in_features, linear.out_features):
-            raise ValueError(f"{name}: checkpoint layer is {layer.out_features} x {layer.in_features}, the config "
-                             f"says {linear.out_features} x {linear.in_features}")
-        parent, _, child = name.rpartition(".")
-        setattr(self.model.get_submodule(parent), child, layer.to(self.device))
+        install_layer(self.model, name, layer, self.device)
         self.built.add(name)
 
 

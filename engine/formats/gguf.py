@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from ..loaders import assign, check_complete, empty_model
+from ..loaders import check_complete, check_layer_count, install_layer, place, skeleton
 from ..qwen3 import Qwen3Config
 from .base import QuantLinear
 from .gguf_quants import DENSE, GGML_TYPES, TYPE_NAMES, dequantize, quantized_linear
@@ -303,27 +303,25 @@ def hf_tensors(f):
 
 
 def load_gguf(path, dtype=torch.float32, device="cpu"):
-    """The engine model of a GGUF file: dense tensors in `dtype`, quantized linears as the engine's layers."""
+    """The engine model of a GGUF file: dense tensors in `dtype`, quantized linears as the engine's layers. The
+    model is built on the meta device once the block count is checked against the tensors the file holds."""
     with GGUFFile(path) as f:
         cfg = Qwen3Config.from_hf(hf_config(f))
-        model = empty_model(cfg, dtype, device)
-        params, modules = dict(model.named_parameters()), dict(model.named_modules())
+        check_layer_count(cfg, {hf_name(name)[0]: None for name in f.tensors}, path)
+        model = skeleton(cfg)
+        params = dict(model.named_parameters())
         loaded, built = set(), set()
         for name, value in hf_tensors(f):
             if isinstance(value, QuantLinear):
-                linear = modules.get(name)
-                if not isinstance(linear, torch.nn.Linear) or \
-                        (linear.in_features, linear.out_features) != (value.in_features, value.out_features):
-                    raise ValueError(f"GGUF layer {name} ({value.out_features} x {value.in_features}) does not fit "
-                                     f"the model ({cfg.num_hidden_layers} layers)")
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child, value.to(device))
+                install_layer(model, name, value, device)
                 built.add(name)
             elif name in params:
-                assign(params[name], value, name)
+                place(model, name, value, dtype, device)
                 loaded.add(name)
             else:
                 raise ValueError(f"GGUF tensor {name} does not fit the model ({cfg.num_hidden_layers} layers)")
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
     check_complete(model, loaded, path, built)
     return model.eval()
 
