@@ -22,7 +22,7 @@ import torch
 
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats, perplexity
-from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, trellis
+from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, nf4, trellis
 from engine.formats.base import impl, quantized_linears
 from engine.qwen3 import Qwen3Config
 from engine.training import TrainConfig, trained_model
@@ -74,11 +74,11 @@ def rows():
         Row("trellis (QTIP-style), L=8, K=3", method(trellis.quantize, L=8, K=3)),
         Row("RTN int2, g64 (for comparison)", rtn(2)),
         Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles", method(trellis.quantize, L=8, K=2, ldlq=True)),
-        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", method(entropy.quantize_entquant, bpw=b, tol=0.01))
+        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", method(entropy.quantize, bpw=b, tol=0.01))
           for b in (4.0, 3.0, 2.1)],
         *[Row(f"EntQuant Float8+ANS + self-Fisher, ~{b} bpw",
-              method(entropy.quantize_entquant, bpw=b, tol=0.01, sensitivity="fisher")) for b in (3.0, 2.1)],
-        Row("NF4, g64", method(entropy.quantize_nf4, group_size=64)),
+              method(entropy.quantize, bpw=b, tol=0.01, sensitivity="fisher")) for b in (3.0, 2.1)],
+        Row("NF4, g64", method(nf4.quantize, group_size=64)),
         *[Row(f"lattice E8, {b} bps", method(lattice.quantize, lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
         *[Row(f"lattice {name}, 3.0 bps", method(lattice.quantize, lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],
         *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", kv_only("E8", b, rot, dither))
