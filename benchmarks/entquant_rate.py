@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.coding import rans
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats
-from engine.formats import entropy, nf4
-from engine.formats.affine import rtn_quantize
+from engine.formats import affine, entropy, nf4
 from engine.formats.base import quantized_linears
 from engine.formats.sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 from engine.qwen3 import Qwen3Config
@@ -111,7 +110,8 @@ def measure(args):
         print(json.dumps({"format": label, "bits": round(bits, 3), "kl_nats": round(stats["kl_nats"], 6),
                           "same_top_pct": round(stats["same_top_pct"], 2), **extra}), flush=True)
 
-    for label, quantize in (("NF4, g64", nf4.quantize), ("RTN int2, g64", lambda m: rtn_quantize(m, 2, 64))):
+    for label, quantize in (("NF4, g64", nf4.quantize),
+                            ("RTN int2, g64", lambda m: affine.quantize(m, bits=2, group_size=64))):
         m = copy.deepcopy(model)
         quantize(m)
         layers = quantized_linears(m).values()

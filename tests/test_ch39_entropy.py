@@ -225,10 +225,14 @@ def test_save_load_through_registry_gives_identical_logits(tiny_model, tmp_path)
         assert torch.equal(loaded(ids), logits)
     assert {m.stream.numel() > 0 for m in loaded.modules() if isinstance(m, E.EntQuantLinear)} == {True, False}
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    config["quantization_config"]["fmt"] = "int8"
-    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="EntQuant block 0 .* checksum mismatch"):
-        checkpoints.load_quantized(tmp_path / "ckpt")
+    for field, value, match in [("fmt", "int8", "EntQuant block 0 .* checksum mismatch"),   # valid, but not these bits
+                                ("fmt", "float4", "field 'fmt' must be one of"),
+                                ("prob_bits", True, "field 'prob_bits' must be in 1..15")]:
+        edited = copy.deepcopy(config)
+        edited["quantization_config"][field] = value
+        (tmp_path / "ckpt" / "config.json").write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=match):
+            checkpoints.load_quantized(tmp_path / "ckpt")
 
 
 # ---- the Fisher-weighted loss (our addition; the estimate lives in engine/formats/sensitivity.py) -----------------

@@ -43,7 +43,7 @@ import torch
 
 from ..coding.rans import PROB_BITS, RansStream, rans_decode, rans_encode
 from ..kernels import stream_decoders, triton_formats
-from .base import CheckpointMethod, QuantLinear, get_impl, replace_linears
+from .base import CheckpointMethod, QuantLinear, config_field, get_impl, replace_linears
 from .minifloats import E4M3_MAX, round_e4m3
 from .sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 
@@ -427,10 +427,9 @@ def resident_bytes(model):
 
 # ---- checkpoint --------------------------------------------------------------------------------------------------
 # The coding unit is a block but the registry stores tensors per linear: each block's stream is stored under its
-# FIRST linear (`model.layers.{i}.self_attn.q_proj.weight_stream`, uint8: the rANS stream), the other linears of the
-# block store an empty `weight_stream`. After all layers are read, attach_decoder (CHECKPOINT's `finish`) links them
-# to the shared buffer again; it checks that each stream holds exactly its block's weights and that its checksum
-# matches the stream, the config's fmt and prob_bits, and the block's scales and super weights.
+# FIRST linear (`model.layers.{i}.self_attn.q_proj.weight_stream`), the other linears of the block store an empty
+# one. Once all layers are read, attach_decoder (`finish`) links them to the shared buffer again, checking each
+# stream's size and its checksum over the stream, the config's fmt and prob_bits, and the block's scales.
 
 _PARTS = ("weight_stream", "weight_log_scale", "weight_shape", "super_index", "super_value")
 
@@ -439,6 +438,14 @@ def _write(layer, quantization_config):
     return {"weight_stream": layer.stream, "weight_log_scale": layer.log_scale,
             "weight_shape": torch.tensor([layer.out_features, layer.in_features], dtype=torch.int64),
             "super_index": layer.super_index, "super_value": layer.super_value}
+
+
+def validate(quantization_config):
+    """An EntQuant quantization_config, checked once: the code format and the table precision (both also bound to
+    the streams by their checksum)."""
+    fmt = config_field(quantization_config, "fmt", "float8", str, lambda f: f in FORMATS, f"one of {sorted(FORMATS)}")
+    prob_bits = config_field(quantization_config, "prob_bits", PROB_BITS, int, lambda p: 1 <= p <= 15, "in 1..15")
+    return {**quantization_config, "fmt": fmt, "prob_bits": prob_bits}
 
 
 def _read(parts, quantization_config):
@@ -452,8 +459,8 @@ def _read(parts, quantization_config):
 
 def finish_loading(model, quantization_config):
     """After every layer of a checkpoint is in place: rebuild the shared decoder and the pre-hooks."""
-    attach_decoder(model, quantization_config.get("prob_bits"))
+    attach_decoder(model, quantization_config.get("prob_bits", PROB_BITS))
 
 
 CHECKPOINT = CheckpointMethod(name="entquant", parts=lambda quantization_config: _PARTS, read=_read, write=_write,
-                              quantize=quantize, finish=finish_loading)
+                              quantize=quantize, validate=validate, finish=finish_loading)
