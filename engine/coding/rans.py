@@ -341,7 +341,8 @@ def rans_decode(data, n=None, context=b""):
     # shift of x, and a lane that reads already holds y << 16 for its word to fill: x = z | word, else z >> 16.
     scaled_freq = freq_of << (16 - p)
     scaled_bias = ((bias_of << p) - freq_of * np.arange(1 << p)) << (16 - p)
-    mask, reads_below = np.array((1 << p) - 1), np.array(STATE_LOW << 16)   # 0-d arrays: no conversion per call
+    # 0-d arrays, not Python numbers: a ufunc converts a number on every call.
+    mask, reads_below, sixteen = np.array((1 << p) - 1), np.array(STATE_LOW << 16), np.array(16)
     words = stream.words if len(stream.words) else np.zeros(1, np.int64)
     # Each step is ~13 NumPy calls on [S, W] arrays of a few hundred lanes, where a call's overhead outweighs its
     # arithmetic: so every call writes into a buffer made once (out=), and takes use mode "clip" (the cheapest; a
@@ -349,8 +350,9 @@ def rans_decode(data, n=None, context=b""):
     x = stream.states.copy()
     z, gathered = np.empty(shape, np.int64), np.empty(shape, np.int64)
     reads = np.empty(shape, bool)
-    # word_index[s]: column 0 the word sub-stream s read last, then its reading lanes' words (a running sum over
-    # who reads: a lane's word is the last one + its rank among the readers of its sub-stream).
+    # word_index [S, W + 1]: column 0 holds the index of the word each sub-stream read last; a step puts `reads`
+    # (0 / 1) in the W columns after it, and a running sum along the row turns them into each reader's word (the
+    # last one + its rank among the sub-stream's readers). The last column then becomes the next step's column 0.
     word_index = np.empty((shape[0], shape[1] + 1), np.int64)
     word_index[:, 0] = stream.starts[:-1] - 1
     last_read, lane_words, next_last = word_index[:, :1], word_index[:, 1:], word_index[:, -1:]
@@ -370,7 +372,7 @@ def rans_decode(data, n=None, context=b""):
             np.copyto(lane_words, reads)
             np.add.accumulate(word_index, axis=1, out=word_index)
             words.take(lane_words, out=gathered, mode="clip")
-            np.right_shift(z, 16, out=x)                        # x = y for the lanes that do not read,
+            np.right_shift(z, sixteen, out=x)                   # x = y for the lanes that do not read,
             z |= gathered
             np.putmask(x, reads, z)                             # (y << 16) | word for those that do
             np.copyto(last_read, next_last)
