@@ -23,7 +23,7 @@ import torch
 
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats, perplexity
-from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, trellis
+from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, nf4, trellis
 from engine.formats.base import impl, quantized_linears
 from engine.formats.checkpoints import METHODS, load_quantized, save_quantized
 from engine.loaders import checkpoint_source, model_digest, read_config, save_dense
@@ -63,11 +63,11 @@ def rows():
         Row("trellis (QTIP-style), L=8, K=3", trellis.quantize, dict(L=8, K=3)),
         Row("RTN int2, g64 (for comparison)", affine.quantize, dict(bits=2, group_size=64)),
         Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles", trellis.quantize, dict(L=8, K=2, ldlq=True)),
-        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize_entquant, dict(bpw=b, tol=0.01))
+        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.01))
           for b in (4.0, 3.0, 2.1)],
-        *[Row(f"EntQuant Float8+ANS + self-Fisher, ~{b} bpw", entropy.quantize_entquant,
+        *[Row(f"EntQuant Float8+ANS + self-Fisher, ~{b} bpw", entropy.quantize,
               dict(bpw=b, tol=0.01, sensitivity="fisher")) for b in (3.0, 2.1)],
-        Row("NF4, g64", entropy.quantize_nf4, dict(group_size=64)),
+        Row("NF4, g64", nf4.quantize, dict(group_size=64)),
         *[Row(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
         *[Row(f"lattice {name}, 3.0 bps", lattice.quantize, dict(lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],
         *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", lattice.kv_quantize,

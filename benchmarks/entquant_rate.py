@@ -5,6 +5,8 @@ coder's and the runtime's figures.
                                                       # the paper's loss and the Fisher-weighted one)
     python benchmarks/entquant_rate.py measure        # KL rows (with NF4, RTN int2 and, if installed, HQQ),
                                                       # coder throughput, compression time, resident memory
+    python benchmarks/entquant_rate.py coder          # rANS throughput (one thread) on synthetic E4M3 blocks of a
+                                                      # block's size (786,432 symbols at ~2.1 bits) and of 15.7M
 
 The model comes from engine.training's cache (trained on first use, as `run.py quantformats` does). bpw counts
 every byte: streams (header, table, lane states, offsets, words), float16 log2 scales, Int8 super weights.
@@ -13,6 +15,7 @@ import argparse
 import copy
 import json
 import sys
+import statistics
 import time
 from pathlib import Path
 
@@ -20,11 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.coding import rans
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats
-from engine.formats import entropy
-from engine.formats.affine import rtn_quantize
+from engine.formats import affine, entropy, nf4
 from engine.formats.base import quantized_linears
+from engine.formats.sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 from engine.qwen3 import Qwen3Config
 from engine.training import TrainConfig, trained_model
 
@@ -42,19 +46,18 @@ def calibrate(args):
     linears = entropy._block_linears(model)
     table = {"model": "tiny Qwen3 (2 layers, hidden 256, intermediate 768), engine.training defaults",
              "train_steps": args.steps, "seed": args.seed}
-    for sensitivity in map(entropy.parse_sensitivity, args.sensitivities):
+    for sensitivity in map(parse_sensitivity, args.sensitivities):
         importance = None
         if sensitivity == "fisher":
             names = [n for named in linears.values() for n, _ in named]
-            importance = entropy.fisher_importance(model, names, entropy.self_generated_ids(model))
+            importance = fisher_importance(model, names, self_generated_ids(model))
         for fmt in args.fmts:
             rows = []
             for lam in args.lambdas or LAMBDAS[sensitivity]:
                 start = time.time()
-                _, streams, bits, count = entropy.compress_blocks(linears, lam, fmt, importance=importance)
-                symbols = sum(entropy.RansStream(s).n for s in streams.values())
+                layers, bits, count = entropy.compress_blocks(linears, lam, fmt, importance=importance)
                 row = {"lambda": lam, "bpw": round(bits / count, 4), "seconds": round(time.time() - start, 1),
-                       "stream_bytes": sum(map(len, streams.values())), "symbols": symbols}
+                       "stream_bytes": sum(m.stream.numel() for m in layers.values()), "symbols": count}
                 rows.append(row)
                 print(json.dumps({"table": entropy.table_key(fmt, sensitivity), **row}), flush=True)
             table[entropy.table_key(fmt, sensitivity)] = rows
@@ -81,14 +84,18 @@ def hqq_row(model, bits, kl_row, group_size=64):
     kl_row(f"HQQ int{bits}, g{group_size} (hqq package)", m, bits + 32 / group_size)
 
 
-def best_seconds(fn, repeats=5):
-    """The fastest of a few runs: what the code costs without the machine's other work."""
+def run_seconds(fn, repeats=5, clock=time.perf_counter):
+    """The times of a few runs (their best: what the code costs without the machine's other work)."""
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        times.append(clock() - start)
+    return times
+
+
+def best_seconds(fn, repeats=5):
+    return min(run_seconds(fn, repeats))
 
 
 @torch.no_grad()
@@ -103,7 +110,8 @@ def measure(args):
         print(json.dumps({"format": label, "bits": round(bits, 3), "kl_nats": round(stats["kl_nats"], 6),
                           "same_top_pct": round(stats["same_top_pct"], 2), **extra}), flush=True)
 
-    for label, quantize in (("NF4, g64", entropy.quantize_nf4), ("RTN int2, g64", lambda m: rtn_quantize(m, 2, 64))):
+    for label, quantize in (("NF4, g64", nf4.quantize),
+                            ("RTN int2, g64", lambda m: affine.quantize(m, bits=2, group_size=64))):
         m = copy.deepcopy(model)
         quantize(m)
         layers = quantized_linears(m).values()
@@ -111,16 +119,18 @@ def measure(args):
     for bits in (4, 3, 2):
         hqq_row(model, bits, kl_row)
     for sensitivity, target in [(s, b) for s in args.sensitivities for b in args.bpw]:
-        sensitivity = entropy.parse_sensitivity(sensitivity)
+        sensitivity = parse_sensitivity(sensitivity)
         m = copy.deepcopy(model)
         start = time.time()
-        qcfg = entropy.quantize_entquant(m, bpw=target, sensitivity=sensitivity, tol=args.tol)
+        qcfg = entropy.quantize(m, bpw=target, sensitivity=sensitivity, tol=args.tol)
         seconds = time.time() - start
-        raw = m.entquant_decoder.blocks[0][0].stream.numpy().tobytes()
-        stream = entropy.RansStream(raw)
-        symbols = entropy.rans_decode(stream)
-        enc, dec = best_seconds(lambda: entropy.rans_encode(symbols)), best_seconds(lambda: entropy.rans_decode(raw))
-        h = entropy.empirical_entropy_bits(symbols) / 8
+        block0 = m.entquant_decoder.blocks[0]
+        raw, context = block0[0].stream.numpy().tobytes(), entropy.block_context(0, block0)
+        stream = rans.RansStream(raw, context=context)
+        symbols = rans.rans_decode(stream)
+        enc = best_seconds(lambda: rans.rans_encode(symbols, context=context))
+        dec = best_seconds(lambda: rans.rans_decode(raw, context=context))
+        h = rans.empirical_entropy_bits(symbols) / 8
         label = f"EntQuant Float8+ANS{' + self-Fisher' if sensitivity else ''} (bpw={target})"
         kl_row(label, m, qcfg["bits_per_weight"], **{
             "lambda": round(qcfg["lambda"], 3), "compress_seconds": round(seconds, 1), "block0_symbols": stream.n,
@@ -129,9 +139,35 @@ def measure(args):
             "decode_Msym_s": round(stream.n / dec / 1e6, 2), **entropy.resident_bytes(m)})
 
 
+def synthetic_block(n, spread=1 / 700, seed=0):
+    """E4M3 bytes of Laplace weights pushed into the subnormal range (spread 1/700: about 2.1 bits per symbol), as
+    EntQuant codes look."""
+    g = torch.Generator().manual_seed(seed)
+    w = -torch.rand(n, generator=g).log() * torch.sign(torch.rand(n, generator=g) - 0.5) * spread
+    return entropy.encode_weight(w[None], torch.zeros(1)).reshape(-1)
+
+
+def coder(args):
+    """Throughput in the process's CPU time (one thread): on a shared machine, what the coder costs without the
+    wait for a core."""
+    for n in args.symbols:
+        symbols = synthetic_block(n)
+        data = rans.rans_encode(symbols)
+        stream = rans.RansStream(data)
+        assert torch.equal(rans.rans_decode(stream), symbols)
+        dec = run_seconds(lambda: rans.rans_decode(stream), args.repeats, time.process_time)
+        enc = run_seconds(lambda: rans.rans_encode(symbols), max(1, args.repeats // 2), time.process_time)
+        print(json.dumps({"symbols": n, "bits_per_symbol": round(rans.empirical_entropy_bits(symbols) / n, 3),
+                          "lanes": stream.states.size, "rate_over_entropy": round(
+                              8 * len(data) / rans.empirical_entropy_bits(symbols), 4),
+                          "decode_Msym_s_median": round(n / statistics.median(dec) / 1e6, 2),
+                          "decode_Msym_s_best": round(n / min(dec) / 1e6, 2),
+                          "encode_Msym_s_median": round(n / statistics.median(enc) / 1e6, 2)}), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["calibrate", "measure"])
+    p.add_argument("command", choices=["calibrate", "measure", "coder"])
     p.add_argument("--text", default=None)
     p.add_argument("--steps", type=int, default=TrainConfig().steps)
     p.add_argument("--seed", type=int, default=0)
@@ -141,9 +177,11 @@ def main():
     p.add_argument("--bpw", type=float, nargs="+", default=[4.0, 3.0, 2.1])
     p.add_argument("--tol", type=float, default=0.01, help="measure: bpw tolerance of the lambda search")
     p.add_argument("--out", default=str(entropy.LAMBDA_TABLE))
+    p.add_argument("--symbols", type=int, nargs="+", default=[786_432, 15_728_640], help="coder: block sizes")
+    p.add_argument("--repeats", type=int, default=7, help="coder: timed decodes per block (median and best)")
     args = p.parse_args()
     torch.set_num_threads(1)                    # timings: one thread, no contention between threads
-    calibrate(args) if args.command == "calibrate" else measure(args)
+    {"calibrate": calibrate, "measure": measure, "coder": coder}[args.command](args)
 
 
 if __name__ == "__main__":

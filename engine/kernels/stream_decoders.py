@@ -15,42 +15,42 @@ from . import INTERPRETED, check_inputs
 
 # ----------------------------------------------------------------------------------------------------------------
 # rANS (EntQuant): per lane: slot = x mod 2^P, s = sym[slot], x = f[slot] * (x >> P) + bias[slot]; if x < 2^16 it
-# takes the next 16-bit word of its sub-stream, x = (x << 16) | word. Symbol i belongs to lane i mod K at step i // K;
-# the W lanes of one sub-stream find their word positions by a prefix sum over who reads.
+# takes the next 16-bit word of its sub-stream, x = (x << 16) | word. Symbol i belongs to lane i mod lanes at step
+# i // lanes; the lanes of one sub-stream find their word positions by a prefix sum over who reads.
 
-# rANS decoder: a program decodes SUBS sub-streams side by side as one [SUBS, W] tensor of lanes (row: sub-stream
-# program * SUBS + r; rows past the last sub-stream are masked), every lane doing one step of the loop per symbol.
+# A program decodes SUBS sub-streams side by side as one [SUBS, W] tensor of lanes (W = LANES_PER_STREAM; row:
+# sub-stream program * SUBS + r; rows past the last sub-stream are masked), every lane doing one step of the loop
+# per symbol.
 # Why SUBS: a lane's symbols must be decoded one after the other (each state comes from the one before it), so the
-# kernel is n / K steps long (3072 for a block) whatever the block. Compiled, SUBS = 1: one sub-stream of W = 32
-# lanes (a warp) per program, the sub-streams spread over the SMs. Under the interpreter every tl op costs ~0.1 ms of
-# Python whatever its width, so the launcher runs ONE program for all sub-streams (SUBS = next power of two of their
-# count): 3072 vector steps instead of 3072 per sub-stream. For the same reason a step is kept to few ops: its
-# numbers are [SUBS, W] tensors made once (an op with a Python number first broadcasts it into a fresh array), and
-# the prefix sum and row sum call tl.associative_scan / tl.reduce with the sum combine directly (tl.cumsum and
-# tl.sum are @jit functions, whose every call re-patches triton.language under the interpreter: ~3x an op).
-# The n // K full steps mask nothing but the rows past the last sub-stream's stores; a last, partial step (when K
-# does not divide n) runs the same loop body once with lanes >= n mod K masked: they store nothing, read nothing and
-# keep their state. Measured on 2 cores, one block (786,432 symbols, K = 256): 6.2 s; 16.3 s with per-step masks,
-# Python-number operands and tl.cumsum / tl.sum.
+# kernel is n / lanes steps long (3072 for a block) whatever the block. Compiled, SUBS = 1: one sub-stream of 32
+# lanes (a warp) per program, the sub-streams spread over the SMs. Under the interpreter every tl op costs about the
+# same Python overhead whatever its width, so the launcher runs ONE program for all sub-streams (SUBS = next power of
+# two of their count): n / lanes vector steps instead of that many per sub-stream. For the same reason a step is kept
+# to few ops: its numbers are [SUBS, W] tensors made once (an op with a Python number first broadcasts it into a
+# fresh array), and the prefix sum and row sum call tl.associative_scan / tl.reduce with the sum combine directly
+# (tl.cumsum and tl.sum are @jit functions, whose every call re-patches triton.language under the interpreter).
+# The n // lanes full steps mask nothing but the rows past the last sub-stream's stores; a last, partial step (when
+# lanes does not divide n) runs the same loop body once with lanes >= n mod lanes masked: they store nothing, read
+# nothing and keep their state.
 # A lane's next word: last[s] (the last word sub-stream s has read) + its rank among the lanes of s reading now (a
-# prefix sum along W), clamped into the word array (a corrupt stream reads junk, never outside). final_ptr / read_ptr
-# get each lane's last state and each sub-stream's end of reading (last + 1), which the launcher checks.
+# prefix sum along the row), clamped into the word array (a corrupt stream reads junk, never outside). final_ptr /
+# read_ptr get each lane's last state and each sub-stream's end of reading (last + 1), which the launcher checks.
 
 
 @triton.jit
 def rans_decode_kernel(states_ptr, starts_ptr, words_ptr, sym_ptr, freq_ptr, bias_ptr, out_ptr, final_ptr,
                        read_ptr, n, n_streams, n_words, PROB_BITS: tl.constexpr, SUBS: tl.constexpr,
-                       W: tl.constexpr):
+                       LANES_PER_STREAM: tl.constexpr):
     sub = tl.program_id(0) * SUBS + tl.arange(0, SUBS)                     # this program's sub-streams
     live_sub = sub < n_streams
-    lane = sub[:, None] * W + tl.arange(0, W)[None, :]                      # global lane ids [SUBS, W]
-    live = live_sub[:, None] & (lane >= 0)                                  # [SUBS, W]: lanes of real sub-streams
-    lanes = n_streams * W
+    lane = sub[:, None] * LANES_PER_STREAM + tl.arange(0, LANES_PER_STREAM)[None, :]   # global lane ids [SUBS, W]
+    live = live_sub[:, None] & (lane >= 0)                                  # lanes of real sub-streams
+    lanes = n_streams * LANES_PER_STREAM
     full = n // lanes                                                       # steps in which every lane decodes
     rest = n - full * lanes                                                 # lanes taking part in a last step
     x = tl.load(states_ptr + lane, mask=live, other=65536).to(tl.int64)
     # The loop's numbers as [SUBS, W] tensors, made once; compiled, they are plain constants.
-    zero = tl.full((SUBS, W), 0, tl.int64)
+    zero = tl.full((SUBS, LANES_PER_STREAM), 0, tl.int64)
     last = tl.load(starts_ptr + sub, mask=live_sub, other=0)[:, None] - 1 + zero
     slot_mask, shift, low, c16 = zero + ((1 << PROB_BITS) - 1), zero + PROB_BITS, zero + 65536, zero + 16
     word_cap, stride = zero + (n_words - 1), zero + lanes
@@ -70,7 +70,7 @@ def rans_decode_kernel(states_ptr, starts_ptr, words_ptr, sym_ptr, freq_ptr, bia
                 need = need & act
                 y = tl.where(act, y, x)                                     # lanes past n keep their state
             reads = need.to(tl.int64)
-            rank = tl.associative_scan(reads, 1, tl.standard._sum_combine)  # prefix sum along W: 1, 2, .. readers
+            rank = tl.associative_scan(reads, 1, tl.standard._sum_combine)  # prefix sum along a row: 1, 2, ..
             word = tl.load(words + tl.minimum(last + rank, word_cap), mask=need)
             x = tl.where(need, (y << c16) | word, y)
             last += tl.reduce(reads, 1, tl.standard._sum_combine, keep_dims=True)
@@ -80,14 +80,16 @@ def rans_decode_kernel(states_ptr, starts_ptr, words_ptr, sym_ptr, freq_ptr, bia
 
 
 def rans_decode(states, starts, words, slot_sym, slot_freq, slot_bias, out, prob_bits):
-    """Decode one rANS stream into out (uint8 [n]). states int64 [S, W] (the encoder's final states), starts int64
-    [S + 1] (word offsets of the sub-streams), words int64 [total], slot tables [2^prob_bits] (symbol uint8,
-    frequency and slot - cumulative int64), all on out's device. Raises ValueError if any lane does not end at the
-    start state 2^16 having read its sub-stream exactly to its end (a corrupted stream)."""
+    """Decode one rANS stream into out (uint8 [n]). states int64 [S, W] (the encoder's final states: S sub-streams
+    of W lanes), starts int64 [S + 1] (word offsets of the sub-streams), words int64 [total], slot tables
+    [2^prob_bits] (symbol uint8, frequency and slot - cumulative int64), all on out's device. Raises ValueError if
+    any lane does not end at the start state 2^16 having read its sub-stream exactly to its end (a corrupted
+    stream)."""
     check_inputs(states, starts, words, slot_sym, slot_freq, slot_bias, out)
-    n_streams, w = states.shape
+    n_streams, lanes_per_stream = states.shape
     n = out.numel()
-    if starts.numel() != n_streams + 1 or w & (w - 1) or slot_sym.numel() != 1 << prob_bits:
+    if (starts.numel() != n_streams + 1 or lanes_per_stream & (lanes_per_stream - 1)
+            or slot_sym.numel() != 1 << prob_bits):
         raise ValueError(f"inconsistent rANS tables: states {tuple(states.shape)}, starts {starts.numel()}, "
                          f"slot table {slot_sym.numel()} for prob_bits {prob_bits}")
     subs = triton.next_power_of_2(n_streams) if INTERPRETED else 1   # interpreter: one wide program is fastest
@@ -96,7 +98,8 @@ def rans_decode(states, starts, words, slot_sym, slot_freq, slot_bias, out, prob
     words = words if words.numel() else torch.zeros(1, dtype=torch.int64, device=out.device)
     rans_decode_kernel[(triton.cdiv(n_streams, subs),)](
         states.contiguous(), starts.contiguous(), words.contiguous(), slot_sym.contiguous(), slot_freq.contiguous(),
-        slot_bias.contiguous(), out, final, read, n, n_streams, words.numel(), PROB_BITS=prob_bits, SUBS=subs, W=w)
+        slot_bias.contiguous(), out, final, read, n, n_streams, words.numel(), PROB_BITS=prob_bits, SUBS=subs,
+        LANES_PER_STREAM=lanes_per_stream)
     if bool((final != 65536).any()) or bool((read != starts[1:]).any()):
         raise ValueError("rANS stream corrupted: final states or read positions do not match")
     return out

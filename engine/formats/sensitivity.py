@@ -1,0 +1,107 @@
+"""Data-free sensitivities: the diagonal Fisher information of a model's linears, estimated on text the model
+writes itself (no calibration text is read).
+
+What a model's output loses when its weights move by dW is, to second order and keeping only the diagonal F of
+the Fisher information, a weighted squared error:
+
+    KL(p || p_hat) ~ 1/2 sum_ij F_ij dW_ij^2,    F = E_x E_{y ~ p(.|x)} (d log p(y|x) / dW)^2
+
+The inputs x are sequences the model samples itself (self_generated_ids) and the labels y are drawn from its own
+predictions, so the estimate needs no data. fisher_importance averages F over each output row (phi_j, one number
+per output channel) and divides by Z = sum_rows phi_j ||W_j||^2 / (weights of all listed linears), which makes
+phi_j / Z a weight for a relative squared error shared by the whole model: a quantizer that minimizes
+sum_j phi_j / Z ||W_hat_j - W_j||^2 / numel trades its rate against the estimated KL in every layer alike.
+"""
+import torch
+
+
+def parse_sensitivity(sensitivity):
+    """None or "none" -> None (a quantizer's plain loss); "fisher" -> "fisher" (weighted by fisher_importance)."""
+    if sensitivity in (None, "none"):
+        return None
+    if sensitivity != "fisher":
+        raise ValueError(f"sensitivity must be 'none' (the plain loss) or 'fisher', got {sensitivity!r}")
+    return sensitivity
+
+
+def _vocab_and_device(model):
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ValueError("the model needs cfg.vocab_size (an engine Qwen3) to sample its own text")
+    return vocab, next(model.parameters()).device
+
+
+@torch.no_grad()
+def self_generated_ids(model, samples=64, seq_len=128, seed=0):
+    """ids [samples, seq_len]: what the model writes itself (temperature 1, eval mode) after a uniformly random first
+    token. No calibration text is read: this is the only input the Fisher estimate sees. Seeded on the model's
+    device, so a run repeats on the same device."""
+    if not (isinstance(samples, int) and isinstance(seq_len, int) and samples >= 1 and seq_len >= 2):
+        raise ValueError(f"need integers samples >= 1 and seq_len >= 2, got {samples!r} and {seq_len!r}")
+    vocab, device = _vocab_and_device(model)
+    g = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    try:
+        model.eval()
+        first = torch.randint(vocab, (samples, 1), generator=g, device=device)
+        return model.generate(first, seq_len - 1, temperature=1.0, generator=g)
+    finally:
+        model.train(was_training)
+
+
+def fisher_importance(model, names, ids, draws=4, batch_size=8, seed=0):
+    """Per-output-row importance {name: [out]} of the listed linears: the diagonal Fisher information of their
+    weights, F = E_x E_{y ~ p(.|x)} (d log p(y|x) / dW)^2, averaged over each row (phi_j), divided by
+    Z = sum_rows phi_j ||W_j||^2 / (weights of all listed linears). ids [batch, T]: the inputs x (self_generated_ids).
+
+    Labels y are sampled from the model's own predictions (draws per batch, one forward pass and `draws` backward
+    passes), so no text is needed. Summing the log-likelihood over the positions of a batch before squaring keeps
+    the estimate of sum_positions F unbiased: given the inputs the labels are drawn independently and each position's
+    score has mean zero, so the cross terms vanish in expectation. What is accumulated is that sum over positions
+    and draws, not the mean F; the scale cancels in the division by Z (a ratio: consistent, not unbiased)."""
+    if not names or len(set(names)) != len(names):
+        raise ValueError("fisher_importance needs a non-empty list of distinct linear names")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.numel() and not ids.is_floating_point()):
+        raise ValueError(f"ids must be a non-empty [batch, T] integer tensor, got {getattr(ids, 'shape', ids)}")
+    if draws < 1 or batch_size < 1:
+        raise ValueError(f"draws ({draws}) and batch_size ({batch_size}) must be >= 1")
+    if torch.is_inference_mode_enabled():
+        raise ValueError("fisher_importance needs gradients: call it outside torch.inference_mode()")
+    modules = dict(model.named_modules())
+    missing = [n for n in names if not isinstance(modules.get(n), torch.nn.Linear)]
+    if missing:
+        raise ValueError(f"fisher_importance: not linears of this model: {missing[:3]}")
+    _, device = _vocab_and_device(model)
+    weights = {n: modules[n].weight for n in names}
+    acc = {n: torch.zeros(w.shape[0], device=w.device) for n, w in weights.items()}    # row sums of grad^2
+    flags, was_training = {p: p.requires_grad for p in model.parameters()}, model.training
+    g = torch.Generator(device=device).manual_seed(seed)
+    try:
+        model.eval()
+        for p in flags:
+            p.requires_grad_(False)
+        for w in weights.values():
+            w.requires_grad_(True)
+        with torch.enable_grad():
+            for batch in ids.to(device).split(batch_size):
+                logits = model(batch).float().flatten(0, 1)
+                probs = logits.detach().softmax(-1)
+                for d in range(draws):
+                    y = torch.multinomial(probs, 1, generator=g)[:, 0]
+                    loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
+                    grads = torch.autograd.grad(loss, list(weights.values()), retain_graph=d + 1 < draws,
+                                                allow_unused=True)          # an unused linear has Fisher 0
+                    for n, grad in zip(weights, grads):
+                        if grad is not None:
+                            acc[n] += grad.float().square().sum(1)
+    finally:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+        model.train(was_training)
+    phi = {n: acc[n] / weights[n].shape[1] for n in weights}
+    z = sum((phi[n] * weights[n].detach().float().square().sum(1)).sum() for n in weights)
+    z = z / sum(w.numel() for w in weights.values())
+    if not z > 0:
+        raise ValueError("the Fisher estimate is zero: the model's predictions do not depend on these weights")
+    return {n: (v / z).cpu() for n, v in phi.items()}
+

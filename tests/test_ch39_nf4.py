@@ -1,0 +1,41 @@
+"""NF4, the data-free 4-bit baseline: nearest levels, the bits it costs, the Triton kernel, the whole-model entry."""
+import pytest
+import torch
+
+from engine.formats import base, nf4
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_nf4_levels_bits_and_kernel():
+    torch.manual_seed(0)
+    w = torch.randn(48, 130)
+    layer = nf4.NF4Linear.from_weight(w)
+    deq = layer.dequantize()
+    groups = -(-130 // 64)
+    assert layer.storage_bits() == 48 * 130 * 4 + 48 * groups * 16
+    absmax = torch.nn.functional.pad(w, (0, groups * 64 - 130)).reshape(48, groups, 64).abs().amax(-1).half().float()
+    a = absmax.repeat_interleave(64, 1)[:, :130]
+    levels = nf4.NF4_TABLE[None, None, :] * a[..., None]
+    nearest = levels.gather(-1, (levels - w[..., None]).abs().argmin(-1, keepdim=True))[..., 0]
+    assert torch.allclose(deq, nearest)
+    x = torch.randn(5, 130)
+    with base.impl("engine"):
+        assert torch.allclose(layer(x), x @ deq.T, atol=1e-4, rtol=1e-4)
+
+
+def test_quantize_replaces_every_block_linear_and_describes_them(tiny_model):
+    qcfg = nf4.quantize(tiny_model, group_size=32)
+    layers = base.quantized_linears(tiny_model)
+    assert len(layers) == 14 and all(isinstance(m, nf4.NF4Linear) and m.group_size == 32 for m in layers.values())
+    assert isinstance(tiny_model.lm_head, torch.nn.Linear)                  # lm_head (tied) stays dense
+    assert qcfg == {"quant_method": "nf4", "bits": 4, "group_size": 32, "scale_dtype": "float16"}
+    for bad in (0, 64.0, True):
+        with pytest.raises(ValueError, match="group_size must be a positive integer"):
+            nf4.quantize(tiny_model, group_size=bad)
+
+
+def test_mismatched_shapes_are_refused():
+    layer = nf4.NF4Linear.from_weight(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="NF4 shapes do not fit"):
+        nf4.NF4Linear(layer.packed, layer.absmax, in_features=130)
