@@ -1,11 +1,12 @@
-"""The tiny Qwen3: names, shapes, initial loss, cache, KV hook, training determinism."""
+"""The tiny Qwen3 (and its Llama / Qwen2 variants): names, shapes, initial loss, cache, KV hook, half precision,
+training determinism."""
 import math
 
 import pytest
 import torch
 
-from engine.data import Corpus, default_corpus, load_corpus
-from engine.qwen3 import Qwen3, Qwen3Config
+from engine.data import Corpus, default_corpus
+from engine.qwen3 import RMSNorm, Qwen3, Qwen3Config
 from engine import training
 from engine.training import TrainConfig, train, trained_model
 
@@ -63,20 +64,59 @@ def test_kv_transform_sees_rotated_k_and_v_and_changes_output(tiny_model):
     assert not torch.allclose(base, changed) and torch.equal(base, again)
 
 
-def test_config_reads_transformers_4_and_5_styles():
-    base = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-    v4 = Qwen3Config.from_hf({**base, "rope_theta": 5000.0, "torch_dtype": "bfloat16"})
-    v5 = Qwen3Config.from_hf({**base, "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"},
-                              "dtype": "bfloat16"})
-    assert v4 == v5 and v4.rope_theta == 5000.0 and v4.torch_dtype == "bfloat16"
-    assert Qwen3Config.from_hf(v4.to_hf()) == v4
+FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True, rope_theta=5e5,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+            "qwen2": dict(tie_word_embeddings=False), "qwen3": dict(attention_bias=True)}
 
 
-def test_config_missing_key_is_a_clear_error():
-    with pytest.raises(ValueError, match="hidden_size"):
-        Qwen3Config.from_hf({"vocab_size": 256, "intermediate_size": 8, "num_hidden_layers": 1,
-                             "num_attention_heads": 1})
+def family_model(tiny_cfg, model_type):
+    torch.manual_seed(0)
+    model = Qwen3(Qwen3Config(**{**vars(tiny_cfg), "model_type": model_type, **FAMILIES[model_type]})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.3)
+    return model
+
+
+def test_each_family_has_its_norms_and_biases(tiny_cfg):
+    names = {t: set(dict(family_model(tiny_cfg, t).named_parameters())) for t in FAMILIES}
+    attn = "model.layers.0.self_attn"
+    assert f"{attn}.q_norm.weight" in names["qwen3"] and f"{attn}.q_norm.weight" not in names["llama"] | names["qwen2"]
+    assert {f"{attn}.{p}_proj.bias" for p in "qkv"} <= names["qwen2"] and f"{attn}.o_proj.bias" not in names["qwen2"]
+    assert {f"{attn}.o_proj.bias", "model.layers.0.mlp.down_proj.bias"} <= names["llama"]
+    assert "lm_head.weight" in names["qwen2"] and "model.layers.0.mlp.down_proj.bias" not in names["qwen3"]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_cached_generation_equals_full_forward_in_every_family(tiny_cfg, model_type):
+    model = family_model(tiny_cfg, model_type)
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    out = model.generate(ids, 8)
+    with torch.no_grad():
+        greedy = model(out)[:, ids.shape[1] - 1:-1].argmax(-1)
+    assert torch.equal(greedy, out[:, ids.shape[1]:])
+
+
+@pytest.mark.parametrize("model_type, dtype", [("llama", torch.bfloat16), ("qwen2", torch.float16),
+                                               ("qwen3", torch.bfloat16)])
+def test_half_precision_model_runs_close_to_float32(tiny_cfg, model_type, dtype):
+    model = family_model(tiny_cfg, model_type)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = model(ids)
+        half = model.to(dtype)
+        logits = half(ids)
+    assert logits.dtype == dtype and (logits.float() - reference).abs().max() < 0.05 * reference.abs().max()
+    assert half.generate(ids, 4).shape == (2, 16)
+
+
+def test_rms_norm_squares_in_float32_and_returns_the_input_dtype():
+    norm = RMSNorm(8).to(torch.float16)
+    x = torch.full((1, 8), 1000.0, dtype=torch.float16)          # 1000^2 overflows float16
+    y = norm(x)
+    assert y.dtype == torch.float16 and torch.equal(y, torch.ones_like(y))
 
 
 def test_training_is_deterministic_and_learns(tiny_cfg):
