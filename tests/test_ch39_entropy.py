@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import rewrite_tensors
 from engine.coding import rans
 from engine.evaluation import kl_stats
 from engine.formats import base
@@ -225,6 +226,12 @@ def test_save_load_through_registry_gives_identical_logits(tiny_model, tmp_path)
         assert torch.equal(loaded(ids), logits)
     assert {m.stream.numel() > 0 for m in loaded.modules() if isinstance(m, E.EntQuantLinear)} == {True, False}
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    edited = copy.deepcopy(config)
+    edited["quantization_config"]["fmt"] = "int8"
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(ValueError, match="not the one its tensors were written with"):
+        checkpoints.load_quantized(tmp_path / "ckpt")                   # the writer's record of the config
+    rewrite_tensors(tmp_path / "ckpt", lambda tensors: None)           # drop that record: the streams still know
     for field, value, match in [("fmt", "int8", "EntQuant block 0 .* checksum mismatch"),   # valid, but not these bits
                                 ("fmt", "float4", "field 'fmt' must be one of"),
                                 ("prob_bits", True, "field 'prob_bits' must be in 1..15")]:
