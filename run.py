@@ -22,7 +22,7 @@ import torch
 
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats, perplexity
-from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, trellis
+from engine.formats import affine, awq, entropy, fp8, gptq, kv_cache, lattice, mx, trellis
 from engine.formats.base import impl, quantized_linears
 from engine.qwen3 import Qwen3Config
 from engine.training import TrainConfig, trained_model
@@ -55,7 +55,7 @@ def kv_only(lattice_name, bps, rotation, dither):
     """Weights stay dense; K (after RoPE) and V are lattice-quantized as they enter the cache. The bits column is
     the coded KV rate per scalar, read after the evaluation forward pass."""
     def quantize(model, calibration_ids):
-        kv = lattice.kv_quantize(model, lattice_name, bps, rotation, dither)
+        kv = kv_cache.kv_quantize(model, lattice_name, bps, rotation, dither)
         return {"bits": lambda: kv.report()["total_bps"], "weights": "dense"}
     return quantize
 
