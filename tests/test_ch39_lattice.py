@@ -16,7 +16,7 @@ from engine.kernels import stream_decoders
 
 PAPER_RATES_21DB = {"E8": 3.74, "D4": 3.77, "A2": 3.81, "Z": 3.84}
 SAVING = {"E8": 1.0, "D4": 0.25, "A2": 0.5, "Z": 0.0}
-PERIOD = {"E8": 4, "D4": 2, "A2": 2, "Z": 1}          # k Z^n inside the integer realization
+PERIOD = {"E8": 4, "D4": 2, "A2": 2, "Z": 1}          # p Z^n inside the integer realization
 
 
 def axis(name):
@@ -114,7 +114,7 @@ def test_kernel_refuses_corrupt_streams():
 
 @pytest.mark.parametrize("name", list(L.LATTICES))
 def test_gaussian_rice_rate_at_21db_matches_paper(name):
-    """Rate = Rice payload bits per scalar (optimal k per 512-symbol sub-stream); SNR = 10 log10(sigma^2 / noise)
+    """Rate = Rice payload bits per scalar (the best rice_k per 512-symbol sub-stream); SNR = 10 log10(sigma^2 / noise)
     with the lattice scaled so that G V^(2/n) equals the target noise."""
     rate, snr = L.gaussian_rate(name, 21.0, vectors=50_000, seed=11)
     assert abs(snr - 21.0) < 0.1
@@ -175,7 +175,7 @@ def test_quantize_model_rate_and_checkpoint(tiny_model, tmp_path):
     raw = json.loads(path.read_text())
     for qcfg, message in (({**config, "lattice": "D4"}, "quantization_config checksum"),
                           (L.lattice_config("D4", 3.0, config["snr_db"], 128, 0), "stream checksum"),
-                          ({k: v for k, v in config.items() if k != "lattice"}, r"lacks \['lattice'\]")):
+                          ({key: v for key, v in config.items() if key != "lattice"}, r"lacks \['lattice'\]")):
         path.write_text(json.dumps({**raw, "quantization_config": qcfg}))
         with pytest.raises(ValueError, match=message):
             checkpoints.load_quantized(tmp_path / "ckpt")
@@ -218,7 +218,7 @@ def test_every_changed_config_field_is_refused():
         with pytest.raises(ValueError, match="quantization_config"):
             L.CHECKPOINT.read(parts, {**config, field: value})
         with pytest.raises(ValueError, match=f"lacks \\['{field}'\\]"):
-            L.CHECKPOINT.read(parts, {k: v for k, v in config.items() if k != field})
+            L.CHECKPOINT.read(parts, {key: v for key, v in config.items() if key != field})
     # A config edited together with its own checksum still cannot change what the layer's bits mean.
     for name in ("E8", "A2", "Z"):
         with pytest.raises(ValueError, match="stream checksum mismatch"):

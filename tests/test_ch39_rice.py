@@ -18,8 +18,8 @@ def every_rice_k(levels, seed=0):
     (geometric, mean 1.45 * 2^rice_k), with escapes and a partial last sub-stream."""
     g = torch.Generator().manual_seed(seed)
     level = torch.tensor(levels).repeat(512 // len(levels))
-    parts = [(-torch.log(torch.rand(512, generator=g)) * 1.45 * torch.where(level == 0, 2.0 ** k, 2.0 ** (7 - k)))
-             .long() for k in range(8)]
+    means = [1.45 * torch.where(level == 0, 2.0 ** rice_k, 2.0 ** (7 - rice_k)) for rice_k in range(8)]
+    parts = [(-torch.log(torch.rand(512, generator=g)) * mean).long() for mean in means]
     symbols = torch.cat(parts + [parts[3][:200]])
     symbols[[3, 700, 4100]] = torch.tensor([65535, 40, 9000])        # quotients >= 15 at rice_k 0, 1 and 2
     return symbols
@@ -113,6 +113,14 @@ def test_corrupt_streams_raise(decode):
                                    good.total_bits)):
         with pytest.raises(ValueError, match="boundary|unary run|runs past"):
             decode(bad, levels)
+
+
+@pytest.mark.parametrize("decode", [R.rice_decode, R.rice_decode_reference])
+def test_a_unary_run_past_the_escape_is_refused(decode):
+    """16 zeros and a one: a codeword no encoder writes (m = 16 at rice_k 0 escapes), however well it fits."""
+    forged = R.RiceStreams.seal(torch.tensor([0, 0, 0x80]), torch.tensor([0]), torch.tensor([0]), 1, 17)
+    with pytest.raises(ValueError, match="unary run|boundary"):
+        decode(forged)
 
 
 def test_checksum_covers_sizes_and_context():
