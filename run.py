@@ -15,7 +15,7 @@ import inspect
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -34,54 +34,36 @@ def log(msg):
 
 @dataclass
 class Row:
+    """One line of the table: `quantize(model, calibration_ids, **options)` is a method's entry point."""
     label: str
-    quantize: Callable          # (model, calibration_ids) -> optional dict of fields that override the defaults
-
-
-def rtn(bits, group_size=64):
-    def quantize(model, calibration_ids):
-        affine.rtn_quantize(model, bits, group_size)
-    return quantize
-
-
-def method(fn, **options):
-    """A row that quantizes with fn(model, calibration_ids, **options) (every method's quantize has that form)."""
-    def quantize(model, calibration_ids):
-        fn(model, calibration_ids, **options)
-    return quantize
-
-
-def kv_only(lattice_name, bps, rotation, dither):
-    """Weights stay dense; K (after RoPE) and V are lattice-quantized as they enter the cache. The bits column is
-    the coded KV rate per scalar, read after the evaluation forward pass."""
-    def quantize(model, calibration_ids):
-        kv = kv_cache.kv_quantize(model, lattice_name, bps, rotation, dither)
-        return {"bits": lambda: kv.report()["total_bps"], "weights": "dense"}
-    return quantize
+    quantize: Callable
+    options: dict = field(default_factory=dict)
+    kv_cache: bool = False      # weights stay dense; K and V are quantized as they enter the cache
 
 
 def rows():
     """The table: the book's rows in the book's order, then EntQuant, HyperQuant and the KV cache."""
     return [
-        Row("RTN int4, g64", rtn(4)),
-        Row("GPTQ int4, g64", method(gptq.quantize, group_size=64)),
-        Row("GPTQ int4, g64, act-order", method(gptq.quantize, group_size=64, act_order=True)),
-        Row("AWQ int4, g64", method(awq.quantize, group_size=64)),
-        Row("FP8 E4M3, 128x128 blocks", method(fp8.quantize, block=128)),
-        Row("MXFP4", method(mx.quantize_model_mxfp4)),
-        Row("NVFP4", method(mx.quantize_model_nvfp4)),
-        Row("trellis (QTIP-style), L=8", method(trellis.quantize, L=8, K=2)),
-        Row("trellis (QTIP-style), L=8, K=3", method(trellis.quantize, L=8, K=3)),
-        Row("RTN int2, g64 (for comparison)", rtn(2)),
-        Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles", method(trellis.quantize, L=8, K=2, ldlq=True)),
-        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", method(entropy.quantize_entquant, bpw=b, tol=0.01))
+        Row("RTN int4, g64", affine.quantize, dict(bits=4, group_size=64)),
+        Row("GPTQ int4, g64", gptq.quantize, dict(group_size=64)),
+        Row("GPTQ int4, g64, act-order", gptq.quantize, dict(group_size=64, act_order=True)),
+        Row("AWQ int4, g64", awq.quantize, dict(group_size=64)),
+        Row("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
+        Row("MXFP4", mx.quantize, dict(format="mxfp4")),
+        Row("NVFP4", mx.quantize, dict(format="nvfp4")),
+        Row("trellis (QTIP-style), L=8", trellis.quantize, dict(L=8, K=2)),
+        Row("trellis (QTIP-style), L=8, K=3", trellis.quantize, dict(L=8, K=3)),
+        Row("RTN int2, g64 (for comparison)", affine.quantize, dict(bits=2, group_size=64)),
+        Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles", trellis.quantize, dict(L=8, K=2, ldlq=True)),
+        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize_entquant, dict(bpw=b, tol=0.01))
           for b in (4.0, 3.0, 2.1)],
-        *[Row(f"EntQuant Float8+ANS + self-Fisher, ~{b} bpw",
-              method(entropy.quantize_entquant, bpw=b, tol=0.01, sensitivity="fisher")) for b in (3.0, 2.1)],
-        Row("NF4, g64", method(entropy.quantize_nf4, group_size=64)),
-        *[Row(f"lattice E8, {b} bps", method(lattice.quantize, lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
-        *[Row(f"lattice {name}, 3.0 bps", method(lattice.quantize, lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],
-        *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", kv_only("E8", b, rot, dither))
+        *[Row(f"EntQuant Float8+ANS + self-Fisher, ~{b} bpw", entropy.quantize_entquant,
+              dict(bpw=b, tol=0.01, sensitivity="fisher")) for b in (3.0, 2.1)],
+        Row("NF4, g64", entropy.quantize_nf4, dict(group_size=64)),
+        *[Row(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
+        *[Row(f"lattice {name}, 3.0 bps", lattice.quantize, dict(lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],
+        *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", kv_cache.kv_quantize,
+              dict(lattice="E8", bps=b, rotation=rot, dither=dither), kv_cache=True)
           for b in (2.0, 3.0) for rot in ("none", "signs", "qjl") for dither in (False, True)],
     ]
 
@@ -134,12 +116,15 @@ def cmd_quantformats(args):
         start = time.time()
         log(f"quantizing: {row.label}")
         model = copy.deepcopy(reference)
-        extra = row.quantize(model, calibration) or {}
+        if row.kv_cache:                # the bits column is then the coded K/V rate, known after the forward pass
+            kv = row.quantize(model, **row.options)
+        else:
+            row.quantize(model, calibration, **row.options)
         stats = kl_stats(ref_logits, evaluate(model, windows, args.impl))
-        extra = {k: v() if callable(v) else v for k, v in extra.items()}
-        result = {"format": row.label, "bits": round(extra.pop("bits", model_bits(model)), 2),
-                  **{k: round(v, 6 if k.startswith("kl") else 2) for k, v in stats.items()}, **extra,
-                  "seconds": round(time.time() - start, 1)}
+        bits = kv.report()["total_bps"] if row.kv_cache else model_bits(model)
+        result = {"format": row.label, "bits": round(bits, 2),
+                  **{k: round(v, 6 if k.startswith("kl") else 2) for k, v in stats.items()},
+                  **({"weights": "dense"} if row.kv_cache else {}), "seconds": round(time.time() - start, 1)}
         results.append(result)
         print(json.dumps(result), flush=True)
     print()

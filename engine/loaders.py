@@ -47,22 +47,42 @@ def empty_model(cfg, dtype=torch.float32, device="cpu"):
     return model
 
 
-def load_dense(directory, dtype=torch.float32, device="cpu"):
-    """A Qwen3 from a dense Hugging Face checkpoint folder."""
-    cfg = Qwen3Config.from_hf(read_config(directory))
-    model = empty_model(cfg, dtype, device)
+def load_tensors(model, directory, claim=None):
+    """The one loader loop: stream every tensor of the checkpoint in `directory` into `model`.
+
+    claim(name, tensor) -> True lets a quantized format take the tensors it owns (its layers are built from them);
+    every other tensor must be one of the model's parameters, with its shape and a compatible dtype. A tied
+    lm_head stored anyway is skipped. Returns the names of the parameters filled."""
     params = dict(model.named_parameters())
+    tied = model.cfg.tie_word_embeddings
     loaded = set()
     for name, value in snapshot_tensors(directory):
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        if claim is not None and claim(name, value):
+            continue
+        if name == "lm_head.weight" and tied:
             continue                                     # tied: some writers store it anyway
         if name not in params:
             raise ValueError(f"unexpected tensor {name} in {directory}")
         assign(params[name], value, name)
         loaded.add(name)
-    missing = sorted(set(params) - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
+    return loaded
+
+
+def check_complete(model, loaded, directory, built=()):
+    """Every parameter of the model must have been loaded, except those of the modules in `built` (layers a format
+    constructed from its own tensors) and a tied lm_head."""
+    skip = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
+    missing = sorted(n for n in dict(model.named_parameters())
+                     if n not in loaded and n not in skip and n.rpartition(".")[0] not in built)
     if missing:
         raise ValueError(f"checkpoint {directory} lacks tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def load_dense(directory, dtype=torch.float32, device="cpu"):
+    """A Qwen3 from a dense Hugging Face checkpoint folder."""
+    cfg = Qwen3Config.from_hf(read_config(directory))
+    model = empty_model(cfg, dtype, device)
+    check_complete(model, load_tensors(model, directory), directory)
     return model.eval()
 
 

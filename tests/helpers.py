@@ -20,5 +20,5 @@ def rtn_baseline(model, held_out, group_size=32):
     reference = model(held_out)
     rtn = Qwen3(model.cfg).eval()
     rtn.load_state_dict(model.state_dict())
-    affine.rtn_quantize(rtn, 4, group_size)
+    affine.quantize(rtn, bits=4, group_size=group_size)
     return reference, (rtn(held_out) - reference).pow(2).mean()

@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from engine.formats import base
+from engine.formats import affine, base
+from engine.formats.base import quantized_linears
 from engine.formats.affine import (AffineQuantLinear, choose_clip, fake_quantize, find_params, pack_bits,
-                                   pack_int32, pack_nibbles, quantize_to_affine, rtn_quantize, unpack_bits,
+                                   pack_int32, pack_nibbles, quantize_to_affine, unpack_bits,
                                    unpack_int32, unpack_nibbles)
 
 
@@ -102,7 +103,9 @@ def test_choose_clip_never_increases_output_error():
 
 
 def test_rtn_quantize_model_replaces_every_linear_but_lm_head(tiny_model):
-    replaced = rtn_quantize(tiny_model, 4, 16)
+    qcfg = affine.quantize(tiny_model, bits=4, group_size=16)
+    assert qcfg == {"quant_method": "rtn", "bits": 4, "group_size": 16, "sym": False}
+    replaced = quantized_linears(tiny_model)
     assert len(replaced) == 14 and isinstance(tiny_model.lm_head, torch.nn.Linear)
     assert tiny_model(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, 256)
 

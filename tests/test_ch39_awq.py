@@ -3,7 +3,7 @@ scaling pairs with the GQA skip, the AutoAWQ GEMM layout (output 1's code in bit
 import pytest
 import torch
 
-from engine.formats import affine, awq, checkpoints
+from engine.formats import affine, awq, calibration, checkpoints
 from helpers import rtn_baseline
 
 
@@ -38,7 +38,7 @@ def test_gram_error_equals_direct_error():
     s = x.abs().mean(0) ** 0.5
     s = s / (s.max() * s.min()).sqrt()
     direct = ((x / s) @ affine.fake_quantize(w * s, 4, 32).T - x @ w.T).pow(2).mean().item()
-    stats = awq.InputStats(64)
+    stats = calibration.InputStats(64)
     for batch in x.split(77):                                  # streamed, never all held
         stats.add(batch)
     assert awq.scaled_error(w, s, stats.gram, 4, 32) == pytest.approx(direct, rel=1e-4)
@@ -81,9 +81,9 @@ def test_checkpoint_round_trip_and_refusals():
     with pytest.raises(ValueError, match="qzeros"):
         awq.from_checkpoint(t["qweight"], t["qzeros"][:1], t["scales"], 32)
     with pytest.raises(ValueError, match="4-bit"):
-        awq.CHECKPOINT.parts({"quant_method": "awq", "bits": 8, "group_size": 32})
+        awq.validate({"quant_method": "awq", "bits": 8, "group_size": 32})
     with pytest.raises(ValueError, match="version"):
-        awq.CHECKPOINT.parts({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv_fast"})
+        awq.validate({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv_fast"})
 
 
 def test_scales_fold_exactly_and_gqa_skip(tiny_model, monkeypatch):

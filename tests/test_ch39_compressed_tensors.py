@@ -7,7 +7,8 @@ from torch import nn
 
 from engine.formats import base
 from engine.formats import compressed_tensors as ct
-from engine.formats.affine import AffineQuantLinear, quantize_to_affine, rtn_quantize
+from engine.formats import affine
+from engine.formats.affine import AffineQuantLinear, quantize_to_affine
 from engine.formats.base import quantized_linears
 from engine.formats.fp8 import FP8BlockLinear
 from engine.formats.mx import MXFP4Linear, NVFP4Linear
@@ -190,12 +191,16 @@ def test_bad_configs_and_tensors_raise_value_error():
     unknown = ct.quantization_config("pack-quantized", group_size=64)
     unknown["config_groups"]["group_0"]["format"] = "marlin-24"
     bad.append(unknown)
-    for config in bad:
-        with pytest.raises(ValueError):
+    reasons = ["quant_method must be 'compressed-tensors'", "quantization_status is 'frozen'", "no config_groups",
+               "mixed precision", "static activation", "num_bits 3", "format 'marlin-24'"]
+    for config, reason in zip(bad, reasons, strict=True):
+        with pytest.raises(ValueError, match=reason):
             ct.read(t, config)
-    for name, value in [("weight_packed", t["weight_packed"][:, :-1]), ("weight_scale", t["weight_scale"][:, :2]),
-                        ("weight_shape", torch.tensor([36, 999])), ("weight_packed", t["weight_packed"].float())]:
-        with pytest.raises(ValueError):
+    for name, value, reason in [("weight_packed", t["weight_packed"][:, :-1], "weight_packed is torch.int32 \\(36, 24\\)"),
+                                ("weight_scale", t["weight_scale"][:, :2], "weight_scale is"),
+                                ("weight_shape", torch.tensor([36, 999]), "expected torch.int32 \\(36, 125\\)"),
+                                ("weight_packed", t["weight_packed"].float(), "weight_packed is torch.float32")]:
+        with pytest.raises(ValueError, match=reason):
             ct.read(dict(t, **{name: value}), good)
     with pytest.raises(ValueError, match="format"):
         ct.quantization_config("int-quantized")
@@ -254,7 +259,7 @@ def test_qwen3_checkpoint_round_trip_and_kernels(tmp_path, registered, tiny_cfg,
 
 
 def test_already_quantized_rtn_model_saved_as_asymmetric(tmp_path, registered, tiny_model):
-    rtn_quantize(tiny_model, 4, 32)                                      # asymmetric: zero points per group
+    affine.quantize(tiny_model, bits=4, group_size=32)                                      # asymmetric: zero points per group
     config = ct.config_for_model(tiny_model)
     assert config["config_groups"]["group_0"]["weights"]["symmetric"] is False
     registered.save_quantized(tiny_model, tmp_path, "compressed-tensors", quantization_config=config)

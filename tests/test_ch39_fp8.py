@@ -33,11 +33,11 @@ def test_zero_block_and_bad_input():
     w[0, 0] = 1.0
     q, s = fp8.quantize_blocks(w, 4)
     assert torch.equal(fp8.dequantize_blocks(q, s, 4), w)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='scale_inv has shape'):
         fp8.dequantize_blocks(q, s[:, :1], 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='NaN or infinite'):
         fp8.quantize_blocks(torch.tensor([[float("nan"), 1.0]]))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='must be float8_e4m3fn'):
         fp8.FP8BlockLinear(q.float(), s, block=4)
 
 
@@ -99,13 +99,16 @@ def test_quantize_model_and_checkpoint_parts():
     assert isinstance(model.up, fp8.FP8BlockLinear) and isinstance(model.lm_head, nn.Linear)
     assert 8.0 < model.up.bits_per_weight < 8.01
     assert (model.up.dequantize() - ref).abs().max() <= ref.abs().max() * 2 ** -4
-    assert fp8.CHECKPOINT.parts(config) == ("weight", "weight_scale_inv")
-    parts = fp8.CHECKPOINT.write(model.up, config)
-    back = fp8.CHECKPOINT.read({**parts, "bias": model.up.bias}, config)
+    spec = fp8.validate(config)
+    assert fp8.CHECKPOINT.parts(spec) == ("weight", "weight_scale_inv")
+    parts = fp8.CHECKPOINT.write(model.up, spec)
+    back = fp8.CHECKPOINT.read({**parts, "bias": model.up.bias}, spec)
     assert torch.equal(back.dequantize(), model.up.dequantize()) and torch.equal(back.bias, model.up.bias)
-    for bad in ({**config, "weight_block_size": [128, 64]}, {**config, "weight_block_size": None},
-                {**config, "fmt": "e5m2"}, {**config, "activation_scheme": "static"}):
-        with pytest.raises(ValueError):
-            fp8.CHECKPOINT.read(parts, bad)
-    with pytest.raises(ValueError):                     # scales that belong to 64x64 blocks
-        fp8.CHECKPOINT.read(parts, {**config, "weight_block_size": [64, 64]})
+    for bad, field in (({**config, "weight_block_size": [128, 64]}, "weight_block_size"),
+                       ({**config, "weight_block_size": None}, "no weight_block_size"),
+                       ({**config, "weight_block_size": [True, True]}, "weight_block_size"),
+                       ({**config, "fmt": "e5m2"}, "fmt"), ({**config, "activation_scheme": "static"}, "activation")):
+        with pytest.raises(ValueError, match=field):
+            fp8.validate(bad)
+    with pytest.raises(ValueError, match="scale_inv has shape"):            # scales that belong to 64x64 blocks
+        fp8.CHECKPOINT.read(parts, fp8.validate({**config, "weight_block_size": [64, 64]}))

@@ -3,8 +3,7 @@ layouts, the v1 zero-point-0 trap, and whole-model save -> load."""
 import pytest
 import torch
 
-from engine.formats import base
-from engine.formats import affine, checkpoints, gptq
+from engine.formats import affine, base, calibration, checkpoints, gptq
 from helpers import rtn_baseline
 
 
@@ -28,8 +27,8 @@ def test_hessian_accumulates_batches():
     x = torch.randn(300, 24)
     h = gptq.hessian_from(x.split(70))                        # batches of unequal size
     assert torch.allclose(h, 2 * x.T @ x / 300, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError):
-        _ = gptq.HessianAccumulator(24).hessian               # no data: a clear error, not a NaN Hessian
+    with pytest.raises(ValueError, match='no calibration inputs'):
+        _ = calibration.InputStats(24).hessian               # no data: a clear error, not a NaN Hessian
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -135,6 +134,7 @@ def test_v1_zero_point_zero():
     layer = gptq.to_runtime(codes, scales, zeros, g_idx, 32)
     qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False,
             "checkpoint_format": "gptq"}
+    qcfg = gptq.validate(qcfg)
     back = gptq.CHECKPOINT.read(gptq.CHECKPOINT.write(layer, qcfg), qcfg)
     assert torch.equal(back.dequantize(), layer.dequantize())             # the v1 file decodes to what we quantized
     assert weighted_error(layer.dequantize(), w, h) < weighted_error(affine.fake_quantize(w, 4, 32), w, h)
@@ -153,7 +153,7 @@ def test_v1_zero_point_zero():
 def test_writer_refuses_what_it_cannot_store():
     layer = affine.AffineQuantLinear.from_codes(torch.zeros(8, 32, dtype=torch.uint8), torch.full((8, 1), 0.1),
                                                 torch.full((8, 1), -0.3), 32, 4)        # zero 2.4: not an integer
-    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    qcfg = gptq.validate({"quant_method": "gptq", "bits": 4, "group_size": 32})
     with pytest.raises(ValueError, match="float16"):
         gptq.CHECKPOINT.write(layer, qcfg)                   # 0.1 is not an f16 value
     layer.scales.fill_(0.125)
@@ -162,16 +162,17 @@ def test_writer_refuses_what_it_cannot_store():
 
 
 def test_reader_validates():
-    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 16, "checkpoint_format": "gptq"}
+    qcfg = gptq.validate({"quant_method": "gptq", "bits": 4, "group_size": 16, "checkpoint_format": "gptq"})
     t = gptq.pack_gptq(torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2), torch.ones(8, 2),
                        torch.arange(32, dtype=torch.int32) // 16)
     assert gptq.CHECKPOINT.read(dict(t), qcfg).out_features == 8
     with pytest.raises(ValueError, match="scales"):
         gptq.CHECKPOINT.read({**t, "scales": t["scales"][:1]}, qcfg)
-    with pytest.raises(ValueError, match="bits"):
-        gptq.CHECKPOINT.parts({**qcfg, "bits": 3})
-    with pytest.raises(ValueError, match="checkpoint_format"):
-        gptq.CHECKPOINT.parts({**qcfg, "checkpoint_format": "marlin"})
+    for bad, field in (({**qcfg, "bits": 3}, "bits"), ({**qcfg, "bits": 4.0}, "bits"), ({**qcfg, "bits": True}, "bits"),
+                       ({**qcfg, "group_size": 0}, "group_size"), ({**qcfg, "desc_act": "True"}, "desc_act"),
+                       ({**qcfg, "checkpoint_format": "marlin"}, "checkpoint_format")):
+        with pytest.raises(ValueError, match=f"field '{field}'"):
+            gptq.validate(bad)
     with pytest.raises(ValueError, match="int32"):
         gptq.CHECKPOINT.read({**t, "qweight": t["qweight"].float()}, qcfg)
 

@@ -113,15 +113,3 @@ def test_a_model_cached_by_older_training_code_is_not_reused(tiny_cfg, tmp_path,
     assert lines[0].startswith("training") and len(list(tmp_path.iterdir())) == 2
 
 
-def test_held_out_split_is_never_trained_on():
-    corpus = Corpus.from_bytes(bytes(range(256)) * 100)
-    assert len(corpus.train) + len(corpus.held_out) == 25600
-    assert corpus.calibration(seq_len=16, n=4).max() < 256
-
-
-def test_text_argument_errors(tmp_path):
-    with pytest.raises(ValueError, match="no such file"):
-        load_corpus(tmp_path / "missing.txt")
-    (tmp_path / "short.txt").write_text("tiny")
-    with pytest.raises(ValueError, match="too short"):
-        load_corpus(tmp_path / "short.txt")

@@ -97,23 +97,23 @@ def test_nvfp4_beats_mxfp4_on_gaussian_weights():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='multiple of 32'):
         mx.quantize_mxfp4(torch.randn(4, 48))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='multiple of 16'):
         mx.quantize_nvfp4(torch.randn(4, 40))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='layout must be one of'):
         mx.quantize_mxfp4(torch.randn(4, 32), layout="gguf")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='NaN or infinite'):
         mx.quantize_nvfp4(torch.full((1, 16), float("nan")))
     blocks, scales = mx.quantize_mxfp4(torch.randn(4, 64))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='0xFF is NaN'):
         mx.MXFP4Linear(blocks, torch.full_like(scales, 255))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='do not match'):
         mx.dequantize_mxfp4(blocks, scales[:, :1])
     packed, bs, ts = mx.quantize_nvfp4(torch.randn(4, 64))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='NVFP4Linear needs'):
         mx.NVFP4Linear(packed, bs[:, :2], ts)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='one finite number'):
         mx.NVFP4Linear(packed, bs, torch.ones(2))
 
 
@@ -138,15 +138,14 @@ def test_kernels_equal_torch(n, k, m):
 
 
 def test_quantize_models():
-    for quantize, kind, bits in ((mx.quantize_model_mxfp4, mx.MXFP4Linear, 4.25),
-                                 (mx.quantize_model_nvfp4, mx.NVFP4Linear, 4.5)):
+    for fmt, kind, bits in (("mxfp4", mx.MXFP4Linear, 4.25), ("nvfp4", mx.NVFP4Linear, 4.5)):
         torch.manual_seed(5)
         model = nn.Sequential()
         model.add_module("up", nn.Linear(64, 96))
         model.add_module("lm_head", nn.Linear(96, 32))
         ref = model.up.weight.detach().clone()
-        config = quantize(model)
-        assert isinstance(config, dict) and config["format"] in ("mxfp4", "nvfp4")
+        config = mx.quantize(model, format=fmt)
+        assert config["quant_method"] == fmt
         assert isinstance(model.up, kind) and isinstance(model.lm_head, nn.Linear)
         assert bits <= model.up.bits_per_weight <= bits + 32 / ref.numel()
         rel = (model.up.dequantize() - ref).norm() / ref.norm()
@@ -154,4 +153,6 @@ def test_quantize_models():
     ragged = nn.Sequential()
     ragged.add_module("down", nn.Linear(40, 8))
     with pytest.raises(ValueError, match="down: in_features=40"):
-        mx.quantize_model_nvfp4(ragged)
+        mx.quantize(ragged, format="nvfp4")
+    with pytest.raises(ValueError, match="format must be one of"):
+        mx.quantize(ragged, format="fp4")

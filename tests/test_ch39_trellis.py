@@ -1,4 +1,5 @@
 """Trellis codes (QTIP / EXL3 style): the codes, Viterbi's optimality, the bitstream, the kernel, BlockLDLQ."""
+import copy
 import itertools
 
 import numpy as np
@@ -162,7 +163,7 @@ def test_malformed_streams_raise_value_error():
     codes, scales = _layer()                                  # free start: 8 + 2 * 255 = 518 bits in 65 bytes
     with pytest.raises(ValueError, match="truncated"):
         trellis.TrellisLinear(codes[..., :-1], scales)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='uint8 bytes per tile'):
         trellis.decode_trellis(codes[..., :-1], scales)
     bad = codes.clone()
     bad[0, 0, -1] |= 0x80                                      # a padding bit
@@ -172,21 +173,21 @@ def test_malformed_streams_raise_value_error():
     nan[3, 0] = float("nan")
     with pytest.raises(ValueError, match="scale"):
         trellis.TrellisLinear(codes, nan)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='need codes uint8'):
         trellis.TrellisLinear(codes.int(), scales)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='truncated or oversized'):
         trellis.TrellisLinear(codes, scales, tail_biting=True)  # 65 bytes cannot be a 512-bit tail-biting stream
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='K < L'):
         trellis.TrellisLinear(codes, scales, L=8, K=8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='code must be one of'):
         trellis.TrellisLinear(codes, scales, code="2mad")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='rotation tile'):
         trellis.quantize_trellis(torch.randn(16, 200), 8, 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="do not fit"):
         triton_formats.trellis_matmul(torch.randn(2, 128), codes, scales.float(), 8, 2, (1, 256), 0.0, 1.0)
 
 
-def test_model_quantize_engine_and_checkpoint_round_trip(tiny_model, tmp_path, monkeypatch):
+def test_model_quantize_engine_and_checkpoint_round_trip(tiny_model, tmp_path):
     ids = torch.randint(0, 256, (2, 24))
     config = trellis.quantize(tiny_model, L=8, K=2, group=64, tail_biting=True)
     layers = quantized_linears(tiny_model)
@@ -197,18 +198,22 @@ def test_model_quantize_engine_and_checkpoint_round_trip(tiny_model, tmp_path, m
         with base.impl("engine"):
             engine = tiny_model(ids)
     assert torch.allclose(engine, ref, rtol=1e-3, atol=1e-3)
-    monkeypatch.setitem(checkpoints.METHODS, "trellis", trellis.CHECKPOINT)
     checkpoints.save_quantized(tiny_model, tmp_path / "ckpt", "trellis", quantization_config=config)
     loaded = checkpoints.load_quantized(tmp_path / "ckpt")
     with torch.no_grad():
         assert torch.equal(loaded(ids), ref)
 
 
-def test_model_block_ldlq_needs_and_uses_calibration(tiny_model):
-    ids = torch.randint(0, 256, (2, 32))
-    with pytest.raises(ValueError):
-        trellis.quantize(tiny_model, None, ldlq=True, group=64)
-    config = trellis.quantize(tiny_model, ids, L=8, K=2, group=64, ldlq=True, tile=(8, 8))
+def test_model_block_ldlq_needs_calibration_and_beats_plain_trellis(tiny_model):
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="BlockLDLQ needs calibration_ids"):
+        trellis.quantize(copy.deepcopy(tiny_model), None, ldlq=True, group=64)
+    plain, fed_back = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
+    trellis.quantize(plain, None, L=8, K=2, group=64, tile=(8, 8))
+    config = trellis.quantize(fed_back, ids, L=8, K=2, group=64, ldlq=True, tile=(8, 8))
     assert config["ldlq"] and config["tile"] == [8, 8]
     with torch.no_grad():
-        assert torch.isfinite(tiny_model(ids)).all()
+        reference = tiny_model(ids)
+        plain_error = (plain(ids) - reference).pow(2).mean()
+        fed_back_error = (fed_back(ids) - reference).pow(2).mean()
+    assert fed_back_error < 0.8 * plain_error          # the error feedback must pay off on the calibration data

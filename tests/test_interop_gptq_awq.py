@@ -76,7 +76,7 @@ def test_gptqmodel_tensors_load_in_engine(gptqmodel_packer, act_order):
     codes, scales, zeros, g_idx = gptq_layer(7, 4, act_order)
     theirs, weight = gptqmodel_packer(codes, scales, zeros, g_idx, 4, act_order)
     qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": act_order, "sym": False}
-    layer = gptq.CHECKPOINT.read(dict(theirs), qcfg)
+    layer = gptq.CHECKPOINT.read(dict(theirs), gptq.validate(qcfg))
     assert torch.equal(layer.dequantize(), weight)          # the exact weights GPTQModel packed
 
 
@@ -131,7 +131,7 @@ def test_checkpoint_packed_by_gptqmodel_loads_in_engine(gptqmodel_packer, tiny_m
     qcfg = gptq.quantize(tiny_model, torch.randint(0, 256, (4, 64)), group_size=32, act_order=act_order)
     tensors = {}
     for name, layer in quantized_linears(tiny_model).items():
-        codes, scales, zeros, g_idx = gptq.affine_parts(layer)
+        codes, scales, zeros, g_idx = affine.affine_parts(layer)
         packed, _ = gptqmodel_packer(codes, scales, zeros, g_idx, 4, act_order)
         tensors.update({f"{name}.{k}": v.contiguous() for k, v in packed.items()})
     for name, p in tiny_model.state_dict().items():

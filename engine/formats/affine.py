@@ -224,6 +224,33 @@ class AffineQuantLinear(QuantLinear):
         return bits + (self.in_features * 32 if self.perm is not None else 0)
 
 
-def rtn_quantize(model, bits=4, group_size=64):
-    """Round-to-nearest: replace every linear (but lm_head) by an AffineQuantLinear. Returns {name: layer}."""
-    return replace_linears(model, lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size))
+def affine_parts(layer):
+    """AffineQuantLinear -> (codes [out, in] in ORIGINAL column order, scales, zeros [out, groups], g_idx [in]).
+
+    Zero points are recovered from offsets = -zero * scale, which is exact for layers built here (f16 scales times
+    small integers are exact in float32); a layer whose offsets are not such multiples, or whose scales are not
+    float16 values, cannot be written to an integer-zero f16 checkpoint without changing it, so it is refused."""
+    if not isinstance(layer, AffineQuantLinear):
+        raise TypeError(f"expected an AffineQuantLinear, got {type(layer).__name__}")
+    scales = layer.scales
+    if not torch.equal(scales.half().float(), scales):
+        raise ValueError("scales are not float16 values; writing them as f16 would change the model")
+    zeros = -layer.offsets / scales
+    if (zeros - zeros.round()).abs().max() > 1e-3 or zeros.min() < 0 or zeros.max() > 2 ** layer.bits - 1:
+        raise ValueError("offsets are not -zero * scale with integer zero points")
+    zeros = zeros.round()
+    group_of_stored = torch.arange(layer.in_features) // layer.group_size
+    codes = layer.codes()
+    if layer.perm is None:
+        return codes, scales, zeros, group_of_stored.to(torch.int32)
+    inverse = torch.argsort(layer.perm)
+    return codes[:, inverse], scales, zeros, group_of_stored[inverse].to(torch.int32)
+
+
+def quantize(model, calibration_ids=None, bits=4, group_size=64, sym=False):
+    """Round-to-nearest (data-free: calibration_ids is not used): replace every linear but lm_head by an
+    AffineQuantLinear, in place. Returns a quantization_config describing the layers (gptq and compressed-tensors
+    checkpoints can store them)."""
+    check_bits(bits)
+    replace_linears(model, lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size, sym))
+    return {"quant_method": "rtn", "bits": bits, "group_size": group_size, "sym": sym}

@@ -14,7 +14,7 @@ Improvements over the book's code (tested in tests/test_ch39_awq.py):
     So we stream G and mean|x| (InputStats) and never hold the inputs; each alpha costs out * in^2, not
     tokens * in * out (the same number, up to float rounding).
   * The book's to_checkpoint recomputes zero points as round(-offsets / scales).clamp(0, 15), silently changing any
-    layer whose offsets are not integer zero points; we recover them exactly or refuse (gptq.affine_parts).
+    layer whose offsets are not integer zero points; we recover them exactly or refuse (affine.affine_parts).
 
 Checkpoint (AutoAWQ GEMM, 4-bit):
     qweight int32 [in, out / 8]      8 codes along the OUTPUT dimension; nibble j holds column [0,2,4,6,1,3,5,7][j]
@@ -23,63 +23,20 @@ Checkpoint (AutoAWQ GEMM, 4-bit):
 """
 import torch
 
-from .affine import (
-    AffineQuantLinear,
-    choose_clip,
-    fake_quantize,
-    pack_int32,
-    unpack_int32,
-)
-from .base import CheckpointMethod, replace_linears
-from .gptq import affine_parts
+from . import calibration
+from .affine import AffineQuantLinear, affine_parts, choose_clip, fake_quantize, pack_int32, unpack_int32
+from .base import CheckpointMethod, config_field, replace_linears
+from .calibration import InputStats
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 # ---- the scale search -------------------------------------------------------------------------------------------
 
-class InputStats:
-    """What the scale search needs from a linear's calibration inputs, accumulated batch by batch:
-    mean_abs [in] = mean_t |x_t| and gram [in, in] = X^T X / n."""
-
-    def __init__(self, in_features):
-        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
-        self.xtx = torch.zeros(in_features, in_features, dtype=torch.float64)
-        self.count = 0
-
-    @classmethod
-    def of(cls, inputs):
-        stats = cls(inputs.shape[-1])
-        stats.add(inputs)
-        return stats
-
-    def add(self, x):
-        if x.shape[-1] != self.abs_sum.shape[0]:
-            raise ValueError(f"calibration inputs have {x.shape[-1]} features, the layer has {self.abs_sum.shape[0]}")
-        x = x.detach().reshape(-1, self.abs_sum.shape[0]).to(torch.float64)
-        self.abs_sum += x.abs().sum(0)
-        self.xtx += x.T @ x
-        self.count += x.shape[0]
-
-    def _check(self):
-        if self.count == 0:
-            raise ValueError("no calibration inputs reached this layer")
-
-    @property
-    def mean_abs(self):
-        self._check()
-        return (self.abs_sum / self.count).float()
-
-    @property
-    def gram(self):
-        self._check()
-        return (self.xtx / self.count).float()
-
-
 @torch.no_grad()
 def search_scale(weights, inputs, bits=4, group_size=128, grid=20):
     """Best per-input-channel scale s [in] for the linears `weights` ([out_k, in] each), all reading `inputs`
-    (a tensor [..., in] or an InputStats). Returns (s, alpha).
+    (a tensor [..., in] or a calibration.InputStats). Returns (s, alpha).
 
     error(alpha) = sum_k tr(dW_k G dW_k^T) / out_k  with dW_k = Q(W_k s) / s - W_k: the mean squared output error
     on the calibration inputs, as the book measures it, computed from G = X^T X / n."""
@@ -105,60 +62,47 @@ def scaled_error(weight, s, gram, bits=4, group_size=128):
     return ((dw @ gram) * dw).sum().item() / w.shape[0]
 
 
-def _scaling_pairs(layer):
-    """(norm, previous linear, linears that read its output, the linear whose input is captured) for one Qwen3
-    decoder layer; previous is None when the scale folds into the norm."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return [(layer.input_layernorm, None, [attn.q_proj, attn.k_proj, attn.v_proj]),
-            (layer.post_attention_layernorm, None, [mlp.gate_proj, mlp.up_proj]),
-            (None, attn.v_proj, [attn.o_proj]),
-            (None, mlp.up_proj, [mlp.down_proj])]
+# Per decoder layer: (norm, previous linear, the linears that read its output); the scale folds into the norm's
+# weight, or into the previous linear's output rows when there is no norm in between. Names relative to the layer.
+SCALING_PAIRS = (("input_layernorm", None, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                 ("post_attention_layernorm", None, ("mlp.gate_proj", "mlp.up_proj")),
+                 (None, "self_attn.v_proj", ("self_attn.o_proj",)),
+                 (None, "mlp.up_proj", ("mlp.down_proj",)))
 
 
 @torch.no_grad()
 def apply_awq(model, calibration_ids, bits=4, group_size=128, batch_size=8):
-    """Scale, clip and quantize every decoder layer's linears in place, AutoAWQ's way. Returns {name:
-    AffineQuantLinear}.
+    """Scale, clip and quantize every decoder layer's linears in place, AutoAWQ's way, one layer at a time. Returns
+    {name: AffineQuantLinear}.
 
-    Inputs of q, o, gate and down are summarized (InputStats) by forward pre-hooks over the calibration tokens of
-    the float model, in batches of batch_size sequences; then each pair's scale is searched and folded in, each
-    group's clipping range is searched on the scaled weights (affine.choose_clip), and every linear is rounded to
-    nearest within its clipped ranges."""
-    if calibration_ids is None or calibration_ids.numel() == 0:
-        raise ValueError("AWQ needs calibration_ids")
-    ids = calibration_ids if calibration_ids.dim() == 2 else calibration_ids.reshape(1, -1)
-    stats, handles = {}, []
-    for layer in model.model.layers:
-        for _, _, linears in _scaling_pairs(layer):
-            first = linears[0]
-            stats[first] = InputStats(first.in_features)
-            handles.append(first.register_forward_pre_hook(lambda m, args: stats[m].add(args[0].float())))
-    try:
-        for batch in ids.split(batch_size):
-            model(batch)
-    finally:
-        for h in handles:
-            h.remove()
-    clips = {}
-    for layer in model.model.layers:
-        for norm, previous, linears in _scaling_pairs(layer):
+    The inputs of q, o, gate and down are summarized (InputStats) while the FLOAT layer runs on its calibration
+    inputs (engine.formats.calibration; the next layer's inputs are the float layer's outputs, as in AutoAWQ); then
+    each pair's scale is searched and folded in, each group's clipping range is searched on the scaled weights
+    (affine.choose_clip), and every linear is rounded to nearest within its clipped ranges."""
+    replaced = {}
+    for layer in calibration.decoder_layers(model, calibration_ids, batch_size, "AWQ", inputs_from="float"):
+        stats = layer.capture([names[0] for _, _, names in SCALING_PAIRS])
+        clips = {}
+        for norm, previous, names in SCALING_PAIRS:
+            linears = [layer.layer.get_submodule(n) for n in names]
+            inputs = stats[layer.prefix + names[0]]
             s = torch.ones(linears[0].in_features)
+            previous = previous and layer.layer.get_submodule(previous)
             if previous is None or previous.out_features == linears[0].in_features:   # GQA: v's rows feed
-                s, _ = search_scale([lin.weight for lin in linears], stats[linears[0]], bits, group_size)  # several
-                _fold_scale(norm, previous, linears, s)                                                  # heads
+                s, _ = search_scale([lin.weight for lin in linears], inputs, bits, group_size)  # several heads
+                _fold_scale(norm and layer.layer.get_submodule(norm), previous, linears, s)
             # AutoAWQ's clipping search, on the scaled weights and inputs: any X with X^T X / n = G / (s s^T) gives
             # choose_clip's group-wise output error; sqrt(n) diag(sqrt(lambda)) V^T (G / (s s^T) = V diag(lambda)
             # V^T) is one with only n rows
-            g = stats[linears[0]].gram.double() / (s[:, None] * s[None, :]).double()
+            g = inputs.gram.double() / (s[:, None] * s[None, :]).double()
             n = g.shape[0]
             lam, v = torch.linalg.eigh(g)
             x = (n ** 0.5 * lam.clamp_min(0).sqrt()[:, None] * v.T).float()
-            for linear in linears:
-                clips[linear] = choose_clip(linear.weight.detach(), x, bits, group_size, max_tokens=n)
-
-    names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.")}
-    return replace_linears(model, lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size,
-                                                                                    clip=clips[linear]), names)
+            for name, linear in zip(names, linears):
+                clips[layer.prefix + name] = choose_clip(linear.weight.detach(), x, bits, group_size, max_tokens=n)
+        replaced.update(replace_linears(model, lambda name, linear: AffineQuantLinear.from_linear(
+            linear, bits, group_size, clip=clips[name]), names=set(clips)))
+    return replaced
 
 
 def _fold_scale(norm, previous, linears, s):
@@ -230,33 +174,27 @@ def from_checkpoint(qweight, qzeros, scales, group_size, bias=None):
 
 # ---- the registry entry -----------------------------------------------------------------------------------------
 
-def _config(qcfg):
-    _check_bits(qcfg.get("bits", qcfg.get("w_bit", 4)))
-    if not qcfg.get("zero_point", True):
-        raise ValueError("AWQ without zero points (zero_point: false) is not supported")
-    version = str(qcfg.get("version", "gemm")).lower()
-    if version != "gemm":
-        raise ValueError(f"AWQ version {version!r} is not supported (only 'gemm')")
-    group_size = qcfg.get("group_size", qcfg.get("q_group_size", 128))
-    if not isinstance(group_size, int) or group_size == 0 or group_size < -1:
-        raise ValueError(f"bad AWQ group_size {group_size!r}")
-    return group_size
-
-
-def _parts(qcfg):
-    _config(qcfg)
-    return ("qweight", "qzeros", "scales")
+def validate(qcfg):
+    """An AutoAWQ GEMM quantization_config, checked once (AutoAWQ's own keys w_bit / q_group_size are read too):
+    4 bits, zero points, version "gemm", group_size -1 or positive (default 128)."""
+    config_field(qcfg, "bits", qcfg.get("w_bit", 4), int, lambda b: b == 4, "4 (AutoAWQ GEMM checkpoints are 4-bit)")
+    config_field(qcfg, "zero_point", True, bool, lambda z: z, "true (AWQ without zero points is not supported)")
+    config_field(qcfg, "version", "gemm", str, lambda v: v.lower() == "gemm", "'gemm' (the only version supported)")
+    group_size = config_field(qcfg, "group_size", qcfg.get("q_group_size", 128), int, lambda g: g == -1 or g >= 1,
+                              "-1 or a positive int")
+    return {**qcfg, "group_size": group_size}
 
 
 def _read(parts, qcfg):
-    return from_checkpoint(parts["qweight"], parts["qzeros"], parts["scales"], _config(qcfg), parts.get("bias"))
+    return from_checkpoint(parts["qweight"], parts["qzeros"], parts["scales"], qcfg["group_size"], parts.get("bias"))
 
 
 def _write(layer, qcfg):
-    group_size = _config(qcfg)
+    group_size = qcfg["group_size"]
     if layer.group_size != (layer.in_features if group_size == -1 else group_size):
         raise ValueError(f"layer has group size {layer.group_size}; config says {group_size}")
     return to_checkpoint(layer)
 
 
-CHECKPOINT = CheckpointMethod(name="awq", parts=_parts, read=_read, write=_write, quantize=quantize)
+CHECKPOINT = CheckpointMethod(name="awq", parts=lambda qcfg: ("qweight", "qzeros", "scales"), read=_read,
+                              write=_write, quantize=quantize, validate=validate)

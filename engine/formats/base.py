@@ -121,6 +121,17 @@ def replace_linears(model, make_layer, names=None):
     return replaced
 
 
+def config_field(config, key, default, kind, valid=None, expected=None):
+    """config[key] (default when absent), required to be exactly of type `kind` (a bool is not an int, an int is
+    not a str) and, if `valid` is given, to pass it; anything else is a ValueError naming the field. What a
+    quantization_config says changes the meaning of the bits, so nothing in it is coerced."""
+    value = config.get(key, default)
+    right_type = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if not right_type or (valid is not None and not valid(value)):
+        raise ValueError(f"quantization_config field {key!r} must be {expected or kind.__name__}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class CheckpointMethod:
     """How one quantization method lives in a Hugging Face style checkpoint (config.json's quantization_config names
@@ -131,6 +142,8 @@ class CheckpointMethod:
       read      (parts {suffix: tensor}, quantization_config) -> QuantLinear (bias, if any, arrives in parts["bias"])
       write     (layer, quantization_config) -> {suffix: tensor}
       quantize  (model, calibration_ids or None, **options) -> quantization_config; replaces the model's linears
+      validate  optional quantization_config -> the same config checked (ValueError naming the field) and with its
+                defaults filled in; run once per checkpoint, before parts / read / write see it
       finish    optional (model, quantization_config) -> None, run once every layer is loaded (e.g. EntQuant
                 attaches its shared per-block decoder)
     """
@@ -139,4 +152,5 @@ class CheckpointMethod:
     read: Callable
     write: Callable
     quantize: Callable
+    validate: Callable | None = None
     finish: Callable | None = None

@@ -11,9 +11,9 @@ import json
 
 import torch
 
-from ..loaders import assign, empty_model, read_config
+from ..loaders import assign, check_complete, empty_model, load_tensors, read_config
 from ..qwen3 import Qwen3Config
-from ..safetensors_io import atomic_directory, save_file, snapshot_tensors
+from ..safetensors_io import atomic_directory, save_file
 from . import awq, compressed_tensors, entropy, fp8, gptq, lattice, trellis
 from .base import QuantLinear, linear_names, quantized_linears
 
@@ -31,70 +31,81 @@ def method_for(quantization_config):
     return METHODS[name]
 
 
+class LayerAssembler:
+    """The quantized format's part of the loader loop: it claims each tensor `{linear}.{part}` its method owns,
+    and as soon as all of a linear's parts have arrived builds the layer (method.read) and puts it in place of the
+    model's nn.Linear, so the whole checkpoint is never held twice. A linear stored as a plain `weight` (one the
+    method left unquantized) is not claimed and loads dense."""
+
+    def __init__(self, model, method, qcfg, device):
+        self.model, self.method, self.qcfg, self.device = model, method, qcfg, device
+        self.linears = {name: model.get_submodule(name) for name in linear_names(model)}
+        self.needed = set(method.parts(qcfg))
+        self.pending, self.built = {}, set()
+
+    def claim(self, name, value):
+        module, _, part = name.rpartition(".")
+        linear = self.linears.get(module)
+        if linear is None or module in self.built:
+            return False
+        want = self.needed | ({"bias"} if linear.bias is not None else set())
+        if part not in want:
+            return False
+        parts = self.pending.setdefault(module, {})
+        parts[part] = value
+        if want <= parts.keys():
+            self._install(module, self.method.read(self.pending.pop(module), self.qcfg))
+        return True
+
+    @staticmethod
+    def _quantized(value):
+        return not (value.dtype.is_floating_point and value.element_size() > 1)
+
+    def dense_leftovers(self):
+        """{name: tensor} of linears that arrived as a plain float weight (and bias): layers left unquantized."""
+        dense = {}
+        for module, parts in list(self.pending.items()):
+            weight = parts.get("weight")
+            if (weight is None or not self._quantized(weight)) and not set(parts) & (self.needed - {"weight"}):
+                dense.update({f"{module}.{part}": value for part, value in parts.items()})
+                del self.pending[module]
+        if self.pending:
+            module, parts = next(iter(self.pending.items()))
+            raise ValueError(f"incomplete quantized layer(s) {sorted(self.pending)[:3]}: {module} has "
+                             f"{sorted(parts)}, method {self.method.name} needs {sorted(self.needed)}")
+        return dense
+
+    def _install(self, name, layer):
+        linear = self.linears[name]
+        if not isinstance(layer, QuantLinear):
+            raise TypeError(f"reader returned {type(layer).__name__} for {name}, expected a QuantLinear")
+        if (layer.in_features, layer.out_features) != (linear.in_features, linear.out_features):
+            raise ValueError(f"{name}: checkpoint layer is {layer.out_features} x {layer.in_features}, the config "
+                             f"says {linear.out_features} x {linear.in_features}")
+        parent, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent), child, layer.to(self.device))
+        self.built.add(name)
+
+
 @torch.no_grad()
 def load_quantized(directory, dtype=torch.float32, device="cpu"):
-    """A Qwen3 from a quantized checkpoint folder.
-
-    Tensors are streamed; a quantized layer is built as soon as all of its parts have arrived and put in place of
-    the model's nn.Linear, so the whole checkpoint is never held twice. A linear whose tensors are a plain `weight`
-    (a layer the method left unquantized) is loaded dense.
-    """
+    """A Qwen3 from a quantized checkpoint folder: the dense loader's loop (engine.loaders.load_tensors), with the
+    method's LayerAssembler claiming the quantized linears' tensors. The quantization_config is validated once."""
     raw = read_config(directory)
-    qcfg = raw.get("quantization_config")
-    method = method_for(qcfg)
+    method = method_for(raw.get("quantization_config"))
+    qcfg = method.validate(raw["quantization_config"]) if method.validate else raw["quantization_config"]
     cfg = Qwen3Config.from_hf(raw)
     model = empty_model(cfg, dtype, device)
-    params = dict(model.named_parameters())
-    linears = {name: model.get_submodule(name) for name in linear_names(model)}
-    needed = set(method.parts(qcfg))
-    pending, built, loaded = {}, set(), set()
-    for name, value in snapshot_tensors(directory):
-        module, _, part = name.rpartition(".")
-        if module in linears and (part in needed or (part == "bias" and linears[module].bias is not None)):
-            parts = pending.setdefault(module, {})
-            parts[part] = value
-            want = needed | ({"bias"} if linears[module].bias is not None else set())
-            if want <= parts.keys():
-                _install(model, module, linears[module], method.read(pending.pop(module), qcfg), device)
-                built.add(module)
-            continue
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if name not in params:
-            raise ValueError(f"unexpected tensor {name} in {directory} (method {method.name})")
-        assign(params[name], value, name)
+    assembler = LayerAssembler(model, method, qcfg, device)
+    loaded = load_tensors(model, directory, assembler.claim)
+    for name, value in assembler.dense_leftovers().items():
+        assign(model.get_parameter(name), value, name)
         loaded.add(name)
-    for module, parts in list(pending.items()):
-        weight = parts.get("weight")
-        dense = weight is None or (weight.dtype.is_floating_point and weight.element_size() > 1)
-        if dense and not set(parts) & (needed - {"weight"}):     # a linear the method left unquantized
-            for part, value in parts.items():
-                assign(params[f"{module}.{part}"], value, f"{module}.{part}")
-                loaded.add(f"{module}.{part}")
-            del pending[module]
-    if pending:
-        module, parts = next(iter(pending.items()))
-        raise ValueError(f"incomplete quantized layer(s) {sorted(pending)[:3]}: {module} has {sorted(parts)}, "
-                         f"method {method.name} needs {sorted(needed)}")
-    dense_needed = {n for n in params if n.rpartition(".")[0] not in built}
-    dense_needed -= {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    missing = sorted(dense_needed - loaded)
-    if missing:
-        raise ValueError(f"checkpoint {directory} lacks tensor(s) {missing[:5]}")
-    model.quantization_config = qcfg
+    check_complete(model, loaded, directory, assembler.built)
+    model.quantization_config = raw["quantization_config"]
     if method.finish is not None:
         method.finish(model, qcfg)
     return model.eval()
-
-
-def _install(model, name, linear, layer, device):
-    if not isinstance(layer, QuantLinear):
-        raise TypeError(f"reader returned {type(layer).__name__} for {name}, expected a QuantLinear")
-    if (layer.in_features, layer.out_features) != (linear.in_features, linear.out_features):
-        raise ValueError(f"{name}: checkpoint layer is {layer.out_features} x {layer.in_features}, the config says "
-                         f"{linear.out_features} x {linear.in_features}")
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, layer.to(device))
 
 
 @torch.no_grad()
@@ -119,9 +130,10 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
     quantization_config = quantization_config or getattr(model, "quantization_config", None)
     if not quantization_config or quantization_config.get("quant_method") != method:
         raise ValueError(f"model is quantized but no {method} quantization_config was given")
+    spec = entry.validate(quantization_config) if entry.validate else quantization_config
     tensors = {}
     for name, layer in layers.items():
-        for part, value in entry.write(layer, quantization_config).items():
+        for part, value in entry.write(layer, spec).items():
             tensors[f"{name}.{part}"] = value
         if layer.bias is not None:
             tensors[f"{name}.bias"] = layer.bias.detach()

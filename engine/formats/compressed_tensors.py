@@ -130,9 +130,14 @@ def _check_weights(fmt, w):
         raise ValueError(f"{fmt} must be symmetric with group_size {NV_BLOCK if 'nv' in fmt else MX_BLOCK}")
 
 
-def parts(config):
-    """quantization_config -> the tensor suffixes of one quantized linear."""
+def validate(config):
+    """quantization_config -> {"format", "weights", "input_activations"} of its one scheme, checked once."""
     fmt, weights, acts = scheme_of(config)
+    return {"format": fmt, "weights": weights, "input_activations": acts}
+
+
+def _parts(spec):
+    fmt, weights, acts = spec["format"], spec["weights"], spec["input_activations"]
     extra = ("input_global_scale",) if acts is not None and acts.get("strategy") == "tensor_group" else ()
     if fmt == "pack-quantized":
         zero = () if weights.get("symmetric", True) else ("weight_zero_point",)
@@ -181,9 +186,8 @@ def _read_packed_int(p, weights):
     return AffineQuantLinear.from_codes(codes, scales, -zeros * scales, group_size, bits, bias=p.get("bias"))
 
 
-def read(p, config):
-    """parts {suffix: tensor} + quantization_config -> the engine layer (see the module docstring for layouts)."""
-    fmt, weights, _ = scheme_of(config)
+def _read(p, spec):
+    fmt, weights = spec["format"], spec["weights"]
     if fmt == "pack-quantized":
         return _read_packed_int(p, weights)
     if fmt == "float-quantized":
@@ -243,9 +247,8 @@ def _write_packed_int(layer, weights):
     return tensors
 
 
-def write(layer, config):
-    """A quantized layer + quantization_config -> {suffix: tensor} in the config's format."""
-    fmt, weights, _ = scheme_of(config)
+def _write(layer, spec):
+    fmt, weights = spec["format"], spec["weights"]
     if fmt == "pack-quantized":
         return _write_packed_int(layer, weights)
     expected = {"float-quantized": FP8BlockLinear, "nvfp4-pack-quantized": NVFP4Linear,
@@ -301,4 +304,20 @@ def config_for_model(model):
     return quantization_config(fmt, block=getattr(first, "block", 128))
 
 
-CHECKPOINT = CheckpointMethod(name="compressed-tensors", parts=parts, read=read, write=write, quantize=quantize)
+def parts(config):
+    """quantization_config -> the tensor suffixes of one quantized linear."""
+    return _parts(validate(config))
+
+
+def read(p, config):
+    """parts {suffix: tensor} + quantization_config -> the engine layer (see the module docstring for layouts)."""
+    return _read(p, validate(config))
+
+
+def write(layer, config):
+    """A quantized layer + quantization_config -> {suffix: tensor} in the config's format."""
+    return _write(layer, validate(config))
+
+
+CHECKPOINT = CheckpointMethod(name="compressed-tensors", parts=_parts, read=_read, write=_write, quantize=quantize,
+                              validate=validate)

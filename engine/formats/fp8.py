@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import triton_formats
-from .base import CheckpointMethod, QuantLinear, replace_linears
+from .base import CheckpointMethod, QuantLinear, config_field, replace_linears
 from .minifloats import E4M3_MAX
 
 
@@ -138,32 +138,28 @@ def quantize(model, calibration_ids=None, block=128):
             "weight_block_size": [block, block]}
 
 
-def _config_block(config):
-    """The (square) block size a quantization_config names; anything this layer cannot run is a ValueError."""
-    if config.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"unsupported FP8 format {config.get('fmt')!r} (only e4m3)")
-    if config.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"unsupported activation_scheme {config.get('activation_scheme')!r} (only dynamic)")
-    size = config.get("weight_block_size")
-    if size is None:
+def validate(config):
+    """A fine-grained FP8 quantization_config, checked once: E4M3, dynamic activations, square weight blocks."""
+    config_field(config, "fmt", "e4m3", str, lambda f: f == "e4m3", "'e4m3' (the only FP8 format supported)")
+    config_field(config, "activation_scheme", "dynamic", str, lambda a: a == "dynamic", "'dynamic'")
+    if config.get("weight_block_size") is None:
         raise ValueError("FP8 quantization_config has no weight_block_size (per-tensor FP8 is not supported)")
-    if not (isinstance(size, (list, tuple)) and len(size) == 2 and size[0] == size[1]
-            and isinstance(size[0], int) and size[0] > 0):
-        raise ValueError(f"unsupported weight_block_size {size!r}: expected square blocks [b, b]")
-    return size[0]
+    size = config_field(config, "weight_block_size", None, list, lambda b: len(b) == 2 and b[0] == b[1] and isinstance(
+        b[0], int) and not isinstance(b[0], bool) and b[0] > 0, "square blocks [b, b] of a positive int")
+    return {**config, "block": size[0]}
 
 
 def _read(parts, config):
-    return FP8BlockLinear(parts["weight"], parts["weight_scale_inv"], parts.get("bias"), _config_block(config))
+    return FP8BlockLinear(parts["weight"], parts["weight_scale_inv"], parts.get("bias"), config["block"])
 
 
 def _write(layer, config):
     if not isinstance(layer, FP8BlockLinear):
         raise TypeError(f"fp8 checkpoints hold FP8BlockLinear layers, got {type(layer).__name__}")
-    if layer.block != _config_block(config):
+    if layer.block != config["block"]:
         raise ValueError(f"layer has {layer.block}x{layer.block} blocks, config says {config['weight_block_size']}")
     return {"weight": layer.weight, "weight_scale_inv": layer.weight_scale_inv}
 
 
 CHECKPOINT = CheckpointMethod(name="fp8", parts=lambda config: ("weight", "weight_scale_inv"),
-                              read=_read, write=_write, quantize=quantize)
+                              read=_read, write=_write, quantize=quantize, validate=validate)

@@ -29,47 +29,13 @@ import warnings
 
 import torch
 
-from .affine import AffineQuantLinear, find_params, pack_int32, unpack_int32
-from .base import CheckpointMethod, replace_linears
+from . import calibration
+from .affine import AffineQuantLinear, affine_parts, find_params, pack_int32, unpack_int32
+from .base import CheckpointMethod, config_field, replace_linears
+from .calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
 
 FORMATS = ("gptq", "gptq_v2")
 PACKABLE_BITS = (2, 4, 8)          # bit widths that tile an int32 word exactly (3-bit GPTQ uses a split layout)
-
-
-# ---- the Hessian ------------------------------------------------------------------------------------------------
-
-class HessianAccumulator:
-    """Running H = 2 X^T X / n over calibration batches, so that the inputs need never all be held at once.
-    add(x [..., in]) any number of times, then .hessian [in, in] (float32)."""
-
-    def __init__(self, in_features):
-        self.sum = torch.zeros(in_features, in_features, dtype=torch.float64)
-        self.count = 0
-
-    def add(self, x):
-        if x.shape[-1] != self.sum.shape[0]:
-            raise ValueError(f"calibration inputs have {x.shape[-1]} features, the layer has {self.sum.shape[0]}")
-        self.sum = self.sum.to(x.device)
-        x = x.detach().reshape(-1, self.sum.shape[0]).to(torch.float64)
-        self.sum += x.T @ x                      # float64: a long calibration run sums many large squares
-        self.count += x.shape[0]
-
-    @property
-    def hessian(self):
-        if self.count == 0:
-            raise ValueError("no calibration inputs reached this layer")
-        return (2 * self.sum / self.count).float()
-
-
-def hessian_from(inputs):
-    """inputs: one tensor [..., in] or an iterable of such batches -> H = 2 X^T X / n [in, in]."""
-    batches = [inputs] if torch.is_tensor(inputs) else list(inputs)
-    if not batches:
-        raise ValueError("hessian_from needs at least one batch of inputs")
-    acc = HessianAccumulator(batches[0].shape[-1])
-    for x in batches:
-        acc.add(x)
-    return acc.hessian
 
 
 # ---- the algorithm ----------------------------------------------------------------------------------------------
@@ -236,122 +202,50 @@ def to_runtime(codes, scales, zeros, g_idx, group_size, bits=4, bias=None):
                                         bias=bias)
 
 
-def affine_parts(layer):
-    """AffineQuantLinear -> (codes [out, in] in ORIGINAL column order, scales, zeros [out, groups], g_idx [in]).
-
-    Zero points are recovered from offsets = -zero * scale, which is exact for layers built here (f16 scales times
-    small integers are exact in float32); a layer whose offsets are not such multiples, or whose scales are not
-    float16 values, cannot be written to an integer-zero f16 checkpoint without changing it, so it is refused."""
-    if not isinstance(layer, AffineQuantLinear):
-        raise TypeError(f"expected an AffineQuantLinear, got {type(layer).__name__}")
-    scales = layer.scales
-    if not torch.equal(scales.half().float(), scales):
-        raise ValueError("scales are not float16 values; writing them as f16 would change the model")
-    zeros = -layer.offsets / scales
-    if (zeros - zeros.round()).abs().max() > 1e-3 or zeros.min() < 0 or zeros.max() > 2 ** layer.bits - 1:
-        raise ValueError("offsets are not -zero * scale with integer zero points")
-    zeros = zeros.round()
-    group_of_stored = torch.arange(layer.in_features) // layer.group_size
-    codes = layer.codes()
-    if layer.perm is None:
-        return codes, scales, zeros, group_of_stored.to(torch.int32)
-    inverse = torch.argsort(layer.perm)
-    return codes[:, inverse], scales, zeros, group_of_stored[inverse].to(torch.int32)
-
-
 # ---- whole model ------------------------------------------------------------------------------------------------
-
-class _Captured(Exception):
-    """Raised by a hook to end a calibration forward once every layer of the current step has seen its input."""
-
-
-def _sequential_steps(model):
-    """The linears (but lm_head) in forward order, grouped into steps whose members read the same input:
-    q/k/v together, gate/up together, every other linear alone."""
-    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
-    steps = {}
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear) and name != "lm_head":
-            parent, _, leaf = name.rpartition(".")
-            steps.setdefault((parent, shared.get(leaf, leaf)), []).append(name)
-    return list(steps.values())
-
-
-def capture_hessians(model, linears, ids, batch_size=8):
-    """{name: linear} -> {name: HessianAccumulator} from forward passes over ids, each stopped (by _Captured) as
-    soon as every one of `linears` has seen its input."""
-    accs = {name: HessianAccumulator(m.in_features) for name, m in linears.items()}
-    seen = set()
-
-    def hook(name):
-        def capture(module, args):
-            accs[name].add(args[0].float())
-            seen.add(name)
-            if len(seen) == len(linears):
-                raise _Captured
-        return capture
-
-    handles = [m.register_forward_pre_hook(hook(name)) for name, m in linears.items()]
-    try:
-        for batch in ids.split(batch_size):
-            seen.clear()
-            try:
-                model(batch)
-            except _Captured:
-                pass
-    finally:
-        for h in handles:
-            h.remove()
-    return accs
-
 
 @torch.no_grad()
 def quantize(model, calibration_ids, group_size=64, act_order=False, bits=4, sym=False, checkpoint_format="gptq",
              damp=0.01, batch_size=8):
-    """GPTQ every linear of `model` but lm_head, in place, step by step in forward order: each step's Hessians come
-    from a forward pass through the already-quantized earlier layers (GPTQModel's "true sequential"), stopped as
-    soon as the step's layers have seen their inputs. calibration_ids [B, T] go through in batches of batch_size.
-    For a v1 checkpoint (the default) every zero point is kept >= 1 (min_zero). Returns the quantization_config."""
-    _config({"bits": bits, "group_size": group_size, "checkpoint_format": checkpoint_format})
-    if calibration_ids is None or calibration_ids.numel() == 0:
-        raise ValueError("GPTQ needs calibration_ids")
-    ids = calibration_ids if calibration_ids.dim() == 2 else calibration_ids.reshape(1, -1)
-    min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
-    for step in _sequential_steps(model):
-        accs = capture_hessians(model, {name: model.get_submodule(name) for name in step}, ids, batch_size)
-        hessians = {name: acc.hessian for name, acc in accs.items()}
-
-        def make(name, linear, hessians=hessians):
-            group = linear.in_features if group_size == -1 else group_size          # -1: one group per row
-            codes, scales, zeros, g_idx = gptq_quantize(linear.weight.detach(), hessians[name], bits, group,
-                                                        act_order, damp, sym=sym, min_zero=min_zero)
-            return to_runtime(codes, scales, zeros, g_idx, group, bits, linear.bias)
-
-        replace_linears(model, make, names=set(step))
-    return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": sym,
+    """GPTQ every decoder-layer linear of `model`, in place, one layer at a time and, inside a layer, step by step
+    in forward order (q/k/v, o, gate/up, down): each step's Hessians come from the layer's inputs passed through its
+    already-quantized earlier steps, and each layer's inputs from the quantized layers before it (GPTQModel's "true
+    sequential", engine.formats.calibration). calibration_ids [B, T] go through in batches of batch_size. For a v1
+    checkpoint (the default) every zero point is kept >= 1 (min_zero). Returns the quantization_config."""
+    qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": sym,
             "checkpoint_format": checkpoint_format}
+    validate(qcfg)
+    min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
+    for layer in calibration.decoder_layers(model, calibration_ids, batch_size, "GPTQ"):
+        for step in calibration.SEQUENTIAL_STEPS:
+            hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
+
+            def make(name, linear, hessians=hessians):
+                group = linear.in_features if group_size == -1 else group_size          # -1: one group per row
+                codes, scales, zeros, g_idx = gptq_quantize(linear.weight.detach(), hessians[name], bits, group,
+                                                            act_order, damp, sym=sym, min_zero=min_zero)
+                return to_runtime(codes, scales, zeros, g_idx, group, bits, linear.bias)
+
+            replace_linears(model, make, names=set(hessians))
+    return qcfg
 
 
 # ---- the registry entry -----------------------------------------------------------------------------------------
 
-def _config(qcfg):
-    bits, fmt = qcfg.get("bits", 4), qcfg.get("checkpoint_format", "gptq")
-    _check_bits(bits)
-    _check_format(fmt)
-    group_size = qcfg.get("group_size", 128)
-    if not isinstance(group_size, int) or group_size == 0 or group_size < -1:
-        raise ValueError(f"bad GPTQ group_size {group_size!r}")
-    return bits, group_size, fmt
-
-
-def _parts(qcfg):
-    _config(qcfg)
-    return ("qweight", "qzeros", "scales", "g_idx")
+def validate(qcfg):
+    """A GPTQ quantization_config, checked once: bits, group_size (-1: one group per row), checkpoint_format, with
+    AutoGPTQ's defaults (4, 128, "gptq") filled in."""
+    bits = config_field(qcfg, "bits", 4, int, lambda b: b in PACKABLE_BITS, f"one of {PACKABLE_BITS}")
+    group_size = config_field(qcfg, "group_size", 128, int, lambda g: g == -1 or g >= 1, "-1 or a positive int")
+    fmt = config_field(qcfg, "checkpoint_format", "gptq", str, lambda f: f in FORMATS, f"one of {FORMATS}")
+    for key in ("desc_act", "sym"):
+        config_field(qcfg, key, False, bool)
+    return {**qcfg, "bits": bits, "group_size": group_size, "checkpoint_format": fmt}
 
 
 def _read(parts, qcfg):
-    bits, group_size, fmt = _config(qcfg)
-    qweight, qzeros, scales, g_idx = (parts[k] for k in ("qweight", "qzeros", "scales", "g_idx"))
+    bits, group_size, fmt = qcfg["bits"], qcfg["group_size"], qcfg["checkpoint_format"]
+    qweight, qzeros, scales, g_idx = (parts[k] for k in PARTS)
     if any(t.dtype != torch.int32 for t in (qweight, qzeros)) or qweight.dim() != 2 or qzeros.dim() != 2:
         raise ValueError("GPTQ qweight / qzeros must be 2-D int32")
     per = 32 // bits
@@ -368,7 +262,7 @@ def _read(parts, qcfg):
 
 
 def _write(layer, qcfg):
-    bits, group_size, fmt = _config(qcfg)
+    bits, group_size, fmt = qcfg["bits"], qcfg["group_size"], qcfg["checkpoint_format"]
     codes, scales, zeros, g_idx = affine_parts(layer)
     if layer.bits != bits or layer.group_size != (layer.in_features if group_size == -1 else group_size):
         raise ValueError(f"layer has {layer.bits} bits, group {layer.group_size}; config says {bits}, {group_size}")
@@ -380,4 +274,6 @@ def _write(layer, qcfg):
     return pack_gptq(codes, scales, zeros, g_idx, bits, fmt)
 
 
-CHECKPOINT = CheckpointMethod(name="gptq", parts=_parts, read=_read, write=_write, quantize=quantize)
+PARTS = ("qweight", "qzeros", "scales", "g_idx")
+CHECKPOINT = CheckpointMethod(name="gptq", parts=lambda qcfg: PARTS, read=_read, write=_write, quantize=quantize,
+                              validate=validate)

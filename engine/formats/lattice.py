@@ -42,7 +42,7 @@ from ..coding.rice import (ESCAPE, RAW_BITS, RICE_K_MAX, SUBSTREAM, RiceStreams,
                            stream_ends, unzigzag, zigzag)
 from ..kernels import stream_decoders
 from .affine import pack_bits, unpack_bits
-from .base import CheckpointMethod, QuantLinear, replace_linears
+from .base import CheckpointMethod, QuantLinear, config_field, replace_linears
 from .hadamard import rotate, unrotate
 
 TABLE_PATH = Path(__file__).resolve().parents[2] / "data" / "lattice_snr_bps.json"
@@ -388,30 +388,35 @@ def quantize(model, calibration_ids=None, lattice="E8", bps=3.0, tile=128, seed=
     return lattice_config(lat, bps, snr, tile, seed)
 
 
-def check_config(config):
-    """quantization_config -> (lattice, tile), or ValueError naming the missing, unsupported or changed field."""
-    missing = [key for key in CONFIG_FIELDS + ("crc32",) if key not in config]
-    if missing:
-        raise ValueError(f"lattice quantization_config lacks {missing}")
-    lat = get_lattice(config["lattice"])
-    check_tile(config["tile"])
-    for key, value in (("substream", SUBSTREAM), ("rice_k_max", RICE_K_MAX), ("rotation", "hadamard")):
-        if config[key] != value or type(config[key]) is not type(value):
-            raise ValueError(f"lattice quantization_config {key} must be {value!r}, got {config[key]!r}")
+def validate(config):
+    """A lattice quantization_config, checked once per checkpoint: every field present with its exact type, the
+    constants of this format, and the CRC32 of the fields (so no field was changed). Returns it unchanged."""
+    config_field(config, "quant_method", None, str, lambda m: m == "lattice", "'lattice'")
+    config_field(config, "lattice", None, str, lambda name: name in LATTICES, f"one of {sorted(LATTICES)}")
+    config_field(config, "tile", None, int, lambda t: t >= 2 and not t & (t - 1), "a power of two >= 2")
+    config_field(config, "substream", None, int, lambda v: v == SUBSTREAM, str(SUBSTREAM))
+    config_field(config, "rice_k_max", None, int, lambda v: v == RICE_K_MAX, str(RICE_K_MAX))
+    config_field(config, "rotation", None, str, lambda r: r == "hadamard", "'hadamard'")
+    for key in ("bps", "snr_db"):
+        config_field(config, key, None, (int, float), math.isfinite, "a finite number")
+    for key in ("seed", "crc32"):
+        config_field(config, key, None, int)
     if config["crc32"] != config_checksum(config):
         raise ValueError("lattice quantization_config checksum mismatch: a field was changed")
-    return lat, config["tile"]
+    return config
 
 
 _PARTS = ("payload", "offsets", "rice_ks", "scales", "signs", "header")
 
 
 def _write(layer, config):
+    if layer.lattice.name != config["lattice"] or layer.tile != rotation_tile(layer.in_features, config["tile"]):
+        raise ValueError(f"layer is {layer.lattice.name} with tile {layer.tile}, the config says {config['lattice']} "
+                         f"with tile {config['tile']}")
     return {name: getattr(layer, name) for name in _PARTS}
 
 
 def _read(parts, config):
-    lat, tile = check_config(config)
     header = parts["header"]
     if header.dtype != torch.int64 or tuple(header.shape) != (5,):
         raise ValueError(f"header must be int64 [5], got {header.dtype} {tuple(header.shape)}")
@@ -419,11 +424,12 @@ def _read(parts, config):
     if parts["scales"].numel() != out_f:
         raise ValueError(f"header says {out_f} rows, scales has {parts['scales'].numel()}")
     streams = RiceStreams(parts["payload"], parts["offsets"], parts["rice_ks"], in_f * out_f, total_bits, crc)
-    layer = LatticeLinear(streams, parts["scales"], parts["signs"], lat, in_f, layer_tile, parts.get("bias"))
-    if layer_tile != rotation_tile(in_f, tile):
-        raise ValueError(f"header tile {layer_tile} is not the config's tile {tile} for {in_f} inputs")
+    layer = LatticeLinear(streams, parts["scales"], parts["signs"], config["lattice"], in_f, layer_tile,
+                          parts.get("bias"))
+    if layer_tile != rotation_tile(in_f, config["tile"]):
+        raise ValueError(f"header tile {layer_tile} is not the config's tile {config['tile']} for {in_f} inputs")
     return layer
 
 
 CHECKPOINT = CheckpointMethod(name="lattice", parts=lambda config: _PARTS, read=_read, write=_write,
-                              quantize=quantize)
+                              quantize=quantize, validate=validate)

@@ -163,22 +163,20 @@ class NVFP4Linear(QuantLinear):
         return self.packed.numel() * 8 + self.block_scale.numel() * 8 + 32
 
 
-def _replace(model, layer_cls, block):
+FORMATS = {"mxfp4": (MXFP4Linear, MX_BLOCK, "e8m0"), "nvfp4": (NVFP4Linear, NV_BLOCK, "e4m3")}
+
+
+def quantize(model, calibration_ids=None, format="mxfp4"):
+    """Replace every linear but lm_head by an MXFP4Linear or NVFP4Linear (data-free: calibration_ids is not used),
+    in place. Returns a quantization_config describing the layers (compressed-tensors checkpoints store them)."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {sorted(FORMATS)}, got {format!r}")
+    layer_cls, block, scale = FORMATS[format]
+
     def make(name, linear):
         if linear.in_features % block:
             raise ValueError(f"{name}: in_features={linear.in_features} is not a multiple of the {block}-block")
         return layer_cls.from_linear(linear)
-    return replace_linears(model, make)
 
-
-def quantize_model_mxfp4(model, calibration_ids=None):
-    """Replace every linear but lm_head by an MXFP4Linear (data-free; calibration_ids is not used)."""
-    _replace(model, MXFP4Linear, MX_BLOCK)
-    return {"format": "mxfp4", "block_size": MX_BLOCK, "scale": "e8m0", "layout": "interleaved"}
-
-
-def quantize_model_nvfp4(model, calibration_ids=None):
-    """Replace every linear but lm_head by an NVFP4Linear (data-free; one tensor scale per layer)."""
-    _replace(model, NVFP4Linear, NV_BLOCK)
-    return {"format": "nvfp4", "block_size": NV_BLOCK, "scale": "e4m3", "tensor_scale": "amax/(448*6)",
-            "layout": "interleaved"}
+    replace_linears(model, make)
+    return {"quant_method": format, "block_size": block, "scale": scale, "layout": "interleaved"}

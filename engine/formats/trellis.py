@@ -28,10 +28,9 @@ import functools
 import torch
 
 from ..kernels import triton_formats
-from . import hadamard
+from . import calibration, hadamard
 from .affine import pack_bits
-from .base import CheckpointMethod, QuantLinear, linear_names, replace_linears
-from .gptq import capture_hessians
+from .base import CheckpointMethod, QuantLinear, config_field, linear_names, replace_linears
 
 CODES = ("1mad", "3inst")
 
@@ -394,18 +393,18 @@ def quantize(model, calibration_ids=None, L=8, K=2, code="1mad", tail_biting=Fal
     calibration_ids [B, T] (default tile (16, 16): 16-column blocks). Returns the quantization_config."""
     _check_code(L, K, code)
     tile = tuple(tile) if tile is not None else ((16, 16) if ldlq else (1, group))
-    names = linear_names(model)
-    weights = [model.get_submodule(n).weight.detach().float() for n in names]
     if ldlq:
-        if calibration_ids is None:
-            raise ValueError("ldlq=True needs calibration_ids")
-        # one pass of the dense model: unlike gptq.quantize, the Hessians do not see earlier layers' error
-        accs = capture_hessians(model, {name: model.get_submodule(name) for name in names}, calibration_ids)
-        hessians = {name: acc.hessian for name, acc in accs.items()}
-        coded = dict(zip(names, block_ldlq(weights, [hessians[n] for n in names], L, K, group, seed, code,
-                                           tail_biting, tile)))
+        # Hessians of the dense model's inputs, one decoder layer at a time (unlike gptq.quantize they do not see
+        # earlier layers' error); each layer's linears are then coded together, block by block
+        coded = {}
+        for layer in calibration.decoder_layers(model, calibration_ids, method="BlockLDLQ", inputs_from="float"):
+            hessians = {name: stats.hessian for name, stats in layer.capture().items()}
+            weights = [model.get_submodule(n).weight.detach().float() for n in hessians]
+            coded.update(zip(hessians, block_ldlq(weights, list(hessians.values()), L, K, group, seed, code,
+                                                  tail_biting, tile)))
     else:
-        tiles = [to_tiles(rotate(w, group, seed), tile) for w in weights]
+        names = linear_names(model)
+        tiles = [to_tiles(rotate(model.get_submodule(n).weight.detach().float(), group, seed), tile) for n in names]
         coded = dict(zip(names, _code_tiles(tiles, L, K, code, tail_biting)))
 
     def make(name, linear):
@@ -416,21 +415,34 @@ def quantize(model, calibration_ids=None, L=8, K=2, code="1mad", tail_biting=Fal
             "tile": list(tile), "group": group, "seed": seed, "ldlq": bool(ldlq)}
 
 
-def _layer_options(q):
-    try:
-        return {"L": int(q["L"]), "K": int(q["K"]), "code": q["code"], "tail_biting": bool(q["tail_biting"]),
-                "tile": tuple(int(t) for t in q["tile"]), "group": int(q["group"]), "seed": int(q["seed"])}
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"bad trellis quantization_config {q!r}: {e}") from None
+def _is_tile(tile):
+    return len(tile) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 16 for v in tile)
+
+
+def validate(q):
+    """A trellis quantization_config, checked once: every field that changes what the bits mean, exactly typed."""
+    opts = {"L": config_field(q, "L", None, int), "K": config_field(q, "K", None, int),
+            "code": config_field(q, "code", None, str, lambda c: c in CODES, f"one of {CODES}"),
+            "tail_biting": config_field(q, "tail_biting", None, bool),
+            "tile": tuple(config_field(q, "tile", None, list, _is_tile, "[rows, cols], two positive ints")),
+            "group": config_field(q, "group", None, int, lambda g: 2 <= g <= 1 << 16, "a power of two >= 2"),
+            "seed": config_field(q, "seed", None, int, lambda v: 0 <= v < 1 << 63, "an int in [0, 2^63)")}
+    _check_code(opts["L"], opts["K"], opts["code"])
+    hadamard.check_power_of_two(opts["group"])
+    return {**q, **opts}
 
 
 def _read(parts, q):
-    return TrellisLinear(parts["trellis_codes"], parts["trellis_scales"], **_layer_options(q), bias=parts.get("bias"))
+    options = {k: q[k] for k in ("L", "K", "code", "tail_biting", "tile", "group", "seed")}
+    return TrellisLinear(parts["trellis_codes"], parts["trellis_scales"], **options, bias=parts.get("bias"))
 
 
 def _write(layer, q):
+    mismatch = [k for k in ("L", "K", "code", "tail_biting", "tile", "group", "seed") if getattr(layer, k) != q[k]]
+    if mismatch:
+        raise ValueError(f"layer and quantization_config disagree on {mismatch}")
     return {"trellis_codes": layer.codes, "trellis_scales": layer.scales}
 
 
 CHECKPOINT = CheckpointMethod(name="trellis", parts=lambda q: ("trellis_codes", "trellis_scales"),
-                              read=_read, write=_write, quantize=quantize)
+                              read=_read, write=_write, quantize=quantize, validate=validate)

@@ -1,0 +1,188 @@
+"""Calibration: what the data-aware methods (GPTQ, AWQ, BlockLDLQ) learn about each linear's inputs, one decoder
+layer at a time.
+
+They all need only two statistics of a linear's calibration inputs X [n, in], accumulated batch by batch in float64
+so that the inputs themselves are never all held:
+
+    G = X^T X / n        (GPTQ's Hessian H = 2 G; AWQ's output error mean_t ||x_t dW^T||^2 = tr(dW G dW^T))
+    mean_t |x_t|         (AWQ's per-channel scales)
+
+The model is walked the way GPTQModel's and llm-compressor's sequential pipelines walk it: the calibration ids are
+embedded once, and each decoder layer receives the hidden states [B, T, hidden] that the previous layer produced.
+While a layer runs, forward pre-hooks on the watched linears accumulate InputStats, and the forward is stopped as soon
+as every watched linear has seen its input (the rest of the layer would be wasted work). The method then quantizes
+(part of) the layer, may capture again (GPTQ's "true sequential": q/k/v, then o, then gate/up, then down, each step
+seeing the already-quantized earlier ones), and finally the layer's outputs become the next layer's inputs: through
+its quantized linears (GPTQ: later layers correct the error of earlier ones) or, captured before quantizing, through
+the float layer (AWQ and BlockLDLQ, as AutoAWQ does). The work is one pass of one layer per step, so it grows
+linearly with depth, not as layers^2 as re-running the model from the embedding for every step would.
+"""
+import torch
+
+# The linears of a decoder layer, in forward order, grouped into the steps whose members read the same input.
+SEQUENTIAL_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                    ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+class InputStats:
+    """Running statistics of a linear's inputs: add(x [..., in]) any number of times, then read
+    gram [in, in] = X^T X / n, hessian = 2 gram (GPTQ's H) and mean_abs [in] = mean_t |x_t| (all float32)."""
+
+    def __init__(self, in_features):
+        self.xtx = torch.zeros(in_features, in_features, dtype=torch.float64)
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
+        self.count = 0
+
+    @classmethod
+    def of(cls, inputs):
+        """inputs: one tensor [..., in] or an iterable of such batches."""
+        batches = [inputs] if torch.is_tensor(inputs) else list(inputs)
+        if not batches:
+            raise ValueError("need at least one batch of calibration inputs")
+        stats = cls(batches[0].shape[-1])
+        for x in batches:
+            stats.add(x)
+        return stats
+
+    def add(self, x):
+        if x.shape[-1] != self.abs_sum.shape[0]:
+            raise ValueError(f"calibration inputs have {x.shape[-1]} features, the layer has {self.abs_sum.shape[0]}")
+        x = x.detach().reshape(-1, self.abs_sum.shape[0]).to(torch.float64)
+        self.xtx, self.abs_sum = self.xtx.to(x.device), self.abs_sum.to(x.device)
+        self.xtx += x.T @ x                        # float64: a long calibration run sums many large squares
+        self.abs_sum += x.abs().sum(0)
+        self.count += x.shape[0]
+
+    def _check(self):
+        if self.count == 0:
+            raise ValueError("no calibration inputs reached this layer")
+
+    @property
+    def gram(self):
+        self._check()
+        return (self.xtx / self.count).float()
+
+    @property
+    def hessian(self):
+        self._check()
+        return (2 * self.xtx / self.count).float()
+
+    @property
+    def mean_abs(self):
+        self._check()
+        return (self.abs_sum / self.count).float()
+
+
+def hessian_from(inputs):
+    """inputs: one tensor [..., in] or an iterable of such batches -> H = 2 X^T X / n [in, in] (the book's name)."""
+    return InputStats.of(inputs).hessian
+
+
+class _Seen(Exception):
+    """Raised by a pre-hook to end a forward once every watched linear has seen its input."""
+
+
+def capture(modules, batches, run):
+    """{name: module} -> {name: InputStats} of each module's inputs while run(batch) executes for every batch; each
+    run is stopped as soon as all of `modules` have seen their input."""
+    stats = {name: InputStats(m.in_features) for name, m in modules.items()}
+    seen = set()
+
+    def hook(name):
+        def record(module, args):
+            stats[name].add(args[0].float())
+            seen.add(name)
+            if len(seen) == len(modules):
+                raise _Seen
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in modules.items()]
+    try:
+        for batch in batches:
+            seen.clear()
+            try:
+                run(batch)
+            except _Seen:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+class LayerCalibration:
+    """One decoder layer and the calibration batches that reach it: each batch is the tuple of arguments the model
+    passes the layer (hidden states [b, T, hidden] first, then the RoPE tables)."""
+
+    def __init__(self, layer, prefix, batches):
+        self.layer, self.prefix, self.batches = layer, prefix, batches
+
+    def linears(self, names=None):
+        """{full name: module} of the layer's linears (`names`: relative names such as "self_attn.q_proj")."""
+        names = [n for step in SEQUENTIAL_STEPS for n in step] if names is None else names
+        return {self.prefix + n: self.layer.get_submodule(n) for n in names}
+
+    @torch.no_grad()
+    def capture(self, names=None):
+        """{full name: InputStats} of the named linears' inputs (all of them by default) over every batch."""
+        return capture(self.linears(names), self.batches, lambda args: self.layer(*args))
+
+    @torch.no_grad()
+    def outputs(self):
+        """The layer's arguments for the next layer: its outputs, with the same RoPE tables."""
+        return [(self.layer(*args), *args[1:]) for args in self.batches]
+
+
+def check_ids(calibration_ids, vocab_size, method):
+    """calibration_ids [B, T] (or [T]) of token ids below vocab_size -> a 2-D long tensor; ValueError otherwise."""
+    if calibration_ids is None or not torch.is_tensor(calibration_ids) or calibration_ids.numel() == 0:
+        raise ValueError(f"{method} needs calibration_ids (a non-empty [batch, tokens] tensor of token ids)")
+    ids = calibration_ids if calibration_ids.dim() == 2 else calibration_ids.reshape(1, -1)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"calibration_ids must be integer token ids, got {ids.dtype}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"calibration_ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+    return ids.long()
+
+
+class _FirstLayer(Exception):
+    pass
+
+
+@torch.no_grad()
+def first_layer_batches(model, ids, batch_size):
+    """What the model hands its first decoder layer for each batch of ids: [(hidden, *rope tables), ...]. Found by
+    a pre-hook on layer 0 that stops the forward, so the model alone decides how it embeds and what it passes on."""
+    batches = []
+
+    def grab(module, args):
+        batches.append(tuple(args))
+        raise _FirstLayer
+
+    handle = model.model.layers[0].register_forward_pre_hook(grab)
+    try:
+        for batch in ids.split(batch_size):
+            try:
+                model(batch)
+            except _FirstLayer:
+                pass
+    finally:
+        handle.remove()
+    return batches
+
+
+def decoder_layers(model, calibration_ids, batch_size=8, method="calibration", inputs_from="quantized"):
+    """Yield a LayerCalibration for each decoder layer of `model`, in order. The caller captures and quantizes
+    inside the loop body; the next layer then receives this layer's outputs, computed after the body
+    (inputs_from="quantized": through the quantized layer) or before it (inputs_from="float")."""
+    if inputs_from not in ("quantized", "float"):
+        raise ValueError(f"inputs_from must be 'quantized' or 'float', got {inputs_from!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    ids = check_ids(calibration_ids, model.cfg.vocab_size, method)
+    batches = first_layer_batches(model, ids, batch_size)
+    for i, layer in enumerate(model.model.layers):
+        cal = LayerCalibration(layer, f"model.layers.{i}.", batches)
+        ahead = cal.outputs() if inputs_from == "float" else None
+        yield cal
+        batches = ahead if ahead is not None else cal.outputs()
