@@ -13,6 +13,7 @@ import argparse
 import copy
 import inspect
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,8 +25,15 @@ from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats, perplexity
 from engine.formats import affine, awq, entropy, fp8, gptq, kv_cache, lattice, mx, trellis
 from engine.formats.base import impl, quantized_linears
+from engine.formats.checkpoints import METHODS, load_quantized, save_quantized
+from engine.loaders import checkpoint_source, model_digest, read_config, save_dense
+from engine.safetensors_io import check_output
 from engine.qwen3 import Qwen3Config
 from engine.training import TrainConfig, trained_model
+
+
+GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)    # what GPTQModel's QuantizeConfig accepts
+BPW_RANGE = (1.5, 6.0)                                  # EntQuant's lambda search, from the shipped table
 
 
 def log(msg):
@@ -133,48 +141,90 @@ def cmd_quantformats(args):
 
 
 def cmd_train(args):
+    if args.out:
+        check_output(args.out, args.force)
     _, model = setup(args)
     if args.out:
-        from engine.loaders import save_dense
-        save_dense(model, args.out)
+        save_dense(model, args.out, force=args.force)
         log(f"saved {args.out}")
 
 
-def cmd_quantize(args):
-    from engine.formats.checkpoints import METHODS, save_quantized
-    if args.method not in METHODS:
-        raise SystemExit(f"--method must be one of {sorted(METHODS)}")
-    options = dict(parse_option(o) for o in args.option or [])
-    if args.group_size is not None:
-        options["group_size"] = args.group_size
-    if args.act_order:
-        options["act_order"] = True
-    if args.bpw is not None:
-        options["bpw"] = args.bpw
+def quantize_options(args):
+    """--option KEY=VALUE and the named flags -> {keyword: value} for the method's quantize(), each value parsed by
+    the type of that keyword's default; unknown keywords and values of the wrong type are errors."""
     accepted = inspect.signature(METHODS[args.method].quantize).parameters
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise SystemExit(f"error: --method {args.method} takes no option {unknown}; it takes "
-                         f"{[p for p in accepted if p not in ('model', 'calibration_ids')]}")
+    takes = [p for p in accepted if p not in ("model", "calibration_ids")]
+    options = {}
+    for text in args.option or []:
+        key, sep, value = text.partition("=")
+        key = key.replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"--option wants KEY=VALUE, got {text!r}")
+        if key not in takes:
+            raise ValueError(f"--method {args.method} takes no option {key!r}; it takes {takes}")
+        options[key] = parse_value(key, value, accepted[key].default)
+    for key, value in (("group_size", args.group_size), ("act_order", args.act_order or None), ("bpw", args.bpw)):
+        if value is not None:
+            if key not in takes:
+                raise ValueError(f"--{key.replace('_', '-')} does not apply to --method {args.method}; it takes {takes}")
+            options[key] = value
+    return options
+
+
+def parse_value(key, text, default):
+    """A command-line value read as the type of the keyword's default: true/false/1/0/yes/no for a bool, a number
+    for an int or a float, text for a str; JSON (numbers, lists, true/false) where the default is None."""
+    if isinstance(default, bool):
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"option {key} wants true or false, got {text!r}")
+        return text.lower() in ("true", "1", "yes")
+    try:
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+    except ValueError:
+        raise ValueError(f"option {key} wants {type(default).__name__}, got {text!r}") from None
+    if isinstance(default, str):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def check_quantize_args(args):
+    if args.method not in METHODS:
+        raise ValueError(f"--method must be one of {sorted(METHODS)}, got {args.method!r}")
+    options = quantize_options(args)
+    group = options.get("group_size")
+    if args.method in ("gptq", "awq", "compressed-tensors") and group is not None and group not in GROUP_SIZES:
+        raise ValueError(f"--group-size {group}: GPTQModel, AutoAWQ and vLLM accept {list(GROUP_SIZES)}")
+    bpw = options.get("bpw")
+    if bpw is not None and not BPW_RANGE[0] <= bpw <= BPW_RANGE[1]:
+        raise ValueError(f"--bpw {bpw}: {args.method} reaches {BPW_RANGE[0]} to {BPW_RANGE[1]} bits per weight")
+    check_output(args.out, args.force)
+    return options
+
+
+def cmd_quantize(args):
+    options = check_quantize_args(args)
     corpus, model = setup(args)
-    qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), **options)
+    qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), force=args.force, **options)
     log(f"wrote {args.out}: {json.dumps(qcfg)}")
 
 
-def parse_option(text):
-    """KEY=VALUE -> (key, value), the value read as JSON when it is JSON (numbers, true/false) and as text otherwise."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise SystemExit(f"--option wants KEY=VALUE, got {text!r}")
-    try:
-        return key.replace("-", "_"), json.loads(value)
-    except json.JSONDecodeError:
-        return key.replace("-", "_"), value
-
-
 def cmd_eval(args):
-    from engine.formats.checkpoints import load_quantized
+    read_config(args.directory)                          # a missing or broken checkpoint fails before training
+    source = checkpoint_source(args.directory)
     corpus, reference = setup(args)
+    if source is not None and source != model_digest(reference):
+        raise ValueError(f"{args.directory} was quantized from another model (digest {source[:12]}) than this "
+                         f"reference ({model_digest(reference)[:12]}, from --steps {args.steps} --seed {args.seed}"
+                         f"{' --text ' + args.text if args.text else ''}); give the settings it was made with")
     windows = corpus.eval_windows()
     model = load_quantized(args.directory)
     stats = kl_stats(held_out_logits(reference, windows), evaluate(model, windows, args.impl))
@@ -198,6 +248,7 @@ def main(argv=None):
     q.add_argument("--rows", nargs="*", help="only rows whose label contains one of these substrings")
     t = common(sub.add_parser("train", help="train (or load the cached) tiny Qwen3"))
     t.add_argument("--out", help="also save it as a dense HF checkpoint here")
+    t.add_argument("--force", action="store_true", help="replace --out even if it holds other files")
     z = common(sub.add_parser("quantize", help="write the trained model as a quantized checkpoint"))
     z.add_argument("--method", required=True)
     z.add_argument("--out", required=True)
@@ -206,12 +257,13 @@ def main(argv=None):
     z.add_argument("--bpw", type=float, help="entquant: target bits per weight (lambda found by bisection)")
     z.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="any other option of the method's quantize(), e.g. format=nvfp4-pack-quantized, L=8, bps=3")
+    z.add_argument("--force", action="store_true", help="replace --out even if it holds other files")
     e = common(sub.add_parser("eval", help="KL of a quantized checkpoint against the reference model"))
     e.add_argument("directory")
     e.add_argument("--impl", choices=["torch", "engine"], default="torch")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be >= 1")
+    if not 1 <= args.steps <= 10 ** 6:
+        parser.error("--steps must be >= 1 (and at most 10^6)")
     try:
         {"quantformats": cmd_quantformats, "train": cmd_train, "quantize": cmd_quantize, "eval": cmd_eval}[
             args.command](args)

@@ -1,70 +1,111 @@
-"""Dense Qwen3 checkpoints in the Hugging Face layout: config.json + model.safetensors (or shards).
+"""Dense checkpoints in the Hugging Face layout: config.json + model.safetensors (or shards).
 
-`load_dense` builds the model on the meta device (no memory, no random init), then streams the tensors in, checking
-every name, shape and dtype; anything missing, unexpected or mis-shaped is a ValueError naming the tensor.
-`save_dense` writes what transformers' Qwen3ForCausalLM.from_pretrained reads.
+Loading checks before it allocates: config.json is read (bounded, a regular file), the safetensors headers give every
+tensor's name, dtype and shape, the config's layer count must equal the layers the tensors hold, and the model is
+built on the meta device (no memory, no random init) so that every stored shape can be compared with the model's
+before a byte of weights is read. Then `load_tensors`, the one loader loop (the quantized loader runs it too), streams
+the tensors in one at a time, each placed where the meta tensor was: anything missing, unexpected or mis-shaped is a
+ValueError naming the tensor. Weights keep their stored dtype unless a dtype is asked for.
+
+`save_dense` writes what transformers' {Llama,Qwen2,Qwen3}ForCausalLM.from_pretrained reads.
 """
-import json
-from pathlib import Path
+import hashlib
+import re
 
 import torch
+from torch import nn
 
 from .qwen3 import Qwen3, Qwen3Config
-from .safetensors_io import atomic_directory, save_file, snapshot_tensors
+from .safetensors_io import (atomic_directory, checkpoint_files, read_header, read_json, recover_interrupted_swap,
+                             save_file, snapshot_tensors, tensor_digest, tensor_specs, write_json)
+
+TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def read_config(directory):
-    """config.json as a dict; ValueError if it is missing or not a JSON object."""
-    path = Path(directory) / "config.json"
-    if not path.exists():
-        raise ValueError(f"no config.json in {directory}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return raw
+    """config.json as a dict; ValueError if it is missing, not a regular file, too large or not a JSON object."""
+    recover_interrupted_swap(directory)
+    return read_json(directory, "config.json")
 
 
-def assign(param, value, name):
-    """Copy a checkpoint tensor into a parameter: same shape, and a floating-point tensor for a float parameter."""
+def skeleton(cfg):
+    """The model on the meta device: every parameter's shape, no memory, no initialisation."""
+    with torch.device("meta"):
+        return Qwen3(cfg)
+
+
+def check_layer_count(cfg, specs, directory):
+    """The config must describe exactly the decoder layers whose tensors the checkpoint holds (checked before a
+    model of num_hidden_layers layers is built)."""
+    held = {int(m.group(1)) for name in specs if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    if held != set(range(cfg.num_hidden_layers)):
+        extra = sorted(held - set(range(cfg.num_hidden_layers)))[:3]
+        missing = sorted(set(range(cfg.num_hidden_layers)) - held)[:3]
+        raise ValueError(f"{directory}: config.json says num_hidden_layers={cfg.num_hidden_layers} but the tensors "
+                         f"hold layers {sorted(held)[:3]}{'...' if len(held) > 3 else ''} ({len(held)} in all"
+                         f"{f'; missing {missing}' if missing else ''}{f'; unexpected {extra}' if extra else ''})")
+
+
+def check_shapes(model, specs, directory):
+    """Every stored tensor that is one of the model's parameters has that parameter's shape."""
+    params = dict(model.named_parameters())
+    for name, (dtype, shape) in specs.items():
+        if name in params and tuple(params[name].shape) != shape:
+            raise ValueError(f"{name}: checkpoint shape {shape} != model shape {tuple(params[name].shape)} "
+                             f"(config.json of {directory})")
+
+
+def default_dtype(specs):
+    """The dtype a model loads in when none is asked for: that of its embedding table as stored."""
+    dtype = specs.get("model.embed_tokens.weight", ("F32", ()))[0]
+    return TORCH_DTYPES.get(dtype, torch.float32)
+
+
+def prepare(directory):
+    """(config dict, Qwen3Config, meta skeleton, {name: (dtype, shape)}): everything checked that can be checked
+    from config.json and the headers alone."""
+    raw = read_config(directory)
+    cfg = Qwen3Config.from_hf(raw)
+    specs = tensor_specs(directory)
+    check_layer_count(cfg, specs, directory)
+    model = skeleton(cfg)
+    check_shapes(model, specs, directory)
+    return raw, cfg, model, specs
+
+
+def place(model, name, value, dtype, device):
+    """Put a checkpoint tensor where the model's (meta) parameter `name` is: same shape, a floating-point tensor for
+    a floating-point parameter, cast to dtype."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    param = getattr(module, attr)
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(param.shape)}")
-    if param.dtype.is_floating_point != value.dtype.is_floating_point:
-        raise ValueError(f"{name}: checkpoint dtype {value.dtype} cannot fill a {param.dtype} parameter")
-    with torch.no_grad():
-        param.copy_(value.to(param.dtype))
+    if not value.dtype.is_floating_point or value.element_size() < 2:
+        raise ValueError(f"{name}: checkpoint dtype {value.dtype} cannot fill a floating-point parameter")
+    setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=param.requires_grad))
 
 
-def empty_model(cfg, dtype=torch.float32, device="cpu"):
-    """A Qwen3 whose tensors are allocated but not initialised (they are about to be loaded)."""
-    with torch.device("meta"):
-        model = Qwen3(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
-
-
-def load_tensors(model, directory, claim=None):
+def load_tensors(model, directory, dtype, device="cpu", claim=None, verify=True):
     """The one loader loop: stream every tensor of the checkpoint in `directory` into `model`.
 
     claim(name, tensor) -> True lets a quantized format take the tensors it owns (its layers are built from them);
-    every other tensor must be one of the model's parameters, with its shape and a compatible dtype. A tied
-    lm_head stored anyway is skipped. Returns the names of the parameters filled."""
+    every other tensor must be one of the model's parameters. A tied lm_head stored anyway is skipped. Returns the
+    names of the parameters filled."""
     params = dict(model.named_parameters())
     tied = model.cfg.tie_word_embeddings
     loaded = set()
-    for name, value in snapshot_tensors(directory):
+    for name, value in snapshot_tensors(directory, verify):
         if claim is not None and claim(name, value):
             continue
         if name == "lm_head.weight" and tied:
             continue                                     # tied: some writers store it anyway
         if name not in params:
             raise ValueError(f"unexpected tensor {name} in {directory}")
-        assign(params[name], value, name)
+        place(model, name, value, dtype, device)
         loaded.add(name)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
     return loaded
 
 
@@ -78,12 +119,27 @@ def check_complete(model, loaded, directory, built=()):
         raise ValueError(f"checkpoint {directory} lacks tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
-def load_dense(directory, dtype=torch.float32, device="cpu"):
-    """A Qwen3 from a dense Hugging Face checkpoint folder."""
-    cfg = Qwen3Config.from_hf(read_config(directory))
-    model = empty_model(cfg, dtype, device)
-    check_complete(model, load_tensors(model, directory), directory)
+def load_dense(directory, dtype=None, device="cpu", verify=True):
+    """A Qwen3 from a dense Hugging Face checkpoint folder, in its stored dtype (or `dtype`). verify=False skips the
+    per-tensor SHA-256 check of files the engine wrote."""
+    _, _, model, specs = prepare(directory)
+    dtype = dtype or default_dtype(specs)
+    check_complete(model, load_tensors(model, directory, dtype, device, verify=verify), directory)
     return model.eval()
+
+
+def model_digest(model):
+    """SHA-256 of a model's tensors (floating-point ones as float32, so that a lossless bf16 / f16 -> f32 load gives
+    the same digest): the provenance a quantized checkpoint records and `run.py eval` checks."""
+    tied = model.cfg.tie_word_embeddings
+    lines = [f"{name}:{tensor_digest(t.float() if t.dtype.is_floating_point else t)}"
+             for name, t in sorted(model.state_dict().items()) if not (tied and name == "lm_head.weight")]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def checkpoint_source(directory):
+    """The model_digest of the model a checkpoint was quantized from, as its writer recorded it (None if unknown)."""
+    return read_header(checkpoint_files(directory)[0])[1].get("engine.source_sha256")
 
 
 def dense_tensors(model, dtype=None):
@@ -96,11 +152,13 @@ def dense_tensors(model, dtype=None):
     return out
 
 
-def save_dense(model, directory, dtype=None):
-    """Write config.json + model.safetensors (atomically: a failed save leaves nothing behind)."""
+def save_dense(model, directory, dtype=None, force=False):
+    """Write config.json + model.safetensors atomically (engine.safetensors_io.atomic_directory: a failed or killed
+    save leaves the old checkpoint or nothing; a folder holding other files is refused unless force=True)."""
     raw = model.cfg.to_hf()
     if dtype is not None:
         raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
-    with atomic_directory(directory) as tmp:
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
-        save_file(dense_tensors(model, dtype), tmp / "model.safetensors", metadata={"format": "pt"})
+    with atomic_directory(directory, force) as tmp:
+        write_json(tmp / "config.json", raw)
+        save_file(dense_tensors(model, dtype), tmp / "model.safetensors")
+

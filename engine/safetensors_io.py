@@ -1,93 +1,363 @@
 """Reading and writing safetensors checkpoints without surprises.
 
-`snapshot_tensors(directory)` streams (name, tensor) pairs one at a time through `safetensors.safe_open`, from
-`model.safetensors` or from the shards listed in `model.safetensors.index.json`, so a loader can build each layer as
-soon as its parts have arrived instead of holding the whole checkpoint twice. Any file that is not valid
-safetensors (truncated, another format under the same name) raises ValueError naming it.
+Reading. A checkpoint folder holds config.json and model.safetensors (or the shards model.safetensors.index.json
+lists). A file is opened only if it is a regular file whose real path stays inside the folder (or, for a Hugging Face
+cache snapshot, inside its repository's blobs/), and its size is bounded before it is read. A safetensors file is
 
-`save_file` writes to a temporary file in the same folder and renames it into place, and `atomic_directory` does the
-same for a whole checkpoint folder: an interrupted save never leaves a half-written checkpoint behind.
+    8 bytes: N (little-endian u64)   N bytes: JSON {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__"}
+    then the tensors' bytes, each at data_offsets within the data section
+
+`read_header` parses and checks that header by hand (every shape, dtype and offset against the file's size), so a
+loader knows every tensor's name, dtype and shape, and can check them against config.json, before it allocates
+anything. `snapshot_tensors` then streams (name, tensor) pairs one at a time.
+
+Integrity. safetensors has no checksum. Every file the engine writes records its writer and a SHA-256 per tensor in
+the header's metadata; `snapshot_tensors` verifies each tensor as it arrives (verify=False skips it).
+
+Writing. `save_file` writes a temporary file in the target folder, fsyncs it and renames it into place.
+`atomic_directory(DIR)` builds a checkpoint in a sibling temporary folder; once every file and the folder are
+fsynced it swaps the folder into place with one atomic rename-exchange (Linux renameat2), so that after a kill at any
+instant DIR holds the complete old or the complete new checkpoint; the old one is then removed. Where the exchange
+is unavailable, two renames and a journal are used, and `recover_interrupted_swap` (run before every load and save)
+finishes or undoes a swap that was cut short. DIR is only replaced when it is empty or an engine checkpoint
+(force=True overrides); leftovers of killed runs are removed by the next save to the same place.
 """
 import contextlib
+import ctypes
+import hashlib
 import json
 import os
 import shutil
+import stat
+import struct
 import tempfile
 from pathlib import Path
 
 import safetensors
 import safetensors.torch
+import torch
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+WRITER = "engine"
+MAX_JSON_BYTES = 64 << 20                # config.json, the shard index, tokenizer.json
+MAX_HEADER_BYTES = 100 << 20             # the limit safetensors itself enforces
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+# ---- opening files safely ---------------------------------------------------------------------------------------
+
+def _allowed_roots(directory):
+    root = Path(directory).resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":                 # a Hugging Face cache: snapshots/<rev>/f -> ../../blobs/<h>
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def checked_file(directory, name, max_bytes=None):
+    """The path of `name` in `directory` if it is a regular file whose real path stays inside the folder, and (with
+    max_bytes) not larger than that; ValueError naming the file otherwise. Never follows a FIFO, a device or a
+    folder."""
+    path = Path(directory) / name
+    if not path.exists() and not path.is_symlink():
+        raise ValueError(f"no {name} in {directory}")
+    real = path.resolve()
+    if not any(real == r or r in real.parents for r in _allowed_roots(directory)):
+        raise ValueError(f"{path} is a link to {real}, outside the checkpoint folder")
+    try:
+        info = os.stat(real)
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    if max_bytes is not None and info.st_size > max_bytes:
+        raise ValueError(f"{path} is {info.st_size} bytes, more than the {max_bytes} such a file may hold")
+    return real
+
+
+def read_json(directory, name):
+    """A bounded, checked JSON object file (config.json, the shard index): ValueError naming the file otherwise."""
+    path = checked_file(directory, name, MAX_JSON_BYTES)
+    try:
+        raw = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{Path(directory) / name} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{Path(directory) / name} is nested too deeply to be a config") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{Path(directory) / name} must hold a JSON object")
+    return raw
+
+
+# ---- headers ----------------------------------------------------------------------------------------------------
+
+def read_header(path):
+    """({name: (dtype, shape)}, metadata {str: str}) of a safetensors file, every entry checked against the file's
+    size: known dtype, non-negative integer dims, offsets inside the data section that hold exactly dtype x shape
+    bytes and do not overlap. ValueError naming the file and the tensor otherwise."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path} is not a valid safetensors file: shorter than its 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{path} is not a valid safetensors file: header length {n} for a {size}-byte file")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ValueError(f"{path} is not a valid safetensors file: header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a valid safetensors file: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(f"{path} is not a valid safetensors file: __metadata__ must map strings to strings")
+    data, specs, spans = size - 8 - n, {}, []
+    for name, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ok = dtype in DTYPE_BYTES and isinstance(shape, list) and all(
+                type(d) is int and d >= 0 for d in shape) and type(begin) is int and type(end) is int
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{path} is not a valid safetensors file: tensor {name!r} has a malformed header entry "
+                             f"{entry!r}"[:400])
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= begin <= end <= data or end - begin != numel * DTYPE_BYTES[dtype]:
+            raise ValueError(f"{path} is not a valid safetensors file: tensor {name!r} ({dtype} {shape}) does not fit "
+                             f"its offsets [{begin}, {end}) in a {data}-byte data section")
+        specs[name] = (dtype, tuple(shape))
+        spans.append((begin, end, name))
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ValueError(f"{path} is not a valid safetensors file: tensors {a!r} and {b!r} overlap")
+    return specs, metadata
 
 
 def checkpoint_files(directory):
-    """The safetensors files of a checkpoint folder, in shard order."""
+    """The safetensors files of a checkpoint folder, in shard order (each checked by checked_file)."""
     directory = Path(directory)
-    if (directory / INDEX).exists():
+    if (directory / INDEX).exists() or (directory / INDEX).is_symlink():
         try:
-            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{directory / INDEX} is not a valid shard index: {e}") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and Path(f).name == f
+            weight_map = read_json(directory, INDEX)["weight_map"]
+        except KeyError:
+            raise ValueError(f"{directory / INDEX} is not a valid shard index: no weight_map") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f and Path(f).name == f
                                                        for f in weight_map.values()):
             raise ValueError(f"{directory / INDEX}: weight_map must map tensor names to file names in the folder")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (directory / f).exists()]
         if missing:
             raise ValueError(f"shards listed in {INDEX} are missing: {missing}")
-        return [directory / f for f in files]
-    if (directory / SINGLE).exists():
-        return [directory / SINGLE]
+        return [checked_file(directory, f) for f in files]
+    if (directory / SINGLE).exists() or (directory / SINGLE).is_symlink():
+        return [checked_file(directory, SINGLE)]
     raise ValueError(f"no {SINGLE} or {INDEX} in {directory}")
 
 
-def snapshot_tensors(directory):
-    """Yield (name, tensor) for every tensor of the checkpoint, reading one tensor at a time."""
+def tensor_specs(directory):
+    """{name: (dtype, shape)} of every tensor in the checkpoint, from the headers alone (no tensor is read);
+    ValueError if a name appears in two shards."""
+    specs = {}
+    for path in checkpoint_files(directory):
+        found, _ = read_header(path)
+        twice = sorted(set(found) & set(specs))
+        if twice:
+            raise ValueError(f"tensor {twice[0]} appears in more than one shard ({path.name})")
+        specs.update(found)
+    return specs
+
+
+# ---- streaming tensors, digests ---------------------------------------------------------------------------------
+
+def tensor_digest(t):
+    """SHA-256 (hex) of a tensor's bytes in its own dtype."""
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def snapshot_tensors(directory, verify=True):
+    """Yield (name, tensor) for every tensor of the checkpoint, one at a time. Files written by the engine carry a
+    SHA-256 per tensor, checked here unless verify=False: a flipped bit is a ValueError, never another model."""
     seen = set()
     for path in checkpoint_files(directory):
+        _, metadata = read_header(path)
+        digests = json.loads(metadata.get("engine.sha256", "{}")) if verify else {}
         try:
             with safetensors.safe_open(str(path), framework="pt") as f:
-                names = list(f.keys())
-                for name in names:
+                for name in f.keys():
                     if name in seen:
                         raise ValueError(f"tensor {name} appears in more than one shard ({path.name})")
                     seen.add(name)
-                    yield name, f.get_tensor(name)
+                    tensor = f.get_tensor(name)
+                    if name in digests and tensor_digest(tensor) != digests[name]:
+                        raise ValueError(f"{path.name}: tensor {name} does not match its recorded SHA-256 "
+                                         "(the file is corrupted)")
+                    yield name, tensor
         except safetensors.SafetensorError as e:
             raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
 
 
+def engine_metadata(tensors, metadata=None):
+    """The metadata the engine writes into every safetensors file: its writer, a SHA-256 per tensor, and the
+    caller's own entries."""
+    return {"format": "pt", "engine.writer": WRITER, **(metadata or {}),
+            "engine.sha256": json.dumps({name: tensor_digest(t) for name, t in tensors.items()}, sort_keys=True)}
+
+
+# ---- writing ----------------------------------------------------------------------------------------------------
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_file(tensors, path, metadata=None):
-    """safetensors.torch.save_file, but atomic: a temporary file in the same folder, then a rename."""
+    """Write tensors to a safetensors file atomically (a temporary file in the same folder, fsynced, renamed into
+    place), with the engine's metadata (writer, per-tensor SHA-256). The file's mode follows the umask."""
     path = Path(path)
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        safetensors.torch.save_file(tensors, tmp, metadata=engine_metadata(tensors, metadata))
+        os.chmod(tmp, 0o666 & ~_umask())
+        _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def write_json(path, obj):
+    """A JSON file written atomically (temporary file, fsync, rename), mode from the umask."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def is_engine_checkpoint(directory):
+    """A folder the engine wrote: config.json and safetensors files whose metadata names the engine as writer."""
+    directory = Path(directory)
+    try:
+        files = checkpoint_files(directory)
+        return (directory / "config.json").is_file() and all(
+            read_header(f)[1].get("engine.writer") == WRITER for f in files)
+    except ValueError:
+        return False
+
+
+def check_output(directory, force=False):
+    """ValueError unless `directory` may be written: absent, an empty folder, or an engine checkpoint (which a new
+    save replaces). force=True allows replacing any folder; a file is never replaced."""
+    directory = Path(directory)
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        raise ValueError(f"output {directory} exists and is not a folder; choose another path")
+    if not directory.exists() or force or not any(directory.iterdir()) or is_engine_checkpoint(directory):
+        return
+    held = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
+    raise ValueError(f"output {directory} holds files that are not an engine checkpoint ({', '.join(held[:5])}"
+                     f"{' ...' if len(held) > 5 else ''}); choose another folder or pass force=True (--force) to "
+                     "replace it")
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+RENAME_EXCHANGE = 2
+
+
+def _exchange(a, b):
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    if fn(-100, os.fsencode(a), -100, os.fsencode(b), RENAME_EXCHANGE) == 0:        # -100: AT_FDCWD
+        return True
+    return False
+
+
+def _journal(directory):
+    return directory.parent / f".{directory.name}.swap.json"
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_interrupted_swap(directory):
+    """Finish a fallback swap that a kill cut short (the journal names the complete new folder and the old one), and
+    remove leftovers of killed saves to `directory`: temporary folders whose process is gone."""
+    directory = Path(directory)
+    journal = _journal(directory)
+    if journal.exists():
+        names = json.loads(journal.read_text())
+        new, old = directory.parent / names["new"], directory.parent / names["old"]
+        if not directory.exists():
+            os.replace(new if new.exists() else old, directory)
+        journal.unlink()
+    for leftover in directory.parent.glob(f".{directory.name}.*.tmp"):
+        pid = leftover.name.rsplit(".", 2)[-2].rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
-def atomic_directory(directory):
-    """Write a checkpoint folder atomically: yields a temporary sibling folder; on success it replaces `directory`
-    (an older checkpoint there is removed only after the new one is complete); on any error it is deleted."""
+def atomic_directory(directory, force=False):
+    """Write a checkpoint folder atomically: yields a temporary sibling folder to fill; on success it replaces
+    `directory` (see the module docstring: crash-safe at every instant); on any error it is deleted and `directory`
+    is untouched. Refuses (ValueError, before anything is written) a `directory` that holds other files."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+    recover_interrupted_swap(directory)
+    check_output(directory, force)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.new-{os.getpid()}.", suffix=".tmp", dir=directory.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync(f)
+        _fsync(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if directory.exists():
-        old = directory.parent / f".{directory.name}.old-{os.getpid()}"
+    if not directory.exists():
+        os.replace(tmp, directory)
+    elif _exchange(tmp, directory):
+        shutil.rmtree(tmp, ignore_errors=True)          # tmp now holds the old checkpoint
+    else:
+        old = tmp.with_name(tmp.name.replace(".new-", ".old-"))
+        _journal(directory).write_text(json.dumps({"new": tmp.name, "old": old.name}))
         os.replace(directory, old)
-    os.replace(tmp, directory)
-    if old is not None:
+        os.replace(tmp, directory)
+        _journal(directory).unlink()
         shutil.rmtree(old, ignore_errors=True)
+    _fsync(directory.parent)

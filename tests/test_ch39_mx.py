@@ -113,7 +113,7 @@ def test_bad_input():
     packed, bs, ts = mx.quantize_nvfp4(torch.randn(4, 64))
     with pytest.raises(ValueError, match='NVFP4Linear needs'):
         mx.NVFP4Linear(packed, bs[:, :2], ts)
-    with pytest.raises(ValueError, match='one finite number'):
+    with pytest.raises(ValueError, match="one finite positive number"):
         mx.NVFP4Linear(packed, bs, torch.ones(2))
 
 

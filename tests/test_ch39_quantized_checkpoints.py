@@ -85,19 +85,36 @@ def test_unexpected_tensor(fp8_checkpoint):
         load_quantized(fp8_checkpoint)
 
 
-def test_layer_shape_that_does_not_match_the_config(fp8_checkpoint):
+def test_layer_shape_that_does_not_match_the_config(fp8_checkpoint, tiny_model, tmp_path):
     _edit_config(fp8_checkpoint, lambda raw: raw.update(intermediate_size=96))
+    with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight: checkpoint shape \(\d+, 128\) != model shape"):
+        load_quantized(fp8_checkpoint)                      # seen in the header, before anything is allocated
+    save_quantized(tiny_model, tmp_path / "gptq", "gptq", torch.randint(0, 256, (2, 16)), group_size=32)
+    _edit_config(tmp_path / "gptq", lambda raw: raw.update(intermediate_size=96))
     with pytest.raises(ValueError, match=r"mlp\.\w+_proj: checkpoint layer is \d+ x \d+, the config says"):
+        load_quantized(tmp_path / "gptq")                   # packed parts: seen when the layer is built
+
+
+def _as_if_written_elsewhere(directory):
+    """Rewrite the tensors without the engine's record of the quantization_config (as another tool's file)."""
+    rewrite_tensors(directory, lambda tensors: None)
+
+
+def test_an_edited_quantization_config_is_refused(fp8_checkpoint):
+    _edit_config(fp8_checkpoint, lambda raw: raw["quantization_config"].update(activation_scheme="dynamic", x=1))
+    with pytest.raises(ValueError, match="not the one its tensors were written with"):
         load_quantized(fp8_checkpoint)
 
 
 def test_unsupported_bits_and_block_size(tiny_model, tmp_path, fp8_checkpoint):
     _edit_config(fp8_checkpoint, lambda raw: raw["quantization_config"].update(weight_block_size=[64, 32]))
+    _as_if_written_elsewhere(fp8_checkpoint)
     with pytest.raises(ValueError, match="weight_block_size"):
         load_quantized(fp8_checkpoint)
     calibration = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     save_quantized(tiny_model, tmp_path / "gptq", "gptq", calibration, group_size=32)
     _edit_config(tmp_path / "gptq", lambda raw: raw["quantization_config"].update(bits=3))
+    _as_if_written_elsewhere(tmp_path / "gptq")
     with pytest.raises(ValueError, match="bits"):
         load_quantized(tmp_path / "gptq")
 

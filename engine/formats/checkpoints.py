@@ -7,18 +7,24 @@ All the Hugging Face formats share a structure: config.json's `quantization_conf
 A method is a `CheckpointMethod` (engine.formats.base) defined in its own file; adding a format is that file plus one
 line in `METHODS` below.
 """
+import hashlib
 import json
 
 import torch
 
-from ..loaders import assign, check_complete, empty_model, load_tensors, read_config
-from ..qwen3 import Qwen3Config
-from ..safetensors_io import atomic_directory, save_file
+from ..loaders import check_complete, default_dtype, load_tensors, model_digest, place, prepare
+from ..safetensors_io import atomic_directory, check_output, checkpoint_files, read_header, save_file, write_json
 from . import awq, compressed_tensors, entropy, fp8, gptq, lattice, trellis
 from .base import QuantLinear, linear_names, quantized_linears
 
 METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
                                trellis.CHECKPOINT, entropy.CHECKPOINT, lattice.CHECKPOINT)}
+
+
+def config_digest(quantization_config):
+    """SHA-256 of a quantization_config (canonical JSON): recorded by the writer, checked by the loader, so that an
+    edited field that changes what the bits mean (checkpoint_format, seed, code, L, lattice, fmt ...) is refused."""
+    return hashlib.sha256(json.dumps(quantization_config, sort_keys=True).encode()).hexdigest()
 
 
 def method_for(quantization_config):
@@ -88,18 +94,23 @@ class LayerAssembler:
 
 
 @torch.no_grad()
-def load_quantized(directory, dtype=torch.float32, device="cpu"):
-    """A Qwen3 from a quantized checkpoint folder: the dense loader's loop (engine.loaders.load_tensors), with the
-    method's LayerAssembler claiming the quantized linears' tensors. The quantization_config is validated once."""
-    raw = read_config(directory)
+def load_quantized(directory, dtype=None, device="cpu", verify=True):
+    """A Qwen3 from a quantized checkpoint folder: the dense loader's checks and loop (engine.loaders.prepare,
+    load_tensors), with the method's LayerAssembler claiming the quantized linears' tensors. The
+    quantization_config is validated once, before anything is allocated. Unquantized tensors keep their stored
+    dtype (or `dtype`); quantized layers keep their own."""
+    raw, _, model, specs = prepare(directory)
     method = method_for(raw.get("quantization_config"))
+    recorded = read_header(checkpoint_files(directory)[0])[1].get("engine.quantization_config_sha256")
+    if recorded is not None and recorded != config_digest(raw["quantization_config"]):
+        raise ValueError(f"the quantization_config in {directory}/config.json is not the one its tensors were written "
+                         "with (its digest differs): its fields change what the stored bits mean, so it is refused")
     qcfg = method.validate(raw["quantization_config"]) if method.validate else raw["quantization_config"]
-    cfg = Qwen3Config.from_hf(raw)
-    model = empty_model(cfg, dtype, device)
+    dtype = dtype or default_dtype(specs)
     assembler = LayerAssembler(model, method, qcfg, device)
-    loaded = load_tensors(model, directory, assembler.claim)
+    loaded = load_tensors(model, directory, dtype, device, assembler.claim, verify)
     for name, value in assembler.dense_leftovers().items():
-        assign(model.get_parameter(name), value, name)
+        place(model, name, value, dtype, device)
         loaded.add(name)
     check_complete(model, loaded, directory, assembler.built)
     model.quantization_config = raw["quantization_config"]
@@ -109,20 +120,24 @@ def load_quantized(directory, dtype=torch.float32, device="cpu"):
 
 
 @torch.no_grad()
-def save_quantized(model, directory, method, calibration_ids=None, quantization_config=None, **options):
+def save_quantized(model, directory, method, calibration_ids=None, quantization_config=None, force=False, **options):
     """Write `model` as a `method` checkpoint (config.json + model.safetensors), atomically.
 
     A dense model is first quantized IN PLACE with the method's own quantizer (options such as group_size,
-    act_order go to it; calibration_ids [batch, tokens] for methods that need data). A model that is already
+    act_order go to it; calibration_ids [batch, tokens] for methods that need data); the digest of the dense model
+    is recorded in the checkpoint (engine.loaders.model_digest), so an evaluation can tell which model it came from. A model that is already
     quantized (e.g. RTN or GPTQ layers written as compressed-tensors) is written as it is, with
     `quantization_config` or the one recorded when it was quantized.
-    Returns the quantization_config written.
+    The save is atomic and refuses a folder that holds anything but an engine checkpoint unless force=True
+    (engine.safetensors_io.atomic_directory). Returns the quantization_config written.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
     entry = METHODS[method]
+    check_output(directory, force)                       # before minutes of quantization are spent
     layers = quantized_linears(model)
     if not layers:
+        model.source_digest = model_digest(model)
         quantization_config = entry.quantize(model, calibration_ids, **options)
         layers = quantized_linears(model)
     elif options:
@@ -145,7 +160,9 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
     raw = model.cfg.to_hf()
     raw["quantization_config"] = quantization_config
     model.quantization_config = quantization_config
-    with atomic_directory(directory) as tmp:
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    with atomic_directory(directory, force) as tmp:
+        write_json(tmp / "config.json", raw)
+        meta = {"engine.quantization_config_sha256": config_digest(quantization_config)}
+        source = getattr(model, "source_digest", None)
+        save_file(tensors, tmp / "model.safetensors", {**meta, "engine.source_sha256": source} if source else meta)
     return quantization_config

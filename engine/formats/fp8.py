@@ -50,8 +50,10 @@ def quantize_blocks(weight, block=128):
 
 
 def _expand(scale_inv, out_f, in_f, block):
-    """Per-block scales [rows, cols] -> per-weight scales [out, in]."""
-    return scale_inv.float().repeat_interleave(block, 0)[:out_f].repeat_interleave(block, 1)[:, :in_f]
+    """Per-block scales [rows, cols] -> per-weight scales [out, in] (indexing, so that a huge block costs nothing)."""
+    rows = torch.arange(out_f, device=scale_inv.device) // block
+    cols = torch.arange(in_f, device=scale_inv.device) // block
+    return scale_inv.float()[rows][:, cols]
 
 
 def _check_shapes(weight, scale_inv, block):
@@ -109,6 +111,10 @@ class FP8BlockLinear(QuantLinear):
         if weight_fp8.dtype != torch.float8_e4m3fn:
             raise ValueError(f"weight must be float8_e4m3fn, got {weight_fp8.dtype}")
         _check_shapes(weight_fp8, scale_inv, block)
+        if not bool((scale_inv.float() >= 0).all() & torch.isfinite(scale_inv.float()).all()):
+            raise ValueError("weight_scale_inv must be finite and non-negative")
+        if bool(torch.isnan(weight_fp8.float()).any()):
+            raise ValueError("FP8 weight holds NaN codes (0x7F / 0xFF)")
         super().__init__(weight_fp8.shape[1], weight_fp8.shape[0], bias)
         self.block = block
         self.register_buffer("weight", weight_fp8.contiguous())
@@ -145,7 +151,7 @@ def validate(config):
     if config.get("weight_block_size") is None:
         raise ValueError("FP8 quantization_config has no weight_block_size (per-tensor FP8 is not supported)")
     size = config_field(config, "weight_block_size", None, list, lambda b: len(b) == 2 and b[0] == b[1] and isinstance(
-        b[0], int) and not isinstance(b[0], bool) and b[0] > 0, "square blocks [b, b] of a positive int")
+        b[0], int) and not isinstance(b[0], bool) and 0 < b[0] <= 1 << 16, "square blocks [b, b], 0 < b <= 65536")
     return {**config, "block": size[0]}
 
 

@@ -257,6 +257,8 @@ def _read(parts, qcfg):
         if tuple(parts[k].shape) != shape:
             raise ValueError(f"GPTQ {k} has shape {tuple(parts[k].shape)}, expected {shape} for qweight "
                              f"{tuple(qweight.shape)}, group_size {group_size}")
+    if not bool((scales.float() >= 0).all()):
+        raise ValueError("GPTQ scales must be non-negative and finite")
     codes, scales, zeros, g_idx = unpack_gptq(qweight, qzeros, scales, g_idx, bits, fmt)
     return to_runtime(codes, scales, zeros, g_idx, group_size, bits, parts.get("bias"))
 

@@ -142,8 +142,10 @@ class NVFP4Linear(QuantLinear):
             raise ValueError(f"packed must be uint8 and block_scale float8_e4m3fn, got {packed.dtype} and "
                              f"{block_scale.dtype}")
         tensor_scale = torch.as_tensor(tensor_scale, dtype=torch.float32)
-        if tensor_scale.numel() != 1 or not torch.isfinite(tensor_scale).all():
-            raise ValueError(f"tensor_scale must be one finite number, got {tensor_scale}")
+        if tensor_scale.numel() != 1 or not bool(torch.isfinite(tensor_scale).all() & (tensor_scale > 0).all()):
+            raise ValueError(f"tensor_scale must be one finite positive number, got {tensor_scale}")
+        if bool(torch.isnan(block_scale.float()).any() | (block_scale.float() < 0).any()):
+            raise ValueError("NVFP4 block scales must be non-negative E4M3 numbers (0x7F / 0xFF is NaN)")
         super().__init__(packed.shape[1] * 2, packed.shape[0], bias)
         self.register_buffer("packed", packed.contiguous())
         self.register_buffer("block_scale", block_scale.contiguous())
