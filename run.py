@@ -23,7 +23,7 @@ import torch
 
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats, perplexity
-from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, nf4, trellis
+from engine.formats import affine, awq, entropy, fp8, gptq, kv_cache, lattice, mx, nf4, trellis
 from engine.formats.base import impl, quantized_linears
 from engine.formats.checkpoints import METHODS, load_quantized, save_quantized
 from engine.loaders import checkpoint_source, model_digest, read_config, save_dense
@@ -70,7 +70,7 @@ def rows():
         Row("NF4, g64", nf4.quantize, dict(group_size=64)),
         *[Row(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
         *[Row(f"lattice {name}, 3.0 bps", lattice.quantize, dict(lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],
-        *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", lattice.kv_quantize,
+        *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", kv_cache.kv_quantize,
               dict(lattice="E8", bps=b, rotation=rot, dither=dither), kv_cache=True)
           for b in (2.0, 3.0) for rot in ("none", "signs", "qjl") for dither in (False, True)],
     ]

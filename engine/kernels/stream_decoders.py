@@ -106,7 +106,9 @@ def rans_decode(states, starts, words, slot_sym, slot_freq, slot_bias, out, prob
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# HyperQuant lattice codes (engine.formats.lattice): Rice sub-streams -> lattice points, inverse strip fused.
+# HyperQuant lattice codes (engine.formats.lattice): Rice sub-streams (engine.coding.rice) -> lattice points, inverse
+# strip fused. The format passes its lattice in (name: which inverse strip; n; levels: which symbols of a vector take
+# the second Rice parameter, as the bit mask LEVEL1; axis[0]: A2's sqrt3) and the Rice constants.
 # A decoder lane per sub-stream: it seeks to the sub-stream's start bit and decodes its symbols in one pass. A program
 # decodes STREAMS sub-streams side by side as a vector (lane i: sub-stream program * STREAMS + i, with its own bit
 # position; lanes past the last sub-stream are masked), all lanes stepping through their symbols in lockstep.
@@ -119,31 +121,34 @@ def rans_decode(states, starts, words, slot_sym, slot_freq, slot_bias, out, prob
 # A codeword is read through a 32-bit window, bits pos .. pos+31 MSB first, cut from one 64-bit load: the launcher
 # lays the payload out as windows[i] = bytes 4i .. 4i+7 (like rice_decode's win40). The unary run is the window's
 # count of leading zeros, taken from the float32 exponent of its top 24 bits (a valid codeword has its '1' among the
-# first 16). Symbol orders per vector: E8 [comb, s0..s6], D4 [c0, c1, c2, t], A2 [n_x, t_y], Z [n]; the vector's
-# position r is a compile-time constant (static inner loop), and the dropped coordinate is rebuilt at the vector's
-# last symbol. Output: float32 code * axis * scale[row]; end_ptr gets each lane's final bit position (-1: a start
-# below 0 or an invalid codeword), which the launcher checks against where each sub-stream must end.
+# first 16); an escaped codeword (ESCAPE zeros, a one, RAW_BITS raw bits) fills the window exactly. Symbol orders per
+# vector: E8 [comb, s0..s6], D4 [c0, c1, c2, t], A2 [n_x, t_y], Z [n]; the vector's position r is a compile-time
+# constant (static inner loop), and the dropped coordinate is rebuilt at the vector's last symbol. Output: float32
+# code * axis * scale[row]; end_ptr gets each lane's final bit position (-1: a start below 0 or an invalid
+# codeword), which the launcher checks against where each sub-stream must end.
 
-_LATTICE_KINDS = {"Z": (0, 1), "A2": (1, 2), "D4": (2, 4), "E8": (3, 8)}
+_FUSED_UNSTRIP = ("Z", "A2", "D4", "E8")          # the lattices whose inverse strip the kernel below is written for
 
 
 @triton.jit
-def lattice_decode_kernel(windows_ptr, nwords, offsets_ptr, ks_ptr, count, n_streams, vectors, scale_ptr, row_len,
-                          axis0, out_ptr, end_ptr, KIND: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
-                          ESCAPE: tl.constexpr, STREAMS: tl.constexpr):
+def lattice_decode_kernel(windows_ptr, nwords, offsets_ptr, rice_ks_ptr, count, n_streams, vectors, scale_ptr,
+                          row_len, axis0, out_ptr, end_ptr, LATTICE: tl.constexpr, N: tl.constexpr,
+                          LEVEL1: tl.constexpr, S: tl.constexpr, ESCAPE: tl.constexpr, RAW_BITS: tl.constexpr,
+                          STREAMS: tl.constexpr):
     sid = tl.program_id(0) * STREAMS + tl.arange(0, STREAMS)        # this program's sub-streams, one per lane
     live = sid < n_streams
     pos = tl.load(offsets_ptr + sid, mask=live, other=0).to(tl.int64)
-    kb = tl.load(ks_ptr + sid, mask=live, other=0).to(tl.int64)
-    k0, k1 = kb & 7, (kb >> 3) & 7
-    mask0, mask1, shift0, shift1, len0, len1 = (1 << k0) - 1, (1 << k1) - 1, 31 - k0, 31 - k1, k0 + 1, k1 + 1
+    packed = tl.load(rice_ks_ptr + sid, mask=live, other=0).to(tl.int64)
+    rice_k0, rice_k1 = packed & 7, (packed >> 3) & 7
+    mask0, mask1, shift0, shift1 = (1 << rice_k0) - 1, (1 << rice_k1) - 1, 31 - rice_k0, 31 - rice_k1
+    len0, len1 = rice_k0 + 1, rice_k1 + 1
     worst = tl.where(live & (pos < 0), ESCAPE + 1, 0).to(tl.int64)    # largest unary run seen (> ESCAPE: invalid)
     pos = tl.maximum(pos, 0)                                          # a corrupt negative start reads from 0
     # The loop's numbers as [STREAMS] tensors, made once (cN is N): under the interpreter an op with a Python number
     # first broadcasts it into a fresh array, which about doubles the op's cost; compiled, they are plain constants.
     zero = tl.zeros((STREAMS,), dtype=tl.int64)
     c1, c2, c5, c8, c23, c31, c32 = zero + 1, zero + 2, zero + 5, zero + 8, zero + 23, zero + 31, zero + 32
-    c150, low16, low32, last_word = zero + 150, zero + 0xFFFF, zero + 0xFFFFFFFF, zero + nwords
+    c150, low_raw, low32, last_word = zero + 150, zero + ((1 << RAW_BITS) - 1), zero + 0xFFFFFFFF, zero + nwords
     escape, cap = zero + ESCAPE, zero + ESCAPE + 1
     stream_base = sid.to(tl.int64) * S                    # each lane's first element
     for vec in range(vectors):                            # S // N, fewer when the whole tensor is shorter
@@ -155,21 +160,21 @@ def lattice_decode_kernel(windows_ptr, nwords, offsets_ptr, ks_ptr, count, n_str
         start = pos          # a lane past its last vector decodes junk in this one: stores masked, q ignored, and
                              # pos goes back here afterwards
         for r in tl.static_range(N):
-            if (KIND == 1 and r == 1) or (KIND == 2 and r == 3):        # the second Rice parameter's symbols
-                k, k_mask, k_shift, k_len = k1, mask1, shift1, len1
+            if (LEVEL1 >> r) & 1:                         # a symbol of the second Rice parameter
+                rice_k, k_mask, k_shift, k_len = rice_k1, mask1, shift1, len1
             else:
-                k, k_mask, k_shift, k_len = k0, mask0, shift0, len0
+                rice_k, k_mask, k_shift, k_len = rice_k0, mask0, shift0, len0
             # One Rice codeword per lane at bit pos: one load of the 64-bit window of 32-bit word pos // 32 (the
             # index is clamped and the windows end in zeros, so a corrupt stream never reads outside them).
             win = tl.load(windows_ptr + tl.minimum(pos >> c5, last_word))
             w = (win >> (c32 - (pos & c31))) & low32      # bits pos .. pos+31, MSB first
             q = c150 - ((w >> c8).to(tl.float32).to(tl.int32, bitcast=True) >> c23)  # 150 - (127 + top one's index)
             q = tl.minimum(q, cap)                        # = leading zeros of w, capped: shifts stay in range
-            esc = q >= escape                             # escape: m is the 16 raw bits after the '1'
-            m = tl.where(esc, w & low16, (q << k) | ((w >> (k_shift - q)) & k_mask))
+            esc = q >= escape                             # escape: m is the raw bits after the '1'
+            m = tl.where(esc, w & low_raw, (q << rice_k) | ((w >> (k_shift - q)) & k_mask))
             pos += tl.where(esc, c32, q + k_len)
             vec_worst = q if r == 0 else tl.maximum(vec_worst, q)   # static_range unrolls: r == 0 defines it
-            if KIND == 3:                                 # E8int: [comb, s0..s6]
+            if LATTICE == "E8":                           # E8int: [comb, s0..s6]
                 if r == 0:
                     coset = m & c1
                     half = (m >> c2) ^ -((m >> c1) & c1)
@@ -182,13 +187,13 @@ def lattice_decode_kernel(windows_ptr, nwords, offsets_ptr, ks_ptr, count, n_str
                         tl.store(out_vec + r, last.to(tl.float32) * row_scale, mask=act)
             else:
                 v = (m >> c1) ^ -(m & c1)
-                if KIND == 2:                             # D4: [c0, c1, c2, t]
+                if LATTICE == "D4":                       # D4: [c0, c1, c2, t]
                     if r == 3:
                         v = c2 * v + (parity & c1)
                     else:
                         parity += v
                     tl.store(out_vec + r, v.to(tl.float32) * row_scale, mask=act)
-                elif KIND == 1:                           # A2: [n_x, t_y] -> (n_y * axis0, n_x)
+                elif LATTICE == "A2":                     # A2: [n_x, t_y] -> (n_y * axis0, n_x)
                     if r == 0:
                         parity = v
                         tl.store(out_vec + 1, v.to(tl.float32) * row_scale, mask=act)
@@ -201,20 +206,24 @@ def lattice_decode_kernel(windows_ptr, nwords, offsets_ptr, ks_ptr, count, n_str
     tl.store(end_ptr + sid, tl.where(worst > ESCAPE, -1, pos), mask=live)
 
 
-def lattice_decode(payload, offsets, ks, count, ends, lattice, scales, row_len, axis0=1.0, substream=512,
-                   escape=15):
+def lattice_decode(payload, offsets, rice_ks, count, ends, lattice, scales, row_len, substream, escape, raw_bits):
     """Rice sub-streams -> float32 [count]: element e = lattice code * axis * scales[e // row_len].
 
-    payload uint8 [bytes], offsets int32 [streams] (start bits), ks uint8 [streams], ends int64 [streams] (where
-    each sub-stream must end), scales float32 [count // row_len]. Raises ValueError if a sub-stream does not
-    decode to exactly its end (a corrupt stream)."""
-    check_inputs(payload[:, None], offsets, ks, scales)
-    if lattice not in _LATTICE_KINDS:
-        raise ValueError(f"lattice must be one of {sorted(_LATTICE_KINDS)}, got {lattice!r}")
-    kind, n = _LATTICE_KINDS[lattice]
+    payload uint8 [bytes], offsets int32 [streams] (start bits), rice_ks uint8 [streams], ends int64 [streams]
+    (where each sub-stream must end), scales float32 [count // row_len]; lattice: the format's lattice (name, n,
+    levels, axis: engine.formats.lattice.LATTICES); substream, escape, raw_bits: the Rice layout
+    (engine.coding.rice). Raises ValueError if a sub-stream does not decode to exactly its end (a corrupt stream)."""
+    check_inputs(payload[:, None], offsets, rice_ks, scales)
+    if getattr(lattice, "name", None) not in _FUSED_UNSTRIP:
+        raise ValueError(f"lattice must be one of the format's lattices {_FUSED_UNSTRIP}, got {lattice!r}")
+    n = lattice.n
     streams = offsets.numel()
-    if streams != -(-count // substream) or ks.numel() != streams or count % row_len or row_len % n or substream % n:
-        raise ValueError(f"{streams} sub-streams / {ks.numel()} ks do not fit {count} symbols of rows {row_len}")
+    if streams != -(-count // substream) or rice_ks.numel() != streams or count % row_len or row_len % n \
+            or substream % n:
+        raise ValueError(f"{streams} sub-streams / {rice_ks.numel()} Rice parameters do not fit {count} symbols of "
+                         f"rows {row_len}")
+    if escape + 1 + raw_bits != 32:
+        raise ValueError(f"an escaped codeword must fill the 32-bit window: escape {escape}, raw_bits {raw_bits}")
     # 64-bit windows: windows[i] = bytes 4i .. 4i+7, MSB first (what rice_decode's win40 is for every byte), so a
     # lane gets any 32 bits starting in word i with one load; zero bytes pad the end.
     nwords = -(-payload.numel() // 4)
@@ -227,10 +236,11 @@ def lattice_decode(payload, offsets, ks, count, ends, lattice, scales, row_len, 
     found = torch.empty(streams, device=payload.device, dtype=torch.int64)
     # Interpreter: one program for all sub-streams (up to 4096 lanes); compiled: one warp's worth per program.
     per_program = min(4096, triton.next_power_of_2(streams)) if INTERPRETED else 32
+    level1 = sum(1 << r for r, level in enumerate(lattice.levels) if level)
     lattice_decode_kernel[(triton.cdiv(streams, per_program),)](
-        windows, nwords, offsets.contiguous(), ks.contiguous(), count, streams, min(substream, count) // n,
-        scales.float().contiguous(), row_len, float(axis0), out, found, KIND=kind, N=n, S=substream, ESCAPE=escape,
-        STREAMS=per_program)
+        windows, nwords, offsets.contiguous(), rice_ks.contiguous(), count, streams, min(substream, count) // n,
+        scales.float().contiguous(), row_len, float(lattice.axis[0]), out, found, LATTICE=lattice.name, N=n,
+        LEVEL1=level1, S=substream, ESCAPE=escape, RAW_BITS=raw_bits, STREAMS=per_program)
     wrong = found != ends.to(found.device)
     if bool(wrong.any()):
         i = int(wrong.nonzero()[0])

@@ -1,0 +1,283 @@
+"""Rice sub-streams: the lossless stage of HyperQuant (engine.formats.lattice), for non-negative integer symbols.
+
+Rice code with parameter rice_k (a Golomb code of modulus 2^rice_k): m -> q = floor(m / 2^rice_k) zeros, a one,
+then m mod 2^rice_k in rice_k bits, MSB first: q + 1 + rice_k bits, near-optimal for a geometric source when 2^rice_k
+is about its mean. A quotient q >= ESCAPE = 15 escapes instead: 15 zeros, a one, m in RAW_BITS = 16 raw bits, so no
+codeword exceeds 32 bits and a decoder always finds a whole codeword in a 32-bit window. Signed values go through
+zig-zag first: zz(n) = 2n for n >= 0, -2n - 1 for n < 0.
+
+Layout. Symbols are cut into sub-streams of SUBSTREAM = 512; each has a 32-bit start bit offset and one byte of Rice
+parameters (level 0 in bits 0-2, level 1 in bits 3-5, each 0..RICE_K_MAX = 7), so every sub-stream decodes on its
+own (one GPU thread each) and the metadata costs 40 / 512 = 0.078 bits per symbol. A vector layout `levels` (one
+entry per symbol of a vector of len(levels), e.g. D4's (0, 0, 0, 1)) says which level codes each symbol. Each
+sub-stream's rice_k per level is the one of 0..7 with the fewest bits: sum over symbols of min(q, 15) + 1 + rice_k,
+plus 16 - rice_k per escape.
+
+Integrity. A CRC32 covers the payload, offsets, Rice parameters, count, total_bits, substream and caller-given
+`context` bytes (for a lattice layer: its lattice, shape, rotation tile, scales and signs); `validate` checks it and
+every structural fact a decoder relies on, and raises ValueError before anything is decoded.
+"""
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SUBSTREAM = 512            # symbols per sub-stream
+STREAM_META_BITS = 32 + 8  # per sub-stream: start bit offset, byte of Rice parameters
+RICE_K_MAX = 7             # Rice parameters 0..7 (3 bits)
+ESCAPE = 15                # a unary run this long means "RAW_BITS raw bits follow"
+RAW_BITS = 16
+
+
+def rice_decode_reference(streams, levels=(0,)):
+    """The textbook decoder: a bit reader, one codeword at a time. RiceStreams -> symbols [count] int64; symbol i is
+    coded with its sub-stream's Rice parameter of level levels[i % len(levels)]."""
+    streams.validate()
+    bits = np.unpackbits(streams.payload.numpy()).tolist()
+    symbols = []
+    for s, (pos, end) in enumerate(zip(streams.offsets.tolist(), streams.stream_ends().tolist())):
+
+        def read(n):                                     # the next n bits, MSB first, never past the sub-stream
+            nonlocal pos
+            if pos + n > end:
+                raise ValueError(f"sub-stream {s} runs past its end at bit {end}: stream is corrupt")
+            value = 0
+            for bit in bits[pos:pos + n]:
+                value = 2 * value + bit
+            pos += n
+            return value
+
+        for i in range(s * streams.substream, min((s + 1) * streams.substream, streams.count)):
+            rice_k = int(streams.rice_ks[s]) >> 3 * levels[i % len(levels)] & 7
+            q = 0
+            while read(1) == 0:                          # the unary quotient: zeros up to the first one
+                q += 1
+                if q > ESCAPE:
+                    raise ValueError(f"sub-stream {s}: a unary run longer than the escape: stream is corrupt")
+            symbols.append(read(RAW_BITS) if q == ESCAPE else q << rice_k | read(rice_k))
+        if pos != end:
+            raise ValueError(f"sub-stream {s} does not decode to its boundary (ends at bit {pos}, expected {end}): "
+                             f"stream is corrupt")
+    return torch.tensor(symbols, dtype=torch.int64)
+
+
+_CLZ16 = np.array([16] + [16 - int(v).bit_length() for v in range(1, 1 << 16)], dtype=np.int64)
+
+
+def rice_decode(streams, levels=(0,)):
+    """The fast decoder, equal to rice_decode_reference: RiceStreams -> symbols [count] int64 (NumPy). All sub-streams
+    decode in lockstep: step j reads symbol j of every sub-stream through a 32-bit window starting at its bit position
+    (cut from 5 bytes); the unary run is the window's count of leading zeros (a 16-bit lookup table: a valid codeword
+    has its '1' there). Needs whole vectors: count and substream multiples of len(levels)."""
+    streams.validate()
+    n = len(levels)
+    if streams.count % n or streams.substream % n:
+        raise ValueError(f"{streams.count} symbols in sub-streams of {streams.substream} are not whole vectors of {n}")
+    S = streams.substream
+    nb = streams.payload.numel()
+    # win40[i] = bytes i..i+4 big-endian. Zero padding past the end: validate() keeps every start inside the payload
+    # and a step moves at most 32 bits, so even a corrupt sub-stream never indexes past 4 S more bytes.
+    b = np.zeros(nb + 4 * S + 16, dtype=np.int64)
+    b[:nb] = streams.payload.numpy()
+    n40 = nb + 4 * S + 8
+    win40 = b[:n40] << 32 | b[1:n40 + 1] << 24 | b[2:n40 + 2] << 16 | b[3:n40 + 3] << 8 | b[4:n40 + 4]
+    ns = streams.streams
+    pos = streams.offsets.numpy().astype(np.int64)
+    packed = streams.rice_ks.numpy().astype(np.int64)
+    rice_k = np.stack([packed & 7, (packed >> 3) & 7])                          # [2 levels, streams]
+    shift, mask, length_k = 31 - rice_k, (1 << rice_k) - 1, rice_k + 1
+    last_count = streams.count - (ns - 1) * S
+    out = np.zeros((S, ns), dtype=np.int64)
+    bad = np.zeros(ns, dtype=bool)
+    for j in range(S):
+        lanes = ns if j < last_count else ns - 1
+        p = pos[:lanes]
+        level = levels[j % n]
+        w = win40[p >> 3]
+        w >>= 8 - (p & 7)
+        w &= 0xFFFFFFFF                                                         # bits p .. p+31, MSB first
+        q = _CLZ16[w >> 16]
+        rem = w >> (shift[level, :lanes] - q)
+        rem &= mask[level, :lanes]
+        np.bitwise_or(q << rice_k[level, :lanes], rem, out=out[j, :lanes])
+        length = q + length_k[level, :lanes]
+        esc = q >= ESCAPE
+        if esc.any():                                                           # rare: raw 16-bit value
+            bad[:lanes] |= q > ESCAPE
+            out[j, :lanes] = np.where(esc, w & ((1 << RAW_BITS) - 1), out[j, :lanes])
+            length = np.where(esc, ESCAPE + 1 + RAW_BITS, length)
+        p += length
+    ends = streams.stream_ends().numpy()
+    wrong = bad | (pos != ends)
+    if wrong.any():
+        i = int(np.flatnonzero(wrong)[0])
+        raise ValueError(f"sub-stream {i} does not decode to its boundary (ends at bit {pos[i]}, expected {ends[i]}): "
+                         f"stream is corrupt")
+    return torch.from_numpy(out.T.reshape(-1)[:streams.count].copy())
+
+
+def zigzag(n):
+    """signed int64 -> non-negative: 0, -1, 1, -2, 2 ... -> 0, 1, 2, 3, 4 ..."""
+    return (n << 1) ^ (n >> 63)
+
+
+def unzigzag(m):
+    return (m >> 1) ^ -(m & 1)
+
+
+def rice_lengths(m, rice_k):
+    """Bits of each codeword: symbols m, parameters rice_k (NumPy int64 arrays, same shape) -> int64 array."""
+    q = m >> rice_k
+    return np.where(q < ESCAPE, q + 1 + rice_k, ESCAPE + 1 + RAW_BITS)
+
+
+def choose_rice_ks(symbols, levels=(0,), substream=SUBSTREAM):
+    """symbols [N] (int64, whole vectors) -> rice_ks [streams, 2] int64: per sub-stream and level, the rice_k in
+    0..RICE_K_MAX with the fewest bits. Each candidate needs only per-stream sums of the clamped quotients and escape
+    counts (NumPy: its integer reductions are several times faster than torch's here)."""
+    n = len(levels)
+    count = symbols.numel()
+    streams = -(-count // substream)
+    m = np.zeros(streams * substream, dtype=np.int32)
+    m[:count] = symbols.numpy()
+    m = m.reshape(streams, substream // n, n).transpose(0, 2, 1).copy()           # [streams, n, S / n]
+    live = np.zeros(streams * substream, dtype=np.int64)
+    live[:count] = 1
+    level = np.eye(2, dtype=np.int64)[list(levels)]                                # [n, 2]
+    symbols_per_level = live.reshape(streams, -1, n).sum(1) @ level               # [streams, 2]
+    cost = []
+    for rice_k in range(RICE_K_MAX + 1):
+        q = np.minimum(m >> rice_k, ESCAPE)
+        quotients = q.sum(-1, dtype=np.int64) @ level
+        escapes = (q == ESCAPE).sum(-1, dtype=np.int64) @ level
+        cost.append(quotients + symbols_per_level * (1 + rice_k) + escapes * (RAW_BITS - rice_k))
+    return torch.from_numpy(np.stack(cost, -1).argmin(-1))
+
+
+def symbol_rice_ks(rice_ks, count, levels=(0,), substream=SUBSTREAM):
+    """rice_ks [streams, 2] -> the rice_k of each of `count` symbols (NumPy int64 [count])."""
+    index = np.arange(count)
+    return rice_ks.numpy()[index // substream, np.array(levels)[index % len(levels)]]
+
+
+def rice_bits(symbols, levels=(0,), substream=SUBSTREAM):
+    """Exact payload bits rice_encode emits for these symbols (the best rice_k per sub-stream), without building the
+    stream: what the KV cache and the rate table count."""
+    flat = symbols.reshape(-1)
+    rice_k = symbol_rice_ks(choose_rice_ks(flat, levels, substream), flat.numel(), levels, substream)
+    return int(rice_lengths(flat.numpy(), rice_k).sum())
+
+
+def stream_ends(offsets, total_bits):
+    """offsets [streams] -> int64 [streams] on their device: where each sub-stream must end (the next one's start;
+    the last ends at total_bits)."""
+    return torch.cat([offsets[1:].long(), offsets.new_tensor([total_bits], dtype=torch.long)])
+
+
+@dataclass
+class RiceStreams:
+    """A serialized symbol stream: payload uint8 [bytes] (MSB-first bits), offsets int32 [streams] (start bit of each
+    sub-stream), rice_ks uint8 [streams] (level 0 in bits 0-2, level 1 in bits 3-5), count (symbols), total_bits,
+    crc (see `checksum`), substream (symbols per sub-stream; 512 in every format here, smaller only to keep
+    interpreted kernel tests short), context (side data the crc covers too). `seal` computes the crc; `validate`
+    checks everything a decoder relies on and raises ValueError naming the first problem."""
+    payload: torch.Tensor
+    offsets: torch.Tensor
+    rice_ks: torch.Tensor
+    count: int
+    total_bits: int
+    crc: int
+    substream: int = SUBSTREAM
+    context: bytes = b""
+
+    def checksum(self):
+        """CRC32 of everything the bits mean: the sizes, payload, offsets, Rice parameters and context."""
+        crc = zlib.crc32(struct.pack("<3q", self.count, self.total_bits, self.substream))
+        for part in (self.payload, self.offsets, self.rice_ks):
+            crc = zlib.crc32(part.numpy().tobytes(), crc)
+        return zlib.crc32(self.context, crc)
+
+    @classmethod
+    def seal(cls, payload, offsets, rice_ks, count, total_bits, substream=SUBSTREAM, context=b""):
+        streams = cls(payload.to(torch.uint8), offsets.to(torch.int32), rice_ks.to(torch.uint8), int(count),
+                      int(total_bits), 0, substream, context)
+        streams.crc = streams.checksum()
+        return streams
+
+    @property
+    def streams(self):
+        return self.offsets.numel()
+
+    def stream_ends(self):
+        return stream_ends(self.offsets, self.total_bits)
+
+    def stream_counts(self):
+        counts = torch.full((self.streams,), self.substream, dtype=torch.long)
+        counts[-1] = self.count - (self.streams - 1) * self.substream
+        return counts
+
+    def validate(self):
+        for name, t, dtype in (("payload", self.payload, torch.uint8), ("offsets", self.offsets, torch.int32),
+                               ("rice_ks", self.rice_ks, torch.uint8)):
+            if t.dtype != dtype or t.dim() != 1:
+                raise ValueError(f"{name} must be a 1-D {dtype} tensor, got {t.dtype} {tuple(t.shape)}")
+        if not isinstance(self.substream, int) or self.substream <= 0:
+            raise ValueError(f"substream must be a positive int, got {self.substream!r}")
+        if self.count <= 0 or self.streams != -(-self.count // self.substream):
+            raise ValueError(f"{self.streams} sub-streams cannot hold {self.count} symbols of {self.substream}")
+        if self.rice_ks.numel() != self.streams:
+            raise ValueError(f"{self.rice_ks.numel()} Rice parameter bytes for {self.streams} sub-streams")
+        if int((self.rice_ks >> 6).max()) != 0:
+            raise ValueError("Rice parameter byte has bits above the two 3-bit fields")
+        nbytes = self.payload.numel()
+        if not 8 * nbytes - 8 < self.total_bits <= 8 * nbytes:
+            raise ValueError(f"total_bits {self.total_bits} does not match a payload of {nbytes} bytes")
+        starts, ends = self.offsets.long(), self.stream_ends()
+        lengths, counts = ends - starts, self.stream_counts()
+        if int(starts[0]) != 0:
+            raise ValueError(f"the first sub-stream must start at bit 0, not {int(starts[0])}")
+        bad = (lengths < counts) | (lengths > (ESCAPE + 1 + RAW_BITS) * counts)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"sub-stream {i} spans {int(lengths[i])} bits for {int(counts[i])} symbols: "
+                             f"offsets are corrupt")
+        if self.checksum() != self.crc:
+            raise ValueError("stream checksum mismatch: payload, offsets, Rice parameters, sizes or side data "
+                             "(context) are corrupt")
+
+
+def rice_encode(symbols, levels=(0,), substream=SUBSTREAM, context=b""):
+    """symbols [N] (int64 in [0, 2^16), whole vectors of len(levels)) -> RiceStreams sealed with `context`.
+    Vectorized: every codeword's length, a prefix sum for its position, then each codeword's bits after its leading
+    zeros (at most 17) are added into the (at most 3) bytes they touch."""
+    flat = symbols.reshape(-1).long()
+    n = len(levels)
+    if flat.numel() == 0:
+        raise ValueError("nothing to encode")
+    if flat.numel() % n or substream <= 0 or substream % n:
+        raise ValueError(f"{flat.numel()} symbols in sub-streams of {substream} are not whole vectors of {n}")
+    if int(flat.min()) < 0 or int(flat.max()) >= 1 << RAW_BITS:
+        raise ValueError(f"Rice symbols must lie in [0, 2^{RAW_BITS}), got [{int(flat.min())}, {int(flat.max())}]"
+                         " (lattice scale too fine?)")
+    count = flat.numel()
+    rice_ks = choose_rice_ks(flat, levels, substream)                     # [streams, 2]
+    m = flat.numpy()
+    rice_k = symbol_rice_ks(rice_ks, count, levels, substream)
+    esc = (m >> rice_k) >= ESCAPE
+    length = rice_lengths(m, rice_k)
+    end = np.cumsum(length)
+    total = int(end[-1])
+    if total >= 2 ** 31:
+        raise ValueError("tensor too large for 32-bit sub-stream offsets")
+    value = np.where(esc, m | (1 << RAW_BITS), (m & ((1 << rice_k) - 1)) | (1 << rice_k))  # the '1' and what follows
+    last = end - 1                                                     # the codeword's final bit
+    aligned = value << (7 - (last & 7))                                # <= 24 bits ending at that byte's LSB
+    byte = last >> 3
+    # Codewords occupy disjoint bits, so summing their bytes is OR-ing them.
+    payload = sum(np.bincount(np.maximum(byte - i, 0), weights=(aligned >> (8 * i)) & 255,
+                              minlength=-(-total // 8)) for i in range(3))
+    offsets = torch.from_numpy((end - length)[::substream])
+    return RiceStreams.seal(torch.from_numpy(payload.astype(np.uint8)), offsets, rice_ks[:, 0] | (rice_ks[:, 1] << 3),
+                            count, total, substream, context)
