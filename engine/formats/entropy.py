@@ -864,8 +864,7 @@ class NF4Linear(QuantLinear):
         return NF4_TABLE[codes] * a
 
     def kernel_matmul(self, x2d):
-        return triton_formats.nf4_matmul(x2d, self.packed, self.absmax.float(), NF4_TABLE.to(x2d.device),
-                                         self.group_size)
+        return triton_formats.nf4_matmul(x2d, self.packed, self.absmax.float(), NF4_TABLE, self.group_size)
 
     def storage_bits(self):
         return 8 * self.packed.numel() + 16 * self.absmax.numel()
