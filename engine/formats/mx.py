@@ -125,7 +125,7 @@ class MXFP4Linear(QuantLinear):
         return dequantize_mxfp4(self.blocks, self.scales, "interleaved")
 
     def kernel_matmul(self, x2d):
-        return triton_formats.mxfp4_matmul(x2d, self.blocks, self.scales)
+        return triton_formats.mxfp4_matmul(x2d, self.blocks, self.scales, E2M1)
 
     def storage_bits(self):
         return self.blocks.numel() * 8 + self.scales.numel() * 8
@@ -160,7 +160,7 @@ class NVFP4Linear(QuantLinear):
         return dequantize_nvfp4(self.packed, self.block_scale, self.tensor_scale)
 
     def kernel_matmul(self, x2d):
-        return triton_formats.nvfp4_matmul(x2d, self.packed, self.block_scale, self.tensor_scale)
+        return triton_formats.nvfp4_matmul(x2d, self.packed, self.block_scale, self.tensor_scale, E2M1)
 
     def storage_bits(self):
         return self.packed.numel() * 8 + self.block_scale.numel() * 8 + 32

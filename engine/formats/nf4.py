@@ -55,7 +55,7 @@ class NF4Linear(QuantLinear):
         return NF4_TABLE[codes] * a
 
     def kernel_matmul(self, x2d):
-        return triton_formats.nf4_matmul(x2d, self.packed, self.absmax.float(), NF4_TABLE.to(x2d.device),
+        return triton_formats.nf4_matmul(x2d, self.packed, self.absmax.float(), NF4_TABLE,
                                          self.group_size)
 
     def storage_bits(self):

@@ -33,6 +33,9 @@ from .affine import pack_bits
 from .base import CheckpointMethod, QuantLinear, config_field
 
 CODES = ("1mad", "3inst")
+# Each code's hash constants (QTIP's): code_1mad / code_3inst below and the Triton kernel both take them from here.
+HASH = {"1mad": (34038481, 76625530, 510, 147.800537109375),     # multiplier, increment, byte-sum centre, scale
+        "3inst": (89226354, 64248484, 0x8FFF8FFF, 0x3B603B60)}   # multiplier, increment, kept bits, exponent bits
 
 
 # ---- the codes ----------------------------------------------------------------------------------------------------
@@ -40,9 +43,10 @@ CODES = ("1mad", "3inst")
 def code_1mad(states):
     """states (int) -> float32: one multiply-add mod 2^32, then the sum of the result's four bytes (a sum of four
     roughly uniform bytes is roughly Gaussian), centred and scaled as QTIP does."""
-    x = (states.to(torch.int64) * 34038481 + 76625530) & 0xFFFFFFFF
+    a, b, centre, scale = HASH["1mad"]
+    x = (states.to(torch.int64) * a + b) & 0xFFFFFFFF
     total = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
-    return (total - 510).float() / 147.800537109375
+    return (total - centre).float() / scale
 
 
 def _fp16_bits(h):
@@ -52,9 +56,10 @@ def _fp16_bits(h):
 
 def code_3inst(states):
     """states (int) -> float32: multiply-add mod 2^32, keep each half's sign and low 12 bits and set a fixed exponent
-    pattern (x & 0x8FFF8FFF) ^ 0x3B603B60, read the halves as two float16 numbers and add them (exactly, in f32)."""
-    x = (states.to(torch.int64) * 89226354 + 64248484) & 0xFFFFFFFF
-    x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+    pattern ((x & kept) ^ exponent), read the halves as two float16 numbers and add them (exactly, in f32)."""
+    a, b, kept, exponent = HASH["3inst"]
+    x = (states.to(torch.int64) * a + b) & 0xFFFFFFFF
+    x = (x & kept) ^ exponent
     return _fp16_bits(x >> 16) + _fp16_bits(x & 0xFFFF)
 
 
@@ -375,7 +380,7 @@ class TrellisLinear(QuantLinear):
     def kernel_matmul(self, x2d):
         mean, inv_std = code_stats(self.L, self.code)
         return triton_formats.trellis_matmul(rotate(x2d, self.group, self.seed), self.codes, self.scales.float(),
-                                             self.L, self.K, self.tile, mean, inv_std, CODES.index(self.code))
+                                             self.L, self.K, self.tile, mean, inv_std, self.code, HASH[self.code])
 
     def storage_bits(self):
         return self.codes.numel() * 8 + self.scales.numel() * 16
