@@ -162,6 +162,18 @@ def checkpoint_files(directory):
     raise ValueError(f"no {SINGLE} or {INDEX} in {directory}")
 
 
+def checkpoint_records(directory):
+    """What the engine's writer recorded about a checkpoint as a whole ("engine.*" entries: the digest of its
+    quantization_config, of the model it came from): in the shard index's metadata for a sharded checkpoint, in
+    the file's header metadata otherwise. {} for checkpoints other tools wrote."""
+    directory = Path(directory)
+    if (directory / INDEX).exists():
+        meta = read_json(directory, INDEX).get("metadata") or {}
+    else:
+        meta = read_header(checkpoint_files(directory)[0])[1]
+    return {k: v for k, v in meta.items() if isinstance(k, str) and k.startswith("engine.") and isinstance(v, str)}
+
+
 def tensor_specs(directory):
     """{name: (dtype, shape)} of every tensor in the checkpoint, from the headers alone (no tensor is read);
     ValueError if a name appears in two shards."""
@@ -202,6 +214,38 @@ def snapshot_tensors(directory, verify=True):
                     yield name, tensor
         except safetensors.SafetensorError as e:
             raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
+
+
+class TensorReader:
+    """Random access to a checkpoint's tensors (a folder, or one safetensors file), one at a time (what a
+    layer-by-layer converter needs): read(name) returns the tensor, checked against the SHA-256 its writer recorded
+    (if the engine wrote it)."""
+
+    def __init__(self, path, verify=True):
+        self.where, self.digests, self._open = {}, {}, {}
+        for path in [Path(path)] if Path(path).is_file() else checkpoint_files(path):
+            specs, metadata = read_header(path)
+            twice = sorted(set(specs) & set(self.where))
+            if twice:
+                raise ValueError(f"tensor {twice[0]} appears in more than one shard ({path.name})")
+            self.where.update(dict.fromkeys(specs, path))
+            if verify:
+                self.digests.update(json.loads(metadata.get("engine.sha256", "{}")))
+
+    def names(self):
+        return list(self.where)
+
+    def read(self, name):
+        path = self.where[name]
+        if path not in self._open:
+            self._open[path] = safetensors.safe_open(str(path), framework="pt")
+        try:
+            tensor = self._open[path].get_tensor(name)
+        except safetensors.SafetensorError as e:
+            raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
+        if name in self.digests and tensor_digest(tensor) != self.digests[name]:
+            raise ValueError(f"{path.name}: tensor {name} does not match its recorded SHA-256 (the file is corrupted)")
+        return tensor
 
 
 def engine_metadata(tensors, metadata=None):
@@ -330,6 +374,31 @@ def recover_interrupted_swap(directory):
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+def commit_directory(tmp, directory):
+    """Move the finished folder `tmp` (a sibling of `directory`) into place: every file and the folder fsynced, then
+    one atomic rename (no old checkpoint), one atomic rename-exchange (the old one is then removed), or, where the
+    system has no exchange, two renames with a journal that recover_interrupted_swap finishes after a kill."""
+    tmp, directory = Path(tmp), Path(directory)
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    _fsync(tmp)
+    if not directory.exists():
+        os.replace(tmp, directory)
+    elif _exchange(tmp, directory):
+        shutil.rmtree(tmp, ignore_errors=True)          # tmp now holds the old checkpoint
+    else:
+        old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-{os.getpid()}.", suffix=".tmp",
+                                    dir=directory.parent))
+        old.rmdir()
+        _journal(directory).write_text(json.dumps({"new": tmp.name, "old": old.name}))
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        _journal(directory).unlink()
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync(directory.parent)
+
+
 @contextlib.contextmanager
 def atomic_directory(directory, force=False):
     """Write a checkpoint folder atomically: yields a temporary sibling folder to fill; on success it replaces
@@ -343,22 +412,17 @@ def atomic_directory(directory, force=False):
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                _fsync(f)
-        _fsync(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not directory.exists():
-        os.replace(tmp, directory)
-    elif _exchange(tmp, directory):
-        shutil.rmtree(tmp, ignore_errors=True)          # tmp now holds the old checkpoint
-    else:
-        old = tmp.with_name(tmp.name.replace(".new-", ".old-"))
-        _journal(directory).write_text(json.dumps({"new": tmp.name, "old": old.name}))
-        os.replace(directory, old)
-        os.replace(tmp, directory)
-        _journal(directory).unlink()
-        shutil.rmtree(old, ignore_errors=True)
-    _fsync(directory.parent)
+    commit_directory(tmp, directory)
+
+
+def resumable_directory(directory):
+    """The folder a long conversion to `directory` builds in, under a name that a re-run finds again (so it can
+    resume), created with the umask's mode: DIR's sibling .DIR.partial."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    partial = directory.parent / f".{directory.name}.partial"
+    partial.mkdir(exist_ok=True)
+    return partial
