@@ -17,7 +17,7 @@ from torch import nn
 
 from .qwen3 import Qwen3, Qwen3Config
 from .safetensors_io import (atomic_directory, checkpoint_records, read_json, recover_interrupted_swap, save_file,
-                             snapshot_tensors, tensor_digest, tensor_specs, write_json)
+                             snapshot_tensors, float_digest, tensor_specs, write_json)
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -159,7 +159,7 @@ def model_digest(model):
                 tensors[f"{name}.{p_name}" if name else p_name] = p
     if model.cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    return digest_of({name: tensor_digest(t.detach().float()) for name, t in tensors.items()})
+    return digest_of({name: float_digest(t) for name, t in tensors.items()})
 
 
 def digest_of(tensor_digests):

@@ -19,6 +19,8 @@ was done and with which source, method, options and calibration; a re-run with t
 already written (replaying them to rebuild the hidden states it needs) and goes on. The finished folder is swapped
 into DIR atomically (engine.safetensors_io.commit_directory).
 """
+import ctypes
+import gc
 import json
 import shutil
 from pathlib import Path
@@ -29,13 +31,17 @@ from tqdm import tqdm
 from ..loaders import check_layer_count, check_shapes, digest_of, place, read_config, skeleton
 from ..qwen3 import DecoderLayer, Qwen3Config
 from ..safetensors_io import (INDEX, TensorReader, check_output, commit_directory, recover_interrupted_swap,
-                              resumable_directory, save_file, tensor_digest, tensor_specs, write_json)
+                              resumable_directory, save_file, float_digest, tensor_digest, tensor_specs, write_json)
 from . import gguf
 from .base import QuantLinear
 from .calibration import LayerCalibration, check_ids, first_layer_batches
 from .checkpoints import METHODS, config_digest
 
 PROGRESS = "progress.json"
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")
+except OSError:                                  # not glibc: the system keeps its own allocator's habits
+    _LIBC = None
 
 
 class Source:
@@ -69,6 +75,14 @@ class Source:
         return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
 
 
+def release_memory():
+    """Give freed memory back to the system: collect the cycles an nn.Module leaves, then ask glibc to return its
+    free heap (freed tensors of a few MB stay in the heap otherwise, and resident memory creeps up layer by layer)."""
+    gc.collect()
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
 def _layer_prefix(i):
     return f"model.layers.{i}."
 
@@ -78,7 +92,7 @@ def _fill(model, tensors, dtype, digests):
     (provenance) and its stored dtype (what it is written back in)."""
     stored = {}
     for name, value in tensors:
-        digests[name] = tensor_digest(value.float())
+        digests[name] = float_digest(value)
         stored[name] = value.dtype
         place(model, name, value, dtype or value.dtype, "cpu")
     return stored
@@ -166,9 +180,11 @@ def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, 
             state["done"] = i + 1
             write_json(folder / PROGRESS, state)
         model.model.layers[i] = DecoderLayer(cfg, i).to("meta")
+        del layer
+        release_memory()
     rest = {name: t for name, t in src.tensors(lambda n: not n.startswith("model.layers."))
             if not (name == "lm_head.weight" and cfg.tie_word_embeddings)}
-    state["digests"].update({name: tensor_digest(t.float()) for name, t in rest.items()})
+    state["digests"].update({name: float_digest(t) for name, t in rest.items()})
     save_file(rest, folder / "rest.safetensors")                          # as stored, byte for byte
     qcfg = merged_config(state["layer_configs"], state["weights"])
     _finish(folder, out, src, cfg, qcfg, digest_of(state["digests"]))
