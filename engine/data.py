@@ -74,9 +74,10 @@ def is_byte_tokenizer(tok):
     if tok.get_vocab_size(with_added_tokens=True) != 256:
         return False
     spec = json.loads(tok.to_str())
+    pre = spec["pre_tokenizer"] or {}
     return (spec["model"].get("type") == "BPE" and spec["model"]["vocab"] == BYTE_VOCAB
             and not spec["model"]["merges"] and not spec["added_tokens"] and spec["normalizer"] is None
-            and (spec["pre_tokenizer"] or {}).get("type") == "ByteLevel")
+            and pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space"))
 
 
 def token_bytes(tok, ids):
@@ -110,8 +111,7 @@ def bos_id(tok):
     if tok is None:
         return None
     enc = tok.encode("a")
-    leading = [i for i, special in itertools.takewhile(lambda x: x[1], zip(enc.ids, enc.special_tokens_mask))]
-    return leading[0] if leading else None
+    return enc.ids[0] if enc.special_tokens_mask[0] else None
 
 
 def _from_json_file(path, what):

@@ -33,6 +33,9 @@ def test_every_byte_round_trips_even_invalid_utf8():
 def test_byte_tokenizer_is_recognized_after_a_save_and_load(tmp_path):
     write_tokenizer_files(byte_tokenizer(), tmp_path)
     assert is_byte_tokenizer(load_tokenizer(tmp_path)) and not is_byte_tokenizer(_bos_tokenizer())
+    spaced = byte_tokenizer()
+    spaced.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=False)
+    assert not is_byte_tokenizer(spaced) and encode(spaced, "a").tolist() == [BYTE_CHARS.index("\u0120"), 97]
 
 
 def _bos_tokenizer():
