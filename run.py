@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engine import tables
-from engine.data import Corpus, load_corpus, load_tokenizer, token_bytes, encode
+from engine.data import Corpus, encode, export_tokenizer, load_corpus, load_tokenizer, token_bytes
 from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats, markdown_table, perplexity
 from engine.formats.base import impl, quantized_linears
 from engine.formats.checkpoints import METHODS, load_model, load_quantized, save_quantized
@@ -158,7 +158,7 @@ def cmd_train(args):
         check_output(args.out, args.force)
     _, model = tiny_setup(args)
     if args.out:
-        save_dense(model, args.out, force=args.force)
+        save_dense(model, args.out, force=args.force, side_files=lambda folder: export_tokenizer(None, folder))
         log(f"saved {args.out}")
 
 
@@ -238,7 +238,8 @@ def cmd_quantize(args):
     options = check_quantize_args(args)
     if args.model is None:
         corpus, model = tiny_setup(args)
-        qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), force=args.force, **options)
+        qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), force=args.force,
+                              side_files=lambda folder: export_tokenizer(None, folder), **options)
     else:
         ids = None
         if METHODS[args.method].calibration(options):

@@ -176,7 +176,7 @@ def export_tokenizer(source, out_folder):
     """Give a checkpoint written into out_folder its source's tokenizer: None (the tiny byte model) -> the byte
     tokenizer's files; a model folder -> its tokenizer files copied (or the byte tokenizer's for a byte model
     folder without any); a GGUF file -> tokenizer.json and tokenizer_config.json (with its chat template) rebuilt
-    from its metadata. Returns the names written."""
+    from its metadata (nothing if it has none). Returns the names written."""
     if source is None:
         return write_tokenizer_files(byte_tokenizer(), out_folder)
     source = Path(source)
@@ -186,6 +186,8 @@ def export_tokenizer(source, out_folder):
             copied += write_tokenizer_files(byte_tokenizer(), out_folder)
         return copied
     with GGUFFile(source) as f:
+        if "tokenizer.ggml.tokens" not in f.metadata:         # a GGUF file may hold weights only
+            return []
         tok, config = gguf_tokenizer(f)
     return write_tokenizer_files(tok, out_folder, config)
 

@@ -115,7 +115,8 @@ def load_quantized(directory, dtype=None, device="cpu", verify=True):
 
 
 @torch.no_grad()
-def save_quantized(model, directory, method, calibration_ids=None, quantization_config=None, force=False, **options):
+def save_quantized(model, directory, method, calibration_ids=None, quantization_config=None, force=False,
+                   side_files=None, **options):
     """Write `model` as a `method` checkpoint (config.json + model.safetensors), atomically.
 
     A dense model is first quantized IN PLACE with the method's own quantizer (options such as group_size,
@@ -124,7 +125,8 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
     quantized (e.g. RTN or GPTQ layers written as compressed-tensors) is written as it is, with
     `quantization_config` or the one recorded when it was quantized.
     The save is atomic and refuses a folder that holds anything but an engine checkpoint unless force=True
-    (engine.safetensors_io.atomic_directory). Returns the quantization_config written.
+    (engine.safetensors_io.atomic_directory); side_files(folder), if given, adds the tokenizer files to it. Returns
+    the quantization_config written.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
@@ -160,6 +162,8 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
         meta = {"engine.quantization_config_sha256": config_digest(quantization_config)}
         source = getattr(model, "source_digest", None)
         save_file(tensors, tmp / "model.safetensors", {**meta, "engine.source_sha256": source} if source else meta)
+        if side_files is not None:
+            side_files(tmp)
     return quantization_config
 
 
