@@ -97,3 +97,26 @@ def test_no_weights_at_all(saved):
     (saved / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no model.safetensors"):
         load_dense(saved)
+
+
+@pytest.mark.interop
+def test_the_safetensors_library_reads_our_files_and_we_read_its(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    tensors = {"a.weight": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int64),
+               "c": torch.randn(4).to(torch.float8_e4m3fn), "d": torch.zeros(0, 2), "e": torch.tensor([True, False])}
+    save_file(tensors, tmp_path / "ours.safetensors", {"note": "x"})
+    theirs = safetensors.load_file(tmp_path / "ours.safetensors")
+    assert set(theirs) == set(tensors) and all(torch.equal(theirs[k].view(torch.uint8), tensors[k].view(torch.uint8))
+                                               for k in tensors if tensors[k].numel())
+    safetensors.save_file(tensors, tmp_path / "theirs.safetensors")
+    ours = dict(snapshot_tensors(_single(tmp_path / "theirs.safetensors")))
+    assert all(ours[k].dtype == tensors[k].dtype and ours[k].shape == tensors[k].shape for k in tensors)
+    assert all(torch.equal(ours[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors if tensors[k].numel())
+
+
+def _single(path):
+    """A folder holding `path` as its model.safetensors."""
+    folder = path.parent / path.stem
+    folder.mkdir()
+    path.rename(folder / "model.safetensors")
+    return folder

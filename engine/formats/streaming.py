@@ -167,10 +167,11 @@ def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, 
             model.model.embed_tokens.to_empty(device="meta")
         for i in tqdm(range(cfg.num_hidden_layers), desc=f"{method} layers", disable=not progress, unit="layer"):
             batches = _convert_layer(model, i, src, entry, mode, batches, folder, state, dtype, options)
-        rest = {name: t for name, t in src.tensors(lambda n: not n.startswith("model.layers."))
-                if not (name == "lm_head.weight" and cfg.tie_word_embeddings)}
-        state["digests"].update({name: float_digest(t) for name, t in rest.items()})
-        save_file(rest, folder / "rest.safetensors")                          # as stored, byte for byte
+        rest = (lambda n: not n.startswith("model.layers.") and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+        for k, (name, tensor) in enumerate(src.tensors(rest)):            # one at a time: an 8B's embedding is 1.2 GB
+            state["digests"][name] = float_digest(tensor)
+            save_file({name: tensor}, folder / f"rest-{k:05d}.safetensors")     # as stored, byte for byte
+            del tensor
         qcfg = merged_config(state["layer_configs"], state["weights"])
         _finish(folder, out, src, cfg, qcfg, digest_of(state["digests"]))
     return qcfg
