@@ -138,6 +138,11 @@ def read_header(path):
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
         if begin < end:
             raise ValueError(f"{path} is not a valid safetensors file: tensors {a!r} and {b!r} overlap")
+    # as safetensors requires (and before it maps the file): the tensors cover the data section exactly
+    covered = sum(end - begin for begin, end, _ in spans)
+    if covered != data:
+        raise ValueError(f"{path} is not a valid safetensors file: its tensors cover {covered} bytes of a "
+                         f"{data}-byte data section")
     return specs, metadata
 
 
@@ -182,13 +187,25 @@ def tensor_digest(t):
     return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
+def recorded_digests(path, metadata):
+    """{tensor name: SHA-256} that the engine recorded in a file's metadata ({} for another writer's file)."""
+    try:
+        digests = json.loads(metadata.get("engine.sha256", "{}"))
+    except (json.JSONDecodeError, RecursionError):
+        digests = None
+    if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
+        raise ValueError(f"{path}: its engine.sha256 metadata is not a map of tensor names to digests (the file is "
+                         "corrupted)")
+    return digests
+
+
 def snapshot_tensors(directory, verify=True):
     """Yield (name, tensor) for every tensor of the checkpoint, one at a time. Files written by the engine carry a
     SHA-256 per tensor, checked here unless verify=False: a flipped bit is a ValueError, never another model."""
     seen = set()
     for path in checkpoint_files(directory):
         _, metadata = read_header(path)
-        digests = json.loads(metadata.get("engine.sha256", "{}")) if verify else {}
+        digests = recorded_digests(path, metadata) if verify else {}
         try:
             with safetensors.safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
@@ -319,9 +336,12 @@ def recover_interrupted_swap(directory):
     directory = Path(directory)
     journal = _journal(directory)
     if journal.exists():
-        names = json.loads(journal.read_text())
-        new, old = directory.parent / names["new"], directory.parent / names["old"]
-        if not directory.exists():
+        try:
+            names = json.loads(journal.read_text())
+            new, old = directory.parent / names["new"], directory.parent / names["old"]
+        except (ValueError, KeyError, TypeError):
+            names = None                        # cut short while it was written, so before the first rename
+        if names is not None and not directory.exists():
             os.replace(new if new.exists() else old, directory)
         journal.unlink()
     for leftover in directory.parent.glob(f".{directory.name}.*.tmp"):

@@ -1,5 +1,6 @@
 """Dense HF-layout checkpoints: exact round trip, sharded reading, and a clear error for every kind of bad input."""
 import json
+import os
 
 import pytest
 import torch
@@ -96,4 +97,31 @@ def test_truncated_safetensors_file(saved):
 def test_no_weights_at_all(saved):
     (saved / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no model.safetensors"):
+        load_dense(saved)
+
+
+def test_bytes_no_tensor_covers_are_refused_before_the_file_is_mapped(saved):
+    """safetensors refuses them too, but only after mapping the file: a 1 TiB sparse tail would take 1 TiB of
+    address space first."""
+    os.truncate(saved / "model.safetensors", 1 << 40)
+    with pytest.raises(ValueError, match=r"its tensors cover \d+ bytes of a 1099511\d+-byte data section"):
+        load_dense(saved)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weight_is_refused(saved, value):
+    rewrite_tensors(saved, lambda t: t["model.norm.weight"].__setitem__(3, value))
+    with pytest.raises(ValueError, match="model.norm.weight: checkpoint tensor holds NaN or infinite values"):
+        load_dense(saved)
+
+
+def test_a_corrupted_digest_map_is_refused(saved):
+    path = saved / "model.safetensors"
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header["__metadata__"]["engine.sha256"] = header["__metadata__"]["engine.sha256"][:-5]   # no longer JSON
+    new = json.dumps(header).encode()
+    path.write_bytes(len(new).to_bytes(8, "little") + new + data[8 + n:])
+    with pytest.raises(ValueError, match="engine.sha256 metadata is not a map of tensor names to digests"):
         load_dense(saved)
