@@ -292,8 +292,8 @@ def leftovers(directory):
 
 def crash_campaign(kills, seed=0, scratch=None, steps=20, log=print):
     """`run.py quantize --force` overwrites of a checkpoint, SIGKILLed: `kills` times at a uniformly random instant
-    of the run, then as many times at a uniformly random instant of its save (from the moment its temporary folder
-    appears, within the time a save took on complete runs). After each kill DIR must load and hold the complete
+    of the run, then as many times at a uniformly random instant of its save (while its temporary folder exists: from
+    the first file written to the swap and the removal of the old copy, as long as complete runs took). After each kill DIR must load and hold the complete
     old or new checkpoint; the next complete save must leave DIR holding what it wrote and no `.DIR.*` entry.
     Returns the counts."""
     rng = random.Random(seed)
@@ -303,17 +303,20 @@ def crash_campaign(kills, seed=0, scratch=None, steps=20, log=print):
     variants = ([], ["--option", "block=64"])             # two different checkpoints of the same model
 
     def run(v, kill_at=None, kill_after_save=None):
-        """-> (exit code, seconds until the save's temporary folder appeared or None, seconds run); killed at kill_at
-        or kill_after_save seconds after the temporary folder appeared."""
+        """-> (exit code, seconds until the save's temporary folder appeared or None, until it was gone, until the
+        process ended); killed at kill_at, or kill_after_save seconds after the temporary folder appeared."""
         with open(scratch / "stderr", "w") as err:
             process = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "quantize", "--method", "fp8", "--out",
                                         str(out), "--force", "--steps", str(steps), *variants[v]], env=env,
                                        stdout=subprocess.DEVNULL, stderr=err)
-            start, saving = time.monotonic(), None
+            start, saving, saved = time.monotonic(), None, None
             while process.poll() is None:
                 now = time.monotonic() - start
-                if saving is None and any(n.startswith(f".{out.name}.new-{process.pid}.") for n in leftovers(out)):
+                temporary = any(n.startswith(f".{out.name}.new-{process.pid}.") for n in leftovers(out))
+                if saving is None and temporary:
                     saving = now
+                if saving is not None and saved is None and not temporary:
+                    saved = now
                 if saving is not None and kill_after_save is not None:
                     kill_at = saving + kill_after_save
                 if kill_at is not None and now >= kill_at:
@@ -322,7 +325,7 @@ def crash_campaign(kills, seed=0, scratch=None, steps=20, log=print):
                 time.sleep(0.002)
         if kill_at is None and kill_after_save is None and process.returncode:
             raise RuntimeError(f"run.py quantize failed: {(scratch / 'stderr').read_text()[-2000:]}")
-        return process.returncode, saving, time.monotonic() - start
+        return process.returncode, saving, saved, time.monotonic() - start
 
     out.parent.mkdir(parents=True)
     run(0)                                                 # trains and caches the model
@@ -330,13 +333,13 @@ def crash_campaign(kills, seed=0, scratch=None, steps=20, log=print):
     for v in (1, 0):
         runs.append(run(v))
         digests[v] = checkpoint_digest(out)
-    duration = min(r[2] for r in runs)
+    duration = min(r[3] for r in runs)
     save = min(r[2] - r[1] for r in runs)
     current, summary = 0, Counter()
     for k in range(2 * kills):
         new, window = 1 - current, "run" if k < kills else "save"
         kill_at = rng.uniform(0, duration if window == "run" else save)
-        code, started, _ = run(new, **{"kill_at" if window == "run" else "kill_after_save": kill_at})
+        code, started, _, _ = run(new, **{"kill_at" if window == "run" else "kill_after_save": kill_at})
         left = leftovers(out)
         try:
             load_quantized(out)
