@@ -369,7 +369,7 @@ def mutate_index(folder, op):
 def rewrite_tensors(path, change, flavor):
     """Load a safetensors file, change(tensors), save it again: with recomputed digests for the engine flavor (a
     writer that wrote bad tensors), without the engine's metadata for the foreign one."""
-    _, metadata = read_header(path)
+    metadata = read_header(path)[1]
     tensors = safetensors.torch.load_file(str(path))
     change(tensors)
     if flavor == "engine":

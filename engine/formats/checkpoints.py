@@ -9,12 +9,14 @@ line in `METHODS` below.
 """
 import hashlib
 import json
+from pathlib import Path
 
 import torch
 
-from ..loaders import check_complete, default_dtype, install_layer, load_tensors, model_digest, place, prepare
-from ..safetensors_io import atomic_directory, check_output, checkpoint_files, read_header, save_file, write_json
-from . import awq, compressed_tensors, entropy, fp8, gptq, lattice, trellis
+from ..loaders import (check_complete, default_dtype, install_layer, load_dense, load_tensors, model_digest, place,
+                       prepare, read_config)
+from ..safetensors_io import atomic_directory, check_output, checkpoint_records, save_file, write_json
+from . import awq, compressed_tensors, entropy, fp8, gguf, gptq, lattice, trellis
 from .base import linear_names, quantized_linears
 
 METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
@@ -94,7 +96,7 @@ def load_quantized(directory, dtype=None, device="cpu", verify=True):
     dtype (or `dtype`); quantized layers keep their own."""
     raw, _, model, specs = prepare(directory)
     method = method_for(raw.get("quantization_config"))
-    recorded = read_header(checkpoint_files(directory)[0])[1].get("engine.quantization_config_sha256")
+    recorded = checkpoint_records(directory).get("engine.quantization_config_sha256")
     if recorded is not None and recorded != config_digest(raw["quantization_config"]):
         raise ValueError(f"the quantization_config in {directory}/config.json is not the one its tensors were written "
                          "with (its digest differs): its fields change what the stored bits mean, so it is refused")
@@ -159,3 +161,30 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
         source = getattr(model, "source_digest", None)
         save_file(tensors, tmp / "model.safetensors", {**meta, "engine.source_sha256": source} if source else meta)
     return quantization_config
+
+
+def load_model(path, dtype=None, device="cpu", dense=False):
+    """Any model the engine reads: a .gguf file (formats/gguf.py), a quantized checkpoint folder (config.json with a
+    quantization_config) or a dense one. dense=True turns every quantized layer into an nn.Linear holding its
+    dequantized weight (float32): the reference a GGUF model's own quantization defines."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        model = gguf.load_gguf(path, dtype or torch.float32, device)
+    elif isinstance(read_config(path).get("quantization_config"), dict):
+        model = load_quantized(path, dtype, device)
+    else:
+        model = load_dense(path, dtype, device)
+    if dense:
+        for name, layer in quantized_linears(model).items():
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, _dense_linear(layer))
+    return model
+
+
+def _dense_linear(layer):
+    linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(layer.dequantize())
+        if layer.bias is not None:
+            linear.bias.copy_(layer.bias)
+    return linear

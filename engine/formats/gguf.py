@@ -278,9 +278,10 @@ def hf_config(f):
     return cfg
 
 
-def hf_tensors(f):
+def hf_tensors(f, keep=None, dense=False):
     """Yields (HF name, tensor) for every dense tensor (quantized embeddings and lm_head are dequantized) and
-    (HF module name, QuantLinear) for every quantized linear, with its bias attached; llama q/k rows unpermuted."""
+    (HF module name, QuantLinear) for every quantized linear, with its bias attached; llama q/k rows unpermuted.
+    keep(HF name) -> bool selects tensors (e.g. one decoder layer's); dense=True dequantizes the linears too."""
     cfg = hf_config(f)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     permuted = cfg["model_type"] == "llama"
@@ -294,10 +295,12 @@ def hf_tensors(f):
 
     for info in f.tensors.values():
         name, kind = names[info.name]
+        if keep is not None and not keep(name):
+            continue
         module, _, suffix = name.rpartition(".")
         stem = info.name.rpartition(".")[0]
         weight = f.tensors.get(stem + ".weight")
-        if kind in LINEARS and weight is not None and weight.type_name not in DENSE:
+        if not dense and kind in LINEARS and weight is not None and weight.type_name not in DENSE:
             if suffix == "weight":                    # a quantized linear; its bias (if any) goes with it
                 bias = f.tensors.get(stem + ".bias")
                 bias = None if bias is None else dequantize(read(bias, kind), bias.type_name, bias.shape)
