@@ -350,7 +350,8 @@ def block_ldlq(weights, hessians, L=8, K=2, group=256, seed=0, code="1mad", tail
 # ---- the layer ----------------------------------------------------------------------------------------------------
 
 def stream_checksum(codes, scales, L, K, code, tail_biting, tile, group, seed):
-    """CRC32 of a layer's codes uint8 [R, C, bytes] and scales f16 [R, C], and of the fields their meaning depends on."""
+    """CRC32 of a layer's codes uint8 [R, C, bytes] and scales f16 [R, C], and of the fields their meaning depends
+    on."""
     head = json.dumps([L, K, code, bool(tail_biting), list(tile), group, seed, list(codes.shape)]).encode()
     crc = zlib.crc32(head)
     for t in (codes, scales):
