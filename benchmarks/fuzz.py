@@ -91,12 +91,15 @@ def weights_finite(model):
 
 
 class Worker:
-    """What a worker process keeps between cases: each target's reference logits and the pristine streams."""
+    """What a worker process keeps between cases: each target's reference logits, the dense model (GGUF files are
+    written from it) and the pristine streams; all made before the first case, so that no case's time includes it."""
 
     def __init__(self, root):
         self.root = Path(root)
         self.scratch = Path(tempfile.mkdtemp(prefix="worker-", dir=self.root))
-        self.references, self.streams, self.dense = {}, {}, None
+        self.references = {target: forward(load(target, pristine(self.root, target))) for target in TARGETS}
+        self.dense = load_dense(pristine(self.root, "dense"))
+        self.streams = {kind: pristine_streams(self.root, kind) for kind in STREAMS}
 
     def run(self, case):
         """(outcome, what was done) of one case, exceptions included."""
@@ -107,10 +110,6 @@ class Worker:
 
     def checkpoint(self, case):
         target = case["target"]
-        if target not in self.references:
-            self.references[target] = forward(load(target, pristine(self.root, target)))
-        if target == "gguf" and self.dense is None:
-            self.dense = load_dense(pristine(self.root, "dense"))
         folder, outside = self.scratch / "case", self.scratch / "outside"
         for old in (folder, outside):
             shutil.rmtree(old, ignore_errors=True)
@@ -127,8 +126,6 @@ class Worker:
 
     def stream(self, case):
         kind = case["target"]
-        if kind not in self.streams:
-            self.streams[kind] = pristine_streams(self.root, kind)
         rng = random.Random(case["seed"])
         same, where = (corrupt_rans(self.streams[kind], case["op"], rng) if kind == "rans"
                        else corrupt_layer(kind, self.streams[kind], case["op"], rng))
