@@ -1,5 +1,6 @@
 """Dense HF-layout checkpoints: exact round trip, sharded reading, and a clear error for every kind of bad input."""
 import json
+import os
 
 import pytest
 import torch
@@ -120,3 +121,30 @@ def _single(path):
     folder.mkdir()
     path.rename(folder / "model.safetensors")
     return folder
+
+
+def test_bytes_no_tensor_covers_are_refused(saved):
+    """safetensors' rule (no holes, nothing after the last tensor: no polyglot files), checked from the header
+    alone: here a 1 TiB sparse tail."""
+    os.truncate(saved / "model.safetensors", 1 << 40)
+    with pytest.raises(ValueError, match=r"its tensors cover \d+ bytes of a 1099511\d+-byte data section"):
+        load_dense(saved)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weight_is_refused(saved, value):
+    rewrite_tensors(saved, lambda t: t["model.norm.weight"].__setitem__(3, value))
+    with pytest.raises(ValueError, match="model.norm.weight: checkpoint tensor holds NaN or infinite values"):
+        load_dense(saved)
+
+
+def test_a_corrupted_digest_map_is_refused(saved):
+    path = saved / "model.safetensors"
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header["__metadata__"]["engine.sha256"] = header["__metadata__"]["engine.sha256"][:-5]   # no longer JSON
+    new = json.dumps(header).encode()
+    path.write_bytes(len(new).to_bytes(8, "little") + new + data[8 + n:])
+    with pytest.raises(ValueError, match="engine.sha256 metadata is not a map of tensor names to digests"):
+        load_dense(saved)
