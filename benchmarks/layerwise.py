@@ -38,11 +38,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.data import BYTE_CHARS, byte_tokenizer, write_tokenizer_files  # noqa: E402
-
 PEERS = HERE / "peers"
 CACHE = Path.home() / ".cache" / "engine" / "peers"
-PEERS_VENV = CACHE / "venv"
+PEERS_VENV = Path(os.environ.get("PEERS_VENV", CACHE / "venv"))
 PIN = "torch==2.13.0"
 VENV_STEPS = [
     ["pip", "install", "torch==2.13.0"],
@@ -59,12 +57,14 @@ TOOLS = {"gptq": ("engine", "gptqmodel", "llm-compressor"), "awq": ("engine", "g
          **{m: ("read", "engine") for m in DATA_FREE}}
 ENGINE_OPTIONS = {"gptq": ["group_size=128"], "awq": ["group_size=128"], "fp8": ["block=128"],
                   "entquant": ["lam=14.5"], "lattice": ["bps=3.0"]}
-# CPU seconds per decoder layer at 32 x 512 calibration tokens (data-free: per layer, any calibration), measured on
-# this 2-core machine under load (benchmarks/layerwise.py's own runs): only for the time estimate printed up front
-CPU_PER_LAYER = {("engine", "gptq"): 30, ("gptqmodel", "gptq"): 60, ("llm-compressor", "gptq"): 60,
-                 ("engine", "awq"): 60, ("gptqmodel", "awq"): 90, ("llm-compressor", "awq"): 90,
-                 ("read", "fp8"): 0.5, ("engine", "fp8"): 2, ("read", "entquant"): 0.5, ("engine", "entquant"): 20,
-                 ("read", "lattice"): 0.5, ("engine", "lattice"): 20}
+# Only for the time estimate printed up front. CPU seconds per decoder layer = fixed + per_ktok x calibration tokens /
+# 1024: fixed from this script's own runs at 8 x 128 tokens (8 layers, 1 thread, a loaded machine); per_ktok from
+# FLOP counts at ~60 GFLOP/s a core (GPTQ: two layer forwards and the Hessians; the peers' AWQ: its 20-point grid
+# re-runs attention and MLP forwards on every calibration token, the engine's scores each grid point on X^T X).
+CPU_PER_LAYER = {("engine", "gptq"): (9, 1.8), ("gptqmodel", "gptq"): (7, 2.5), ("llm-compressor", "gptq"): (3.5, 2),
+                 ("engine", "awq"): (25, 1.8), ("gptqmodel", "awq"): (15, 14), ("llm-compressor", "awq"): (15, 14),
+                 ("read", "fp8"): (0.1, 0), ("engine", "fp8"): (0.6, 0), ("read", "entquant"): (0.1, 0),
+                 ("engine", "entquant"): (7.2, 0), ("read", "lattice"): (0.1, 0), ("engine", "lattice"): (3.8, 0)}
 STARTUP_CPU = {"engine": 5, "read": 3, "gptqmodel": 25, "llm-compressor": 20}
 
 
@@ -112,6 +112,7 @@ def checkpoint(name):
 def model_view(source, work):
     """WORK/model: hard links to the source's config and weights (a copy where links cannot be made) plus a byte-level
     tokenizer with a pad token (GPTQModel's tokenizer check wants one). Every tool reads this same folder."""
+    from engine.data import BYTE_CHARS, byte_tokenizer, write_tokenizer_files
     view = work / "model"
     if view.exists():
         shutil.rmtree(view)
@@ -167,8 +168,8 @@ def plan(methods, rounds):
 
 def estimate_s(runs, layers, tokens, tools):
     """Seconds on an idle 2-core machine (wall ~ CPU / 1.6 with 2 threads), from CPU_PER_LAYER."""
-    scale = tokens / (32 * 512)
-    cpu = sum(STARTUP_CPU[t] + CPU_PER_LAYER[t, m] * layers * (scale if m not in DATA_FREE else 1)
+    ktok = tokens / 1024
+    cpu = sum(STARTUP_CPU[t] + layers * (CPU_PER_LAYER[t, m][0] + CPU_PER_LAYER[t, m][1] * ktok)
               for m, _, t in runs if t in tools)
     return cpu / 1.6
 
