@@ -60,9 +60,11 @@ ENGINE_OPTIONS = {"gptq": ["group_size=128"], "awq": ["group_size=128"], "fp8": 
 # Only for the time estimate printed up front. CPU seconds per decoder layer = fixed + per_ktok x calibration tokens /
 # 1024: fixed from this script's own runs at 8 x 128 tokens (8 layers, 1 thread, a loaded machine); per_ktok from
 # FLOP counts at ~60 GFLOP/s a core (GPTQ: two layer forwards and the Hessians; the peers' AWQ: its 20-point grid
-# re-runs attention and MLP forwards on every calibration token, the engine's scores each grid point on X^T X).
+# re-runs attention and MLP forwards on every calibration token, the engine's scores each grid point on X^T X). The
+# KL: per model (the dense reference and each output) and 1024 held-out tokens, 5 s (the 151,936-row lm_head) + 0.5 s
+# a layer.
 CPU_PER_LAYER = {("engine", "gptq"): (9, 1.8), ("gptqmodel", "gptq"): (7, 2.5), ("llm-compressor", "gptq"): (3.5, 2),
-                 ("engine", "awq"): (25, 1.8), ("gptqmodel", "awq"): (15, 14), ("llm-compressor", "awq"): (15, 14),
+                 ("engine", "awq"): (80, 1.8), ("gptqmodel", "awq"): (100, 10), ("llm-compressor", "awq"): (1, 10),
                  ("read", "fp8"): (0.1, 0), ("engine", "fp8"): (0.6, 0), ("read", "entquant"): (0.1, 0),
                  ("engine", "entquant"): (7.2, 0), ("read", "lattice"): (0.1, 0), ("engine", "lattice"): (3.8, 0)}
 STARTUP_CPU = {"engine": 5, "read": 3, "gptqmodel": 25, "llm-compressor": 20}
@@ -174,6 +176,10 @@ def estimate_s(runs, layers, tokens, tools):
     return cpu / 1.6
 
 
+def estimate_eval_s(outputs, layers, tokens):
+    return (outputs + 1) * tokens / 1024 * (5 + 0.5 * layers) / 1.6
+
+
 # ---- the table --------------------------------------------------------------------------------------------------
 
 def summarize(records, evals):
@@ -254,7 +260,8 @@ def main(argv=None):
     config = json.loads((source / "config.json").read_text())
     layers, vocab = config["num_hidden_layers"], config["vocab_size"]
     runs = [r for r in plan(args.methods, args.rounds) if r[2] in tools]
-    total = estimate_s(runs, layers, args.calib_samples * args.calib_len, tools)
+    total = estimate_s(runs, layers, args.calib_samples * args.calib_len, tools) + estimate_eval_s(
+        len({(m, t) for m, _, t in runs if t != "read"}), layers, args.eval_chunks * args.eval_ctx)
     log(f"{len(runs)} runs on {source} ({layers} layers); estimated {total / 60:.0f} min on an idle 2-core machine "
         f"(longer under load: now {load_average()})")
     if args.estimate:
