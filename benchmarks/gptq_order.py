@@ -12,11 +12,14 @@ damping (1% of mean(diag H), GPTQModel's auto-increment off), group size, bits a
     desc_act         act_order=True / desc_act=True                        (g_idx permuted: vLLM refuses the file)
     static+desc_act  + static_groups=True                                  (g_idx sorted, a plain file)
     act_group_aware  GAR, GPTQModel's default                              (g_idx sorted, a plain file)
-    static+GAR       static_groups=True with act_group_aware=True
+    static+GAR       static_groups=True with act_group_aware=True          (GPTQModel picks each static grid by
+                                                                           the visited column's position, not its
+                                                                           group: its figure there is not this order's)
 
-Errors are relative to the engine's natural order on the same layer, as a geometric mean over the set's layers
-(min-max in brackets); "ours / theirs" compares the two tools' errors in the same order, layer by layer. Times are
-the sums over the set, one run each, on this process's torch threads (noisy on a shared machine).
+The engine's whole-model default (gptq.quantize_layer) is static+desc_act. Errors are relative to the engine's
+natural order on the same layer, as a geometric mean over the set's layers (min-max in brackets); "ours / theirs"
+compares the two tools' errors in the same order, layer by layer. Times are the sums over the set, one run each, on
+this process's torch threads (noisy on a shared machine).
 
 Sets: `synthetic` (correlated inputs whose per-channel scales are uneven: growing along the columns, the same
 shuffled, log-normal, 1% outlier channels x20), `tiny` (the book's trained tiny Qwen3, Hessians from its byte

@@ -12,8 +12,8 @@ blocks' corrections but not yet this block's: the lazy update lands when the blo
 The column order (the visit; names as in AutoGPTQ / GPTQModel configs), and what each costs the checkpoint:
 
     natural          0, 1, 2, ...                                  g_idx = i // G (sorted)     loads everywhere
-    act_order        by decreasing H_ii ("desc_act"); groups are   g_idx permuted, and a       vLLM refuses it
-                     ranges of the visit                           runtime permutation         (desc_act=True)
+    act_order        by decreasing H_ii ("desc_act"); groups are   g_idx permuted, and a       loaders that apply
+                     ranges of the visit                           runtime permutation         g_idx (desc_act=True)
     act_order +      the same visit, but each group is a range of  g_idx = i // G, no perm:    loads everywhere
       static_groups  ORIGINAL columns whose grid is chosen from    the file is a plain one     (desc_act=False)
                      the weights before the loop
@@ -21,10 +21,12 @@ The column order (the visit; names as in AutoGPTQ / GPTQModel configs), and what
                      max H_ii, each group's columns by decreasing  ("GAR", GPTQModel's default (desc_act=False)
                      H_ii; the grid when the group is entered      since 2025)
 
-Visiting the most activated columns first leaves the most freedom to compensate their errors; of the three, plain
-act-order and act-order with static groups minimize the layer error best (benchmarks/gptq_order.py), and static
-groups cost nothing in the file. The config's desc_act is true only for the permuted layout (vLLM drops every
-g_idx and relies on it), static_groups / act_group_aware record the other visits.
+Visiting the most activated columns first leaves the most freedom to compensate their errors. Plain act-order
+minimizes the layer error best but needs its permutation; act-order with static groups comes close, below the
+group-aware order (benchmarks/gptq_order.py), at no cost in the file: it is quantize_layer's default, while
+gptq_quantize keeps the paper's natural order. The config's desc_act is true only for the permuted layout (vLLM
+ignores g_idx when it is false; GPTQModel's act-order + static groups file says desc_act=true over a sorted
+g_idx); static_groups / act_group_aware record the other visits.
 
 Checkpoint (AutoGPTQ, `checkpoint_format` "gptq" = v1, the default everywhere; "gptq_v2" = raw zeros):
 
@@ -73,7 +75,8 @@ def group_grid(w, bits, sym=False, min_zero=0):
 
 def check_order(act_order, act_group_aware):
     if act_order and act_group_aware:
-        raise ValueError("act_order and act_group_aware are two column orders: choose one (GPTQModel's rule too)")
+        raise ValueError("act_order and act_group_aware are two column orders: choose one (act_group_aware=True "
+                         "wants act_order=False; GPTQModel's rule too)")
 
 
 def visit_order(diag, group_size, act_order=False, act_group_aware=False):
@@ -258,13 +261,15 @@ def to_runtime(codes, scales, zeros, g_idx, group_size, bits=4, bias=None):
 # ---- whole model ------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def quantize_layer(layer, group_size=64, act_order=False, bits=4, sym=False, checkpoint_format="gptq", damp=0.01,
-                   static_groups=False, act_group_aware=False):
+def quantize_layer(layer, group_size=64, act_order=True, bits=4, sym=False, checkpoint_format="gptq", damp=0.01,
+                   static_groups=True, act_group_aware=False):
     """GPTQ one decoder layer (a calibration.LayerCalibration) in place, step by step in forward order (q/k/v, o,
     gate/up, down): each step's Hessians come from the layer's inputs passed through its already-quantized earlier
     steps (GPTQModel's "true sequential"). For a v1 checkpoint (the default) every zero point is kept >= 1
-    (min_zero). The column order: act_order, static_groups, act_group_aware as in gptq_quantize; the config's
-    desc_act says whether g_idx is permuted (act-order without static groups), the only case that needs it.
+    (min_zero). The column order: act_order, static_groups, act_group_aware as in gptq_quantize, by default
+    act-order with static groups (a plain file: g_idx sorted); act_order=False, static_groups=False is the paper's
+    natural order, act_order=True, static_groups=False the permuted layout, act_group_aware=True with both False
+    GPTQModel's default. The config's desc_act says whether g_idx is permuted, the only case that needs it.
     Returns the quantization_config."""
     check_order(act_order, act_group_aware)
     orders = {key: True for key, on in (("static_groups", static_groups), ("act_group_aware", act_group_aware)) if on}
