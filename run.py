@@ -5,8 +5,11 @@
       one JSON line per row as it finishes, then a markdown table.
   python run.py train     [--steps] [--text] [--seed] [--out DIR]       train (cached) and optionally save dense
   python run.py quantize  --method NAME --out DIR [--group-size 64] [--act-order] [--bpw 2.1] [--option K=V ...]
+                          [--target vllm|transformers|llama.cpp|onnx] [--format safetensors|gguf]
       write the trained model as a quantized checkpoint (gptq, awq, fp8, compressed-tensors, trellis, entquant,
-      lattice); --option passes any other keyword of that method's quantize()
+      lattice); --option passes any other keyword of that method's quantize(); --target picks settings that client
+      loads and refuses what it cannot; --format gguf writes one llama.cpp file (--out FILE)
+  python run.py export    SOURCE --gguf FILE [--force]       a checkpoint folder or .gguf file as a GGUF file
   python run.py eval      DIR [--impl] [--steps/--text/--seed]          KL of a quantized checkpoint vs the reference
 """
 import argparse
@@ -17,6 +20,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -26,6 +30,8 @@ from engine.evaluation import held_out_logits, kl_stats, perplexity
 from engine.formats import affine, awq, entropy, fp8, gptq, kv_cache, lattice, mx, nf4, trellis
 from engine.formats.base import impl, quantized_linears
 from engine.formats.checkpoints import METHODS, load_quantized, save_quantized
+from engine.formats.gguf_writer import write_gguf
+from engine.formats.serving import check_target, export_gguf, tp_degrees, vllm_serve_command
 from engine.loaders import checkpoint_source, model_digest, read_config, save_dense
 from engine.safetensors_io import check_output
 from engine.qwen3 import Qwen3Config
@@ -206,15 +212,30 @@ def check_quantize_args(args):
     bpw = options.get("bpw")
     if bpw is not None and not BPW_RANGE[0] <= bpw <= BPW_RANGE[1]:
         raise ValueError(f"--bpw {bpw}: {args.method} reaches {BPW_RANGE[0]} to {BPW_RANGE[1]} bits per weight")
-    check_output(args.out, args.force)
+    if args.target or args.format == "gguf":
+        options, args.format = check_target(args.target or "llama.cpp", args.method, options, args.format)
+    if args.format != "gguf":
+        check_output(args.out, args.force)
+    elif Path(args.out).exists() and not args.force:
+        raise ValueError(f"output {args.out} exists; choose another path or pass --force")
     return options
 
 
 def cmd_quantize(args):
     options = check_quantize_args(args)
     corpus, model = setup(args)
+    if args.format == "gguf":
+        METHODS[args.method].quantize(model, corpus.calibration(), **options)
+        log(f"wrote {args.out}: {json.dumps(write_gguf(model, args.out, force=args.force))}")
+        return
     qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), force=args.force, **options)
     log(f"wrote {args.out}: {json.dumps(qcfg)}")
+    if args.target == "vllm":
+        log(f"tensor-parallel degrees: {json.dumps(tp_degrees(args.out))}\nserve: {vllm_serve_command(args.out)}")
+
+
+def cmd_export(args):
+    log(f"wrote {args.gguf}: {json.dumps(export_gguf(args.source, args.gguf, force=args.force))}")
 
 
 def cmd_eval(args):
@@ -258,15 +279,21 @@ def main(argv=None):
     z.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="any other option of the method's quantize(), e.g. format=nvfp4-pack-quantized, L=8, bps=3")
     z.add_argument("--force", action="store_true", help="replace --out even if it holds other files")
+    z.add_argument("--target", help="vllm, transformers, llama.cpp or onnx: settings that client loads")
+    z.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors")
+    x = sub.add_parser("export", help="write a checkpoint folder or .gguf file as a GGUF file")
+    x.add_argument("source")
+    x.add_argument("--gguf", required=True, metavar="FILE")
+    x.add_argument("--force", action="store_true", help="replace FILE if it exists")
     e = common(sub.add_parser("eval", help="KL of a quantized checkpoint against the reference model"))
     e.add_argument("directory")
     e.add_argument("--impl", choices=["torch", "engine"], default="torch")
     args = parser.parse_args(argv)
-    if not 1 <= args.steps <= 10 ** 6:
+    if not 1 <= getattr(args, "steps", 1) <= 10 ** 6:
         parser.error("--steps must be >= 1 (and at most 10^6)")
     try:
-        {"quantformats": cmd_quantformats, "train": cmd_train, "quantize": cmd_quantize, "eval": cmd_eval}[
-            args.command](args)
+        {"quantformats": cmd_quantformats, "train": cmd_train, "quantize": cmd_quantize, "eval": cmd_eval,
+         "export": cmd_export}[args.command](args)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
 
