@@ -27,9 +27,15 @@ def say(**info):
     print(json.dumps(info), flush=True)
 
 
+class Refused(Exception):
+    """A refusal whose message is already the line to report."""
+
+
 def refusal(e):
     """One line that says why: pydantic's 'Value error, ...' line, else the exception's first line (plus the reason
     after vLLM's 'Reasons:')."""
+    if isinstance(e, Refused):
+        return str(e)[:400]
     lines = [s.strip() for s in str(e).strip().splitlines() if s.strip()] or [repr(e)]
     for s in lines:
         if s.startswith("Value error, "):
@@ -234,7 +240,7 @@ def ortgenai(args):
         if done.returncode:
             lines = [s for s in (done.stderr + done.stdout).splitlines() if s.strip()]
             errors = [s for s in lines if "Error" in s.split(":")[0] or "Exception" in s.split(":")[0]]
-            raise RuntimeError((errors or lines or ["builder failed"])[-1].strip())
+            raise Refused("model builder: " + (errors or lines or ["failed"])[-1].strip())
         build_s = time.perf_counter() - t0
         m = og.Model(str(onnx_dir))
         rows = []
@@ -280,10 +286,11 @@ def transformers_(args):
                 return normalized(logits.float().numpy()), {**info, **({"failed": failures} if failures else {})}
             except Exception as e:
                 failures.append(f"{name}: {refusal(e)}")
-                if name == "gguf_file":                      # say which shapes it built (the error does not)
+                if name == "gguf_file" and "ignore_mismatched_sizes" in str(e):   # which shapes it built
                     cfg = transformers.AutoConfig.from_pretrained(**kwargs)
-                    failures[-1] += f" (its config: head_dim {cfg.head_dim}, {cfg.num_key_value_heads} KV heads)"
-        raise RuntimeError(" / ".join(failures))
+                    failures[-1] = (f"{name}: the weights do not fit the model it built (head_dim {cfg.head_dim}, "
+                                    f"{cfg.num_key_value_heads} KV heads)")
+        raise Refused(" / ".join(failures))
     return each_model(pairs_of(args[1:]), run)
 
 

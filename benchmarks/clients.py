@@ -191,18 +191,12 @@ def compare(ref, other):
 
 # ---- the matrix -------------------------------------------------------------------------------------------------
 
-def cell_text(cell, client):
-    if cell is None:
-        return "n/a"
-    if "refused" in cell:
-        return "refused: " + cell["refused"].replace("|", "/")
-    flag = "" if cell["kl"] <= NOISE[client] else " (above noise)"
-    return f"KL {cell['kl']:.1e}, max d {cell['max_dlogp']:.1e}{flag}"
+def kind_of(path):
+    return "gguf" if path.suffix == ".gguf" else config_kind(json.loads((path / "config.json").read_text()))
 
 
-def expected(path, client):
+def expected(kind, client):
     """What serving.LOADS says, to flag a cell that disagrees with the table (None: the table has a caveat)."""
-    kind = "gguf" if path.suffix == ".gguf" else config_kind(json.loads((path / "config.json").read_text()))
     verdict, caveat = LOADS[kind].get("llama.cpp" if client == "converter" else client, ("not checked", ""))
     return None if caveat and verdict == "loads" else verdict
 
@@ -215,7 +209,10 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=Path("/tmp/engine-clients"))
     parser.add_argument("--no-install", action="store_true", help="report a missing client instead of installing")
     parser.add_argument("--rewrite", action="store_true", help="write the checkpoints again")
+    parser.add_argument("--render", type=Path, metavar="REPORT", help="only print the tables of a saved report.json")
     args = parser.parse_args(argv)
+    if args.render:
+        return print(markdown(json.loads(args.render.read_text())))
     out, timings = args.out, {}
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = byte_tokenizer_files(out / "byte-tokenizer")
@@ -277,13 +274,14 @@ def main(argv=None):
                                   tokenizer_dir, *extra)[-1]
             record(client, name, info, npy[name])
         timings[f"{client}_s"] = round(time.perf_counter() - t1, 1)
-    report = {"cells": {f"{n} | {c}": v for (n, c), v in cells.items()}, "timings": timings,
-              "written": {n: {"seconds": s, **r} for n, (_, s, r) in written.items()}}
+    report = {"clients": args.clients, "cells": {f"{n} | {c}": v for (n, c), v in cells.items()},
+              "timings": timings, "written": {n: {"kind": kind_of(p), "seconds": s, **r}
+                                              for n, (p, s, r) in written.items()}}
     if "llama.cpp" in pythons and not pythons["llama.cpp"][1] and "gguf-f32" in written:
         report["llama_quants"] = llama_quants(pythons["llama.cpp"][0], written, out)
         report["greedy"] = greedy_check(written, out, prompts)
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    print(markdown(cells, written, args.clients, report))
+    print(markdown(report))
 
 
 def llama_quants(python, written, out):
@@ -321,18 +319,32 @@ def greedy_check(written, out, prompts):
     return result
 
 
-def markdown(cells, written, clients, report):
+def markdown(report):
+    """The matrix (refusals as numbered notes below it), llama.cpp's quantizers against ours, greedy, timings."""
+    clients, notes = report["clients"], []
     lines = ["| format | " + " | ".join(clients) + " |", "|---|" + "---|" * len(clients)]
-    for name, (path, *_) in written.items():
+    for name, written in report["written"].items():
         row = []
         for client in clients:
-            cell = cells.get((name, client))
-            text = cell_text(cell, client)
-            loaded = cell is not None and "refused" not in cell
-            if cell is not None and expected(path, client) and (expected(path, client) in ("loads", "converts")) != loaded:
-                text += f" [table: {expected(path, client)}]"
+            cell = report["cells"].get(f"{name} | {client}")
+            if cell is None:
+                row.append("n/a")
+                continue
+            if "refused" in cell:
+                note = cell["refused"].replace("|", "/")
+                notes += [note] * (note not in notes)
+                text = f"refused ({notes.index(note) + 1})"
+            else:
+                text = f"{cell['kl']:.1e} / {cell['max_dlogp']:.1e}" + (" **above noise**" if cell["kl"] > NOISE[client]
+                                                                      else "")
+                text += f" ({cell['with']})" if cell.get("with", "plain") != "plain" else ""
+            want = expected(written["kind"], client)
+            if want and (want in ("loads", "converts")) != ("refused" not in cell):
+                text += f" [table: {want}]"
             row.append(text)
         lines.append(f"| {name} | " + " | ".join(row) + " |")
+    lines += ["", "Cells: KL(engine || client) mean over 4 x 128 positions / max |delta log-prob|; refusals:"]
+    lines += [f"{i}. {note}" for i, note in enumerate(notes, 1)]
     if report.get("llama_quants"):
         lines += ["", "| in llama.cpp, against its F32 run | KL | max d | same top % |", "|---|---:|---:|---:|"]
         lines += [f"| {k} | {v['kl']:.2e} | {v['max_dlogp']:.2e} | {v['same_top_pct']} |"
@@ -340,8 +352,8 @@ def markdown(cells, written, clients, report):
     if report.get("greedy"):
         lines += ["", "greedy, 64 tokens after 4 prompts, llama.cpp vs engine generate(): " +
                   ", ".join(f"{k} {v}" for k, v in report["greedy"].items())]
-    lines += ["", "export loss (engine model before vs after the GGUF round trip): " + ", ".join(
-        f"{n} KL {r['export_kl']:.1e}" for n, (_, _, r) in written.items() if "export_kl" in r)]
+    lines += ["", "export loss (KL, engine model before vs after the GGUF round trip): " + ", ".join(
+        f"{n} {w['export_kl']:.1e}" for n, w in report["written"].items() if "export_kl" in w)]
     lines += ["", "timings (s): " + json.dumps(report["timings"])]
     return "\n".join(lines)
 

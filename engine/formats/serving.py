@@ -31,6 +31,8 @@ from .gguf_writer import write_gguf
 TARGETS = ("transformers", "vllm", "llama.cpp", "onnx")
 ENGINE_ONLY = "only this engine reads it (no serving client knows the format)"
 VLLM_CPU = "vLLM's CPU build has no kernel for it (GPU kernels exist; not checked here)"
+FP4_FLOAT32 = ("in float32 the forward pass fails ('expected m1 and m2 to have the same dtype'): load with "
+               "dtype=torch.bfloat16 or CompressedTensorsConfig(dequantize=True)")
 
 # kind -> {target: (verdict, reason)}; reasons are the clients' own refusal lines where they give one
 LOADS = {
@@ -49,15 +51,17 @@ LOADS = {
             "llama.cpp": ("refuses", "converter: 'Quant method is not yet supported: awq'")},
     "compressed-tensors int4 sym": {"transformers": ("loads", ""), "vllm": ("loads", ""),
                                     "llama.cpp": ("converts", "dequantized")},
-    "compressed-tensors int4 asym": {"transformers": ("loads", ""), "vllm": ("loads", ""),
+    "compressed-tensors int4 asym": {"transformers": ("loads", "with CompressedTensorsConfig(dequantize=True): its "
+                                                              "run-compressed path expects unpacked zero points "
+                                                              "[out, groups], the format (and vLLM) packs them"),
+                                     "vllm": ("loads", ""),
                                      "llama.cpp": ("converts", "dequantized")},
-    "compressed-tensors fp8": {"transformers": ("loads", ""), "llama.cpp": ("converts", "dequantized"),
+    "compressed-tensors fp8": {"transformers": ("loads", "it runs the config's dynamic FP8 activations too (W8A8)"), "llama.cpp": ("converts", "dequantized"),
                                "vllm": ("cpu-refuses", "vLLM's CPU FP8 block kernel needs AMX (Sapphire Rapids)")},
-    "compressed-tensors nvfp4": {"transformers": ("loads", "float32 fails in the forward pass: load with "
-                                                          "dtype=torch.bfloat16 or CompressedTensorsConfig("
-                                                          "dequantize=True)"),
+    "compressed-tensors nvfp4": {"transformers": ("loads", FP4_FLOAT32 + "; the decompressor rounds the weights "
+                                                                          "to bfloat16"),
                                  "llama.cpp": ("converts", "kept as GGML NVFP4"), "vllm": ("cpu-refuses", VLLM_CPU)},
-    "compressed-tensors mxfp4": {"transformers": ("loads", ""), "vllm": ("cpu-refuses", VLLM_CPU),
+    "compressed-tensors mxfp4": {"transformers": ("loads", FP4_FLOAT32), "vllm": ("cpu-refuses", VLLM_CPU),
                                  "llama.cpp": ("refuses", "converter: 'Quant format mxfp4-pack-quantized ... is "
                                                           "not yet supported'")},
     "fp8": {"transformers": ("loads", "dequantized on CPU"), "llama.cpp": ("converts", "dequantized"),
