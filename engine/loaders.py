@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .qwen3 import Qwen3, Qwen3Config
-from .safetensors_io import (atomic_directory, checkpoint_files, read_header, read_json, recover_interrupted_swap,
-                             save_file, snapshot_tensors, tensor_digest, tensor_specs, write_json)
+from .safetensors_io import (atomic_directory, checkpoint_records, read_json, recover_interrupted_swap, save_file,
+                             snapshot_tensors, float_digest, tensor_specs, write_json)
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -144,17 +144,32 @@ def load_dense(directory, dtype=None, device="cpu", verify=True):
 
 
 def model_digest(model):
-    """SHA-256 of a model's tensors (floating-point ones as float32, so that a lossless bf16 / f16 -> f32 load gives
-    the same digest): the provenance a quantized checkpoint records and `run.py eval` checks."""
-    tied = model.cfg.tie_word_embeddings
-    lines = [f"{name}:{tensor_digest(t.float() if t.dtype.is_floating_point else t)}"
-             for name, t in sorted(model.state_dict().items()) if not (tied and name == "lm_head.weight")]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    """SHA-256 of the weights a model computes with, as float32 (so that a lossless bf16 / f16 -> f32 load gives the
+    same digest, and a quantized layer counts as its dequantized weight): the provenance a quantized checkpoint
+    records, and `run.py eval` checks."""
+    from .formats.base import QuantLinear
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            tensors[f"{name}.weight"] = module.dequantize()
+            if module.bias is not None:
+                tensors[f"{name}.bias"] = module.bias
+        else:
+            for p_name, p in module.named_parameters(recurse=False):
+                tensors[f"{name}.{p_name}" if name else p_name] = p
+    if model.cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return digest_of({name: float_digest(t) for name, t in tensors.items()})
+
+
+def digest_of(tensor_digests):
+    """One digest for a model from {name: tensor digest} (the streaming converter builds it tensor by tensor)."""
+    return hashlib.sha256("\n".join(f"{k}:{v}" for k, v in sorted(tensor_digests.items())).encode()).hexdigest()
 
 
 def checkpoint_source(directory):
     """The model_digest of the model a checkpoint was quantized from, as its writer recorded it (None if unknown)."""
-    return read_header(checkpoint_files(directory)[0])[1].get("engine.source_sha256")
+    return checkpoint_records(directory).get("engine.source_sha256")
 
 
 def dense_tensors(model, dtype=None):

@@ -9,12 +9,14 @@ cache snapshot, inside its repository's blobs/), and its size is bounded before 
 
 `read_header` parses and checks that header by hand (every shape, dtype and offset against the file's size), so a
 loader knows every tensor's name, dtype and shape, and can check them against config.json, before it allocates
-anything. `snapshot_tensors` then streams (name, tensor) pairs one at a time.
+anything. `TensorReader` then reads tensors one at a time at those offsets with plain file reads (no memory map, so
+a long conversion does not keep every tensor it has read resident), and `snapshot_tensors` streams them all.
 
 Integrity. safetensors has no checksum. Every file the engine writes records its writer and a SHA-256 per tensor in
 the header's metadata; `snapshot_tensors` verifies each tensor as it arrives (verify=False skips it).
 
-Writing. `save_file` writes a temporary file in the target folder, fsyncs it and renames it into place.
+Writing. `save_file` writes a temporary file in the target folder, each tensor's bytes straight from memory, fsyncs
+it and renames it into place.
 `atomic_directory(DIR)` builds a checkpoint in a sibling temporary folder; once every file and the folder are
 fsynced it swaps the folder into place with one atomic rename-exchange (Linux renameat2), so that after a kill at any
 instant DIR holds the complete old or the complete new checkpoint; the old one is then removed. Where the exchange
@@ -34,8 +36,6 @@ import struct
 import tempfile
 from pathlib import Path
 
-import safetensors
-import safetensors.torch
 import torch
 
 SINGLE = "model.safetensors"
@@ -95,9 +95,10 @@ def read_json(directory, name):
 # ---- headers ----------------------------------------------------------------------------------------------------
 
 def read_header(path):
-    """({name: (dtype, shape)}, metadata {str: str}) of a safetensors file, every entry checked against the file's
-    size: known dtype, non-negative integer dims, offsets inside the data section that hold exactly dtype x shape
-    bytes and do not overlap. ValueError naming the file and the tensor otherwise."""
+    """({name: (dtype, shape)}, metadata {str: str}, {name: (begin, end)} absolute byte positions) of a safetensors
+    file, every entry checked against the file's size: known dtype, non-negative integer dims, offsets inside the data
+    section that hold exactly dtype x shape bytes and do not overlap. ValueError naming the file and the tensor
+    otherwise."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -138,7 +139,7 @@ def read_header(path):
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
         if begin < end:
             raise ValueError(f"{path} is not a valid safetensors file: tensors {a!r} and {b!r} overlap")
-    return specs, metadata
+    return specs, metadata, {name: (8 + n + begin, 8 + n + end) for begin, end, name in spans}
 
 
 def checkpoint_files(directory):
@@ -162,12 +163,24 @@ def checkpoint_files(directory):
     raise ValueError(f"no {SINGLE} or {INDEX} in {directory}")
 
 
+def checkpoint_records(directory):
+    """What the engine's writer recorded about a checkpoint as a whole ("engine.*" entries: the digest of its
+    quantization_config, of the model it came from): in the shard index's metadata for a sharded checkpoint, in
+    the file's header metadata otherwise. {} for checkpoints other tools wrote."""
+    directory = Path(directory)
+    if (directory / INDEX).exists():
+        meta = read_json(directory, INDEX).get("metadata") or {}
+    else:
+        meta = read_header(checkpoint_files(directory)[0])[1]
+    return {k: v for k, v in meta.items() if isinstance(k, str) and k.startswith("engine.") and isinstance(v, str)}
+
+
 def tensor_specs(directory):
     """{name: (dtype, shape)} of every tensor in the checkpoint, from the headers alone (no tensor is read);
     ValueError if a name appears in two shards."""
     specs = {}
     for path in checkpoint_files(directory):
-        found, _ = read_header(path)
+        found = read_header(path)[0]
         twice = sorted(set(found) & set(specs))
         if twice:
             raise ValueError(f"tensor {twice[0]} appears in more than one shard ({path.name})")
@@ -182,26 +195,67 @@ def tensor_digest(t):
     return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
+def float_digest(t, chunk=1 << 22):
+    """SHA-256 (hex) of a floating-point tensor's values as float32 bytes, cast a chunk at a time (no float32 copy
+    of a large embedding table): what provenance digests use, so that a lossless bf16 -> f32 load changes nothing."""
+    digest, flat = hashlib.sha256(), t.detach().contiguous().cpu().reshape(-1)
+    for start in range(0, flat.numel(), chunk):
+        digest.update(flat[start:start + chunk].float().numpy())
+    return digest.hexdigest()
+
+
+TORCH_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
+                "F8_E5M2": torch.float8_e5m2, "E8M0": torch.float8_e8m0fnu, "I16": torch.int16, "U16": torch.uint16,
+                "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
+                "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64}
+SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+class TensorReader:
+    """The tensors of a checkpoint (a folder, or one safetensors file), read one at a time with plain file reads at
+    the offsets read_header checked (no memory map: a converter's resident memory stays one tensor, not the pages of
+    every tensor it has read). read(name) returns the tensor, checked against the SHA-256 its writer recorded (if
+    the engine wrote it, unless verify=False)."""
+
+    def __init__(self, path, verify=True):
+        self.where, self.digests = {}, {}
+        for file in [Path(path)] if Path(path).is_file() else checkpoint_files(path):
+            specs, metadata, spans = read_header(file)
+            twice = sorted(set(specs) & set(self.where))
+            if twice:
+                raise ValueError(f"tensor {twice[0]} appears in more than one shard ({file.name})")
+            self.where.update({name: (file, specs[name], spans[name]) for name in specs})
+            if verify:
+                recorded = metadata.get("engine.sha256", "{}")
+                try:
+                    self.digests.update(json.loads(recorded))
+                except (json.JSONDecodeError, RecursionError, TypeError):
+                    raise ValueError(f"{file}: its recorded SHA-256 digests are not valid JSON") from None
+
+    def names(self):
+        return list(self.where)
+
+    def read(self, name):
+        path, (dtype, shape), (begin, end) = self.where[name]
+        with open(path, "rb") as f:
+            f.seek(begin)
+            data = bytearray(f.read(end - begin))
+        if len(data) != end - begin:
+            raise ValueError(f"{path} is not a valid safetensors file: {name} is cut short (the file shrank)")
+        tensor = (torch.frombuffer(data, dtype=TORCH_DTYPES[dtype]) if data else
+                  torch.empty(0, dtype=TORCH_DTYPES[dtype])).reshape(shape)
+        if name in self.digests and tensor_digest(tensor) != self.digests[name]:
+            raise ValueError(f"{path.name}: tensor {name} does not match its recorded SHA-256 (the file is corrupted)")
+        return tensor
+
+
 def snapshot_tensors(directory, verify=True):
-    """Yield (name, tensor) for every tensor of the checkpoint, one at a time. Files written by the engine carry a
-    SHA-256 per tensor, checked here unless verify=False: a flipped bit is a ValueError, never another model."""
-    seen = set()
-    for path in checkpoint_files(directory):
-        _, metadata = read_header(path)
-        digests = json.loads(metadata.get("engine.sha256", "{}")) if verify else {}
-        try:
-            with safetensors.safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if name in seen:
-                        raise ValueError(f"tensor {name} appears in more than one shard ({path.name})")
-                    seen.add(name)
-                    tensor = f.get_tensor(name)
-                    if name in digests and tensor_digest(tensor) != digests[name]:
-                        raise ValueError(f"{path.name}: tensor {name} does not match its recorded SHA-256 "
-                                         "(the file is corrupted)")
-                    yield name, tensor
-        except safetensors.SafetensorError as e:
-            raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
+    """Yield (name, tensor) for every tensor of the checkpoint, one at a time, shard by shard. Files written by the
+    engine carry a SHA-256 per tensor, checked here unless verify=False: a flipped bit is a ValueError, never another
+    model."""
+    reader = TensorReader(directory, verify)
+    for name in reader.names():
+        yield name, reader.read(name)
 
 
 def engine_metadata(tensors, metadata=None):
@@ -229,15 +283,32 @@ def _fsync(path):
 
 def save_file(tensors, path, metadata=None):
     """Write tensors to a safetensors file atomically (a temporary file in the same folder, fsynced, renamed into
-    place), with the engine's metadata (writer, per-tensor SHA-256). The file's mode follows the umask."""
+    place), with the engine's metadata (writer, per-tensor SHA-256). Each tensor's bytes go straight from its
+    memory to the file (no serialized copy of the whole file); tensors are laid out largest element first, so that
+    every one starts at a multiple of its element size. The file's mode follows the umask."""
     path = Path(path)
-    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header, offset = {"__metadata__": engine_metadata(tensors, metadata)}, 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     try:
-        safetensors.torch.save_file(tensors, tmp, metadata=engine_metadata(tensors, metadata))
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head)
+            for name in order:
+                if tensors[name].numel():
+                    f.write(memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())
-        _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -330,6 +401,31 @@ def recover_interrupted_swap(directory):
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+def commit_directory(tmp, directory):
+    """Move the finished folder `tmp` (a sibling of `directory`) into place: every file and the folder fsynced, then
+    one atomic rename (no old checkpoint), one atomic rename-exchange (the old one is then removed), or, where the
+    system has no exchange, two renames with a journal that recover_interrupted_swap finishes after a kill."""
+    tmp, directory = Path(tmp), Path(directory)
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    _fsync(tmp)
+    if not directory.exists():
+        os.replace(tmp, directory)
+    elif _exchange(tmp, directory):
+        shutil.rmtree(tmp, ignore_errors=True)          # tmp now holds the old checkpoint
+    else:
+        old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-{os.getpid()}.", suffix=".tmp",
+                                    dir=directory.parent))
+        old.rmdir()
+        _journal(directory).write_text(json.dumps({"new": tmp.name, "old": old.name}))
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        _journal(directory).unlink()
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync(directory.parent)
+
+
 @contextlib.contextmanager
 def atomic_directory(directory, force=False):
     """Write a checkpoint folder atomically: yields a temporary sibling folder to fill; on success it replaces
@@ -343,22 +439,17 @@ def atomic_directory(directory, force=False):
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                _fsync(f)
-        _fsync(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not directory.exists():
-        os.replace(tmp, directory)
-    elif _exchange(tmp, directory):
-        shutil.rmtree(tmp, ignore_errors=True)          # tmp now holds the old checkpoint
-    else:
-        old = tmp.with_name(tmp.name.replace(".new-", ".old-"))
-        _journal(directory).write_text(json.dumps({"new": tmp.name, "old": old.name}))
-        os.replace(directory, old)
-        os.replace(tmp, directory)
-        _journal(directory).unlink()
-        shutil.rmtree(old, ignore_errors=True)
-    _fsync(directory.parent)
+    commit_directory(tmp, directory)
+
+
+def resumable_directory(directory):
+    """The folder a long conversion to `directory` builds in, under a name that a re-run finds again (so it can
+    resume), created with the umask's mode: DIR's sibling .DIR.partial."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    partial = directory.parent / f".{directory.name}.partial"
+    partial.mkdir(exist_ok=True)
+    return partial

@@ -102,7 +102,7 @@ def test_scales_fold_exactly_and_gqa_skip(tiny_model, monkeypatch):
 
     monkeypatch.setattr(awq, "search_scale", fixed)
     norm_before = tiny_model.model.layers[0].input_layernorm.weight.clone()
-    awq.apply_awq(tiny_model, ids, bits=8, group_size=32)
+    awq.quantize(tiny_model, ids, bits=8, group_size=32)
     assert not torch.equal(tiny_model.model.layers[0].input_layernorm.weight, norm_before)
     assert len(searched) == 3 * len(tiny_model.model.layers)
     assert (torch.Size([64, 64]),) not in searched                        # o_proj alone: the skipped pair

@@ -16,8 +16,18 @@ def test_e2m1_table():
     assert mx.E2M1[:8].tolist() == MAGNITUDES
     assert mx.E2M1[8:].tolist() == [-v for v in MAGNITUDES]
     assert torch.signbit(mx.E2M1[8])                          # code 8 is -0
-    table = torch.tensor(triton_formats.E2M1_VALUES)           # the kernels' copy
-    assert torch.equal(table, mx.E2M1) and torch.equal(torch.signbit(table), torch.signbit(mx.E2M1))
+
+
+@pytest.mark.parametrize("table", [mx.E2M1, torch.arange(16.0) - 7.5])
+def test_fp4_kernels_decode_with_the_table_they_are_given(table):
+    """The kernels hold no E2M1 copy of their own: a code decodes to whatever the format's table says."""
+    codes = torch.arange(64) % 16                                # every code, in both nibbles of a byte
+    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8)[None, :].repeat(3, 1)       # [3, 32]
+    eye = torch.eye(64)
+    mx_w = triton_formats.mxfp4_matmul(eye, packed.reshape(3, 2, 16), torch.full((3, 2), 127, dtype=torch.uint8),
+                                       table).T                  # E8M0 127 = 2^0
+    nv_w = triton_formats.nvfp4_matmul(eye, packed, torch.ones(3, 4).to(torch.float8_e4m3fn), 1.0, table).T
+    assert torch.equal(mx_w, table[codes].expand(3, 64)) and torch.equal(nv_w, mx_w)
 
 
 def test_to_e2m1_ties_to_even_and_saturation():

@@ -113,8 +113,8 @@ def test_kernel_equals_torch_decoder(code, tail_biting, L, K, tile):
     layer = trellis.TrellisLinear(codes, scales, L, K, code, tail_biting, tile, 256, 0)
     mean, inv_std = trellis.code_stats(L, code)
     eye = torch.eye(256)                              # y = W_rot^T exactly: one product per output
-    w_kernel = triton_formats.trellis_matmul(eye, codes, scales.float(), L, K, tile, mean, inv_std,
-                                             trellis.CODES.index(code)).T
+    w_kernel = triton_formats.trellis_matmul(eye, codes, scales.float(), L, K, tile, mean, inv_std, code,
+                                             trellis.HASH[code]).T
     assert torch.equal(w_kernel, layer.decode_rotated())
     x = torch.randn(5, 256)
     y_torch = layer(x)
@@ -184,7 +184,8 @@ def test_malformed_streams_raise_value_error():
     with pytest.raises(ValueError, match='rotation tile'):
         trellis.quantize_trellis(torch.randn(16, 200), 8, 2)
     with pytest.raises(ValueError, match="do not fit"):
-        triton_formats.trellis_matmul(torch.randn(2, 128), codes, scales.float(), 8, 2, (1, 256), 0.0, 1.0)
+        triton_formats.trellis_matmul(torch.randn(2, 128), codes, scales.float(), 8, 2, (1, 256), 0.0, 1.0, "1mad",
+                                      trellis.HASH["1mad"])
 
 
 def test_model_quantize_engine_and_checkpoint_round_trip(tiny_model, tmp_path):

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import triton_formats
-from .base import QuantLinear, replace_linears
+from .base import QuantLinear
+from .calibration import whole_model
 
 
 # ---- choosing the grid ------------------------------------------------------------------------------------------
@@ -249,10 +250,14 @@ def affine_parts(layer):
     return codes[:, inverse], scales, zeros, group_of_stored[inverse].to(torch.int32)
 
 
-def quantize(model, calibration_ids=None, bits=4, group_size=64, sym=False):
-    """Round-to-nearest (data-free: calibration_ids is not used): replace every linear but lm_head by an
-    AffineQuantLinear, in place. Returns a quantization_config describing the layers (gptq and compressed-tensors
-    checkpoints can store them)."""
+def quantize_layer(layer, bits=4, group_size=64, sym=False):
+    """Round-to-nearest: replace the layer's linears (a calibration.LayerCalibration) by AffineQuantLinears, in
+    place. Returns a quantization_config describing them (gptq and compressed-tensors checkpoints can store them)."""
     check_bits(bits)
-    replace_linears(model, lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size, sym))
+    layer.replace(lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size, sym))
     return {"quant_method": "rtn", "bits": bits, "group_size": group_size, "sym": sym}
+
+
+def quantize(model, calibration_ids=None, **options):
+    """Round-to-nearest every linear but lm_head, in place (data-free: calibration_ids is not used)."""
+    return quantize_layer(whole_model(model), **options)

@@ -24,8 +24,9 @@ Checkpoint (AutoAWQ GEMM, 4-bit):
 import torch
 
 from . import calibration
-from .affine import AffineQuantLinear, affine_parts, choose_clip, fake_quantize, pack_int32, unpack_int32
-from .base import CheckpointMethod, config_field, replace_linears
+from .affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize, pack_int32,
+                     unpack_int32)
+from .base import CheckpointMethod, config_field
 from .calibration import InputStats
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -71,38 +72,42 @@ SCALING_PAIRS = (("input_layernorm", None, ("self_attn.q_proj", "self_attn.k_pro
 
 
 @torch.no_grad()
-def apply_awq(model, calibration_ids, bits=4, group_size=128, batch_size=8):
-    """Scale, clip and quantize every decoder layer's linears in place, AutoAWQ's way, one layer at a time. Returns
-    {name: AffineQuantLinear}.
+def quantize_layer(layer, group_size=64, bits=4):
+    """Scale, clip and quantize one decoder layer's linears (a calibration.LayerCalibration) in place, AutoAWQ's
+    way. Returns the quantization_config AutoAWQ writes.
 
     The inputs of q, o, gate and down are summarized (InputStats) while the FLOAT layer runs on its calibration
-    inputs (engine.formats.calibration; the next layer's inputs are the float layer's outputs, as in AutoAWQ); then
-    each pair's scale is searched and folded in, each group's clipping range is searched on the scaled weights
-    (affine.choose_clip), and every linear is rounded to nearest within its clipped ranges."""
-    replaced = {}
-    for layer in calibration.decoder_layers(model, calibration_ids, batch_size, "AWQ", inputs_from="float"):
-        stats = layer.capture([names[0] for _, _, names in SCALING_PAIRS])
-        clips = {}
-        for norm, previous, names in SCALING_PAIRS:
-            linears = [layer.layer.get_submodule(n) for n in names]
-            inputs = stats[layer.prefix + names[0]]
-            s = torch.ones(linears[0].in_features)
-            previous = previous and layer.layer.get_submodule(previous)
-            if previous is None or previous.out_features == linears[0].in_features:   # GQA: v's rows feed
-                s, _ = search_scale([lin.weight for lin in linears], inputs, bits, group_size)  # several heads
-                _fold_scale(norm and layer.layer.get_submodule(norm), previous, linears, s)
-            # AutoAWQ's clipping search, on the scaled weights and inputs: any X with X^T X / n = G / (s s^T) gives
-            # choose_clip's group-wise output error; sqrt(n) diag(sqrt(lambda)) V^T (G / (s s^T) = V diag(lambda)
-            # V^T) is one with only n rows
-            g = inputs.gram.double() / (s[:, None] * s[None, :]).double()
-            n = g.shape[0]
-            lam, v = torch.linalg.eigh(g)
-            x = (n ** 0.5 * lam.clamp_min(0).sqrt()[:, None] * v.T).float()
-            for name, linear in zip(names, linears):
-                clips[layer.prefix + name] = choose_clip(linear.weight.detach(), x, bits, group_size, max_tokens=n)
-        replaced.update(replace_linears(model, lambda name, linear: AffineQuantLinear.from_linear(
-            linear, bits, group_size, clip=clips[name]), names=set(clips)))
-    return replaced
+    inputs (the layer's inputs are the float layers' outputs, as in AutoAWQ); then each pair's scale is searched and
+    folded in, each group's clipping range is searched on the scaled weights (affine.choose_clip), and every linear
+    is rounded to nearest within its clipped ranges."""
+    check_bits(bits)
+    stats = layer.capture([names[0] for _, _, names in SCALING_PAIRS])
+    clips = {}
+    for norm, previous, names in SCALING_PAIRS:
+        linears = [layer.layer.get_submodule(n) for n in names]
+        inputs = stats[layer.prefix + names[0]]
+        s = torch.ones(linears[0].in_features)
+        previous = previous and layer.layer.get_submodule(previous)
+        if previous is None or previous.out_features == linears[0].in_features:      # GQA: v's rows feed
+            s, _ = search_scale([lin.weight for lin in linears], inputs, bits, group_size)  # several heads
+            _fold_scale(norm and layer.layer.get_submodule(norm), previous, linears, s)
+        # AutoAWQ's clipping search, on the scaled weights and inputs: any X with X^T X / n = G / (s s^T) gives
+        # choose_clip's group-wise output error; sqrt(n) diag(sqrt(lambda)) V^T (G / (s s^T) = V diag(lambda) V^T)
+        # is one with only n rows
+        g = inputs.gram.double() / (s[:, None] * s[None, :]).double()
+        n = g.shape[0]
+        lam, v = torch.linalg.eigh(g)
+        x = (n ** 0.5 * lam.clamp_min(0).sqrt()[:, None] * v.T).float()
+        for name, linear in zip(names, linears):
+            clips[layer.prefix + name] = choose_clip(linear.weight.detach(), x, bits, group_size, max_tokens=n)
+    layer.replace(lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size, clip=clips[name]))
+    return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
+
+
+def quantize(model, calibration_ids, batch_size=8, **options):
+    """AWQ every decoder layer of `model` in place (engine.formats.calibration: the inputs of each layer come from
+    the float layers before it); options: those of quantize_layer. Returns the quantization_config."""
+    return calibration.by_layer(model, quantize_layer, calibration_ids, "float", batch_size, "AWQ", **options)
 
 
 def _fold_scale(norm, previous, linears, s):
@@ -116,13 +121,6 @@ def _fold_scale(norm, previous, linears, s):
             previous.bias.div_(s.to(previous.bias.dtype))
     for linear in linears:
         linear.weight.mul_(s[None, :].to(linear.weight.dtype))
-
-
-def quantize(model, calibration_ids, group_size=64, bits=4):
-    """AWQ every decoder-layer linear in place; returns the quantization_config AutoAWQ writes."""
-    _check_bits(bits)
-    apply_awq(model, calibration_ids, bits, group_size)
-    return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
 
 
 # ---- the checkpoint layout --------------------------------------------------------------------------------------
@@ -199,4 +197,5 @@ def _write(layer, qcfg):
 
 
 CHECKPOINT = CheckpointMethod(name="awq", parts=lambda qcfg: ("qweight", "qzeros", "scales"), read=_read,
-                              write=_write, quantize=quantize, validate=validate)
+                              write=_write, quantize=quantize, validate=validate, quantize_layer=quantize_layer,
+                              calibration=lambda options: "float")

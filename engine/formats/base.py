@@ -146,6 +146,11 @@ class CheckpointMethod:
                 defaults filled in; run once per checkpoint, before parts / read / write see it
       finish    optional (model, quantization_config) -> None, run once every layer is loaded (e.g. EntQuant
                 attaches its shared per-block decoder)
+      quantize_layer  (calibration.LayerCalibration, **options) -> quantization_config: quantize one decoder layer
+                in place; what `quantize` runs on every layer, and what the streaming converter runs on layers
+                read from disk one at a time
+      calibration  options -> None (data-free), "quantized" or "float": which calibration inputs each layer needs
+                (those that passed through the quantized layers before it, or through the float ones)
     """
     name: str
     parts: Callable
@@ -154,3 +159,5 @@ class CheckpointMethod:
     quantize: Callable
     validate: Callable | None = None
     finish: Callable | None = None
+    quantize_layer: Callable | None = None
+    calibration: Callable = lambda options: None

@@ -19,6 +19,8 @@ linearly with depth, not as layers^2 as re-running the model from the embedding 
 """
 import torch
 
+from .base import linear_names, replace_linears
+
 # The linears of a decoder layer, in forward order, grouped into the steps whose members read the same input.
 SEQUENTIAL_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
                     ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
@@ -111,20 +113,38 @@ def capture(modules, batches, run):
 
 
 class LayerCalibration:
-    """One decoder layer and the calibration batches that reach it: each batch is the tuple of arguments the model
-    passes the layer (hidden states [b, T, hidden] first, then the RoPE tables)."""
+    """Decoder layer `index` of a model and the calibration batches that reach it: each batch is the tuple of
+    arguments the model passes the layer (hidden states [b, T, hidden] first, then the RoPE tables); batches is
+    None for a data-free method."""
 
-    def __init__(self, layer, prefix, batches):
-        self.layer, self.prefix, self.batches = layer, prefix, batches
+    def __init__(self, layer, index, batches=None, method="this method", prefix=None):
+        self.layer, self.index, self.batches, self.method = layer, index, batches, method
+        self.prefix = f"model.layers.{index}." if prefix is None else prefix
+
+    def replace(self, make, names=None):
+        """Replace the layer's linears (all, or the full names in `names`) by make(full name, linear), in place."""
+        names = None if names is None else {n.removeprefix(self.prefix) for n in names}
+        return replace_linears(self.layer, lambda name, linear: make(self.prefix + name, linear), names)
 
     def linears(self, names=None):
-        """{full name: module} of the layer's linears (`names`: relative names such as "self_attn.q_proj")."""
+        """{full name: module} of the layer's linears (`names`: relative names such as "self_attn.q_proj"; all of
+        them, in forward order, by default)."""
         names = [n for step in SEQUENTIAL_STEPS for n in step] if names is None else names
         return {self.prefix + n: self.layer.get_submodule(n) for n in names}
+
+    def module(self, name):
+        """The layer's submodule of full name `name`."""
+        return self.layer.get_submodule(name.removeprefix(self.prefix))
+
+    def linear_names(self):
+        """Full names of the linears a data-free method replaces, in module order (all but lm_head)."""
+        return [self.prefix + n for n in linear_names(self.layer)]
 
     @torch.no_grad()
     def capture(self, names=None):
         """{full name: InputStats} of the named linears' inputs (all of them by default) over every batch."""
+        if self.batches is None:
+            raise ValueError(f"{self.method} needs calibration_ids")
         return capture(self.linears(names), self.batches, lambda args: self.layer(*args))
 
     @torch.no_grad()
@@ -174,15 +194,36 @@ def first_layer_batches(model, ids, batch_size):
 def decoder_layers(model, calibration_ids, batch_size=8, method="calibration", inputs_from="quantized"):
     """Yield a LayerCalibration for each decoder layer of `model`, in order. The caller captures and quantizes
     inside the loop body; the next layer then receives this layer's outputs, computed after the body
-    (inputs_from="quantized": through the quantized layer) or before it (inputs_from="float")."""
+    (inputs_from="quantized": through the quantized layer) or before it (inputs_from="float"). inputs_from=None:
+    a data-free method, whose layers come without calibration batches."""
+    if inputs_from is None:
+        for i, layer in enumerate(model.model.layers):
+            yield LayerCalibration(layer, i, None, method)
+        return
     if inputs_from not in ("quantized", "float"):
-        raise ValueError(f"inputs_from must be 'quantized' or 'float', got {inputs_from!r}")
+        raise ValueError(f"inputs_from must be 'quantized', 'float' or None, got {inputs_from!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     ids = check_ids(calibration_ids, model.cfg.vocab_size, method)
     batches = first_layer_batches(model, ids, batch_size)
     for i, layer in enumerate(model.model.layers):
-        cal = LayerCalibration(layer, f"model.layers.{i}.", batches)
+        cal = LayerCalibration(layer, i, batches, method)
         ahead = cal.outputs() if inputs_from == "float" else None
         yield cal
         batches = ahead if ahead is not None else cal.outputs()
+
+
+def whole_model(model):
+    """The whole model (any module) as one data-free "layer": a data-free method's quantize_layer on it replaces every
+    linear but lm_head, exactly as on each decoder layer in turn."""
+    return LayerCalibration(model, 0, None, prefix="")
+
+
+def by_layer(model, quantize_layer, calibration_ids=None, inputs_from=None, batch_size=8, method="this method",
+             **options):
+    """Quantize `model` in place, one decoder layer at a time: quantize_layer(LayerCalibration, **options) on each
+    (the same function the streaming converter, engine.formats.checkpoints.quantize_checkpoint, calls on layers read
+    from disk). Returns the quantization_config quantize_layer describes its work with."""
+    configs = [quantize_layer(layer, **options)
+               for layer in decoder_layers(model, calibration_ids, batch_size, method, inputs_from)]
+    return configs[0]

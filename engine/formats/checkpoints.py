@@ -13,7 +13,7 @@ import json
 import torch
 
 from ..loaders import check_complete, default_dtype, install_layer, load_tensors, model_digest, place, prepare
-from ..safetensors_io import atomic_directory, check_output, checkpoint_files, read_header, save_file, write_json
+from ..safetensors_io import atomic_directory, check_output, checkpoint_records, save_file, write_json
 from . import awq, compressed_tensors, entropy, fp8, gptq, lattice, trellis
 from .base import linear_names, quantized_linears
 
@@ -94,7 +94,7 @@ def load_quantized(directory, dtype=None, device="cpu", verify=True):
     dtype (or `dtype`); quantized layers keep their own."""
     raw, _, model, specs = prepare(directory)
     method = method_for(raw.get("quantization_config"))
-    recorded = read_header(checkpoint_files(directory)[0])[1].get("engine.quantization_config_sha256")
+    recorded = checkpoint_records(directory).get("engine.quantization_config_sha256")
     if recorded is not None and recorded != config_digest(raw["quantization_config"]):
         raise ValueError(f"the quantization_config in {directory}/config.json is not the one its tensors were written "
                          "with (its digest differs): its fields change what the stored bits mean, so it is refused")

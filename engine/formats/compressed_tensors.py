@@ -30,7 +30,8 @@ computed at run time by vLLM and are not emulated here; static activation scales
 import torch
 
 from .affine import AffineQuantLinear, pack_int32, unpack_int32
-from .base import CheckpointMethod, quantized_linears, replace_linears
+from .base import CheckpointMethod, quantized_linears
+from .calibration import whole_model
 from .fp8 import FP8BlockLinear
 from .mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear
 
@@ -267,10 +268,10 @@ def _write(layer, spec):
 
 # ---- quantizing -------------------------------------------------------------------------------------------------
 
-def quantize(model, calibration_ids=None, format="pack-quantized", group_size=64, symmetric=True, bits=4, block=128):
-    """Quantize every linear but lm_head IN PLACE into `format` (data-free: round to nearest for int, the FP8 / FP4
-    quantizers of fp8.py and mx.py; calibration_ids is not used) and return the quantization_config.
-    For GPTQ / AWQ layers, quantize with those methods and write with `config_for_model`."""
+def quantize_layer(layer, format="pack-quantized", group_size=64, symmetric=True, bits=4, block=128):
+    """Quantize the layer's linears (a calibration.LayerCalibration) IN PLACE into `format` (data-free: round to
+    nearest for int, the FP8 / FP4 quantizers of fp8.py and mx.py) and return the quantization_config. For GPTQ /
+    AWQ layers, quantize with those methods and write with `config_for_model`."""
     config = quantization_config(format, bits, group_size, symmetric, block)
 
     def make(name, linear):
@@ -280,8 +281,13 @@ def quantize(model, calibration_ids=None, format="pack-quantized", group_size=64
             return FP8BlockLinear.from_linear(linear, block)
         return (NVFP4Linear if format == "nvfp4-pack-quantized" else MXFP4Linear).from_linear(linear)
 
-    replace_linears(model, make)
+    layer.replace(make)
     return config
+
+
+def quantize(model, calibration_ids=None, **options):
+    """Quantize every linear but lm_head in place (data-free: calibration_ids is not used)."""
+    return quantize_layer(whole_model(model), **options)
 
 
 def config_for_model(model):
@@ -320,4 +326,4 @@ def write(layer, config):
 
 
 CHECKPOINT = CheckpointMethod(name="compressed-tensors", parts=_parts, read=_read, write=_write, quantize=quantize,
-                              validate=validate)
+                              validate=validate, quantize_layer=quantize_layer)

@@ -412,6 +412,34 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
             "sensitivity": sensitivity, "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
 
 
+@torch.no_grad()
+def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max_iter=500, lanes=None, tol=0.05,
+                   sensitivity=None, fisher_samples=64):
+    """EntQuant one transformer block (a calibration.LayerCalibration: the coding unit) in place, for the streaming
+    converter: with lam, exactly what `quantize` does to this block; with bpw, lambda is searched for this block
+    alone (each block then meets the target, rather than the model on average). The Fisher-weighted loss needs the
+    whole model's gradients and is refused here. Returns the quantization_config."""
+    if (lam is None) == (bpw is None):
+        raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
+    if parse_sensitivity(sensitivity) is not None:
+        raise ValueError("sensitivity='fisher' needs the whole model in memory (engine.formats.entropy.quantize)")
+    linears = {layer.index: [(name, layer.module(name)) for name in layer.linear_names()]}
+    found = {}
+
+    def measure(lam_):
+        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes)
+        return found[lam_][1] / found[lam_][2]
+
+    if bpw is not None:
+        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt), tol=tol)
+    else:
+        measure(lam)
+    layers, bits, count = found[lam]
+    layer.replace(lambda name, linear: layers[name], names=set(layers))
+    return {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
+            "sensitivity": None, "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
+
+
 def resident_bytes(model):
     """What an EntQuant model keeps for its quantized linears at run time vs dense float32 and bfloat16:
     {"compressed", "buffer", "resident", "dense_f32", "dense_bf16"} in bytes."""
@@ -463,4 +491,5 @@ def finish_loading(model, quantization_config):
 
 
 CHECKPOINT = CheckpointMethod(name="entquant", parts=lambda quantization_config: _PARTS, read=_read, write=_write,
-                              quantize=quantize, validate=validate, finish=finish_loading)
+                              quantize=quantize, validate=validate, finish=finish_loading,
+                              quantize_layer=quantize_layer)

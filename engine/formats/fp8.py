@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import triton_formats
-from .base import CheckpointMethod, QuantLinear, config_field, replace_linears
+from .base import CheckpointMethod, QuantLinear, config_field
+from .calibration import whole_model
 from .minifloats import E4M3_MAX
 
 
@@ -135,13 +136,17 @@ class FP8BlockLinear(QuantLinear):
         return self.weight.numel() * 8 + self.weight_scale_inv.numel() * 32
 
 
-def quantize(model, calibration_ids=None, block=128):
-    """Replace every linear but lm_head by an FP8BlockLinear (data-free: calibration_ids is not used). Returns the
+def quantize_layer(layer, block=128):
+    """Replace the layer's linears (a calibration.LayerCalibration) by FP8BlockLinears, in place. Returns the
     quantization_config that transformers' fine-grained FP8 loader reads."""
     _check_block(block)
-    replace_linears(model, lambda name, linear: FP8BlockLinear.from_linear(linear, block))
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [block, block]}
+    layer.replace(lambda name, linear: FP8BlockLinear.from_linear(linear, block))
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
+
+
+def quantize(model, calibration_ids=None, **options):
+    """FP8 every linear but lm_head, in place (data-free: calibration_ids is not used)."""
+    return quantize_layer(whole_model(model), **options)
 
 
 def validate(config):
@@ -168,4 +173,4 @@ def _write(layer, config):
 
 
 CHECKPOINT = CheckpointMethod(name="fp8", parts=lambda config: ("weight", "weight_scale_inv"),
-                              read=_read, write=_write, quantize=quantize, validate=validate)
+                              read=_read, write=_write, quantize=quantize, validate=validate, quantize_layer=quantize_layer)

@@ -275,9 +275,10 @@ def hf_config(f):
     return cfg
 
 
-def hf_tensors(f):
+def hf_tensors(f, keep=None, dense=False):
     """Yields (HF name, tensor) for every dense tensor (quantized embeddings and lm_head are dequantized) and
-    (HF module name, QuantLinear) for every quantized linear, with its bias attached; llama q/k rows unpermuted."""
+    (HF module name, QuantLinear) for every quantized linear, with its bias attached; llama q/k rows unpermuted.
+    keep(HF name) -> bool selects tensors (e.g. one decoder layer's); dense=True dequantizes the linears too."""
     cfg = hf_config(f)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     permuted = cfg["model_type"] == "llama"
@@ -291,22 +292,34 @@ def hf_tensors(f):
 
     for info in f.tensors.values():
         name, kind = names[info.name]
+        if keep is not None and not keep(name):
+            continue
         module, _, suffix = name.rpartition(".")
         stem = info.name.rpartition(".")[0]
         weight = f.tensors.get(stem + ".weight")
-        if kind in LINEARS and weight is not None and weight.type_name not in DENSE:
+        if not dense and kind in LINEARS and weight is not None and weight.type_name not in DENSE:
             if suffix == "weight":                    # a quantized linear; its bias and scale go with it
-                bias, scale = (f.tensors.get(f"{stem}.{part}") for part in ("bias", "scale"))
+                bias = f.tensors.get(stem + ".bias")
                 bias = None if bias is None else dequantize(read(bias, kind), bias.type_name, bias.shape)
-                if scale is not None:
-                    if scale.type_name != "F32" or scale.shape != (1,):
-                        raise ValueError(f"GGUF tensor {scale.name} must be one F32 number")
-                    scale = dequantize(f.raw(scale.name), "F32", (1,))[0]
-                yield module, quantized_linear(read(info, kind), info.type_name, info.shape, bias, scale)
+                yield module, quantized_linear(read(info, kind), info.type_name, info.shape, bias,
+                                               _tensor_scale(f, stem))
         elif suffix == "scale":
-            raise ValueError(f"GGUF tensor {info.name}: a per-tensor scale on a dense weight is not supported")
-        else:
-            yield name, dequantize(read(info, kind), info.type_name, info.shape)
+            if weight is None or weight.type_name in DENSE:
+                raise ValueError(f"GGUF tensor {info.name}: a per-tensor scale on a dense weight is not supported")
+        else:                                         # (dense=True: an NVFP4 weight times its scale)
+            value = dequantize(read(info, kind), info.type_name, info.shape)
+            scale = _tensor_scale(f, stem) if suffix == "weight" else None
+            yield name, value if scale is None else value * scale
+
+
+def _tensor_scale(f, stem):
+    """The F32 [1] tensor `<stem>.scale` (llama.cpp's per-tensor factor of NVFP4 weights) as a 0-d tensor, or None."""
+    scale = f.tensors.get(stem + ".scale")
+    if scale is None:
+        return None
+    if scale.type_name != "F32" or scale.shape != (1,):
+        raise ValueError(f"GGUF tensor {scale.name} must be one F32 number")
+    return dequantize(f.raw(scale.name), "F32", (1,))[0]
 
 
 def load_gguf(path, dtype=torch.float32, device="cpu"):

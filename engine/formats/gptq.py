@@ -31,7 +31,7 @@ import torch
 
 from . import calibration
 from .affine import AffineQuantLinear, affine_parts, find_params, pack_int32, unpack_int32
-from .base import CheckpointMethod, config_field, replace_linears
+from .base import CheckpointMethod, config_field
 from .calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
 
 FORMATS = ("gptq", "gptq_v2")
@@ -205,29 +205,32 @@ def to_runtime(codes, scales, zeros, g_idx, group_size, bits=4, bias=None):
 # ---- whole model ------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def quantize(model, calibration_ids, group_size=64, act_order=False, bits=4, sym=False, checkpoint_format="gptq",
-             damp=0.01, batch_size=8):
-    """GPTQ every decoder-layer linear of `model`, in place, one layer at a time and, inside a layer, step by step
-    in forward order (q/k/v, o, gate/up, down): each step's Hessians come from the layer's inputs passed through its
-    already-quantized earlier steps, and each layer's inputs from the quantized layers before it (GPTQModel's "true
-    sequential", engine.formats.calibration). calibration_ids [B, T] go through in batches of batch_size. For a v1
-    checkpoint (the default) every zero point is kept >= 1 (min_zero). Returns the quantization_config."""
-    qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": sym,
-            "checkpoint_format": checkpoint_format}
-    validate(qcfg)
+def quantize_layer(layer, group_size=64, act_order=False, bits=4, sym=False, checkpoint_format="gptq", damp=0.01):
+    """GPTQ one decoder layer (a calibration.LayerCalibration) in place, step by step in forward order (q/k/v, o,
+    gate/up, down): each step's Hessians come from the layer's inputs passed through its already-quantized earlier
+    steps (GPTQModel's "true sequential"). For a v1 checkpoint (the default) every zero point is kept >= 1
+    (min_zero). Returns the quantization_config."""
+    qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
+                     "sym": sym, "checkpoint_format": checkpoint_format})
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
-    for layer in calibration.decoder_layers(model, calibration_ids, batch_size, "GPTQ"):
-        for step in calibration.SEQUENTIAL_STEPS:
-            hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
+    for step in calibration.SEQUENTIAL_STEPS:
+        hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
 
-            def make(name, linear, hessians=hessians):
-                group = linear.in_features if group_size == -1 else group_size          # -1: one group per row
-                codes, scales, zeros, g_idx = gptq_quantize(linear.weight.detach(), hessians[name], bits, group,
-                                                            act_order, damp, sym=sym, min_zero=min_zero)
-                return to_runtime(codes, scales, zeros, g_idx, group, bits, linear.bias)
+        def make(name, linear, hessians=hessians):
+            group = linear.in_features if group_size == -1 else group_size          # -1: one group per row
+            codes, scales, zeros, g_idx = gptq_quantize(linear.weight.detach(), hessians[name], bits, group,
+                                                        act_order, damp, sym=sym, min_zero=min_zero)
+            return to_runtime(codes, scales, zeros, g_idx, group, bits, linear.bias)
 
-            replace_linears(model, make, names=set(hessians))
-    return qcfg
+        layer.replace(make, names=hessians)
+    return {k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format")}
+
+
+def quantize(model, calibration_ids, batch_size=8, **options):
+    """GPTQ every decoder layer of `model` in place, each layer's inputs coming from the quantized layers before it
+    (engine.formats.calibration); calibration_ids [B, T] go through in batches of batch_size. Options: those of
+    quantize_layer. Returns the quantization_config."""
+    return calibration.by_layer(model, quantize_layer, calibration_ids, "quantized", batch_size, "GPTQ", **options)
 
 
 # ---- the registry entry -----------------------------------------------------------------------------------------
@@ -278,4 +281,4 @@ def _write(layer, qcfg):
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 CHECKPOINT = CheckpointMethod(name="gptq", parts=lambda qcfg: PARTS, read=_read, write=_write, quantize=quantize,
-                              validate=validate)
+                              validate=validate, quantize_layer=quantize_layer, calibration=lambda options: "quantized")

@@ -54,7 +54,7 @@ def rotate(x, signs, tile):
     check_power_of_two(tile)
     if x.shape[-1] % tile:
         raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the rotation tile {tile}")
-    g = x.reshape(*x.shape[:-1], -1, tile) * signs.to(x.dtype).reshape(-1, tile)
+    g = x.reshape(*x.shape[:-1], -1, tile) * signs.to(x.device, x.dtype).reshape(-1, tile)
     return (fwht(g) / math.sqrt(tile)).reshape(x.shape)
 
 
@@ -62,4 +62,4 @@ def unrotate(x, signs, tile):
     """Inverse of rotate: x R per tile."""
     check_power_of_two(tile)
     g = fwht(x.reshape(*x.shape[:-1], -1, tile)) / math.sqrt(tile)
-    return (g * signs.to(x.dtype).reshape(-1, tile)).reshape(x.shape)
+    return (g * signs.to(x.device, x.dtype).reshape(-1, tile)).reshape(x.shape)

@@ -28,7 +28,6 @@ covers the layer's lattice, shape, tile, scales and signs too, so a changed byte
 lattice or tile, is refused (ValueError), never decoded into another model. The KV cache path is
 engine/formats/kv_cache.py.
 """
-import itertools
 import json
 import math
 from dataclasses import replace
@@ -41,7 +40,8 @@ from ..coding.rice import (ESCAPE, RAW_BITS, RICE_K_MAX, SUBSTREAM, RiceStreams,
                            stream_ends, unzigzag, zigzag)
 from ..kernels import stream_decoders
 from .affine import pack_bits, unpack_bits
-from .base import CheckpointMethod, QuantLinear, config_field, replace_linears
+from .base import CheckpointMethod, QuantLinear, config_field
+from .calibration import whole_model
 from .hadamard import rotate, unrotate
 
 TABLE_PATH = Path(__file__).resolve().parents[2] / "data" / "lattice_snr_bps.json"
@@ -365,17 +365,24 @@ def lattice_config(lattice, bps, snr_db, tile, seed):
             "substream": SUBSTREAM, "rice_k_max": RICE_K_MAX, "rotation": "hadamard", "tile": tile, "seed": seed}
 
 
-def quantize(model, calibration_ids=None, lattice="E8", bps=3.0, tile=128, seed=0):
-    """Quantize every linear but lm_head in place (data-free: calibration_ids is unused). The target `bps` is the
-    Rice payload rate of the Gaussian calibration table; layers report their full storage in bits_per_weight.
-    Returns the quantization_config."""
+def quantize_layer(layer, lattice="E8", bps=3.0, tile=128, seed=0):
+    """Quantize the layer's linears (a calibration.LayerCalibration) in place. The target `bps` is the Rice payload
+    rate of the Gaussian calibration table; layers report their full storage in bits_per_weight. Each linear gets its
+    own rotation: seed + its position among the model's linears in module order (decoder layer i, linear j of n:
+    seed + i n + j, the same whether the model is quantized whole or layer by layer). Returns the
+    quantization_config."""
     lat = get_lattice(lattice)
     check_tile(tile)
     snr = snr_for_rate(bps, lat)
-    seeds = itertools.count(seed)                       # one rotation per layer, in module order
-    replace_linears(model, lambda name, linear: quantize_weight(linear.weight, lat, snr, tile, next(seeds),
-                                                                linear.bias))
+    names = layer.linear_names()
+    seeds = {name: seed + layer.index * len(names) + j for j, name in enumerate(names)}
+    layer.replace(lambda name, linear: quantize_weight(linear.weight, lat, snr, tile, seeds[name], linear.bias))
     return lattice_config(lat, bps, snr, tile, seed)
+
+
+def quantize(model, calibration_ids=None, **options):
+    """Quantize every linear but lm_head in place (data-free: calibration_ids is unused)."""
+    return quantize_layer(whole_model(model), **options)
 
 
 def validate(config):
@@ -416,4 +423,4 @@ def _read(parts, config):
 
 
 CHECKPOINT = CheckpointMethod(name="lattice", parts=lambda config: _PARTS, read=_read, write=_write,
-                              quantize=quantize, validate=validate)
+                              quantize=quantize, validate=validate, quantize_layer=quantize_layer)

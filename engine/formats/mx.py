@@ -22,7 +22,8 @@ import torch
 
 from ..kernels import triton_formats
 from .affine import pack_nibbles, unpack_nibbles
-from .base import QuantLinear, replace_linears
+from .base import QuantLinear
+from .calibration import whole_model
 from .minifloats import E2M1, E2M1_MAX, E4M3_MAX, e8m0_to_float, to_e2m1
 
 MX_BLOCK, NV_BLOCK = 32, 16
@@ -124,7 +125,7 @@ class MXFP4Linear(QuantLinear):
         return dequantize_mxfp4(self.blocks, self.scales, "interleaved")
 
     def kernel_matmul(self, x2d):
-        return triton_formats.mxfp4_matmul(x2d, self.blocks, self.scales)
+        return triton_formats.mxfp4_matmul(x2d, self.blocks, self.scales, E2M1)
 
     def storage_bits(self):
         return self.blocks.numel() * 8 + self.scales.numel() * 8
@@ -159,7 +160,7 @@ class NVFP4Linear(QuantLinear):
         return dequantize_nvfp4(self.packed, self.block_scale, self.tensor_scale)
 
     def kernel_matmul(self, x2d):
-        return triton_formats.nvfp4_matmul(x2d, self.packed, self.block_scale, self.tensor_scale)
+        return triton_formats.nvfp4_matmul(x2d, self.packed, self.block_scale, self.tensor_scale, E2M1)
 
     def storage_bits(self):
         return self.packed.numel() * 8 + self.block_scale.numel() * 8 + 32
@@ -168,9 +169,9 @@ class NVFP4Linear(QuantLinear):
 FORMATS = {"mxfp4": (MXFP4Linear, MX_BLOCK, "e8m0"), "nvfp4": (NVFP4Linear, NV_BLOCK, "e4m3")}
 
 
-def quantize(model, calibration_ids=None, format="mxfp4"):
-    """Replace every linear but lm_head by an MXFP4Linear or NVFP4Linear (data-free: calibration_ids is not used),
-    in place. Returns a quantization_config describing the layers (compressed-tensors checkpoints store them)."""
+def quantize_layer(layer, format="mxfp4"):
+    """Replace the layer's linears (a calibration.LayerCalibration) by MXFP4Linear or NVFP4Linear layers, in place.
+    Returns a quantization_config describing them (compressed-tensors checkpoints store them)."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {sorted(FORMATS)}, got {format!r}")
     layer_cls, block, scale = FORMATS[format]
@@ -180,5 +181,10 @@ def quantize(model, calibration_ids=None, format="mxfp4"):
             raise ValueError(f"{name}: in_features={linear.in_features} is not a multiple of the {block}-block")
         return layer_cls.from_linear(linear)
 
-    replace_linears(model, make)
+    layer.replace(make)
     return {"quant_method": format, "block_size": block, "scale": scale, "layout": "interleaved"}
+
+
+def quantize(model, calibration_ids=None, **options):
+    """MXFP4 / NVFP4 every linear but lm_head, in place (data-free: calibration_ids is not used)."""
+    return quantize_layer(whole_model(model), **options)

@@ -11,7 +11,8 @@ import torch
 
 from ..kernels import triton_formats
 from .affine import grouped, pack_bits, unpack_bits
-from .base import QuantLinear, replace_linears
+from .base import QuantLinear
+from .calibration import whole_model
 
 NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                           -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
@@ -54,7 +55,7 @@ class NF4Linear(QuantLinear):
         return NF4_TABLE[codes] * a
 
     def kernel_matmul(self, x2d):
-        return triton_formats.nf4_matmul(x2d, self.packed, self.absmax.float(), NF4_TABLE.to(x2d.device),
+        return triton_formats.nf4_matmul(x2d, self.packed, self.absmax.float(), NF4_TABLE,
                                          self.group_size)
 
     def storage_bits(self):
@@ -62,10 +63,15 @@ class NF4Linear(QuantLinear):
 
 
 
-def quantize(model, calibration_ids=None, group_size=64):
-    """Replace every linear but lm_head by an NF4Linear (data-free: calibration_ids is ignored), IN PLACE. Returns
-    the quantization_config describing the layers."""
+def quantize_layer(layer, group_size=64):
+    """Replace the layer's linears (a calibration.LayerCalibration) by NF4Linears, in place. Returns the
+    quantization_config describing them."""
     if not (isinstance(group_size, int) and not isinstance(group_size, bool) and group_size >= 1):
         raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
-    replace_linears(model, lambda name, linear: NF4Linear.from_weight(linear.weight, group_size, linear.bias))
+    layer.replace(lambda name, linear: NF4Linear.from_weight(linear.weight, group_size, linear.bias))
     return {"quant_method": "nf4", "bits": 4, "group_size": group_size, "scale_dtype": "float16"}
+
+
+def quantize(model, calibration_ids=None, **options):
+    """NF4 every linear but lm_head, in place (data-free: calibration_ids is ignored)."""
+    return quantize_layer(whole_model(model), **options)

@@ -30,9 +30,12 @@ import torch
 from ..kernels import triton_formats
 from . import calibration, hadamard
 from .affine import pack_bits
-from .base import CheckpointMethod, QuantLinear, config_field, linear_names, replace_linears
+from .base import CheckpointMethod, QuantLinear, config_field
 
 CODES = ("1mad", "3inst")
+# Each code's hash constants (QTIP's): code_1mad / code_3inst below and the Triton kernel both take them from here.
+HASH = {"1mad": (34038481, 76625530, 510, 147.800537109375),     # multiplier, increment, byte-sum centre, scale
+        "3inst": (89226354, 64248484, 0x8FFF8FFF, 0x3B603B60)}   # multiplier, increment, kept bits, exponent bits
 
 
 # ---- the codes ----------------------------------------------------------------------------------------------------
@@ -40,9 +43,10 @@ CODES = ("1mad", "3inst")
 def code_1mad(states):
     """states (int) -> float32: one multiply-add mod 2^32, then the sum of the result's four bytes (a sum of four
     roughly uniform bytes is roughly Gaussian), centred and scaled as QTIP does."""
-    x = (states.to(torch.int64) * 34038481 + 76625530) & 0xFFFFFFFF
+    a, b, centre, scale = HASH["1mad"]
+    x = (states.to(torch.int64) * a + b) & 0xFFFFFFFF
     total = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
-    return (total - 510).float() / 147.800537109375
+    return (total - centre).float() / scale
 
 
 def _fp16_bits(h):
@@ -52,9 +56,10 @@ def _fp16_bits(h):
 
 def code_3inst(states):
     """states (int) -> float32: multiply-add mod 2^32, keep each half's sign and low 12 bits and set a fixed exponent
-    pattern (x & 0x8FFF8FFF) ^ 0x3B603B60, read the halves as two float16 numbers and add them (exactly, in f32)."""
-    x = (states.to(torch.int64) * 89226354 + 64248484) & 0xFFFFFFFF
-    x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+    pattern ((x & kept) ^ exponent), read the halves as two float16 numbers and add them (exactly, in f32)."""
+    a, b, kept, exponent = HASH["3inst"]
+    x = (states.to(torch.int64) * a + b) & 0xFFFFFFFF
+    x = (x & kept) ^ exponent
     return _fp16_bits(x >> 16) + _fp16_bits(x & 0xFFFF)
 
 
@@ -375,7 +380,7 @@ class TrellisLinear(QuantLinear):
     def kernel_matmul(self, x2d):
         mean, inv_std = code_stats(self.L, self.code)
         return triton_formats.trellis_matmul(rotate(x2d, self.group, self.seed), self.codes, self.scales.float(),
-                                             self.L, self.K, self.tile, mean, inv_std, CODES.index(self.code))
+                                             self.L, self.K, self.tile, mean, inv_std, self.code, HASH[self.code])
 
     def storage_bits(self):
         return self.codes.numel() * 8 + self.scales.numel() * 16
@@ -387,32 +392,38 @@ class TrellisLinear(QuantLinear):
 # ---- whole model and checkpoint -----------------------------------------------------------------------------------
 
 @torch.no_grad()
-def quantize(model, calibration_ids=None, L=8, K=2, code="1mad", tail_biting=False, tile=None, group=256, seed=0,
-             ldlq=False):
-    """Replace every linear but lm_head by a TrellisLinear, in place. ldlq=True runs BlockLDLQ with Hessians from
-    calibration_ids [B, T] (default tile (16, 16): 16-column blocks). Returns the quantization_config."""
+def quantize_layer(layer, L=8, K=2, code="1mad", tail_biting=False, tile=None, group=256, seed=0, ldlq=False):
+    """Replace the layer's linears (a calibration.LayerCalibration) by TrellisLinears, in place; all their tiles go
+    through one batched Viterbi. ldlq=True runs BlockLDLQ with the Hessians of the layer's calibration inputs
+    (default tile (16, 16): 16-column blocks; the inputs come from the float layers before it, so unlike GPTQ they do
+    not see earlier layers' error). Returns the quantization_config."""
     _check_code(L, K, code)
     tile = tuple(tile) if tile is not None else ((16, 16) if ldlq else (1, group))
     if ldlq:
-        # Hessians of the dense model's inputs, one decoder layer at a time (unlike gptq.quantize they do not see
-        # earlier layers' error); each layer's linears are then coded together, block by block
-        coded = {}
-        for layer in calibration.decoder_layers(model, calibration_ids, method="BlockLDLQ", inputs_from="float"):
-            hessians = {name: stats.hessian for name, stats in layer.capture().items()}
-            weights = [model.get_submodule(n).weight.detach().float() for n in hessians]
-            coded.update(zip(hessians, block_ldlq(weights, list(hessians.values()), L, K, group, seed, code,
-                                                  tail_biting, tile)))
+        hessians = {name: stats.hessian for name, stats in layer.capture().items()}
+        weights = [layer.module(n).weight.detach().float() for n in hessians]
+        coded = dict(zip(hessians, block_ldlq(weights, list(hessians.values()), L, K, group, seed, code,
+                                              tail_biting, tile)))
     else:
-        names = linear_names(model)
-        tiles = [to_tiles(rotate(model.get_submodule(n).weight.detach().float(), group, seed), tile) for n in names]
+        names = layer.linear_names()
+        tiles = [to_tiles(rotate(layer.module(n).weight.detach().float(), group, seed), tile) for n in names]
         coded = dict(zip(names, _code_tiles(tiles, L, K, code, tail_biting)))
 
     def make(name, linear):
         codes, scales, _ = coded[name]
         return TrellisLinear(codes, scales, L, K, code, tail_biting, tile, group, seed, bias=linear.bias)
-    replace_linears(model, make)
+    layer.replace(make)
     return {"quant_method": "trellis", "L": L, "K": K, "code": code, "tail_biting": bool(tail_biting),
             "tile": list(tile), "group": group, "seed": seed, "ldlq": bool(ldlq)}
+
+
+def quantize(model, calibration_ids=None, batch_size=8, **options):
+    """Trellis-code every linear but lm_head in place: the whole model at once (data-free), or with ldlq=True one
+    decoder layer at a time on calibration_ids [B, T]. Options: those of quantize_layer."""
+    if options.get("ldlq"):
+        return calibration.by_layer(model, quantize_layer, calibration_ids, "float", batch_size, "BlockLDLQ",
+                                    **options)
+    return quantize_layer(calibration.whole_model(model), **options)
 
 
 def _is_tile(tile):
@@ -445,4 +456,6 @@ def _write(layer, q):
 
 
 CHECKPOINT = CheckpointMethod(name="trellis", parts=lambda q: ("trellis_codes", "trellis_scales"),
-                              read=_read, write=_write, quantize=quantize, validate=validate)
+                              read=_read, write=_write, quantize=quantize, validate=validate,
+                              quantize_layer=quantize_layer,
+                              calibration=lambda options: "float" if options.get("ldlq") else None)

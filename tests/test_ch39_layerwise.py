@@ -1,0 +1,139 @@
+"""Quantizing from disk, one decoder layer at a time: the same checkpoint as the in-memory path for every method,
+source dtypes kept, resumable after a kill, GGUF sources, bad input refused before any work."""
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from engine.formats import checkpoints, gptq
+from engine.formats.checkpoints import load_quantized, save_quantized
+from engine.formats.streaming import quantize_checkpoint
+from engine.loaders import model_digest, save_dense
+from engine.qwen3 import Qwen3, Qwen3Config
+from engine.safetensors_io import INDEX, checkpoint_records, snapshot_tensors
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+OPTIONS = {"gptq": dict(group_size=32), "awq": dict(group_size=32), "fp8": dict(block=32),
+           "compressed-tensors": dict(group_size=32), "trellis": dict(L=6, K=2, group=64),
+           "lattice": dict(bps=3.0), "entquant": dict(lam=14.5, max_iter=5)}
+
+
+@pytest.fixture(scope="module")
+def three_layers():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_hidden_layers=3)
+    return Qwen3(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def source(three_layers, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("src") / "dense"
+    save_dense(three_layers, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+
+
+def _tensors(folder):
+    return dict(snapshot_tensors(folder))
+
+
+@pytest.mark.parametrize("method", sorted(OPTIONS))
+def test_streaming_writes_what_the_in_memory_path_writes(method, three_layers, source, ids, tmp_path):
+    in_memory = save_quantized(copy.deepcopy(three_layers), tmp_path / "mem", method, ids, **OPTIONS[method])
+    streamed = quantize_checkpoint(source, tmp_path / "disk", method, ids, progress=False, **OPTIONS[method])
+    assert streamed == in_memory
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "disk")
+    assert set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "disk" / INDEX).exists()                           # sharded, one shard per layer + rest
+    records = checkpoint_records(tmp_path / "disk")
+    assert records["engine.source_sha256"] == model_digest(three_layers)  # provenance without the model in memory
+    with torch.no_grad():
+        assert torch.equal(load_quantized(tmp_path / "disk")(ids), load_quantized(tmp_path / "mem")(ids))
+
+
+def test_block_ldlq_streams_too(three_layers, source, ids, tmp_path):
+    options = dict(L=6, K=2, group=64, ldlq=True)
+    save_quantized(copy.deepcopy(three_layers), tmp_path / "mem", "trellis", ids, **options)
+    quantize_checkpoint(source, tmp_path / "disk", "trellis", ids, progress=False, **options)
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "disk")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unquantized_tensors_keep_the_source_dtype(three_layers, ids, tmp_path):
+    save_dense(three_layers, tmp_path / "bf16", dtype=torch.bfloat16)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "out", "gptq", ids, progress=False, group_size=32)
+    tensors = _tensors(tmp_path / "out")
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert tensors["model.layers.2.input_layernorm.weight"].dtype == torch.bfloat16
+    assert tensors["model.layers.2.self_attn.q_proj.scales"].dtype == torch.float16     # GPTQ's own layout
+
+
+class _Killed(Exception):
+    pass
+
+
+def _watched_gptq(monkeypatch, seen, dies_at=None):
+    """Put a GPTQ in the registry that records which layers it quantizes and raises at layer `dies_at`."""
+    real = gptq.CHECKPOINT
+
+    def quantize_layer(layer, **options):
+        seen.append(layer.index)
+        if layer.index == dies_at:
+            raise _Killed
+        return real.quantize_layer(layer, **options)
+    monkeypatch.setitem(checkpoints.METHODS, "gptq", dataclasses.replace(real, quantize_layer=quantize_layer))
+
+
+def test_a_killed_conversion_resumes_and_gives_the_same_checkpoint(source, ids, tmp_path, monkeypatch):
+    quantize_checkpoint(source, tmp_path / "whole", "gptq", ids, progress=False, group_size=32)
+    seen = []
+    _watched_gptq(monkeypatch, seen, dies_at=2)
+    with pytest.raises(_Killed):
+        quantize_checkpoint(source, tmp_path / "out", "gptq", ids, progress=False, group_size=32)
+    partial = tmp_path / ".out.partial"
+    assert json.loads((partial / "progress.json").read_text())["done"] == 2 and not (tmp_path / "out").exists()
+    seen.clear()
+    _watched_gptq(monkeypatch, seen)
+    quantize_checkpoint(source, tmp_path / "out", "gptq", ids, progress=False, group_size=32)
+    assert seen == [2]                                                    # layers 0 and 1 were not redone
+    a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "out")
+    assert all(torch.equal(a[k], b[k]) for k in a) and not partial.exists()
+
+
+def test_a_partial_from_other_settings_is_started_over(source, ids, tmp_path):
+    partial = tmp_path / ".out.partial"
+    partial.mkdir()
+    (partial / "progress.json").write_text(json.dumps({"identity": "another run", "done": 3}))
+    quantize_checkpoint(source, tmp_path / "out", "fp8", progress=False, block=32)
+    assert load_quantized(tmp_path / "out") is not None and not partial.exists()
+
+
+def test_a_gguf_source_streams_from_its_dequantized_weights(tiny_model, ids, tmp_path):
+    from test_ch39_gguf import U32, gguf_bytes, qwen3_metadata, qwen3_tensors, write      # the GGUF tests' writer
+    tensors, _ = qwen3_tensors(tiny_model)
+    path = write(tmp_path, gguf_bytes(qwen3_metadata(tiny_model.cfg) + [("qwen3.vocab_size", U32, 256)], tensors))
+    quantize_checkpoint(path, tmp_path / "out", "gptq", ids, progress=False, group_size=32)
+    save_quantized(copy.deepcopy(tiny_model), tmp_path / "mem", "gptq", ids, group_size=32)
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "out")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_input_is_refused_before_any_work(source, tmp_path):
+    with pytest.raises(ValueError, match="GPTQ needs calibration_ids|gptq needs calibration_ids"):
+        quantize_checkpoint(source, tmp_path / "out", "gptq", None, progress=False)
+    with pytest.raises(ValueError, match="unknown method 'bitnet'"):
+        quantize_checkpoint(source, tmp_path / "out", "bitnet")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match="not an engine checkpoint"):
+        quantize_checkpoint(source, mine, "fp8", progress=False)
+    assert (mine / "notes.txt").read_text() == "keep" and not (tmp_path / ".mine.partial").exists()
