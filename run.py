@@ -158,8 +158,9 @@ def cmd_train(args):
 def quantize_options(args):
     """--option KEY=VALUE and the named flags -> {keyword: value} for the method's quantize(), each value parsed by
     the type of that keyword's default; unknown keywords and values of the wrong type are errors."""
-    accepted = inspect.signature(METHODS[args.method].quantize).parameters
-    takes = [p for p in accepted if p not in ("model", "calibration_ids")]
+    entry = METHODS[args.method]
+    accepted = inspect.signature(entry.quantize_layer or entry.quantize).parameters
+    takes = [p for p in accepted if p not in ("model", "calibration_ids", "layer")]
     options = {}
     for text in args.option or []:
         key, sep, value = text.partition("=")

@@ -4,8 +4,9 @@ log P(next | ids[:t+1]); it prints one JSON line per model, {"model", ...timings
 
     llamacpp     IDS OUT MODEL.gguf [--kv f32|f16] [--greedy N PROMPTS.npy TOKENS_OUT.npy]
     convert      HF_DIR OUT.gguf TOKENIZER_DIR          llama.cpp's own convert_hf_to_gguf.py (a second reader)
-    quantize     IN.gguf OUT.gguf TYPE                  llama.cpp's own quantizer (llama_model_quantize)
-    vllm         IDS [--dtype float16] MODEL OUT [MODEL OUT ...]        all models in one process
+    quantize     IN.gguf OUT.gguf TYPE                  llama.cpp's own quantizer (llama_model_quantize), the
+                                                        embedding and output kept in F32 like the engine's files
+    vllm         IDS [--dtype float16] [--tp 1] MODEL OUT [MODEL OUT ...]     all models in one process
     ortgenai     IDS MODEL OUT WORK_DIR TOKENIZER_DIR [--patch-lm-head]
     transformers IDS MODEL OUT [MODEL OUT ...]          an HF folder, or a .gguf file (gguf_file=)
 
@@ -142,6 +143,7 @@ def quantize(args):
     source, out, kind = args
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}[kind]
+    params.token_embedding_type = params.output_tensor_type = 0    # F32, as the engine's exports keep them
     params.nthread = 2
     t0 = time.perf_counter()
     status = llama_cpp.llama_model_quantize(source.encode(), out.encode(), params)
@@ -155,11 +157,13 @@ def vllm(args):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # no second process that imports vllm again
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    dtype = "float16"
-    if "--dtype" in args:
-        i = args.index("--dtype")
-        dtype = args[i + 1]
-        del args[i:i + 2]
+    options = {"--dtype": "float16", "--tp": "1"}
+    for key in options:
+        if key in args:
+            i = args.index(key)
+            options[key] = args[i + 1]
+            del args[i:i + 2]
+    dtype, tp = options["--dtype"], int(options["--tp"])
     ids = np.load(args[0])
     t0 = time.perf_counter()
     import torch
@@ -177,8 +181,8 @@ def vllm(args):
 
     def run(model):
         llm = LLM(model=model, skip_tokenizer_init=True, dtype=getattr(torch, dtype), enforce_eager=True,
-                  max_logprobs=-1, max_model_len=max(256, ids.shape[1] + 8), seed=0,
-                  distributed_executor_backend="uni")
+                  max_logprobs=-1, max_model_len=max(256, ids.shape[1] + 8), seed=0, tensor_parallel_size=tp,
+                  distributed_executor_backend="uni" if tp == 1 else "mp")
         vocab = llm.llm_engine.model_config.get_vocab_size()
         params = SamplingParams(prompt_logprobs=-1, logprobs=-1, max_tokens=1, temperature=0.0, detokenize=False)
         outs = llm.generate([TokensPrompt(prompt_token_ids=r.tolist()) for r in ids], params, use_tqdm=False)
@@ -186,7 +190,7 @@ def vllm(args):
         result = np.stack([normalized(np.concatenate([rows(o.prompt_logprobs[1:], vocab),
                                                       rows(o.outputs[0].logprobs[:1], vocab)])) for o in outs])
         del llm
-        return result, {"version": __version__, "dtype": dtype}
+        return result, {"version": __version__, "dtype": dtype, "tp": tp}
     return each_model(pairs_of(args[1:]), run)
 
 

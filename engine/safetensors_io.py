@@ -331,6 +331,24 @@ def write_json(path, obj):
         raise
 
 
+@contextlib.contextmanager
+def atomic_file(path):
+    """`with atomic_file(path) as f:` writes a binary file atomically: f is a temporary file in the same folder,
+    fsynced, given the umask's mode and renamed to `path` when the block ends; removed if it raises."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def is_engine_checkpoint(directory):
     """A folder the engine wrote: config.json and safetensors files whose metadata names the engine as writer."""
     directory = Path(directory)

@@ -12,6 +12,7 @@ import torch
 from engine.formats import affine, fp8, gguf, gguf_quants, gguf_writer, mx, nf4
 from engine.formats.affine import AffineQuantLinear
 from engine.formats.base import quantized_linears
+from engine.formats.mx import dequantize_nvfp4
 from engine.qwen3 import Qwen3, Qwen3Config
 from test_ch39_gguf import bpe_metadata, gguf_bytes, write
 
@@ -211,3 +212,14 @@ def test_gguf_tokenizer_is_copied_unchanged(tmp_path):
     gguf_writer.write_gguf(Qwen3(cfg).eval(), tmp_path / "m.gguf", tokenizer=source)
     with gguf.GGUFFile(source) as a, gguf.GGUFFile(tmp_path / "m.gguf") as b:
         assert {k: v for k, v in b.metadata.items() if k.startswith("tokenizer.")} == a.metadata
+
+
+def test_nvfp4_dequantized_by_the_reader_includes_the_tensor_scale(tmp_path):
+    model = small_model(kind="NVFP4")
+    gguf_writer.write_gguf(model, tmp_path / "m.gguf")
+    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+        dense = dict(gguf.hf_tensors(f, dense=True))
+    layer = model.model.layers[0].self_attn.o_proj
+    expected = dequantize_nvfp4(layer.packed, layer.block_scale, 1.0) * layer.tensor_scale     # llama.cpp's order
+    assert torch.equal(dense["model.layers.0.self_attn.o_proj.weight"], expected)
+    assert torch.allclose(expected, layer.dequantize(), rtol=1e-6, atol=0)

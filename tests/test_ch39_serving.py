@@ -86,6 +86,7 @@ def test_written_checkpoints_are_read_by_kind_and_units(written):
 @pytest.mark.parametrize("target,method,options,fmt,match", [
     ("vllm", "gptq", {"act_order": True}, "safetensors", "desc_act=True"),
     ("vllm", "gptq", {"sym": False}, "safetensors", "symmetric only"),
+    ("vllm", "awq", {"group_size": 256}, "safetensors", "group_size = 256"),
     ("onnx", "fp8", {}, "safetensors", "fp8 quantized model is not currently supported"),
     ("onnx", "compressed-tensors", {}, "safetensors", "CUDA EP"),
     ("transformers", "trellis", {}, "safetensors", "only this engine reads it"),

@@ -30,9 +30,7 @@ by which of llama.cpp's splits reproduce its ids on llama.cpp's fingerprint text
 """
 import json
 import logging
-import os
 import struct
-import tempfile
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,7 +38,7 @@ from types import SimpleNamespace
 import torch
 from tokenizers import Tokenizer
 
-from ..safetensors_io import _fsync, _umask
+from ..safetensors_io import atomic_file
 from .affine import AffineQuantLinear, unpack_nibbles
 from .base import QuantLinear
 from .gguf import (ARCHITECTURES, GLOBAL_NAMES, LINEARS, PRE_TOKENIZERS, TENSOR_NAMES, GGUFFile, gguf_tokenizer,
@@ -358,7 +356,7 @@ def _value(key, value):
 
 def write_container(path, metadata, tensors, force=False):
     """metadata {key: value}, tensors [(name, GGML type, torch shape, raw uint8)] -> a GGUF v3 file at `path`,
-    written to a temporary file in the same folder, fsynced and renamed into place (mode from the umask)."""
+    written atomically (engine.safetensors_io.atomic_file)."""
     path = Path(path)
     if path.is_dir() or (path.exists() and not force):
         raise ValueError(f"output {path} exists; choose another path or pass force=True (--force)")
@@ -374,19 +372,11 @@ def write_container(path, metadata, tensors, force=False):
                                             GGML_TYPES[kind][0], offset)
         offset += -(-raw.numel() // ALIGNMENT) * ALIGNMENT
     head += bytes(-len(head) % ALIGNMENT)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(head)
-            for _, _, _, raw in tensors:
-                f.write(raw.numpy().tobytes())
-                f.write(bytes(-raw.numel() % ALIGNMENT))
-        os.chmod(tmp, 0o666 & ~_umask())
-        _fsync(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        f.write(head)
+        for _, _, _, raw in tensors:
+            f.write(memoryview(raw.contiguous().numpy()))
+            f.write(bytes(-raw.numel() % ALIGNMENT))
 
 
 def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, force=False, name="engine"):

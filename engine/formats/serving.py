@@ -29,6 +29,7 @@ from .gguf import load_gguf
 from .gguf_writer import write_gguf
 
 TARGETS = ("transformers", "vllm", "llama.cpp", "onnx")
+VLLM_GROUPS = (-1, 32, 64, 128)
 ENGINE_ONLY = "only this engine reads it (no serving client knows the format)"
 VLLM_CPU = "vLLM's CPU build has no kernel for it (GPU kernels exist; not checked here)"
 FP4_FLOAT32 = ("in float32 the forward pass fails ('expected m1 and m2 to have the same dtype'): load with "
@@ -149,6 +150,9 @@ def check_target(target, method, options, fmt="safetensors"):
     if fmt == "gguf":
         raise ValueError(f"--format gguf is for llama.cpp; {target}: {LOADS['gguf'][target][1]}")
     options = dict(options)
+    if target == "vllm" and method in ("gptq", "awq") and options.get("group_size", 64) not in VLLM_GROUPS:
+        raise ValueError(f"vllm cannot load this checkpoint: its GPTQ / AWQ kernels take group sizes {VLLM_GROUPS} "
+                         f"('Marlin does not support group_size = {options['group_size']}')")
     picked = target == "vllm" and method == "gptq" and "sym" not in options
     if picked:
         options["sym"] = True
