@@ -117,6 +117,11 @@ def main(argv=None):
             continue
         logprobs[label] = np.load(npy)
         greedy[label] = tok.decode(np.load(tokens)[0].tolist())
+    with torch.no_grad():                                  # the engine's own greedy answer on the same file
+        prompt = torch.as_tensor(np.load(out / "prompt.npy"))
+        ours = gguf.load_gguf(out / "roundtrip.gguf").generate(prompt, 24)[0, prompt.shape[1]:].tolist()
+    theirs = np.load(out / "greedy-roundtrip.npy")[0].tolist()
+    report["engine_greedy"] = {"text": tok.decode(ours), "same_tokens_as_llama.cpp": ours == theirs}
     reference = logprobs.get("F32 (the Q4_1 dequantized)")
     report["llama.cpp"] = {label: {**(compare(reference, lp) if reference is not None else {}),
                                    "greedy": greedy[label]} for label, lp in logprobs.items()}
@@ -127,6 +132,7 @@ def main(argv=None):
     for label, row in report["llama.cpp"].items():
         print(f"| {label} | {row.get('kl', 0):.2e} | {row.get('max_dlogp', 0):.2e} | {row.get('same_top_pct')} | "
               f"{row['greedy']!r} |")
+    print(f"\nengine generate() on the re-export: {report['engine_greedy']}")
     print(f"\ntimings (s): {json.dumps(timings)}")
     log(f"report: {out / 'report.json'}")
 

@@ -1,6 +1,7 @@
 """Serving: the table of what loads where, the settings each --target picks or refuses (naming the reason), and the
 tensor-parallel degrees a checkpoint's shapes allow (vLLM's sharding rules), on checkpoints the engine writes."""
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,8 @@ def test_table_and_serve_line():
     assert "| gptq asym | loads | refuses (" in table
     raw = config({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True})
     assert serving.vllm_serve_command("ck", raw) == "vllm serve ck --quantization gptq --tensor-parallel-size 4"
+
+
+def test_readme_carries_the_table():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert serving.markdown_table() in readme, "README's serving table is stale: paste markdown_table() again"

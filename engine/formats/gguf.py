@@ -421,7 +421,9 @@ def gguf_tokenizer(f):
                    lambda v: v is None or (type(v) is int and 0 <= v < len(tokens)), "a token id")
         special[role] = None if i is None else tokens[i]
     vocab = {t: i for i, t in enumerate(tokens)}
-    if merges:   # llama.cpp spells a merge whose result is no token as its pieces (tokenizers would panic on it):
+    # a merge into no token (the byte vocabulary's one dummy merge) leaves its pieces apart in llama.cpp, and
+    # tokenizers panics on it: drop it
+    if merges:
         merges = [m for m in merges if m[0] + m[1] in vocab or not (m[0] in vocab and m[1] in vocab)]
     if kind == "gpt2":
         pre = meta.get("tokenizer.ggml.pre", "default")
