@@ -1,16 +1,20 @@
-"""Command line for the engine.
+"""Command line for the engine. Without --model every command works on the book's tiny Qwen3, trained on bytes (and
+cached); with --model PATH (a Hugging Face folder, a quantized checkpoint or a .gguf file) on that model.
 
-  python run.py quantformats [--steps 300] [--text PATH] [--seed 0] [--impl torch|engine] [--rows SUBSTR ...]
-      Train (or load from cache) a tiny Qwen3 on bytes, quantize it every way, and print the KL table:
-      one JSON line per row as it finishes, then a markdown table.
-  python run.py train     [--steps] [--text] [--seed] [--out DIR]       train (cached) and optionally save dense
-  python run.py quantize  --method NAME --out DIR [--group-size 64] [--act-order] [--bpw 2.1] [--option K=V ...]
-                          [--target vllm|transformers|llama.cpp|onnx] [--format safetensors|gguf]
-      write the trained model as a quantized checkpoint (gptq, awq, fp8, compressed-tensors, trellis, entquant,
-      lattice); --option passes any other keyword of that method's quantize(); --target picks settings that client
-      loads and refuses what it cannot; --format gguf writes one llama.cpp file (--out FILE)
-  python run.py export    SOURCE --gguf FILE [--force]       a checkpoint folder or .gguf file as a GGUF file
-  python run.py eval      DIR [--impl] [--steps/--text/--seed]          KL of a quantized checkpoint vs the reference
+  python run.py quantformats [--model PATH] [--text FILE] [--rows SUBSTR ...] [--impl torch|engine] [--plot F.png]
+      quantize the model every way and print one JSON line per row as it finishes, then a markdown table
+  python run.py train      [--steps 300] [--text FILE] [--seed 0] [--out DIR]       train (cached), save it dense
+  python run.py quantize   [--model PATH] --method NAME --out DIR [--group-size G] [--act-order] [--bpw B]
+                           [--option KEY=VALUE ...] [--calib FILE --calib-samples N --calib-len T] [--force]
+                           [--target vllm|transformers|llama.cpp|onnx] [--format safetensors|gguf]
+      write a quantized checkpoint (gptq, awq, fp8, compressed-tensors, trellis, entquant, lattice); a --model is
+      quantized layer by layer from disk, in bounded memory, resumable; --target picks settings that client loads
+      and refuses what it cannot; --format gguf writes one llama.cpp file (--out FILE)
+  python run.py export     SOURCE --gguf FILE [--force]        a checkpoint folder or .gguf file as a GGUF file
+  python run.py eval       DIR                                      KL of a tiny-model checkpoint vs its reference
+  python run.py eval       --model REF --quantized DIR [--text FILE] [--ctx 512] [--chunks N]
+      llama.cpp's perplexity --kl-divergence statistics of any quantized model against its reference
+  python run.py generate   [--model PATH] --prompt TEXT [--max-new-tokens 64] [--temperature 0]
 """
 import argparse
 import copy
@@ -18,25 +22,24 @@ import inspect
 import json
 import math
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from engine.data import Corpus, load_corpus
-from engine.evaluation import held_out_logits, kl_stats, perplexity
-from engine.formats import affine, awq, entropy, fp8, gptq, kv_cache, lattice, mx, nf4, trellis
+from engine import tables
+from engine.data import Corpus, encode, export_tokenizer, load_corpus, load_tokenizer, token_bytes
+from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats, markdown_table, perplexity
 from engine.formats.base import impl, quantized_linears
-from engine.formats.checkpoints import METHODS, load_quantized, save_quantized
+from engine.formats.checkpoints import METHODS, load_model, load_quantized, save_quantized
 from engine.formats.gguf_writer import write_gguf
 from engine.formats.serving import check_target, export_gguf, tp_degrees, vllm_serve_command
+from engine.formats.streaming import quantize_checkpoint
 from engine.loaders import checkpoint_source, model_digest, read_config, save_dense
-from engine.safetensors_io import check_output
 from engine.qwen3 import Qwen3Config
+from engine.safetensors_io import check_output
 from engine.training import TrainConfig, trained_model
-
 
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)    # what GPTQModel's QuantizeConfig accepts
 BPW_RANGE = (1.5, 6.0)                                  # EntQuant's lambda search, from the shipped table
@@ -46,53 +49,26 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-@dataclass
-class Row:
-    """One line of the table: `quantize(model, calibration_ids, **options)` is a method's entry point."""
-    label: str
-    quantize: Callable
-    options: dict = field(default_factory=dict)
-    kv_cache: bool = False      # weights stay dense; K and V are quantized as they enter the cache
-
-
-def rows():
-    """The table: the book's rows in the book's order, then EntQuant, HyperQuant and the KV cache."""
-    return [
-        Row("RTN int4, g64", affine.quantize, dict(bits=4, group_size=64)),
-        Row("GPTQ int4, g64", gptq.quantize, dict(group_size=64)),
-        Row("GPTQ int4, g64, act-order", gptq.quantize, dict(group_size=64, act_order=True)),
-        Row("AWQ int4, g64", awq.quantize, dict(group_size=64)),
-        Row("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
-        Row("MXFP4", mx.quantize, dict(format="mxfp4")),
-        Row("NVFP4", mx.quantize, dict(format="nvfp4")),
-        Row("trellis (QTIP-style), L=8", trellis.quantize, dict(L=8, K=2)),
-        Row("trellis (QTIP-style), L=8, K=3", trellis.quantize, dict(L=8, K=3)),
-        Row("RTN int2, g64 (for comparison)", affine.quantize, dict(bits=2, group_size=64)),
-        Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles", trellis.quantize, dict(L=8, K=2, ldlq=True)),
-        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.01))
-          for b in (4.0, 3.0, 2.1)],
-        *[Row(f"EntQuant Float8+ANS + self-Fisher, ~{b} bpw", entropy.quantize,
-              dict(bpw=b, tol=0.01, sensitivity="fisher")) for b in (3.0, 2.1)],
-        Row("NF4, g64", nf4.quantize, dict(group_size=64)),
-        *[Row(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
-        *[Row(f"lattice {name}, 3.0 bps", lattice.quantize, dict(lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],
-        *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", kv_cache.kv_quantize,
-              dict(lattice="E8", bps=b, rotation=rot, dither=dither), kv_cache=True)
-          for b in (2.0, 3.0) for rot in ("none", "signs", "qjl") for dither in (False, True)],
-    ]
-
-
 def model_bits(model):
     layers = quantized_linears(model).values()
     weights = sum(layer.in_features * layer.out_features for layer in layers)
     return sum(layer.storage_bits() for layer in layers) / weights if weights else None
 
 
-def setup(args):
+def tiny_setup(args):
+    """The byte corpus and the tiny Qwen3 trained on it (cached)."""
     corpus = Corpus.from_bytes(load_corpus(args.text))
-    tc = TrainConfig(steps=args.steps, seed=args.seed)
-    model = trained_model(Qwen3Config(), corpus, tc)
-    return corpus, model
+    return corpus, trained_model(Qwen3Config(), corpus, TrainConfig(steps=args.steps, seed=args.seed))
+
+
+def check_model_path(path):
+    """A --model that exists and that the engine can read, checked before anything is loaded."""
+    path = Path(path)
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        raise ValueError(f"--model {path}: not a model folder (config.json + safetensors) or a .gguf file")
+    if path.is_dir():
+        read_config(path)
+    return path
 
 
 def evaluate(model, windows, impl_name):
@@ -100,26 +76,25 @@ def evaluate(model, windows, impl_name):
         return held_out_logits(model, windows)
 
 
-def markdown(results):
-    lines = ["| format | bits | KL (nats) | ± | p99 | same top % |", "|---|---:|---:|---:|---:|---:|"]
-    for r in results:
-        if "kl_nats" in r:
-            lines.append(f"| {r['format']} | {r['bits']} | {r['kl_nats']:.5f} | {r['kl_stderr']:.5f} | "
-                         f"{r['kl_p99']:.4f} | {r['same_top_pct']:.1f} |")
-        else:
-            lines.append(f"| {r['format']} | {r['bits']} | (perplexity {r['held_out_perplexity']}) | | | |")
-    return "\n".join(lines)
+# ---- quantformats -----------------------------------------------------------------------------------------------
+
+def quantize_row(row, model, calibration):
+    """Quantize a copy-to-be of the model for one table row; returns the K/V quantizer of a KV-cache row."""
+    if row.kv_cache:
+        return row.quantize(model, **row.options)
+    row.quantize(model, calibration, **row.options)
+    return None
 
 
 def cmd_quantformats(args):
-    selected = [r for r in rows() if not args.rows or any(s.lower() in r.label.lower() for s in args.rows)]
-    if not selected:
-        raise SystemExit(f"--rows {args.rows} matches no row; rows are: {[r.label for r in rows()]}")
+    rows = tables.rows() if args.model is None else tables.real_model_rows()
+    selected = tables.select(rows, args.rows)
+    if args.model is not None:
+        return quantformats_real(args, selected)
     t0 = time.time()
-    corpus, reference = setup(args)
+    corpus, reference = tiny_setup(args)
     t_trained = time.time()
-    windows = corpus.eval_windows()
-    calibration = corpus.calibration()
+    windows, calibration = corpus.eval_windows(), corpus.calibration()
     ref_logits = held_out_logits(reference, windows)
     dtype = str(next(reference.parameters()).dtype).removeprefix("torch.")
     bits = torch.finfo(next(reference.parameters()).dtype).bits
@@ -130,10 +105,7 @@ def cmd_quantformats(args):
         start = time.time()
         log(f"quantizing: {row.label}")
         model = copy.deepcopy(reference)
-        if row.kv_cache:                # the bits column is then the coded K/V rate, known after the forward pass
-            kv = row.quantize(model, **row.options)
-        else:
-            row.quantize(model, calibration, **row.options)
+        kv = quantize_row(row, model, calibration)
         stats = kl_stats(ref_logits, evaluate(model, windows, args.impl))
         bits = kv.report()["total_bps"] if row.kv_cache else model_bits(model)
         result = {"format": row.label, "bits": round(bits, 2),
@@ -142,38 +114,85 @@ def cmd_quantformats(args):
         results.append(result)
         print(json.dumps(result), flush=True)
     print()
-    print(markdown(results))
+    print(tables.markdown(results))
+    plot(args, results[1:])
     log(f"impl={args.impl}: training/cache {t_trained - t0:.1f} s, rows {time.time() - t_trained:.1f} s")
 
+
+def quantformats_real(args, selected):
+    """The table on a real model: llama.cpp's statistics against the model itself (a GGUF model's dequantized
+    weights), on held-out text the calibration never saw; each row's time and peak resident memory."""
+    path = check_model_path(args.model)
+    tokenizer = load_tokenizer(path)
+    corpus = Corpus.from_text(load_corpus(args.text), tokenizer)
+    chunks = corpus.eval_chunks(args.ctx, args.chunks)
+    calibration = corpus.calibration(seq_len=args.calib_len, n=args.calib_samples)
+    reference = load_model(path, torch.float32, dense=True)
+    log(f"{path.name}: {sum(p.numel() for p in reference.parameters()) / 1e6:.1f} M parameters; "
+        f"{len(chunks)} chunks of {args.ctx} held-out tokens, {tuple(calibration.shape)} calibration tokens")
+    ref_logits = ReferenceLogits(reference, chunks)
+    results = []
+    for row in selected:
+        log(f"quantizing: {row.label}")
+        with tables.MemoryWatch() as memory:
+            start = time.time()
+            model = copy.deepcopy(reference)
+            kv = quantize_row(row, model, calibration)
+            seconds = time.time() - start
+            stats = compare_models(ref_logits, model, chunks, impl=args.impl)
+        bits = kv.report()["total_bps"] if row.kv_cache else model_bits(model)
+        result = {"format": row.label, "bits": round(bits, 3), **stats, "seconds": round(seconds, 1),
+                  "peak_rss_gb": round(memory.peak / 1e9, 2)}
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        del model
+    print()
+    print(markdown_table(results, label="format"))
+    plot(args, results)
+
+
+def plot(args, results):
+    if args.plot:
+        tables.plot_rate_distortion(results, args.plot, title=Path(args.model).name if args.model else "tiny Qwen3")
+        log(f"wrote {args.plot}")
+
+
+# ---- train, quantize, eval, generate ----------------------------------------------------------------------------
 
 def cmd_train(args):
     if args.out:
         check_output(args.out, args.force)
-    _, model = setup(args)
+    _, model = tiny_setup(args)
     if args.out:
-        save_dense(model, args.out, force=args.force)
+        save_dense(model, args.out, force=args.force, side_files=lambda folder: export_tokenizer(None, folder))
         log(f"saved {args.out}")
 
 
+def method_options(method):
+    """{keyword: default} a method takes on the command line: those of its quantize_layer (or quantize)."""
+    entry = METHODS[method]
+    params = list(inspect.signature(entry.quantize_layer or entry.quantize).parameters.values())[1:]
+    return {p.name: p.default for p in params if p.name != "calibration_ids" and p.kind is p.POSITIONAL_OR_KEYWORD}
+
+
 def quantize_options(args):
-    """--option KEY=VALUE and the named flags -> {keyword: value} for the method's quantize(), each value parsed by
-    the type of that keyword's default; unknown keywords and values of the wrong type are errors."""
-    entry = METHODS[args.method]
-    accepted = inspect.signature(entry.quantize_layer or entry.quantize).parameters
-    takes = [p for p in accepted if p not in ("model", "calibration_ids", "layer")]
+    """--option KEY=VALUE and the named flags -> {keyword: value} for the method, each value parsed by the type of
+    that keyword's default; unknown keywords and values of the wrong type are errors."""
+    accepted = method_options(args.method)
     options = {}
     for text in args.option or []:
         key, sep, value = text.partition("=")
         key = key.replace("-", "_")
         if not sep or not key:
             raise ValueError(f"--option wants KEY=VALUE, got {text!r}")
-        if key not in takes:
-            raise ValueError(f"--method {args.method} takes no option {key!r}; it takes {takes}")
-        options[key] = parse_value(key, value, accepted[key].default)
+        if key not in accepted:
+            raise ValueError(f"--method {args.method} takes no option {key!r}; it takes {list(accepted)}")
+        options[key] = parse_value(key, value, accepted[key])
     for key, value in (("group_size", args.group_size), ("act_order", args.act_order or None), ("bpw", args.bpw)):
         if value is not None:
-            if key not in takes:
-                raise ValueError(f"--{key.replace('_', '-')} does not apply to --method {args.method}; it takes {takes}")
+            if key not in accepted:
+                raise ValueError(f"--{key.replace('_', '-')} does not apply to --method {args.method}; it takes "
+                                 f"{list(accepted)}")
             options[key] = value
     return options
 
@@ -213,6 +232,10 @@ def check_quantize_args(args):
     bpw = options.get("bpw")
     if bpw is not None and not BPW_RANGE[0] <= bpw <= BPW_RANGE[1]:
         raise ValueError(f"--bpw {bpw}: {args.method} reaches {BPW_RANGE[0]} to {BPW_RANGE[1]} bits per weight")
+    if args.model is not None:
+        check_model_path(args.model)
+        if args.calib is not None and not Path(args.calib).is_file():
+            raise ValueError(f"--calib {args.calib}: no such file")
     if args.target or args.format == "gguf":
         options, args.format = check_target(args.target or "llama.cpp", args.method, options, args.format)
     if args.format != "gguf":
@@ -224,12 +247,26 @@ def check_quantize_args(args):
 
 def cmd_quantize(args):
     options = check_quantize_args(args)
-    corpus, model = setup(args)
-    if args.format == "gguf":
-        METHODS[args.method].quantize(model, corpus.calibration(), **options)
-        log(f"wrote {args.out}: {json.dumps(write_gguf(model, args.out, force=args.force))}")
-        return
-    qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), force=args.force, **options)
+    if args.model is None:
+        corpus, model = tiny_setup(args)
+        if args.format == "gguf":
+            METHODS[args.method].quantize(model, corpus.calibration(), **options)
+            log(f"wrote {args.out}: {json.dumps(write_gguf(model, args.out, force=args.force))}")
+            return
+        qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), force=args.force,
+                              side_files=lambda folder: export_tokenizer(None, folder), **options)
+    else:
+        ids = None
+        if METHODS[args.method].calibration(options):
+            corpus = Corpus.from_text(load_corpus(args.calib), load_tokenizer(args.model))
+            ids = corpus.calibration(seq_len=args.calib_len, n=args.calib_samples)
+        if args.format == "gguf":   # layer by layer into a folder of ours beside FILE, then one GGUF from it
+            with tempfile.TemporaryDirectory(dir=Path(args.out).resolve().parent, prefix=".gguf-") as tmp:
+                quantize_checkpoint(args.model, Path(tmp) / "ck", args.method, ids, **options)
+                report = export_gguf(Path(tmp) / "ck", args.out, force=args.force)
+            log(f"wrote {args.out}: {json.dumps(report)}")
+            return
+        qcfg = quantize_checkpoint(args.model, args.out, args.method, ids, force=args.force, **options)
     log(f"wrote {args.out}: {json.dumps(qcfg)}")
     if args.target == "vllm":
         log(f"tensor-parallel degrees: {json.dumps(tp_degrees(args.out))}\nserve: {vllm_serve_command(args.out)}")
@@ -240,9 +277,13 @@ def cmd_export(args):
 
 
 def cmd_eval(args):
+    if args.model is not None or args.quantized is not None:
+        return eval_real(args)
+    if args.directory is None:
+        raise ValueError("give a checkpoint DIR of the tiny model, or --model REF --quantized DIR")
     read_config(args.directory)                          # a missing or broken checkpoint fails before training
     source = checkpoint_source(args.directory)
-    corpus, reference = setup(args)
+    corpus, reference = tiny_setup(args)
     if source is not None and source != model_digest(reference):
         raise ValueError(f"{args.directory} was quantized from another model (digest {source[:12]}) than this "
                          f"reference ({model_digest(reference)[:12]}, from --steps {args.steps} --seed {args.seed}"
@@ -254,31 +295,86 @@ def cmd_eval(args):
     print(json.dumps({"checkpoint": args.directory, "bits": None if bits is None else round(bits, 3), **stats}))
 
 
+def eval_real(args):
+    if args.model is None or args.quantized is None:
+        raise ValueError("eval needs both --model REF and --quantized DIR")
+    ref_path, q_path = check_model_path(args.model), check_model_path(args.quantized)
+    corpus = Corpus.from_text(load_corpus(args.text), load_tokenizer(ref_path))
+    chunks = corpus.eval_chunks(args.ctx, args.chunks)                  # short text fails before any model loads
+    source = checkpoint_source(q_path) if q_path.is_dir() else None
+    reference = load_model(ref_path, torch.float32, dense=True)
+    if source is not None and source != model_digest(reference):
+        raise ValueError(f"{q_path} was quantized from another model (digest {source[:12]}) than {ref_path} "
+                         f"({model_digest(reference)[:12]})")
+    quantized = load_model(q_path)
+    bits = model_bits(quantized)
+    stats = compare_models(reference, quantized, chunks, impl=args.impl)
+    result = {"reference": str(ref_path), "quantized": str(q_path), "bits": bits and round(bits, 3), **stats}
+    print(json.dumps(result))
+    print(markdown_table([{**result, "model": q_path.name}]))
+
+
+def cmd_generate(args):
+    if args.model is None:
+        _, model = tiny_setup(args)
+        tokenizer = load_tokenizer(None)                  # bytes
+    else:
+        path = check_model_path(args.model)
+        model, tokenizer = load_model(path), load_tokenizer(path)
+    ids = encode(tokenizer, args.prompt.encode("utf-8"))[None]
+    if ids.numel() == 0:
+        raise ValueError("--prompt is empty")
+    generator = torch.Generator().manual_seed(args.seed)
+    with impl(args.impl):
+        out = model.generate(ids, args.max_new_tokens, args.temperature, generator)
+    new = out[0, ids.shape[1]:].tolist()
+    try:
+        text = token_bytes(tokenizer, new)                # exact bytes of a byte-level vocabulary
+    except ValueError:                                    # a SentencePiece-style one: its own decoder
+        text = tokenizer.decode(new).encode("utf-8")
+    sys.stdout.buffer.write(text + b"\n")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p):
-        p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-        p.add_argument("--text", default=None, help="train on this file's bytes (default: built-in corpus)")
+    def common(p, impl_option=True):
+        p.add_argument("--model", help="a model folder, quantized checkpoint or .gguf file (default: the tiny Qwen3)")
+        p.add_argument("--steps", type=int, default=300, help="tiny model: training steps (default 300)")
+        p.add_argument("--text", default=None, help="tiny model: train on this file's bytes; real model: held-out "
+                                                    "text for evaluation (default: the built-in corpus)")
         p.add_argument("--seed", type=int, default=0)
+        if impl_option:
+            p.add_argument("--impl", choices=["torch", "engine"], default="torch",
+                           help="torch: dequantize + matmul; engine: Triton kernels (interpreted on CPU)")
         return p
 
-    q = common(sub.add_parser("quantformats", help="the KL table of every format"))
-    q.add_argument("--impl", choices=["torch", "engine"], default="torch",
-                   help="torch: dequantize + matmul; engine: Triton kernels (interpreted on CPU)")
+    def chunks(p):
+        p.add_argument("--ctx", type=int, default=512, help="real model: tokens per evaluation chunk (512)")
+        p.add_argument("--chunks", type=int, default=8, help="real model: held-out chunks to score (8)")
+        return p
+
+    def calib(p):
+        p.add_argument("--calib", help="real model: calibration text (default: the built-in corpus' training part)")
+        p.add_argument("--calib-samples", type=int, default=32, help="calibration sequences (32)")
+        p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (512)")
+        return p
+
+    q = calib(chunks(common(sub.add_parser("quantformats", help="the KL table of every format"))))
     q.add_argument("--rows", nargs="*", help="only rows whose label contains one of these substrings")
-    t = common(sub.add_parser("train", help="train (or load the cached) tiny Qwen3"))
+    q.add_argument("--plot", help="also draw KL against bits per weight into this .png (needs matplotlib)")
+    t = common(sub.add_parser("train", help="train (or load the cached) tiny Qwen3"), impl_option=False)
     t.add_argument("--out", help="also save it as a dense HF checkpoint here")
     t.add_argument("--force", action="store_true", help="replace --out even if it holds other files")
-    z = common(sub.add_parser("quantize", help="write the trained model as a quantized checkpoint"))
+    z = calib(common(sub.add_parser("quantize", help="write a quantized checkpoint"), impl_option=False))
     z.add_argument("--method", required=True)
     z.add_argument("--out", required=True)
     z.add_argument("--group-size", type=int)
     z.add_argument("--act-order", action="store_true", help="gptq: visit columns by decreasing Hessian diagonal")
     z.add_argument("--bpw", type=float, help="entquant: target bits per weight (lambda found by bisection)")
     z.add_argument("--option", action="append", metavar="KEY=VALUE",
-                   help="any other option of the method's quantize(), e.g. format=nvfp4-pack-quantized, L=8, bps=3")
+                   help="any other option of the method, e.g. format=nvfp4-pack-quantized, L=8, bps=3, sym=true")
     z.add_argument("--force", action="store_true", help="replace --out even if it holds other files")
     z.add_argument("--target", help="vllm, transformers, llama.cpp or onnx: settings that client loads")
     z.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors")
@@ -286,15 +382,25 @@ def main(argv=None):
     x.add_argument("source")
     x.add_argument("--gguf", required=True, metavar="FILE")
     x.add_argument("--force", action="store_true", help="replace FILE if it exists")
-    e = common(sub.add_parser("eval", help="KL of a quantized checkpoint against the reference model"))
-    e.add_argument("directory")
-    e.add_argument("--impl", choices=["torch", "engine"], default="torch")
+    e = chunks(common(sub.add_parser("eval", help="KL of a quantized checkpoint against its reference model")))
+    e.add_argument("directory", nargs="?", help="a checkpoint of the tiny model")
+    e.add_argument("--quantized", help="with --model REF: the quantized model (folder or .gguf)")
+    g = common(sub.add_parser("generate", help="continue a prompt (greedy, or sampled with --temperature)"))
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args(argv)
     if not 1 <= getattr(args, "steps", 1) <= 10 ** 6:
         parser.error("--steps must be >= 1 (and at most 10^6)")
+    for name in ("ctx", "chunks", "calib_samples", "calib_len", "max_new_tokens"):
+        if getattr(args, name, 1) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if getattr(args, "temperature", 0.0) < 0 or not math.isfinite(getattr(args, "temperature", 0.0)):
+        parser.error("--temperature must be a finite number >= 0")
+    commands = {"quantformats": cmd_quantformats, "train": cmd_train, "quantize": cmd_quantize, "eval": cmd_eval,
+                "generate": cmd_generate, "export": cmd_export}
     try:
-        {"quantformats": cmd_quantformats, "train": cmd_train, "quantize": cmd_quantize, "eval": cmd_eval,
-         "export": cmd_export}[args.command](args)
+        commands[args.command](args)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
 

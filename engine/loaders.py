@@ -83,6 +83,8 @@ def place(model, name, value, dtype, device):
         raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(param.shape)}")
     if not value.dtype.is_floating_point or value.element_size() < 2:
         raise ValueError(f"{name}: checkpoint dtype {value.dtype} cannot fill a floating-point parameter")
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{name}: checkpoint tensor holds NaN or infinite values")
     setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=param.requires_grad))
 
 
@@ -182,13 +184,16 @@ def dense_tensors(model, dtype=None):
     return out
 
 
-def save_dense(model, directory, dtype=None, force=False):
+def save_dense(model, directory, dtype=None, force=False, side_files=None):
     """Write config.json + model.safetensors atomically (engine.safetensors_io.atomic_directory: a failed or killed
-    save leaves the old checkpoint or nothing; a folder holding other files is refused unless force=True)."""
+    save leaves the old checkpoint or nothing; a folder holding other files is refused unless force=True).
+    side_files(folder), if given, writes the rest of the checkpoint (tokenizer files) into the same atomic folder."""
     raw = model.cfg.to_hf()
     if dtype is not None:
         raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
     with atomic_directory(directory, force) as tmp:
         write_json(tmp / "config.json", raw)
         save_file(dense_tensors(model, dtype), tmp / "model.safetensors")
+        if side_files is not None:
+            side_files(tmp)
 

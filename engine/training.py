@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .data import export_tokenizer
 from .loaders import load_dense, save_dense
 from .qwen3 import Qwen3
 
@@ -92,5 +93,5 @@ def trained_model(cfg, corpus, tc: TrainConfig, cache_dir=None, log=None):
     log(f"training {sum(p.numel() for p in Qwen3(cfg).parameters()) / 1e6:.2f} M parameters for {tc.steps} steps "
         f"on {len(corpus.train)} bytes")
     model = train(cfg, corpus, tc, log)
-    save_dense(model, path)
+    save_dense(model, path, side_files=lambda folder: export_tokenizer(None, folder))
     return model

@@ -49,10 +49,12 @@ class InputStats:
     def add(self, x):
         if x.shape[-1] != self.abs_sum.shape[0]:
             raise ValueError(f"calibration inputs have {x.shape[-1]} features, the layer has {self.abs_sum.shape[0]}")
-        x = x.detach().reshape(-1, self.abs_sum.shape[0]).to(torch.float64)
+        x = x.detach().reshape(-1, self.abs_sum.shape[0]).float()
         self.xtx, self.abs_sum = self.xtx.to(x.device), self.abs_sum.to(x.device)
-        self.xtx += x.T @ x                        # float64: a long calibration run sums many large squares
-        self.abs_sum += x.abs().sum(0)
+        # one batch's X^T X in float32 (a float64 matmul costs several times more), summed over batches in float64
+        # (a long calibration run sums many large squares)
+        self.xtx += (x.T @ x).double()
+        self.abs_sum += x.abs().sum(0, dtype=torch.float64)
         self.count += x.shape[0]
 
     def _check(self):
@@ -142,10 +144,15 @@ class LayerCalibration:
 
     @torch.no_grad()
     def capture(self, names=None):
-        """{full name: InputStats} of the named linears' inputs (all of them by default) over every batch."""
+        """{full name: InputStats} of the named linears' inputs (all of them by default) over every batch. Linears
+        of one sequential step read the same input, so its statistics are accumulated once and shared."""
         if self.batches is None:
             raise ValueError(f"{self.method} needs calibration_ids")
-        return capture(self.linears(names), self.batches, lambda args: self.layer(*args))
+        names = [n for step in SEQUENTIAL_STEPS for n in step] if names is None else list(names)
+        first = {n: next(s[0] for s in SEQUENTIAL_STEPS if n in s) if any(n in s for s in SEQUENTIAL_STEPS) else n
+                 for n in names}
+        stats = capture(self.linears(dict.fromkeys(first.values())), self.batches, lambda args: self.layer(*args))
+        return {self.prefix + n: stats[self.prefix + first[n]] for n in names}
 
     @torch.no_grad()
     def outputs(self):

@@ -9,12 +9,14 @@ line in `METHODS` below.
 """
 import hashlib
 import json
+from pathlib import Path
 
 import torch
 
-from ..loaders import check_complete, default_dtype, install_layer, load_tensors, model_digest, place, prepare
+from ..loaders import (check_complete, default_dtype, install_layer, load_dense, load_tensors, model_digest, place,
+                       prepare, read_config)
 from ..safetensors_io import atomic_directory, check_output, checkpoint_records, save_file, write_json
-from . import awq, compressed_tensors, entropy, fp8, gptq, lattice, trellis
+from . import awq, compressed_tensors, entropy, fp8, gguf, gptq, lattice, trellis
 from .base import linear_names, quantized_linears
 
 METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
@@ -32,7 +34,7 @@ def method_for(quantization_config):
         raise ValueError("config.json has no quantization_config object: not a quantized checkpoint "
                          "(use engine.loaders.load_dense for dense checkpoints)")
     name = quantization_config.get("quant_method")
-    if name not in METHODS:
+    if not isinstance(name, str) or name not in METHODS:
         raise ValueError(f"unsupported quant_method {name!r}; this engine reads {sorted(METHODS)}")
     return METHODS[name]
 
@@ -113,7 +115,8 @@ def load_quantized(directory, dtype=None, device="cpu", verify=True):
 
 
 @torch.no_grad()
-def save_quantized(model, directory, method, calibration_ids=None, quantization_config=None, force=False, **options):
+def save_quantized(model, directory, method, calibration_ids=None, quantization_config=None, force=False,
+                   side_files=None, **options):
     """Write `model` as a `method` checkpoint (config.json + model.safetensors), atomically.
 
     A dense model is first quantized IN PLACE with the method's own quantizer (options such as group_size,
@@ -122,7 +125,8 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
     quantized (e.g. RTN or GPTQ layers written as compressed-tensors) is written as it is, with
     `quantization_config` or the one recorded when it was quantized.
     The save is atomic and refuses a folder that holds anything but an engine checkpoint unless force=True
-    (engine.safetensors_io.atomic_directory). Returns the quantization_config written.
+    (engine.safetensors_io.atomic_directory); side_files(folder), if given, adds the tokenizer files to it. Returns
+    the quantization_config written.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
@@ -158,4 +162,33 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
         meta = {"engine.quantization_config_sha256": config_digest(quantization_config)}
         source = getattr(model, "source_digest", None)
         save_file(tensors, tmp / "model.safetensors", {**meta, "engine.source_sha256": source} if source else meta)
+        if side_files is not None:
+            side_files(tmp)
     return quantization_config
+
+
+def load_model(path, dtype=None, device="cpu", dense=False):
+    """Any model the engine reads: a .gguf file (formats/gguf.py), a quantized checkpoint folder (config.json with a
+    quantization_config) or a dense one. dense=True turns every quantized layer into an nn.Linear holding its
+    dequantized weight (float32): the reference a GGUF model's own quantization defines."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        model = gguf.load_gguf(path, dtype or torch.float32, device)
+    elif isinstance(read_config(path).get("quantization_config"), dict):
+        model = load_quantized(path, dtype, device)
+    else:
+        model = load_dense(path, dtype, device)
+    if dense:
+        for name, layer in quantized_linears(model).items():
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, _dense_linear(layer))
+    return model
+
+
+def _dense_linear(layer):
+    linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(layer.dequantize())
+        if layer.bias is not None:
+            linear.bias.copy_(layer.bias)
+    return linear

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..data import export_tokenizer
 from ..loaders import check_layer_count, check_shapes, digest_of, place, read_config, skeleton
 from ..qwen3 import DecoderLayer, Qwen3Config
 from ..safetensors_io import (INDEX, TensorReader, check_output, commit_directory, recover_interrupted_swap,
@@ -68,6 +69,13 @@ class Source:
             for name in self.reader.names():
                 if keep(name):
                     yield name, self.reader.read(name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.gguf is not None:
+            self.gguf.close()
 
     def identity(self):
         """What a resumed conversion must find unchanged: the source's files (names, sizes, modification times)."""
@@ -133,7 +141,8 @@ def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, 
     """Quantize the model at `source` (an HF folder or a .gguf file) with `method` (a key of checkpoints.METHODS)
     into the checkpoint folder `out`, one decoder layer at a time (see the module docstring). calibration_ids
     [B, T] for the data-aware methods; options go to the method's quantize_layer; dtype is the precision the layers
-    compute in while they are calibrated (stored dtypes are kept on disk). Returns the quantization_config."""
+    compute in while they are calibrated (data-free methods read each layer in its stored dtype; stored dtypes are
+    kept on disk). Returns the quantization_config."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
     entry = METHODS[method]
@@ -141,54 +150,61 @@ def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, 
         raise ValueError(f"method {method} cannot quantize layer by layer")
     recover_interrupted_swap(out)
     check_output(out, force)
-    src = Source(source)
-    cfg = Qwen3Config.from_hf(src.config)
-    check_layer_count(cfg, src.names, source)
-    model = skeleton(cfg)
-    if src.gguf is None:
-        check_shapes(model, tensor_specs(source), source)
-    mode = entry.calibration(options)
-    ids = check_ids(calibration_ids, cfg.vocab_size, method) if mode else None
-    identity = {"source": src.identity(), "method": method, "options": options, "dtype": str(dtype),
-                "calibration": None if ids is None else tensor_digest(ids)}
-    folder, state = _resume(out, identity)
-    validate = entry.validate or (lambda config: config)
-    if mode:                                    # the embedding, in its stored dtype, only to embed the ids
-        _fill(model, src.tensors(lambda n: n == "model.embed_tokens.weight"), None, {})
-        batches = [(h.to(dtype), *rope) for h, *rope in first_layer_batches(model, ids, batch_size)]
-        model.model.embed_tokens.to_empty(device="meta")
-    else:
+    with Source(source) as src:
+        cfg = Qwen3Config.from_hf(src.config)
+        check_layer_count(cfg, src.names, source)
+        model = skeleton(cfg)
+        if src.gguf is None:
+            check_shapes(model, tensor_specs(source), source)
+        mode = entry.calibration(options)
+        ids = check_ids(calibration_ids, cfg.vocab_size, method) if mode else None
+        identity = {"source": src.identity(), "method": method, "options": options, "dtype": str(dtype),
+                    "calibration": None if ids is None else tensor_digest(ids)}
+        folder, state = _resume(out, identity)
         batches = None
-    bar = tqdm(range(cfg.num_hidden_layers), desc=f"{method} layers", disable=not progress, unit="layer")
-    for i in bar:
-        prefix = _layer_prefix(i)
-        layer_stored = _fill(model, src.tensors(lambda n: n.startswith(prefix)), dtype, state["digests"])
-        layer = LayerCalibration(model.model.layers[i], i, batches, method)
-        if i < state["done"]:                                            # written by an earlier, killed run
-            if mode == "quantized":
-                _read_back(model, i, folder, entry, validate(state["layer_configs"][i]), dtype)
-            batches = layer.outputs() if mode else None
-        else:
-            ahead = layer.outputs() if mode == "float" else None
-            layer_cfg = entry.quantize_layer(layer, **options)
-            save_file(_layer_tensors(layer.layer, prefix, entry, validate(layer_cfg), layer_stored),
-                      folder / f"layer-{i:05d}.safetensors")
-            batches = ahead if ahead is not None else (layer.outputs() if mode else None)
-            weights = sum(m.in_features * m.out_features for m in layer.layer.modules() if isinstance(m, QuantLinear))
-            state["layer_configs"].append(layer_cfg)
-            state["weights"].append(weights)
-            state["done"] = i + 1
-            write_json(folder / PROGRESS, state)
-        model.model.layers[i] = DecoderLayer(cfg, i).to("meta")
-        del layer
-        release_memory()
-    rest = {name: t for name, t in src.tensors(lambda n: not n.startswith("model.layers."))
-            if not (name == "lm_head.weight" and cfg.tie_word_embeddings)}
-    state["digests"].update({name: float_digest(t) for name, t in rest.items()})
-    save_file(rest, folder / "rest.safetensors")                          # as stored, byte for byte
-    qcfg = merged_config(state["layer_configs"], state["weights"])
-    _finish(folder, out, src, cfg, qcfg, digest_of(state["digests"]))
+        if mode:                                    # the embedding, in its stored dtype, only to embed the ids
+            _fill(model, src.tensors(lambda n: n == "model.embed_tokens.weight"), None, {})
+            batches = [(h.to(dtype), *rope) for h, *rope in first_layer_batches(model, ids, batch_size)]
+            model.model.embed_tokens.to_empty(device="meta")
+        layer_dtype = dtype if mode else None      # data-free methods read each weight as stored (half the memory)
+        for i in tqdm(range(cfg.num_hidden_layers), desc=f"{method} layers", disable=not progress, unit="layer"):
+            batches = _convert_layer(model, i, src, entry, mode, batches, folder, state, layer_dtype, options)
+        rest = (lambda n: not n.startswith("model.layers.") and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+        for k, (name, tensor) in enumerate(src.tensors(rest)):            # one at a time: an 8B's embedding is 1.2 GB
+            state["digests"][name] = float_digest(tensor)
+            save_file({name: tensor}, folder / f"rest-{k:05d}.safetensors")     # as stored, byte for byte
+            del tensor
+        qcfg = merged_config(state["layer_configs"], state["weights"])
+        _finish(folder, out, src, cfg, qcfg, digest_of(state["digests"]))
     return qcfg
+
+
+def _convert_layer(model, i, src, entry, mode, batches, folder, state, dtype, options):
+    """Read decoder layer i, quantize it and write it (or, done by a killed run, replay it), free it; returns the
+    calibration batches for layer i + 1."""
+    validate = entry.validate or (lambda config: config)
+    prefix = _layer_prefix(i)
+    stored = _fill(model, src.tensors(lambda n: n.startswith(prefix)), dtype, state["digests"])
+    layer = LayerCalibration(model.model.layers[i], i, batches, entry.name)
+    if i < state["done"]:
+        if mode == "quantized":
+            _read_back(model, i, folder, entry, validate(state["layer_configs"][i]), dtype)
+        batches = layer.outputs() if mode else None
+    else:
+        ahead = layer.outputs() if mode == "float" else None
+        layer_cfg = entry.quantize_layer(layer, **options)
+        save_file(_layer_tensors(layer.layer, prefix, entry, validate(layer_cfg), stored),
+                  folder / f"layer-{i:05d}.safetensors")
+        batches = ahead if ahead is not None else (layer.outputs() if mode else None)
+        state["layer_configs"].append(layer_cfg)
+        state["weights"].append(sum(m.in_features * m.out_features for m in layer.layer.modules()
+                                    if isinstance(m, QuantLinear)))
+        state["done"] = i + 1
+        write_json(folder / PROGRESS, state)
+    model.model.layers[i] = DecoderLayer(model.cfg, i).to("meta")
+    del layer
+    release_memory()
+    return batches
 
 
 def merged_config(configs, weights):
@@ -232,9 +248,5 @@ def _finish(folder, out, src, cfg, qcfg, source_digest):
     raw["quantization_config"] = qcfg
     write_json(folder / "config.json", raw)
     (folder / PROGRESS).unlink()
-    if src.gguf is None:
-        for side in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja"):
-            if (src.path / side).is_file():
-                shutil.copyfile(src.path / side, folder / side)
+    export_tokenizer(src.path, folder)                  # with generation_config.json and the chat template
     commit_directory(folder, out)

@@ -1,0 +1,146 @@
+"""The tables `run.py quantformats` prints: which methods, with which options, and how a row is measured.
+
+A row is a plain (label, quantize, options): `quantize(model, calibration_ids, **options)` is the method's entry point
+(engine/formats/<method>.py); a KV-cache row's quantize installs a quantizer on the model's K/V hook instead and
+leaves the weights dense. `rows()` is the book's table on the tiny byte model; `real_model_rows()` is every method at
+about 2, 3 and 4 bits for a real model, at the group sizes real checkpoints use.
+"""
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .formats import affine, awq, entropy, fp8, gptq, kv_cache, lattice, mx, nf4, trellis
+
+
+@dataclass
+class Row:
+    label: str
+    quantize: Callable
+    options: dict = field(default_factory=dict)
+    kv_cache: bool = False      # weights stay dense; K and V are quantized as they enter the cache
+
+
+def rows():
+    """The tiny model's table: the book's rows in the book's order, then EntQuant, HyperQuant and the KV cache."""
+    return [
+        Row("RTN int4, g64", affine.quantize, dict(bits=4, group_size=64)),
+        Row("GPTQ int4, g64", gptq.quantize, dict(group_size=64)),
+        Row("GPTQ int4, g64, act-order", gptq.quantize, dict(group_size=64, act_order=True)),
+        Row("AWQ int4, g64", awq.quantize, dict(group_size=64)),
+        Row("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
+        Row("MXFP4", mx.quantize, dict(format="mxfp4")),
+        Row("NVFP4", mx.quantize, dict(format="nvfp4")),
+        Row("trellis (QTIP-style), L=8", trellis.quantize, dict(L=8, K=2)),
+        Row("trellis (QTIP-style), L=8, K=3", trellis.quantize, dict(L=8, K=3)),
+        Row("RTN int2, g64 (for comparison)", affine.quantize, dict(bits=2, group_size=64)),
+        Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles", trellis.quantize, dict(L=8, K=2, ldlq=True)),
+        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.01)) for b in (4.0, 3.0, 2.1)],
+        *[Row(f"EntQuant Float8+ANS + self-Fisher, ~{b} bpw", entropy.quantize,
+              dict(bpw=b, tol=0.01, sensitivity="fisher")) for b in (3.0, 2.1)],
+        Row("NF4, g64", nf4.quantize, dict(group_size=64)),
+        *[Row(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
+        *[Row(f"lattice {name}, 3.0 bps", lattice.quantize, dict(lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],
+        *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", kv_cache.kv_quantize,
+              dict(lattice="E8", bps=b, rotation=rot, dither=dither), kv_cache=True)
+          for b in (2.0, 3.0) for rot in ("none", "signs", "qjl") for dither in (False, True)],
+    ]
+
+
+def real_model_rows():
+    """Every method at about 4, 3 and 2 bits on a real model. RTN int4 g32 (asymmetric) is the grid of a Q4_1 GGUF
+    model (SmolLM2's): it reproduces such a model exactly, so the comparisons that mean something are the others."""
+    return [
+        Row("RTN int4, g32 (Q4_1's own grid)", affine.quantize, dict(bits=4, group_size=32)),
+        Row("RTN int4, g128", affine.quantize, dict(bits=4, group_size=128)),
+        Row("GPTQ int4, g128", gptq.quantize, dict(group_size=128)),
+        Row("GPTQ int4, g128, act-order", gptq.quantize, dict(group_size=128, act_order=True)),
+        Row("AWQ int4, g128", awq.quantize, dict(group_size=128)),
+        Row("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
+        Row("MXFP4", mx.quantize, dict(format="mxfp4")),
+        Row("NVFP4", mx.quantize, dict(format="nvfp4")),
+        Row("NF4, g64", nf4.quantize, dict(group_size=64)),
+        *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.05)) for b in (4.0, 3.0, 2.1)],
+        *[Row(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (4.0, 3.0, 2.0)],
+        Row("trellis (QTIP-style), L=8, K=3", trellis.quantize, dict(L=8, K=3)),
+        Row("trellis (QTIP-style), L=8", trellis.quantize, dict(L=8, K=2)),
+        Row("RTN int2, g64", affine.quantize, dict(bits=2, group_size=64)),
+        Row("GPTQ int2, g64", gptq.quantize, dict(bits=2, group_size=64)),
+    ]
+
+
+def select(all_rows, substrings):
+    """The rows whose label contains one of the substrings (case-insensitive); all rows when none are given."""
+    chosen = [r for r in all_rows if not substrings or any(s.lower() in r.label.lower() for s in substrings)]
+    if not chosen:
+        raise ValueError(f"--rows {substrings} matches no row; rows are: {[r.label for r in all_rows]}")
+    return chosen
+
+
+def markdown(results):
+    """The tiny model's table: KL mean, its standard error, p99 and same-top %."""
+    lines = ["| format | bits | KL (nats) | ± | p99 | same top % |", "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if "kl_nats" in r:
+            lines.append(f"| {r['format']} | {r['bits']} | {r['kl_nats']:.5f} | {r['kl_stderr']:.5f} | "
+                         f"{r['kl_p99']:.4f} | {r['same_top_pct']:.1f} |")
+        else:
+            lines.append(f"| {r['format']} | {r['bits']} | (perplexity {r['held_out_perplexity']}) | | | |")
+    return "\n".join(lines)
+
+
+def resident_bytes():
+    """This process's resident memory now (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+class MemoryWatch:
+    """`with MemoryWatch() as m: ...` samples the process's resident memory every 20 ms; m.peak is the largest seen
+    (the whole process: the reference model held for the table included)."""
+
+    def __init__(self, every=0.02):
+        self.every, self.peak, self._stop = every, 0, threading.Event()
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, resident_bytes())
+            time.sleep(self.every)
+
+    def __enter__(self):
+        self.peak = resident_bytes()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, resident_bytes())
+
+
+FAMILIES = {"RTN": "o", "GPTQ": "s", "AWQ": "D", "FP8": "P", "MXFP4": "v", "NVFP4": "^", "NF4": "X", "EntQuant": "*",
+            "lattice": "h", "trellis": "p", "KV": "x"}
+
+
+def plot_rate_distortion(results, path, title=""):
+    """KL (log scale) against bits per weight, one marker per method family, into a .png (matplotlib, an optional
+    extra: `pip install matplotlib`)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for family, marker in FAMILIES.items():
+        points = [(r["bits"], r["kl_nats"]) for r in results if r["format"].startswith(family) and r["kl_nats"] > 0]
+        if points:
+            ax.scatter(*zip(*points), marker=marker, s=60, label=family)
+    ax.set(xscale="linear", yscale="log", xlabel="bits per weight (all metadata counted)",
+           ylabel="KL(P_ref || P_quant), nats per token", title=f"rate and distortion: {title}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
