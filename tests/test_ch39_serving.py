@@ -128,3 +128,22 @@ def test_table_and_serve_line():
 def test_readme_carries_the_table():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert serving.markdown_table() in readme, "README's serving table is stale: paste markdown_table() again"
+
+
+def test_quantize_model_to_gguf_equals_its_folder(tmp_path, tiny_model):
+    """`run.py quantize --model DIR --format gguf`: the layer-by-layer converter into a folder of ours, then one GGUF
+    file; the file computes what the folder does, and the folder is gone."""
+    import run
+    from engine.formats.checkpoints import load_model
+    from engine.formats.gguf import load_gguf
+    from engine.loaders import save_dense
+    save_dense(tiny_model, tmp_path / "dense")
+    common = ["quantize", "--model", str(tmp_path / "dense"), "--method", "compressed-tensors",
+              "--option", "format=mxfp4-pack-quantized"]
+    run.main(common + ["--format", "gguf", "--out", str(tmp_path / "m.gguf")])
+    run.main(common + ["--out", str(tmp_path / "folder")])
+    ids = torch.randint(0, tiny_model.cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        a, b = load_gguf(tmp_path / "m.gguf")(ids), load_model(tmp_path / "folder")(ids)
+    assert torch.allclose(a, b, atol=1e-4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense", "folder", "m.gguf"]
