@@ -12,8 +12,8 @@ blocks' corrections but not yet this block's: the lazy update lands when the blo
 The column order (the visit; names as in AutoGPTQ / GPTQModel configs), and what each costs the checkpoint:
 
     natural          0, 1, 2, ...                                  g_idx = i // G (sorted)     loads everywhere
-    act_order        by decreasing H_ii ("desc_act"); groups are   g_idx permuted, and a       loaders that apply
-                     ranges of the visit                           runtime permutation         g_idx (desc_act=True)
+    act_order        by decreasing H_ii ("desc_act"); groups are   g_idx permuted, and a       vLLM refuses it
+                     ranges of the visit                           runtime permutation         (desc_act=True)
     act_order +      the same visit, but each group is a range of  g_idx = i // G, no perm:    loads everywhere
       static_groups  ORIGINAL columns whose grid is chosen from    the file is a plain one     (desc_act=False)
                      the weights before the loop
@@ -260,6 +260,11 @@ def to_runtime(codes, scales, zeros, g_idx, group_size, bits=4, bias=None):
 
 # ---- whole model ------------------------------------------------------------------------------------------------
 
+def permuted_layout(act_order=True, static_groups=True, **_):
+    """Whether quantize_layer(**options) writes the permuted layout (g_idx permuted, desc_act=true)."""
+    return bool(act_order) and not static_groups
+
+
 @torch.no_grad()
 def quantize_layer(layer, group_size=64, act_order=True, bits=4, sym=False, checkpoint_format="gptq", damp=0.01,
                    static_groups=True, act_group_aware=False):
@@ -274,7 +279,8 @@ def quantize_layer(layer, group_size=64, act_order=True, bits=4, sym=False, chec
     check_order(act_order, act_group_aware)
     orders = {key: True for key, on in (("static_groups", static_groups), ("act_group_aware", act_group_aware)) if on}
     qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size,
-                     "desc_act": act_order and not static_groups, "sym": sym, "checkpoint_format": checkpoint_format,
+                     "desc_act": permuted_layout(act_order, static_groups), "sym": sym,
+                     "checkpoint_format": checkpoint_format,
                      **orders})
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
     for step in calibration.SEQUENTIAL_STEPS:
