@@ -1,7 +1,7 @@
 """The lossless coders against their peers, one thread, CPU time (process_time: on a shared machine, what a coder
 costs without the wait for a core); medians of --repeats runs.
 
-    python benchmarks/coders.py rans [--symbols 1048576 4194304] [--lanes 64 256]
+    python benchmarks/coders.py rans [--symbols 1048576 4194304] [--lanes 64 256] [--rev main]
         our rANS (engine.coding.rans) beside constriction's AnsCoder on the same E4M3 symbols (Laplace weights at
         about 2.1 and 4.4 bits per symbol, as EntQuant's codes look): encode / decode M symbols/s and the rate over
         the empirical entropy, ours with everything counted (header, table, lane states, word counts, checksum) and
@@ -13,9 +13,12 @@ costs without the wait for a core); medians of --repeats runs.
         and the rate, not on the values).
 """
 import argparse
+import importlib.util
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,9 +27,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.coding import rans
-from engine.formats import entropy, lattice
+from engine.formats import lattice
 from engine.qwen3 import Qwen3Config
+from entquant_rate import synthetic_block          # benchmarks/entquant_rate.py: E4M3 codes of Laplace weights
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_at(path, rev=None):
+    """The self-contained module engine/<path> (e.g. "coding/rice.py") of the work tree, or as it is in git revision
+    rev (to measure before a change)."""
+    file = ROOT / "engine" / path
+    if rev:
+        file = Path(tempfile.mkdtemp()) / file.name
+        file.write_text(subprocess.run(["git", "show", f"{rev}:engine/{path}"], cwd=ROOT, check=True,
+                                       capture_output=True, text=True).stdout)
+    spec = importlib.util.spec_from_file_location(f"{file.stem}_under_test", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def median_seconds(fn, repeats):
@@ -36,13 +55,6 @@ def median_seconds(fn, repeats):
         fn()
         times.append(time.process_time() - start)
     return statistics.median(times)
-
-
-def laplace_codes(n, spread, seed=0):
-    """E4M3 bytes of Laplace weights of the given spread (1/700: ~2.1 bits per symbol, 1/128: ~4.4)."""
-    g = torch.Generator().manual_seed(seed)
-    w = -torch.rand(n, generator=g).log() * torch.sign(torch.rand(n, generator=g) - 0.5) * spread
-    return entropy.encode_weight(w[None], torch.zeros(1)).reshape(-1).numpy()
 
 
 def constriction_coder(symbols):
@@ -64,10 +76,11 @@ def constriction_coder(symbols):
 
 
 def bench_rans(args):
+    ours = module_at("coding/rans.py", args.rev)
     for n in args.symbols:
         for spread in (1 / 700, 1 / 128):
-            symbols = laplace_codes(n, spread)
-            bits = rans.empirical_entropy_bits(symbols)
+            symbols = synthetic_block(n, spread).numpy()
+            bits = ours.empirical_entropy_bits(symbols)
             encode, decode = constriction_coder(symbols)
             words = encode()
             assert np.array_equal(decode(words), symbols)
@@ -77,16 +90,16 @@ def bench_rans(args):
                                     "decode_Msym_s": round(n / median_seconds(lambda: decode(words), args.repeats)
                                                            / 1e6, 1)}}
             for lanes in args.lanes or [None]:
-                data = rans.rans_encode(symbols, lanes=lanes)
-                stream = rans.RansStream(data)
-                assert np.array_equal(rans.rans_decode(stream).numpy(), symbols)
-                table = rans._HEADER.size + 32 + 2 * int((stream.f > 0).sum()) + rans._CRC.size
-                row[f"ours, {stream.states.size} lanes"] = {
+                data = ours.rans_encode(symbols, lanes=lanes)
+                stream = ours.RansStream(data)
+                assert np.array_equal(ours.rans_decode(stream).numpy(), symbols)
+                table = ours._HEADER.size + 32 + 2 * int((stream.f > 0).sum()) + ours._CRC.size
+                row[f"ours{args.rev and ' at ' + args.rev or ''}, {stream.states.size} lanes"] = {
                     "rate_over_entropy_%": round(100 * (8 * len(data) / bits - 1), 3),
                     "without_header_and_table_%": round(100 * (8 * (len(data) - table) / bits - 1), 3),
-                    "encode_Msym_s": round(n / median_seconds(lambda: rans.rans_encode(symbols, lanes=lanes),
+                    "encode_Msym_s": round(n / median_seconds(lambda: ours.rans_encode(symbols, lanes=lanes),
                                                               args.repeats) / 1e6, 1),
-                    "decode_Msym_s": round(n / median_seconds(lambda: rans.rans_decode(stream), args.repeats)
+                    "decode_Msym_s": round(n / median_seconds(lambda: ours.rans_decode(stream), args.repeats)
                                            / 1e6, 1)}
             print(json.dumps(row), flush=True)
 
@@ -125,6 +138,7 @@ def main():
     p.add_argument("--lanes", type=int, nargs="+", help="rans: lane counts to compare (default: default_lanes)")
     p.add_argument("--lattice", default="E8")
     p.add_argument("--bps", type=float, default=3.0)
+    p.add_argument("--rev", help="rans: our coder as it is in this git revision (default: the work tree)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(1)

@@ -7,33 +7,18 @@ layout (zig-zagged rounded Gaussians, ~3.4 bits each, made chunk by chunk so tha
 resident set size (ru_maxrss) before and after the encode, the extra, the time, and the stream's crc (equal crcs:
 equal payload, offsets, Rice parameters and sizes)."""
 import argparse
-import importlib.util
 import json
 import resource
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from coders import module_at                      # benchmarks/coders.py
 from engine.formats.lattice import LATTICES
-
-
-def rice_module(rev):
-    path = ROOT / "engine/coding/rice.py"
-    if rev:
-        path = Path(tempfile.mkdtemp()) / "rice.py"
-        path.write_text(subprocess.run(["git", "show", f"{rev}:engine/coding/rice.py"], cwd=ROOT, check=True,
-                                       capture_output=True, text=True).stdout)
-    spec = importlib.util.spec_from_file_location("rice_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def peak_mib():
@@ -46,7 +31,7 @@ def main():
     p.add_argument("--shape", type=int, nargs=2, default=[4096, 14336])
     args = p.parse_args()
     torch.set_num_threads(1)
-    rice = rice_module(args.rev)
+    rice = module_at("coding/rice.py", args.rev)
     count = args.shape[0] * args.shape[1]
     g = torch.Generator().manual_seed(0)
     symbols = torch.empty(count, dtype=torch.int64)
