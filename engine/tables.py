@@ -2,15 +2,18 @@
 
 A row is a plain (label, quantize, options): `quantize(model, calibration_ids, **options)` is the method's entry point
 (engine/formats/<method>.py); a KV-cache row's quantize installs a quantizer on the model's K/V hook instead and
-leaves the weights dense. `rows()` is the book's table on the tiny byte model; `real_model_rows()` is every method at
-about 2, 3 and 4 bits for a real model, at the group sizes real checkpoints use.
+leaves the weights dense, and its bits are the cache's total_bps (engine/formats/kv_cache.py): codes, every scale
+and zero, and the positions a window (the last R tokens) or the first keys keep exact at bf16's 16 bits, averaged
+over the cache at the evaluated length (128 tokens on the tiny model, --ctx on a real one). `rows()` is the book's
+table on the tiny byte model; `real_model_rows()` is every method at about 2, 3 and 4 bits for a real model, at the
+group sizes real checkpoints use.
 """
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .formats import affine, awq, entropy, fp8, gptq, kv_cache, lattice, mx, nf4, trellis
+from .formats import affine, awq, entropy, fp8, gptq, kv_baselines, kv_cache, lattice, mx, nf4, trellis
 
 
 @dataclass
@@ -44,12 +47,43 @@ def rows():
         *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", kv_cache.kv_quantize,
               dict(lattice="E8", bps=b, rotation=rot, dither=dither), kv_cache=True)
           for b in (2.0, 3.0) for rot in ("none", "signs", "qjl") for dither in (False, True)],
+        *[lattice_kv_row(b) for b in (4.0, 6.0)],
+        *[lattice_kv_row(b, window=8) for b in (2.0, 3.0)],
+        lattice_kv_row(3.0, window=32),
+        lattice_kv_row(3.0, window=32, exact_keys=32),
+        *kv_baseline_rows(),
+        Row("KV cache q4_0 (llama.cpp), window 8 bf16", kv_baselines.kv_quantize,
+            dict(format="ggml", cache_type="q4_0", window=8), kv_cache=True),
+        Row("KV cache KIVI 4-bit, g32, window 32 bf16", kv_baselines.kv_quantize,
+            dict(format="kivi", bits=4, group=32, window=32), kv_cache=True),
+    ]
+
+
+def lattice_kv_row(bps, window=0, exact_keys=0):
+    """HyperQuant's KV (qjl rotation, no dither) at a coded rate, optionally with the residual window (the last
+    `window` tokens in bf16) and the first `exact_keys` keys exact; the row's bits count those at 16."""
+    extra = (f", window {window} bf16" if window else "") + (f" + first {exact_keys} keys exact" if exact_keys else "")
+    return Row(f"KV cache E8, {bps} bps, rotation qjl{extra}", kv_cache.kv_quantize,
+               dict(lattice="E8", bps=bps, rotation="qjl", window=window, exact_keys=exact_keys), kv_cache=True)
+
+
+def kv_baseline_rows(fp8_per_tensor=True):
+    """The KV formats of the engines people use: vLLM's FP8, llama.cpp's q8_0 / q4_0, KIVI 2-bit."""
+    fp8 = [("per-tensor", "tensor")] if fp8_per_tensor else []
+    return [
+        *[Row(f"KV cache FP8 E4M3, {name} scale (vLLM fp8)", kv_baselines.kv_quantize, dict(format="fp8", scale=scale),
+              kv_cache=True) for name, scale in (*fp8, ("per-head", "head"))],
+        *[Row(f"KV cache {t} (llama.cpp)", kv_baselines.kv_quantize, dict(format="ggml", cache_type=t), kv_cache=True)
+          for t in ("q8_0", "q4_0")],
+        Row("KV cache KIVI 2-bit, g32, window 32 bf16", kv_baselines.kv_quantize,
+            dict(format="kivi", bits=2, group=32, window=32), kv_cache=True),
     ]
 
 
 def real_model_rows():
-    """Every method at about 4, 3 and 2 bits on a real model. RTN int4 g32 (asymmetric) is the grid of a Q4_1 GGUF
-    model (SmolLM2's): it reproduces such a model exactly, so the comparisons that mean something are the others."""
+    """Every method at about 4, 3 and 2 bits on a real model, then the KV cache's. RTN int4 g32 (asymmetric) is the
+    grid of a Q4_1 GGUF model (SmolLM2's): it reproduces such a model exactly, so the comparisons that mean something
+    are the others."""
     return [
         Row("RTN int4, g32 (Q4_1's own grid)", affine.quantize, dict(bits=4, group_size=32)),
         Row("RTN int4, g128", affine.quantize, dict(bits=4, group_size=128)),
@@ -66,6 +100,9 @@ def real_model_rows():
         Row("trellis (QTIP-style), L=8", trellis.quantize, dict(L=8, K=2)),
         Row("RTN int2, g64", affine.quantize, dict(bits=2, group_size=64)),
         Row("GPTQ int2, g64", gptq.quantize, dict(bits=2, group_size=64)),
+        *kv_baseline_rows(fp8_per_tensor=False),
+        lattice_kv_row(3.0),
+        lattice_kv_row(3.0, window=32, exact_keys=32),
     ]
 
 
