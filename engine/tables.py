@@ -45,17 +45,22 @@ def rows():
         *[Row(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
         *[Row(f"lattice {name}, 3.0 bps", lattice.quantize, dict(lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],
         *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", kv_cache.kv_quantize,
-              dict(lattice="E8", bps=b, rotation=rot, dither=dither), kv_cache=True)
+              dict(lattice="E8", bps=b, rotation=rot, dither=dither, window=0), kv_cache=True)
           for b in (2.0, 3.0) for rot in ("none", "signs", "qjl") for dither in (False, True)],
-        *[lattice_kv_row(b) for b in (4.0, 6.0)],
-        *[lattice_kv_row(b, window=8) for b in (2.0, 3.0)],
-        lattice_kv_row(3.0, window=32),
-        lattice_kv_row(3.0, window=32, exact_keys=32),
-        *kv_baseline_rows(),
-        Row("KV cache q4_0 (llama.cpp), window 8 bf16", kv_baselines.kv_quantize,
-            dict(format="ggml", cache_type="q4_0", window=8), kv_cache=True),
-        Row("KV cache KIVI 4-bit, g32, window 32 bf16", kv_baselines.kv_quantize,
-            dict(format="kivi", bits=4, group=32, window=32), kv_cache=True),
+        *kv_rows(),
+    ]
+
+
+def kv_rows():
+    """The tiny model's KV rows beyond the rotation x dither sweep, by total rate at its 128-token cache (a window
+    of 8 adds ~0.9 bit there, a window of 32 ~3.5): each lattice point beside the engines' formats at about its rate."""
+    return [
+        lattice_kv_row(2.0, window=8),                                                      # ~3.2 bits
+        lattice_kv_row(4.0), lattice_kv_row(3.0, window=8), ggml_kv_row("q4_0"),           # ~4.1-4.5
+        lattice_kv_row(4.0, window=8), ggml_kv_row("q4_0", window=8), lattice_kv_row(2.0, window=32),  # ~5.1-5.8
+        lattice_kv_row(6.0), kivi_kv_row(2), lattice_kv_row(3.0, window=32),               # ~6.3-6.5
+        fp8_kv_row("tensor"), fp8_kv_row("head"), kivi_kv_row(4),                           # ~7.8-8.5
+        lattice_kv_row(3.0, window=32, exact_keys=32), ggml_kv_row("q8_0"),
     ]
 
 
@@ -67,17 +72,22 @@ def lattice_kv_row(bps, window=0, exact_keys=0):
                dict(lattice="E8", bps=bps, rotation="qjl", window=window, exact_keys=exact_keys), kv_cache=True)
 
 
-def kv_baseline_rows(fp8_per_tensor=True):
-    """The KV formats of the engines people use: vLLM's FP8, llama.cpp's q8_0 / q4_0, KIVI 2-bit."""
-    fp8 = [("per-tensor", "tensor")] if fp8_per_tensor else []
-    return [
-        *[Row(f"KV cache FP8 E4M3, {name} scale (vLLM fp8)", kv_baselines.kv_quantize, dict(format="fp8", scale=scale),
-              kv_cache=True) for name, scale in (*fp8, ("per-head", "head"))],
-        *[Row(f"KV cache {t} (llama.cpp)", kv_baselines.kv_quantize, dict(format="ggml", cache_type=t), kv_cache=True)
-          for t in ("q8_0", "q4_0")],
-        Row("KV cache KIVI 2-bit, g32, window 32 bf16", kv_baselines.kv_quantize,
-            dict(format="kivi", bits=2, group=32, window=32), kv_cache=True),
-    ]
+def fp8_kv_row(scale):
+    """vLLM's kv_cache_dtype="fp8": E4M3 with one scale per tensor ("tensor") or per KV head ("head")."""
+    return Row(f"KV cache FP8 E4M3, per-{scale} scale (vLLM fp8)", kv_baselines.kv_quantize,
+               dict(format="fp8", scale=scale), kv_cache=True)
+
+
+def ggml_kv_row(cache_type, window=0):
+    """llama.cpp's --cache-type-k/-v q8_0 or q4_0 (no window in llama.cpp; one here to compare with the lattice's)."""
+    return Row(f"KV cache {cache_type} (llama.cpp){f', window {window} bf16' if window else ''}",
+               kv_baselines.kv_quantize, dict(format="ggml", cache_type=cache_type, window=window), kv_cache=True)
+
+
+def kivi_kv_row(bits, group=32, window=32):
+    """KIVI: keys per channel, values per token, groups of 32, the recent tokens exact."""
+    return Row(f"KV cache KIVI {bits}-bit, g{group}, window {window} bf16", kv_baselines.kv_quantize,
+               dict(format="kivi", bits=bits, group=group, window=window), kv_cache=True)
 
 
 def real_model_rows():
@@ -100,9 +110,10 @@ def real_model_rows():
         Row("trellis (QTIP-style), L=8", trellis.quantize, dict(L=8, K=2)),
         Row("RTN int2, g64", affine.quantize, dict(bits=2, group_size=64)),
         Row("GPTQ int2, g64", gptq.quantize, dict(bits=2, group_size=64)),
-        *kv_baseline_rows(fp8_per_tensor=False),
-        lattice_kv_row(3.0),
-        lattice_kv_row(3.0, window=32, exact_keys=32),
+        lattice_kv_row(2.0, window=32), lattice_kv_row(3.0), kivi_kv_row(2),                # KV at ~3.2-3.8 bits
+        lattice_kv_row(3.0, window=32), lattice_kv_row(4.0), ggml_kv_row("q4_0"),           # ~4.1-4.5
+        lattice_kv_row(3.0, window=32, exact_keys=32), lattice_kv_row(6.0),                 # ~4.9-6.3
+        fp8_kv_row("head"), ggml_kv_row("q8_0"),                                            # 8-8.5
     ]
 
 

@@ -74,7 +74,7 @@ def test_dither_is_uniform_on_the_voronoi_cell(name):
 def test_kv_quantizer_through_the_attention_hook_counts_its_bits(tiny_model):
     x = ids(2, 32)
     ref = logits(tiny_model, None, x)
-    kv = kv_cache.KVQuantizer("E8", 3.0, rotation="signs", dither=True, seed=2)
+    kv = kv_cache.KVQuantizer("E8", 3.0, rotation="signs", dither=True, seed=2, window=0)
     out = logits(tiny_model, kv, x)
     assert 0 < float((out - ref).pow(2).mean() / ref.pow(2).mean()) < 0.05
     report = kv.report()
@@ -278,6 +278,10 @@ def test_total_rate_counts_the_window_and_first_keys_at_16_bits(model32):
     kivi = kv_baselines.KIVI(2, group=8, window=24)
     logits(model32, kivi, ids(1, 32))
     assert kivi.report()["coded_bps"] == 6 and kivi.report()["total_bps"] == pytest.approx((8 * 6 + 24 * 16) / 32)
+    # the lattice's default window is the paper's 32 recent tokens
+    lattice = kv_cache.kv_quantize(model32, "E8", 3.0)
+    logits(model32, None, ids(1, 40))
+    assert lattice.window == 32 and lattice.report()["exact_fraction"] == 32 / 40
 
 
 def test_kv_quantizers_reject_bad_arguments(model32):

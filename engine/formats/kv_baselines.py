@@ -27,7 +27,7 @@ window (>= G - 1 tokens), where KIVI's own residual fills up to R tokens and is 
 import torch
 
 from .gguf_quants import dequantize
-from .kv_cache import KVHook, install
+from .kv_cache import RESIDUAL_WINDOW, KVHook, install
 from .minifloats import E4M3_MAX, round_e4m3
 
 FP8_SCALES = ("tensor", "head")
@@ -118,7 +118,7 @@ class KIVI(KVHook):
     """KIVI: keys per channel over groups of `group` tokens, values per token over min(group, head_dim) channels,
     `bits` bits asymmetric with an f16 scale and zero per group; window >= group - 1 recent tokens exact."""
 
-    def __init__(self, bits=2, group=32, window=32, exact_keys=0):
+    def __init__(self, bits=2, group=32, window=RESIDUAL_WINDOW, exact_keys=0):
         if bits not in (2, 4):
             raise ValueError(f"KIVI bits must be 2 or 4, got {bits!r}")
         if isinstance(group, bool) or not isinstance(group, int) or group < 1:

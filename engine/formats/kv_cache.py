@@ -40,6 +40,7 @@ from .lattice import get_lattice, lattice_scale, snr_for_rate
 # ---- the hook and its bits ---------------------------------------------------------------------------------------
 
 EXACT_BITS = 16             # a position kept exact is stored as bf16
+RESIDUAL_WINDOW = 32        # HyperQuant's protocol: the last 32 tokens in bf16
 
 
 class KVHook:
@@ -124,9 +125,11 @@ class KVQuantizer(KVHook):
     """HyperQuant's lattice KV (see the module docstring): every head vector (last dim) is rotated (none / signs /
     Haar "qjl", drawn once per layer from `seed`), scaled by its rms alpha (kept in f16), quantized to the lattice at
     the SNR of the target rate (optionally with subtractive dither, fresh each call) and rotated back. `stats`
-    counts coded scalars and bits (Rice payload, sub-stream metadata, alphas). window / exact_keys: see KVHook."""
+    counts coded scalars and bits (Rice payload, sub-stream metadata, alphas). window (default the paper's 32 recent
+    tokens in bf16; 0 codes every position) / exact_keys: see KVHook."""
 
-    def __init__(self, lattice="E8", bps=3.0, rotation="none", dither=False, seed=0, window=0, exact_keys=0):
+    def __init__(self, lattice="E8", bps=3.0, rotation="none", dither=False, seed=0, window=RESIDUAL_WINDOW,
+                 exact_keys=0):
         if rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {rotation!r}")
         super().__init__(window, exact_keys)
@@ -181,6 +184,7 @@ class KVQuantizer(KVHook):
         return {"payload_bps": self.stats["payload_bits"] / max(self.stats["scalars"], 1), **super().report()}
 
 
-def kv_quantize(model, lattice="E8", bps=3.0, rotation="none", dither=False, seed=0, window=0, exact_keys=0):
+def kv_quantize(model, lattice="E8", bps=3.0, rotation="none", dither=False, seed=0, window=RESIDUAL_WINDOW,
+                exact_keys=0):
     """Install a KVQuantizer on the model's attention hook (weights untouched); returns it (see .report())."""
     return install(model, KVQuantizer(lattice, bps, rotation, dither, seed, window, exact_keys))
