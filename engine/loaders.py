@@ -83,6 +83,8 @@ def place(model, name, value, dtype, device):
         raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(param.shape)}")
     if not value.dtype.is_floating_point or value.element_size() < 2:
         raise ValueError(f"{name}: checkpoint dtype {value.dtype} cannot fill a floating-point parameter")
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{name}: checkpoint tensor holds NaN or infinite values")
     setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=param.requires_grad))
 
 

@@ -48,6 +48,7 @@ ROPE_PARAMETERS = {"default": (), "linear": ("factor",),
 DTYPES = ("float32", "float16", "bfloat16")
 MAX_SIZE = 2**31 - 1          # no tensor dimension of a real model comes near; beyond it is a corrupt config
 MAX_LAYERS = 1000             # real models have at most a few hundred; the loader also counts the layers present
+FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, 3.4028234663852886e38     # RMSNorm and RoPE run in float32
 
 
 def _model_type(value):
@@ -133,7 +134,12 @@ class Qwen3Config:
         if self.head_dim % 2:
             raise ValueError(f"config head_dim={self.head_dim}: must be even for RoPE")
         self.rms_norm_eps = _positive("rms_norm_eps", self.rms_norm_eps)
+        if not FLOAT32_TINY <= self.rms_norm_eps <= 1:
+            raise ValueError(f"config rms_norm_eps={self.rms_norm_eps!r}: must lie in [2^-126, 1] (a normal float32; "
+                             f"real models use 1e-6 to 1e-5)")
         self.rope_theta = _positive("rope_theta", self.rope_theta)
+        if self.rope_theta > FLOAT32_MAX:
+            raise ValueError(f"config rope_theta={self.rope_theta!r}: must be a finite float32")
         self.initializer_range = _positive("initializer_range", self.initializer_range, allow_zero=True)
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
             _flag(name, getattr(self, name))
@@ -261,6 +267,9 @@ def _rope_from_hf(raw, defaults):
         if raw.get(key) is not None and not isinstance(raw[key], dict):
             raise ValueError(f"config {key}={raw[key]!r}: must be an object or null")
     rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    if "rope_theta" in rope and "rope_theta" in raw and not rope["rope_theta"] == raw["rope_theta"]:
+        raise ValueError(f"config rope_theta={raw['rope_theta']!r} and rope_parameters.rope_theta="
+                         f"{rope['rope_theta']!r} disagree (transformers 4 reads the first, 5 the second)"[:300])
     theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
     kind = rope.pop("rope_type", rope.get("type", "default"))
     rope.pop("type", None)

@@ -139,6 +139,11 @@ def read_header(path):
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
         if begin < end:
             raise ValueError(f"{path} is not a valid safetensors file: tensors {a!r} and {b!r} overlap")
+    # safetensors' rule against polyglot files: the tensors cover the data section exactly, no holes, nothing after
+    covered = sum(end - begin for begin, end, _ in spans)
+    if covered != data:
+        raise ValueError(f"{path} is not a valid safetensors file: its tensors cover {covered} bytes of a "
+                         f"{data}-byte data section")
     return specs, metadata, {name: (8 + n + begin, 8 + n + end) for begin, end, name in spans}
 
 
@@ -211,6 +216,18 @@ TORCH_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M
 SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
+def recorded_digests(path, metadata):
+    """{tensor name: SHA-256} that the engine recorded in a file's metadata ({} for another writer's file)."""
+    try:
+        digests = json.loads(metadata.get("engine.sha256", "{}"))
+    except (json.JSONDecodeError, RecursionError):
+        digests = None
+    if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
+        raise ValueError(f"{path}: its engine.sha256 metadata is not a map of tensor names to digests (the file is "
+                         "corrupted)")
+    return digests
+
+
 class TensorReader:
     """The tensors of a checkpoint (a folder, or one safetensors file), read one at a time with plain file reads at
     the offsets read_header checked (no memory map: a converter's resident memory stays one tensor, not the pages of
@@ -226,11 +243,7 @@ class TensorReader:
                 raise ValueError(f"tensor {twice[0]} appears in more than one shard ({file.name})")
             self.where.update({name: (file, specs[name], spans[name]) for name in specs})
             if verify:
-                recorded = metadata.get("engine.sha256", "{}")
-                try:
-                    self.digests.update(json.loads(recorded))
-                except (json.JSONDecodeError, RecursionError, TypeError):
-                    raise ValueError(f"{file}: its recorded SHA-256 digests are not valid JSON") from None
+                self.digests.update(recorded_digests(file, metadata))
 
     def names(self):
         return list(self.where)
@@ -390,9 +403,12 @@ def recover_interrupted_swap(directory):
     directory = Path(directory)
     journal = _journal(directory)
     if journal.exists():
-        names = json.loads(journal.read_text())
-        new, old = directory.parent / names["new"], directory.parent / names["old"]
-        if not directory.exists():
+        try:
+            names = json.loads(journal.read_text())
+            new, old = directory.parent / names["new"], directory.parent / names["old"]
+        except (ValueError, KeyError, TypeError):
+            names = None                        # cut short while it was written, so before the first rename
+        if names is not None and not directory.exists():
             os.replace(new if new.exists() else old, directory)
         journal.unlink()
     for leftover in directory.parent.glob(f".{directory.name}.*.tmp"):

@@ -115,6 +115,14 @@ def test_impl_switch_rejects_unknown_names():
         base.set_impl("cuda")
 
 
+def test_non_finite_bias_and_grids_that_overflow_are_refused():
+    codes, scales, offsets = quantize_to_affine(torch.randn(4, 64), 4, 32)
+    with pytest.raises(ValueError, match="bias holds NaN or infinite values"):
+        AffineQuantLinear.from_codes(codes, scales, offsets, 32, 4, bias=torch.full((4,), float("inf")))
+    with pytest.raises(ValueError, match="and so must the weights they decode to"):        # 1e38 * 15: inf
+        AffineQuantLinear.from_codes(codes, torch.full_like(scales, 1e38), offsets, 32, 4)
+
+
 def test_bad_inputs_are_clear_errors():
     w = torch.randn(4, 64)
     with pytest.raises(ValueError, match="group_size"):

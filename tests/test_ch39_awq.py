@@ -80,6 +80,8 @@ def test_checkpoint_round_trip_and_refusals():
         awq.to_checkpoint(layer)
     with pytest.raises(ValueError, match="qzeros"):
         awq.from_checkpoint(t["qweight"], t["qzeros"][:1], t["scales"], 32)
+    with pytest.raises(ValueError, match="AWQ scales must be a 16- or 32-bit float tensor, got torch.int64"):
+        awq.from_checkpoint(t["qweight"], t["qzeros"], t["scales"].long(), 32)
     with pytest.raises(ValueError, match="4-bit"):
         awq.validate({"quant_method": "awq", "bits": 8, "group_size": 32})
     with pytest.raises(ValueError, match="version"):

@@ -192,7 +192,7 @@ def test_bad_configs_and_tensors_raise_value_error():
     unknown["config_groups"]["group_0"]["format"] = "marlin-24"
     bad.append(unknown)
     reasons = ["quant_method must be 'compressed-tensors'", "quantization_status is 'frozen'", "no config_groups",
-               "mixed precision", "static activation", "num_bits 3", "format 'marlin-24'"]
+               "mixed precision", "static activation", "num_bits. must be 1, 2, 4 or 8, got 3", "format 'marlin-24'"]
     for config, reason in zip(bad, reasons, strict=True):
         with pytest.raises(ValueError, match=reason):
             ct.read(t, config)
@@ -204,6 +204,38 @@ def test_bad_configs_and_tensors_raise_value_error():
             ct.read(dict(t, **{name: value}), good)
     with pytest.raises(ValueError, match="format"):
         ct.quantization_config("int-quantized")
+
+
+def _changed(change):
+    config = ct.quantization_config("pack-quantized", group_size=64)
+    change(config, config["config_groups"]["group_0"])
+    return config
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda c, g: g.update(input_activations=True), "input_activations an object or null, got 'pack-quantized' and True"),
+    (lambda c, g: g.update(format=["pack-quantized"]), r"format must be a string .* got \['pack-quantized'\]"),
+    (lambda c, g: g["weights"].update(num_bits=True), "field 'num_bits' must be .*, got True"),
+    (lambda c, g: g["weights"].update(group_size=True), "field 'group_size' must be a positive int .*, got True"),
+    (lambda c, g: g["weights"].update(symmetric="yes"), "field 'symmetric' must be bool"),
+    (lambda c, g: c.update(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme=.*KV-cache quantization are not"),
+    (lambda c, g: c.update(transform_config={"config_groups": {}}), "transform_config=.*rotation transforms"),
+    (lambda c, g: c.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config=.*sparse weights"),
+])
+def test_fields_of_the_wrong_type_or_that_change_the_model_are_refused(change, reason):
+    with pytest.raises(ValueError, match=reason):
+        ct.validate(_changed(change))
+
+
+def test_scales_and_weight_shape_of_the_wrong_kind_are_refused():
+    good = ct.quantization_config("pack-quantized", group_size=64)
+    t = ct.write(_affine(), good)
+    for name, value, reason in [("weight_scale", t["weight_scale"].to(torch.float8_e4m3fn), "16- or 32-bit float"),
+                                ("weight_scale", t["weight_scale"].long(), "16- or 32-bit float"),
+                                ("weight_shape", t["weight_shape"][:, None], "two positive integers"),
+                                ("weight_shape", t["weight_shape"].float(), "two positive integers")]:
+        with pytest.raises(ValueError, match=reason):
+            ct.read(dict(t, **{name: value}), good)
 
 
 # ---- whole models -----------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Dense HF-layout checkpoints: exact round trip, sharded reading, and a clear error for every kind of bad input."""
 import json
+import os
 
 import pytest
 import torch
@@ -96,4 +97,54 @@ def test_truncated_safetensors_file(saved):
 def test_no_weights_at_all(saved):
     (saved / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no model.safetensors"):
+        load_dense(saved)
+
+
+@pytest.mark.interop
+def test_the_safetensors_library_reads_our_files_and_we_read_its(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    tensors = {"a.weight": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int64),
+               "c": torch.randn(4).to(torch.float8_e4m3fn), "d": torch.zeros(0, 2), "e": torch.tensor([True, False])}
+    save_file(tensors, tmp_path / "ours.safetensors", {"note": "x"})
+    theirs = safetensors.load_file(tmp_path / "ours.safetensors")
+    assert set(theirs) == set(tensors) and all(torch.equal(theirs[k].view(torch.uint8), tensors[k].view(torch.uint8))
+                                               for k in tensors if tensors[k].numel())
+    safetensors.save_file(tensors, tmp_path / "theirs.safetensors")
+    ours = dict(snapshot_tensors(_single(tmp_path / "theirs.safetensors")))
+    assert all(ours[k].dtype == tensors[k].dtype and ours[k].shape == tensors[k].shape for k in tensors)
+    assert all(torch.equal(ours[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors if tensors[k].numel())
+
+
+def _single(path):
+    """A folder holding `path` as its model.safetensors."""
+    folder = path.parent / path.stem
+    folder.mkdir()
+    path.rename(folder / "model.safetensors")
+    return folder
+
+
+def test_bytes_no_tensor_covers_are_refused(saved):
+    """safetensors' rule (no holes, nothing after the last tensor: no polyglot files), checked from the header
+    alone: here a 1 TiB sparse tail."""
+    os.truncate(saved / "model.safetensors", 1 << 40)
+    with pytest.raises(ValueError, match=r"its tensors cover \d+ bytes of a 1099511\d+-byte data section"):
+        load_dense(saved)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weight_is_refused(saved, value):
+    rewrite_tensors(saved, lambda t: t["model.norm.weight"].__setitem__(3, value))
+    with pytest.raises(ValueError, match="model.norm.weight: checkpoint tensor holds NaN or infinite values"):
+        load_dense(saved)
+
+
+def test_a_corrupted_digest_map_is_refused(saved):
+    path = saved / "model.safetensors"
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header["__metadata__"]["engine.sha256"] = header["__metadata__"]["engine.sha256"][:-5]   # no longer JSON
+    new = json.dumps(header).encode()
+    path.write_bytes(len(new).to_bytes(8, "little") + new + data[8 + n:])
+    with pytest.raises(ValueError, match="engine.sha256 metadata is not a map of tensor names to digests"):
         load_dense(saved)

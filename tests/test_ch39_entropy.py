@@ -216,6 +216,14 @@ def test_a_changed_stream_scale_or_config_is_refused_never_decoded(written, chan
         E.CHECKPOINT.finish(fresh, qcfg)
 
 
+def test_weight_shape_must_be_two_positive_integers(written):
+    qcfg, parts, _, _, _ = written
+    p = parts["model.layers.0.mlp.down_proj"]
+    for bad in (p["weight_shape"][:, None], p["weight_shape"].float(), -p["weight_shape"]):
+        with pytest.raises(ValueError, match="weight_shape must be two positive integers"):
+            E.CHECKPOINT.read({**p, "weight_shape": bad}, qcfg)
+
+
 def test_save_load_through_registry_gives_identical_logits(tiny_model, tmp_path):
     from engine.formats import checkpoints
     ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(2))

@@ -39,6 +39,11 @@ def test_zero_block_and_bad_input():
         fp8.quantize_blocks(torch.tensor([[float("nan"), 1.0]]))
     with pytest.raises(ValueError, match='must be float8_e4m3fn'):
         fp8.FP8BlockLinear(q.float(), s, block=4)
+    with pytest.raises(ValueError, match=r'and so must the weights it decodes \(scale x 448\)'):
+        fp8.FP8BlockLinear(q, torch.full_like(s, 1e37), block=4)            # 1e37 * 448 overflows float32
+    for dtype in (torch.int64, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match='weight_scale_inv must be a 16- or 32-bit float tensor'):
+            fp8.FP8BlockLinear(q, s.to(dtype), block=4)
 
 
 def _w8a8_loop(x, weight, scale_inv, block):

@@ -372,6 +372,19 @@ def test_quantized_qwen3_is_the_model_of_its_decoded_weights(tmp_path, type_name
         assert torch.equal(loaded(ids), model(ids))
 
 
+def test_only_the_header_is_mapped(tmp_path, tiny_model, monkeypatch):
+    """A 1 TiB file (a sparse tail after the tensors) loads: mapping it whole would take 1 TiB of address space."""
+    tensors, _ = qwen3_tensors(tiny_model)
+    path = write(tmp_path, gguf_bytes(qwen3_metadata(tiny_model.cfg) + [("qwen3.vocab_size", U32, 256)], tensors))
+    os.truncate(path, 1 << 40)
+    mapped, real_mmap = [], gguf.mmap.mmap
+    monkeypatch.setattr(gguf.mmap, "mmap", lambda fd, n, **kw: mapped.append(n) or real_mmap(fd, n, **kw))
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(gguf.load_gguf(path)(ids), tiny_model(ids))
+    assert mapped and max(mapped) <= gguf.MAX_HEADER_BYTES
+
+
 def test_missing_or_extra_tensor_is_named(tmp_path, tiny_model):
     tensors, _ = qwen3_tensors(tiny_model)
     meta = qwen3_metadata(tiny_model.cfg) + [("qwen3.vocab_size", U32, 256)]

@@ -175,6 +175,8 @@ def test_reader_validates():
             gptq.validate(bad)
     with pytest.raises(ValueError, match="int32"):
         gptq.CHECKPOINT.read({**t, "qweight": t["qweight"].float()}, qcfg)
+    with pytest.raises(ValueError, match="GPTQ scales must be a 16- or 32-bit float tensor, got torch.uint8"):
+        gptq.CHECKPOINT.read({**t, "scales": t["scales"].to(torch.uint8)}, qcfg)
 
 
 @pytest.mark.parametrize("act_order", [False, True])

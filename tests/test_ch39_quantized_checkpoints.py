@@ -61,9 +61,10 @@ def test_unknown_method_is_refused_when_saving(tiny_model, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_unsupported_quant_method(fp8_checkpoint):
-    _edit_config(fp8_checkpoint, lambda raw: raw["quantization_config"].update(quant_method="bitnet"))
-    with pytest.raises(ValueError, match="unsupported quant_method 'bitnet'"):
+@pytest.mark.parametrize("name", ["bitnet", ["fp8"]])
+def test_unsupported_quant_method(fp8_checkpoint, name):
+    _edit_config(fp8_checkpoint, lambda raw: raw["quantization_config"].update(quant_method=name))
+    with pytest.raises(ValueError, match=f"unsupported quant_method {name!r}".replace("[", r"\[")):
         load_quantized(fp8_checkpoint)
 
 

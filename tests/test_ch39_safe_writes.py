@@ -128,6 +128,13 @@ def test_a_save_killed_at_any_step_of_the_swap_leaves_old_or_new(tiny_model, sav
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
 
 
+def test_a_journal_cut_short_while_it_was_written_is_dropped(tiny_model, saved):
+    """The fallback swap writes its journal before the first rename: a partial journal means nothing moved yet."""
+    (saved.parent / ".ck.swap.json").write_text('{"new": ".ck.new-12')
+    assert torch.equal(load_dense(saved).model.norm.weight, tiny_model.model.norm.weight)
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
+
+
 def test_leftovers_of_a_live_save_are_not_touched(saved):
     live = saved.parent / f".ck.new-{os.getpid()}.abc.tmp"
     live.mkdir()

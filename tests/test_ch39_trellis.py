@@ -161,7 +161,7 @@ def test_gaussian_mse_at_two_bits_with_honest_rate():
     assert (recon - x).pow(2).mean() <= 0.088
     codes, scales, _ = trellis.quantize_trellis(x, 8, 2, tail_biting=True)
     layer = trellis.TrellisLinear(codes, scales, 8, 2, tail_biting=True)
-    assert layer.bits_per_weight == (2 * 256 + 16) / 256
+    assert layer.bits_per_weight == (2 * 256 + 16) / 256 + 64 / 256 ** 2           # the CRC: 64 bits per layer
     assert (layer.dequantize() - x).pow(2).mean() <= 0.088
 
 
@@ -200,6 +200,27 @@ def _layer(tail_biting=False):
     return codes, scales
 
 
+@pytest.mark.parametrize("change", ["code byte", "scale", "seed", "code", "tile"])
+def test_a_changed_stream_scale_or_field_is_refused_by_the_checksum(change):
+    """Every bit pattern is a valid path: without the CRC each of these would decode, silently, to another weight."""
+    codes, scales, _ = trellis.quantize_trellis(torch.randn(4, 64), 8, 2, group=64)
+    args = dict(codes=codes, scales=scales, tile=(1, 64), group=64)
+    crc = trellis.TrellisLinear(**args).crc
+    if change == "code byte":
+        args["codes"] = codes.clone()
+        args["codes"][1, 0, 5] ^= 0x04
+    elif change == "scale":
+        args["scales"] = scales * 2
+    elif change == "seed":
+        args["seed"] = 1
+    elif change == "code":
+        args["code"] = "3inst"
+    else:
+        args.update(codes=codes.reshape(2, 2, -1), scales=scales.reshape(2, 2), tile=(2, 32))   # 64 weights a tile too
+    with pytest.raises(ValueError, match="trellis stream checksum mismatch"):
+        trellis.TrellisLinear(**args, crc=crc)
+
+
 def test_malformed_streams_raise_value_error():
     codes, scales = _layer()                                  # free start: 8 + 2 * 255 = 518 bits in 65 bytes
     with pytest.raises(ValueError, match="truncated"):
@@ -234,7 +255,7 @@ def test_model_quantize_engine_and_checkpoint_round_trip(tiny_model, tmp_path):
     config = trellis.quantize(tiny_model, L=8, K=2, group=64, tail_biting=True)
     layers = quantized_linears(tiny_model)
     assert len(layers) == 14 and all(isinstance(m, trellis.TrellisLinear) for m in layers.values())
-    assert all(m.bits_per_weight == (2 * 64 + 16) / 64 for m in layers.values())
+    assert all(m.bits_per_weight == (2 * 64 + 16) / 64 + 64 / (m.in_features * m.out_features) for m in layers.values())
     with torch.no_grad():
         ref = tiny_model(ids)
         with base.impl("engine"):

@@ -184,8 +184,10 @@ class AffineQuantLinear(QuantLinear):
                              f"offsets {tuple(offsets.shape)} for in={in_f}, {bits} bits")
         if groups != -(-in_f // group_size):
             raise ValueError(f"{groups} scale groups do not fit in_features={in_f} with group_size={group_size}")
-        if not (torch.isfinite(scales).all() and torch.isfinite(offsets).all()):
-            raise ValueError("scales and offsets must be finite (a NaN or infinite scale decodes to garbage)")
+        # finite, and so is every weight they decode to: |scale| * (2^bits - 1) + |offset|
+        if not torch.isfinite(scales.float().abs() * (2 ** bits - 1) + offsets.float().abs()).all():
+            raise ValueError("scales and offsets must be finite, and so must the weights they decode to (a NaN or "
+                             "infinite scale decodes to garbage)")
         super().__init__(in_f, out_f, bias)
         self.group_size, self.bits = group_size, bits
         self.register_buffer("packed", packed.to(torch.uint8).contiguous())

@@ -26,7 +26,7 @@ import torch
 from . import calibration
 from .affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize, pack_int32,
                      unpack_int32)
-from .base import CheckpointMethod, config_field
+from .base import CheckpointMethod, config_field, scale_tensor
 from .calibration import InputStats
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -164,7 +164,7 @@ def from_checkpoint(qweight, qzeros, scales, group_size, bias=None):
     if tuple(qzeros.shape) != (groups, out_f // 8) or tuple(scales.shape) != (groups, out_f):
         raise ValueError(f"AWQ qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not fit qweight "
                          f"{tuple(qweight.shape)} with group_size {group_size}")
-    if not bool((scales.float() >= 0).all()):
+    if not bool((scale_tensor(scales, "AWQ scales").float() >= 0).all()):
         raise ValueError("AWQ scales must be non-negative and finite")
     codes = unpack_awq(qweight).T                                               # [out, in]
     zeros = unpack_awq(qzeros).T.float()                                        # [out, groups]

@@ -53,6 +53,8 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({out_features},)")
+        if bias is not None and not bool(torch.isfinite(bias.float()).all()):
+            raise ValueError("bias holds NaN or infinite values")
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
 
     def dequantize(self) -> torch.Tensor:
@@ -130,6 +132,22 @@ def config_field(config, key, default, kind, valid=None, expected=None):
     if not right_type or (valid is not None and not valid(value)):
         raise ValueError(f"quantization_config field {key!r} must be {expected or kind.__name__}, got {value!r}")
     return value
+
+
+def matrix_shape(t, name="weight_shape"):
+    """A stored (out, in) pair, integer [2], as two positive ints; ValueError naming the tensor otherwise."""
+    if t.dtype.is_floating_point or t.dtype == torch.bool or tuple(t.shape) != (2,) or not bool((t > 0).all()):
+        values = t.tolist() if t.numel() <= 4 else f"shape {tuple(t.shape)}"
+        raise ValueError(f"{name} must be two positive integers (out, in), got {t.dtype} {values}")
+    return tuple(int(v) for v in t.tolist())
+
+
+def scale_tensor(t, name="scales"):
+    """A stored scale tensor: a 16- or 32-bit float (an integer or FP8 tensor is another format); ValueError
+    otherwise. Returns it unchanged."""
+    if not t.dtype.is_floating_point or t.element_size() < 2:
+        raise ValueError(f"{name} must be a 16- or 32-bit float tensor, got {t.dtype}")
+    return t
 
 
 @dataclass(frozen=True)

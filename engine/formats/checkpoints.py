@@ -34,7 +34,7 @@ def method_for(quantization_config):
         raise ValueError("config.json has no quantization_config object: not a quantized checkpoint "
                          "(use engine.loaders.load_dense for dense checkpoints)")
     name = quantization_config.get("quant_method")
-    if name not in METHODS:
+    if not isinstance(name, str) or name not in METHODS:
         raise ValueError(f"unsupported quant_method {name!r}; this engine reads {sorted(METHODS)}")
     return METHODS[name]
 

@@ -30,7 +30,7 @@ computed at run time by vLLM and are not emulated here; static activation scales
 import torch
 
 from .affine import AffineQuantLinear, pack_int32, unpack_int32
-from .base import CheckpointMethod, quantized_linears
+from .base import CheckpointMethod, config_field, matrix_shape, quantized_linears, scale_tensor
 from .calibration import whole_model
 from .fp8 import FP8BlockLinear
 from .mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear
@@ -78,6 +78,12 @@ def scheme_of(config):
     if not isinstance(config, dict) or config.get("quant_method") != "compressed-tensors":
         raise ValueError("not a compressed-tensors quantization_config (quant_method must be 'compressed-tensors')")
     status = config.get("quantization_status", "compressed")
+    for key, what in (("kv_cache_scheme", "KV-cache quantization"), ("sparsity_config", "sparse weights"),
+                      ("transform_config", "rotation transforms")):
+        value = config.get(key)
+        if value is not None and value != {} and not (isinstance(value, dict) and value.get("format") == "dense"):
+            raise ValueError(f"quantization_config {key}={str(value)[:80]}: {what} are not supported (the engine "
+                             "would ignore them and compute another model)")
     if status != "compressed":
         raise ValueError(f"quantization_status is {status!r}: only 'compressed' checkpoints store packed weights")
     groups = config.get("config_groups")
@@ -88,6 +94,9 @@ def scheme_of(config):
         if not isinstance(scheme, dict) or not isinstance(scheme.get("weights"), dict):
             raise ValueError(f"config group {name!r} has no weights scheme (preset names are not supported)")
         fmt = scheme.get("format") or config.get("format")
+        if not isinstance(fmt, str) or not isinstance(scheme.get("input_activations"), (dict, type(None))):
+            raise ValueError(f"config group {name!r}: format must be a string and input_activations an object or "
+                             f"null, got {fmt!r} and {scheme.get('input_activations')!r}"[:300])
         found.add((fmt, repr(sorted(scheme["weights"].items())), repr(scheme.get("input_activations"))))
     if len(found) > 1:
         raise ValueError(f"config_groups use {len(found)} different schemes (mixed precision is not supported)")
@@ -113,19 +122,18 @@ def _check_weights(fmt, w):
             "nvfp4-pack-quantized": ("float", 4, ("tensor_group",)),
             "mxfp4-pack-quantized": ("float", 4, ("group",))}[fmt]
     kind, bits, strategies = want
-    if w.get("type") != kind or (bits is not None and w.get("num_bits") != bits):
+    config_field(w, "symmetric", True, bool)
+    if w.get("type") != kind or (bits is not None and config_field(w, "num_bits", None, int) != bits):
         raise ValueError(f"{fmt} holds {kind} {bits or ''} weights, config says {w.get('type')} {w.get('num_bits')}")
     if w.get("strategy") not in strategies:
         raise ValueError(f"{fmt}: strategy {w.get('strategy')!r} is not supported (only {strategies})")
     if fmt == "pack-quantized":
-        if w.get("num_bits") not in (1, 2, 4, 8):
-            raise ValueError(f"pack-quantized num_bits {w.get('num_bits')!r} not supported (1, 2, 4, 8)")
-        if w["strategy"] == "group" and not (isinstance(w.get("group_size"), int) and w["group_size"] > 0):
-            raise ValueError(f"group strategy needs a positive group_size, got {w.get('group_size')!r}")
+        config_field(w, "num_bits", None, int, lambda b: b in (1, 2, 4, 8), "1, 2, 4 or 8")
+        if w["strategy"] == "group":
+            config_field(w, "group_size", None, int, lambda g: g > 0, "a positive int (group strategy)")
     elif fmt == "float-quantized":
-        b = w.get("block_structure")
-        if not (isinstance(b, list) and len(b) == 2 and b[0] == b[1] and isinstance(b[0], int) and b[0] > 0):
-            raise ValueError(f"float-quantized needs square block_structure [b, b], got {b!r}")
+        config_field(w, "block_structure", None, list, lambda b: len(b) == 2 and b[0] == b[1] and type(b[0]) is int
+                     and b[0] > 0, "square blocks [b, b]")
     elif not w.get("symmetric", True) or w.get("group_size") != {"nvfp4-pack-quantized": NV_BLOCK,
                                                                   "mxfp4-pack-quantized": MX_BLOCK}[fmt]:
         raise ValueError(f"{fmt} must be symmetric with group_size {NV_BLOCK if 'nv' in fmt else MX_BLOCK}")
@@ -158,8 +166,8 @@ def _expect(name, t, dtype, shape):
 
 
 def _float_scale(name, t, shape):
-    if not t.dtype.is_floating_point or tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}, expected a float tensor {tuple(shape)}")
+    if tuple(scale_tensor(t, name).shape) != tuple(shape):
+        raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}, expected {tuple(shape)}")
     if not torch.isfinite(t.float()).all():
         raise ValueError(f"{name} has NaN or infinite values")
     return t.float()
@@ -167,12 +175,7 @@ def _float_scale(name, t, shape):
 
 def _read_packed_int(p, weights):
     bits, per = weights["num_bits"], 32 // weights["num_bits"]
-    shape = p["weight_shape"]
-    if shape.dtype.is_floating_point or shape.numel() != 2:
-        raise ValueError(f"weight_shape must be 2 integers, got {shape.dtype} {tuple(shape.shape)}")
-    out_f, in_f = (int(v) for v in shape.tolist())
-    if out_f <= 0 or in_f <= 0:
-        raise ValueError(f"weight_shape {out_f, in_f} is not a matrix shape")
+    out_f, in_f = matrix_shape(p["weight_shape"])
     group_size = in_f if weights["strategy"] == "channel" else weights["group_size"]
     groups = -(-in_f // group_size)
     _expect("weight_packed", p["weight_packed"], torch.int32, (out_f, -(-in_f // per)))

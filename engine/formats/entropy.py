@@ -43,7 +43,7 @@ import torch
 
 from ..coding.rans import PROB_BITS, RansStream, rans_decode, rans_encode
 from ..kernels import stream_decoders, triton_formats
-from .base import CheckpointMethod, QuantLinear, config_field, get_impl, replace_linears
+from .base import CheckpointMethod, QuantLinear, config_field, get_impl, matrix_shape, replace_linears
 from .minifloats import E4M3_MAX, round_e4m3
 from .sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 
@@ -477,10 +477,7 @@ def validate(quantization_config):
 
 
 def _read(parts, quantization_config):
-    shape = parts["weight_shape"]
-    if shape.numel() != 2:
-        raise ValueError(f"weight_shape must hold (out, in), got {shape.tolist()}")
-    out_f, in_f = (int(v) for v in shape.tolist())
+    out_f, in_f = matrix_shape(parts["weight_shape"])
     return EntQuantLinear(in_f, out_f, parts["weight_log_scale"], quantization_config.get("fmt", "float8"),
                           parts["weight_stream"], parts["super_index"], parts["super_value"], parts.get("bias"))
 

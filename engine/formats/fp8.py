@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import triton_formats
-from .base import CheckpointMethod, QuantLinear, config_field
+from .base import CheckpointMethod, QuantLinear, config_field, scale_tensor
 from .calibration import whole_model
 from .minifloats import E4M3_MAX
 
@@ -112,8 +112,10 @@ class FP8BlockLinear(QuantLinear):
         if weight_fp8.dtype != torch.float8_e4m3fn:
             raise ValueError(f"weight must be float8_e4m3fn, got {weight_fp8.dtype}")
         _check_shapes(weight_fp8, scale_inv, block)
-        if not bool((scale_inv.float() >= 0).all() & torch.isfinite(scale_inv.float()).all()):
-            raise ValueError("weight_scale_inv must be finite and non-negative")
+        scale_tensor(scale_inv, "weight_scale_inv")
+        if not bool((scale_inv.float() >= 0).all() & torch.isfinite(scale_inv.float() * E4M3_MAX).all()):
+            raise ValueError("weight_scale_inv must be non-negative and finite, and so must the weights it decodes "
+                             "(scale x 448)")
         if bool(torch.isnan(weight_fp8.float()).any()):
             raise ValueError("FP8 weight holds NaN codes (0x7F / 0xFF)")
         super().__init__(weight_fp8.shape[1], weight_fp8.shape[0], bias)

@@ -43,6 +43,7 @@ from .base import QuantLinear
 from .gguf_quants import DENSE, GGML_TYPES, TYPE_NAMES, dequantize, quantized_linear
 
 MAGIC, DEFAULT_ALIGNMENT, MAX_NESTING = b"GGUF", 32, 8
+MAX_HEADER_BYTES = 256 << 20        # metadata + tensor table: a few MB in real files (the vocabulary is the most)
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
 
@@ -122,10 +123,12 @@ class GGUFFile:
             raise ValueError(f"{path} is not a regular file")
         self._file = open(self.path, "rb", buffering=0)
         try:
-            if os.fstat(self._file.fileno()).st_size < 24:
+            size = os.fstat(self._file.fileno()).st_size
+            if size < 24:
                 raise ValueError(f"{path} is too short to be a GGUF file")
-            with mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                self._parse(_Cursor(buf), len(buf))
+            # only the header is parsed from memory (a map of the whole file would take its size in address space)
+            with mmap.mmap(self._file.fileno(), min(size, MAX_HEADER_BYTES), access=mmap.ACCESS_READ) as buf:
+                self._parse(_Cursor(buf), size)
         except BaseException:
             self._file.close()
             raise
@@ -140,8 +143,9 @@ class GGUFFile:
             raise ValueError(f"GGUF version {self.version} is not supported (2 and 3 are)"
                              + (": this is a big-endian file" if swapped in (1, 2, 3) else ""))
         n_tensors, n_kv = cur.scalar("Q", "tensor count"), cur.scalar("Q", "metadata count")
-        if n_kv * 13 > size or n_tensors * 32 > size:  # the smallest key/value and tensor entry take 13 and 32 bytes
-            raise ValueError(f"GGUF: {n_kv} metadata entries and {n_tensors} tensors cannot fit in {size} bytes")
+        header = len(cur.buf)                           # the smallest key/value and tensor entry take 13 and 32 bytes
+        if n_kv * 13 > header or n_tensors * 32 > header:
+            raise ValueError(f"GGUF: {n_kv} metadata entries and {n_tensors} tensors cannot fit in {header} bytes")
         self.metadata = {}
         for _ in range(n_kv):
             key = cur.string("metadata key")

@@ -31,7 +31,7 @@ import torch
 
 from . import calibration
 from .affine import AffineQuantLinear, affine_parts, find_params, pack_int32, unpack_int32
-from .base import CheckpointMethod, config_field
+from .base import CheckpointMethod, config_field, scale_tensor
 from .calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
 
 FORMATS = ("gptq", "gptq_v2")
@@ -260,7 +260,7 @@ def _read(parts, qcfg):
         if tuple(parts[k].shape) != shape:
             raise ValueError(f"GPTQ {k} has shape {tuple(parts[k].shape)}, expected {shape} for qweight "
                              f"{tuple(qweight.shape)}, group_size {group_size}")
-    if not bool((scales.float() >= 0).all()):
+    if not bool((scale_tensor(scales, "GPTQ scales").float() >= 0).all()):
         raise ValueError("GPTQ scales must be non-negative and finite")
     codes, scales, zeros, g_idx = unpack_gptq(qweight, qzeros, scales, g_idx, bits, fmt)
     return to_runtime(codes, scales, zeros, g_idx, group_size, bits, parts.get("bias"))

@@ -342,6 +342,9 @@ class LatticeLinear(QuantLinear):
             + 16 * self.scales.numel() + 64 * self.header.numel()
 
 
+ROWS_PER_CHUNK = 1 << 22          # weights whose closest points are found at once (float64 temporaries: ~10x)
+
+
 def quantize_weight(weight, lattice="E8", snr_db=21.0, tile=128, seed=0, bias=None):
     """weight [out, in] -> LatticeLinear at the given SNR (per row: noise = rms(W' row)^2 10^(-SNR/10))."""
     lat = get_lattice(lattice)
@@ -349,11 +352,15 @@ def quantize_weight(weight, lattice="E8", snr_db=21.0, tile=128, seed=0, bias=No
     tile = rotation_tile(in_f, tile)
     g = torch.Generator().manual_seed(seed)
     signs = 1.0 - 2.0 * torch.randint(0, 2, (in_f,), generator=g).float()
-    w = rotate(weight.detach().float(), signs, tile).double()
-    alpha = w.pow(2).mean(1).sqrt()
-    scales = (alpha * lattice_scale(snr_db, lat)).half()
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))          # an all-zero row codes to zeros
-    codes = lat.closest_point((w / scales.double()[:, None]).reshape(-1, lat.n))
+    beta = lattice_scale(snr_db, lat)
+    scales, codes = [], []
+    for rows in weight.detach().split(max(1, ROWS_PER_CHUNK // in_f)):      # bounded memory on large layers
+        w = rotate(rows.float(), signs, tile).double()
+        s = (w.pow(2).mean(1).sqrt() * beta).half()
+        s = torch.where(s > 0, s, torch.ones_like(s))                         # an all-zero row codes to zeros
+        codes.append(lat.closest_point((w / s.double()[:, None]).reshape(-1, lat.n)).to(torch.int32))
+        scales.append(s)
+    scales, codes = torch.cat(scales), torch.cat(codes)
     packed = pack_bits((signs < 0).to(torch.uint8), 1)
     streams = encode_codes(codes, lat, context=layer_context(lat, in_f, out_f, tile, scales, packed))
     return LatticeLinear(streams, scales, packed, lat, in_f, tile, bias)

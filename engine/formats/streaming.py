@@ -141,7 +141,8 @@ def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, 
     """Quantize the model at `source` (an HF folder or a .gguf file) with `method` (a key of checkpoints.METHODS)
     into the checkpoint folder `out`, one decoder layer at a time (see the module docstring). calibration_ids
     [B, T] for the data-aware methods; options go to the method's quantize_layer; dtype is the precision the layers
-    compute in while they are calibrated (stored dtypes are kept on disk). Returns the quantization_config."""
+    compute in while they are calibrated (data-free methods read each layer in its stored dtype; stored dtypes are
+    kept on disk). Returns the quantization_config."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
     entry = METHODS[method]
@@ -165,12 +166,14 @@ def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, 
             _fill(model, src.tensors(lambda n: n == "model.embed_tokens.weight"), None, {})
             batches = [(h.to(dtype), *rope) for h, *rope in first_layer_batches(model, ids, batch_size)]
             model.model.embed_tokens.to_empty(device="meta")
+        layer_dtype = dtype if mode else None      # data-free methods read each weight as stored (half the memory)
         for i in tqdm(range(cfg.num_hidden_layers), desc=f"{method} layers", disable=not progress, unit="layer"):
-            batches = _convert_layer(model, i, src, entry, mode, batches, folder, state, dtype, options)
-        rest = {name: t for name, t in src.tensors(lambda n: not n.startswith("model.layers."))
-                if not (name == "lm_head.weight" and cfg.tie_word_embeddings)}
-        state["digests"].update({name: float_digest(t) for name, t in rest.items()})
-        save_file(rest, folder / "rest.safetensors")                          # as stored, byte for byte
+            batches = _convert_layer(model, i, src, entry, mode, batches, folder, state, layer_dtype, options)
+        rest = (lambda n: not n.startswith("model.layers.") and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+        for k, (name, tensor) in enumerate(src.tensors(rest)):            # one at a time: an 8B's embedding is 1.2 GB
+            state["digests"][name] = float_digest(tensor)
+            save_file({name: tensor}, folder / f"rest-{k:05d}.safetensors")     # as stored, byte for byte
+            del tensor
         qcfg = merged_config(state["layer_configs"], state["weights"])
         _finish(folder, out, src, cfg, qcfg, digest_of(state["digests"]))
     return qcfg

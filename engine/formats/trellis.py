@@ -17,12 +17,19 @@ The stream of one tile is one integer N read as little-endian bytes; state t is 
   - tail-biting:  N = b_0 .. b_{T-1}, K T bits, read circularly (s_0's high bits are s_{T-1}'s low bits), so the
                   start state costs nothing. QTIP's two-pass trick picks the wrap state: code the sequence rotated
                   by T/2, then code it again with start and end pinned to the state that pass chose mid-way.
-Bits per weight = (stored bytes * 8 + 16) / T: 2.09 at L=8, K=2 with a free start (2 pad bits), 2.0625 tail-biting.
+Bits per weight = (stored bytes * 8 + 16) / T: 2.09 at L=8, K=2 with a free start (2 pad bits), 2.0625 tail-biting
+(plus the layer's 64-bit CRC, below).
+
+Integrity. Every bit pattern is a valid trellis path, so a flipped bit decodes to another weight: each layer stores a
+CRC32 of its codes, its scales and everything that fixes their meaning (L, K, code, tail_biting, tile, group, seed,
+shape), and a layer whose CRC does not match is refused (ValueError), never decoded into another model.
 
 BlockLDLQ (QTIP): GPTQ's error feedback where each block of tile-width columns is trellis-coded as a whole: with
 U = chol(H^-1) upper, W[:, rest] -= (W_B - Q_B) U_BB^-1 U_B,rest (the best linear correction of the later columns).
 """
 import functools
+import json
+import zlib
 
 import torch
 
@@ -295,14 +302,25 @@ def block_ldlq(weights, hessians, L=8, K=2, group=256, seed=0, code="1mad", tail
 
 # ---- the layer ----------------------------------------------------------------------------------------------------
 
+def stream_checksum(codes, scales, L, K, code, tail_biting, tile, group, seed):
+    """CRC32 of a layer's codes uint8 [R, C, bytes] and scales f16 [R, C], and of the fields their meaning depends
+    on."""
+    head = json.dumps([L, K, code, bool(tail_biting), list(tile), group, seed, list(codes.shape)]).encode()
+    crc = zlib.crc32(head)
+    for t in (codes, scales):
+        crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
 class TrellisLinear(QuantLinear):
     """Trellis streams per tile + f16 scales; the rotation is rebuilt from its seed.
 
-    codes uint8 [out / th, in / tw, nbytes], scales f16 [out / th, in / tw]. forward: y = rotate(x) @ W_rot^T, W_rot
-    decoded on the fly (the kernel replays each tile's shift register). dequantize() = unrotate(W_rot)."""
+    codes uint8 [out / th, in / tw, nbytes], scales f16 [out / th, in / tw], crc int64 [1] (stream_checksum; None:
+    computed here, for a layer just quantized). forward: y = rotate(x) @ W_rot^T, W_rot decoded on the fly (the kernel
+    replays each tile's shift register). dequantize() = unrotate(W_rot)."""
 
     def __init__(self, codes, scales, L=8, K=2, code="1mad", tail_biting=False, tile=(1, 256), group=256, seed=0,
-                 bias=None):
+                 bias=None, crc=None):
         _check_code(L, K, code)
         hadamard.check_power_of_two(group)
         th, tw = tile = tuple(int(t) for t in tile)
@@ -316,11 +334,20 @@ class TrellisLinear(QuantLinear):
         out_f, in_f = codes.shape[0] * th, codes.shape[1] * tw
         if in_f % group:
             raise ValueError(f"in_features {in_f} is not a multiple of the rotation group {group}")
+        expected = stream_checksum(codes, scales, L, K, code, tail_biting, tile, group, seed)
+        if crc is not None:
+            if not isinstance(crc, torch.Tensor) or crc.dtype != torch.int64 or crc.numel() != 1:
+                raise ValueError(f"trellis crc must be an int64 tensor [1], got {crc!r}"[:200])
+            if int(crc) != expected:
+                raise ValueError("trellis stream checksum mismatch: the codes, the scales or the fields that fix "
+                                 "their meaning (L, K, code, tail_biting, tile, group, seed) changed since it was "
+                                 "written")
         super().__init__(in_f, out_f, bias)
         self.L, self.K, self.code, self.tail_biting, self.tile, self.group, self.seed = \
             L, K, code, bool(tail_biting), tile, group, seed
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("crc", torch.tensor([expected], dtype=torch.int64))
         self.decode_rotated()                                   # a malformed stream fails here, not mid-forward
 
     def decode_rotated(self):
@@ -336,7 +363,7 @@ class TrellisLinear(QuantLinear):
                                              self.L, self.K, self.tile, mean, inv_std, self.code, HASH[self.code])
 
     def storage_bits(self):
-        return self.codes.numel() * 8 + self.scales.numel() * 16
+        return self.codes.numel() * 8 + self.scales.numel() * 16 + 64
 
     def extra_repr(self):
         return super().extra_repr() + f", L={self.L}, K={self.K}, code={self.code}, tile={self.tile}"
@@ -398,17 +425,18 @@ def validate(q):
 
 def _read(parts, q):
     options = {k: q[k] for k in ("L", "K", "code", "tail_biting", "tile", "group", "seed")}
-    return TrellisLinear(parts["trellis_codes"], parts["trellis_scales"], **options, bias=parts.get("bias"))
+    return TrellisLinear(parts["trellis_codes"], parts["trellis_scales"], **options, bias=parts.get("bias"),
+                         crc=parts["trellis_crc"])
 
 
 def _write(layer, q):
     mismatch = [k for k in ("L", "K", "code", "tail_biting", "tile", "group", "seed") if getattr(layer, k) != q[k]]
     if mismatch:
         raise ValueError(f"layer and quantization_config disagree on {mismatch}")
-    return {"trellis_codes": layer.codes, "trellis_scales": layer.scales}
+    return {"trellis_codes": layer.codes, "trellis_scales": layer.scales, "trellis_crc": layer.crc}
 
 
-CHECKPOINT = CheckpointMethod(name="trellis", parts=lambda q: ("trellis_codes", "trellis_scales"),
+CHECKPOINT = CheckpointMethod(name="trellis", parts=lambda q: ("trellis_codes", "trellis_scales", "trellis_crc"),
                               read=_read, write=_write, quantize=quantize, validate=validate,
                               quantize_layer=quantize_layer,
                               calibration=lambda options: "float" if options.get("ldlq") else None)

@@ -1,0 +1,32 @@
+"""The fuzz campaign of benchmarks/fuzz.py at CI size: a few hundred mutated checkpoints of every method and a few
+hundred corrupted streams of every coder, each in a worker with a timeout and a memory cap, with a fixed seed."""
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import fuzz  # noqa: E402  (spawned workers import it by this name too: they inherit sys.path)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return fuzz.campaign(tmp_path_factory.mktemp("fuzz"), checkpoint_n=308, stream_n=300, seed=0, timeout=60,
+                         memory_gib=3, workers=2)
+
+
+def test_every_target_is_reached_and_mostly_refused(results):
+    by_target = fuzz.counts(results)
+    for kind, targets in (("checkpoint", fuzz.TARGETS), ("stream", fuzz.STREAMS)):
+        for target in targets:
+            assert by_target[kind, target]["ValueError"] >= 10, (kind, target, dict(by_target[kind, target]))
+
+
+def test_no_crash_hang_memory_failure_or_silent_wrong_decode(results):
+    outcomes = Counter(r.outcome for r in results)
+    silent_streams = sum(r.outcome == "silent-different" for r in results if r.case["kind"] == "stream")
+    failures = {o: outcomes[o] for o in ("other", "hang", "memory", "non-finite", "fuzzer-error")}
+    assert failures == dict.fromkeys(failures, 0) and silent_streams == 0, fuzz.report(results)
