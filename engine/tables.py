@@ -36,6 +36,7 @@ def rows():
         Row("NVFP4", mx.quantize, dict(format="nvfp4")),
         Row("trellis (QTIP-style), L=8", trellis.quantize, dict(L=8, K=2)),
         Row("trellis (QTIP-style), L=8, K=3", trellis.quantize, dict(L=8, K=3)),
+        Row("trellis (QTIP-style), L=16, tail-biting", trellis.quantize, dict(L=16, K=2, tail_biting=True)),
         Row("RTN int2, g64 (for comparison)", affine.quantize, dict(bits=2, group_size=64)),
         Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles", trellis.quantize, dict(L=8, K=2, ldlq=True)),
         *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.01)) for b in (4.0, 3.0, 2.1)],
