@@ -371,7 +371,8 @@ def main(argv=None):
     z.add_argument("--method", required=True)
     z.add_argument("--out", required=True)
     z.add_argument("--group-size", type=int)
-    z.add_argument("--act-order", action="store_true", help="gptq: visit columns by decreasing Hessian diagonal")
+    z.add_argument("--act-order", action="store_true", help="gptq: visit columns by decreasing Hessian diagonal "
+                   "(the default, with static groups; --option static_groups=false for a permuted g_idx)")
     z.add_argument("--bpw", type=float, help="entquant: target bits per weight (lambda found by bisection)")
     z.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="any other option of the method, e.g. format=nvfp4-pack-quantized, L=8, bps=3, sym=true")

@@ -28,8 +28,11 @@ def rows():
     """The tiny model's table: the book's rows in the book's order, then EntQuant, HyperQuant and the KV cache."""
     return [
         Row("RTN int4, g64", affine.quantize, dict(bits=4, group_size=64)),
-        Row("GPTQ int4, g64", gptq.quantize, dict(group_size=64)),
-        Row("GPTQ int4, g64, act-order", gptq.quantize, dict(group_size=64, act_order=True)),
+        Row("GPTQ int4, g64, natural order", gptq.quantize, dict(group_size=64, act_order=False, static_groups=False)),
+        Row("GPTQ int4, g64, act-order", gptq.quantize, dict(group_size=64, static_groups=False)),
+        Row("GPTQ int4, g64, act-order, static groups (default)", gptq.quantize, dict(group_size=64)),
+        Row("GPTQ int4, g64, group-aware order (GPTQModel's default)", gptq.quantize,
+            dict(group_size=64, act_order=False, static_groups=False, act_group_aware=True)),
         Row("AWQ int4, g64", awq.quantize, dict(group_size=64)),
         Row("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
         Row("MXFP4", mx.quantize, dict(format="mxfp4")),
@@ -98,8 +101,12 @@ def real_model_rows():
     return [
         Row("RTN int4, g32 (Q4_1's own grid)", affine.quantize, dict(bits=4, group_size=32)),
         Row("RTN int4, g128", affine.quantize, dict(bits=4, group_size=128)),
-        Row("GPTQ int4, g128", gptq.quantize, dict(group_size=128)),
-        Row("GPTQ int4, g128, act-order", gptq.quantize, dict(group_size=128, act_order=True)),
+        Row("GPTQ int4, g128, natural order", gptq.quantize,
+            dict(group_size=128, act_order=False, static_groups=False)),
+        Row("GPTQ int4, g128, act-order", gptq.quantize, dict(group_size=128, static_groups=False)),
+        Row("GPTQ int4, g128, act-order, static groups (default)", gptq.quantize, dict(group_size=128)),
+        Row("GPTQ int4, g128, group-aware order (GPTQModel's default)", gptq.quantize,
+            dict(group_size=128, act_order=False, static_groups=False, act_group_aware=True)),
         Row("AWQ int4, g128", awq.quantize, dict(group_size=128)),
         Row("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
         Row("MXFP4", mx.quantize, dict(format="mxfp4")),

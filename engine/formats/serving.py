@@ -24,6 +24,7 @@ import torch
 
 from ..loaders import load_dense, read_config
 from ..qwen3 import Qwen3Config
+from . import gptq
 from .checkpoints import load_quantized
 from .gguf import load_gguf
 from .gguf_writer import write_gguf
@@ -91,7 +92,8 @@ def checkpoint_kind(method, options=None, fmt="safetensors"):
     if method is None:
         return "dense"
     if method == "gptq":
-        return "gptq act-order" if options.get("act_order") else "gptq sym" if options.get("sym") else "gptq asym"
+        return ("gptq act-order" if gptq.permuted_layout(**options) else "gptq sym" if options.get("sym")
+                else "gptq asym")
     if method == "compressed-tensors":
         kind = CT_FORMATS.get(options.get("format", "pack-quantized"))
         if kind is None:
@@ -111,7 +113,7 @@ def config_kind(config):
         return "dense"
     method = q.get("quant_method")
     if method == "gptq":
-        return checkpoint_kind("gptq", {"act_order": q.get("desc_act"), "sym": q.get("sym")})
+        return checkpoint_kind("gptq", {"act_order": q.get("desc_act"), "static_groups": False, "sym": q.get("sym")})
     if method == "compressed-tensors":
         fmt = q.get("format")
         weights = next(iter(q.get("config_groups", {}).values()), {}).get("weights", {})
@@ -127,7 +129,7 @@ def gguf_options(method, options):
     if method == "fp8" or (method == "compressed-tensors" and options.get("format") == "float-quantized"):
         raise ValueError("llama.cpp: GGML has no FP8 type (write the HF layout for llama.cpp's converter, which "
                          "dequantizes it)")
-    if method == "gptq" and options.get("act_order"):
+    if method == "gptq" and gptq.permuted_layout(**options):
         raise ValueError("llama.cpp: GPTQ act-order permutes the input columns; GGML blocks store no permutation")
     if method == "gptq" and options.get("bits", 4) == 8 and not options.get("sym"):
         raise ValueError("llama.cpp: 8-bit GPTQ must be symmetric (sym=true) to be Q8_0; GGML has no 8-bit offset")
