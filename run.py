@@ -188,10 +188,14 @@ def quantize_options(args):
         if key not in accepted:
             raise ValueError(f"--method {args.method} takes no option {key!r}; it takes {list(accepted)}")
         options[key] = parse_value(key, value, accepted[key])
-    for key, value in (("group_size", args.group_size), ("act_order", args.act_order or None), ("bpw", args.bpw)):
+    # --act-order asks for AutoGPTQ's desc_act=True file (columns permuted in g_idx); act-order with static groups,
+    # the plain layout every client loads, is already gptq's default
+    flags = (("group_size", args.group_size), ("static_groups", False if args.act_order else None), ("bpw", args.bpw))
+    for key, value in flags:
         if value is not None:
             if key not in accepted:
-                raise ValueError(f"--{key.replace('_', '-')} does not apply to --method {args.method}; it takes "
+                flag = "--act-order" if key == "static_groups" else f"--{key.replace('_', '-')}"
+                raise ValueError(f"{flag} does not apply to --method {args.method}; it takes "
                                  f"{list(accepted)}")
             options[key] = value
     return options
@@ -371,8 +375,9 @@ def main(argv=None):
     z.add_argument("--method", required=True)
     z.add_argument("--out", required=True)
     z.add_argument("--group-size", type=int)
-    z.add_argument("--act-order", action="store_true", help="gptq: visit columns by decreasing Hessian diagonal "
-                   "(the default, with static groups; --option static_groups=false for a permuted g_idx)")
+    z.add_argument("--act-order", action="store_true", help="gptq: AutoGPTQ's desc_act=True layout (g_idx "
+                   "permuted, 4.59 bits, vLLM refuses it); the default already visits columns in act-order, with "
+                   "static groups")
     z.add_argument("--bpw", type=float, help="entquant: target bits per weight (lambda found by bisection)")
     z.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="any other option of the method, e.g. format=nvfp4-pack-quantized, L=8, bps=3, sym=true")

@@ -12,7 +12,7 @@ from test_cli import ROOT, run
 
 
 def test_target_refusal_names_the_reason_before_training(tmp_path):
-    out = run("quantize", "--method", "gptq", "--act-order", "--option", "static_groups=false", "--target", "vllm",
+    out = run("quantize", "--method", "gptq", "--act-order", "--target", "vllm",
               "--out", str(tmp_path / "ck"))
     assert out.returncode != 0 and "vLLM refuses desc_act=True" in out.stderr
     assert "training" not in out.stderr and not any(tmp_path.iterdir())
