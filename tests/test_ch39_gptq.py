@@ -76,6 +76,68 @@ def test_act_order_g_idx_and_runtime_permutation():
     assert plain.perm is None
 
 
+def test_group_aware_visit_order_pinned():
+    """GPTQModel's GAR: groups by decreasing max H_ii, each group's columns by decreasing H_ii (a ragged last group is
+    one more group)."""
+    diag = torch.tensor([1.0, 5.0, 2.0, 9.0, 0.0, 3.0, 7.0])
+    assert gptq.visit_order(diag, 3, act_group_aware=True).tolist() == [3, 5, 4, 6, 1, 2, 0]
+    assert gptq.visit_order(diag, 3, act_order=True).tolist() == [3, 6, 1, 5, 2, 0, 4]
+    assert gptq.visit_order(diag, 3).tolist() == list(range(7))
+    with pytest.raises(ValueError, match="two column orders"):
+        gptq.gptq_quantize(torch.zeros(2, 7), torch.eye(7), act_order=True, act_group_aware=True)
+
+
+ORDERS = {"natural": {"act_order": False, "static_groups": False},
+          "act_order": {"act_order": True, "static_groups": False},
+          "static_groups": {"act_order": True, "static_groups": True},
+          "act_group_aware": {"act_order": False, "static_groups": False, "act_group_aware": True}}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_each_order_round_trips_through_its_checkpoint(order):
+    torch.manual_seed(4)
+    w = torch.randn(32, 96) * 0.05
+    h = gptq.hessian_from(correlated_inputs(256, 96, 4))
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, min_zero=1, **ORDERS[order])
+    layer = gptq.to_runtime(codes, scales, zeros, g_idx, 32)
+    permuted = order == "act_order"
+    qcfg = gptq.validate({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": permuted})
+    tensors = gptq.CHECKPOINT.write(layer, qcfg)
+    # only plain act-order needs a g_idx and a runtime permutation; every other order writes a plain file
+    sorted_g_idx = torch.equal(tensors["g_idx"].long(), torch.arange(96) // 32)
+    assert sorted_g_idx != permuted and (layer.perm is not None) == permuted
+    back = gptq.CHECKPOINT.read(tensors, qcfg)
+    assert torch.equal(back.dequantize(), gptq.dequantize_gptq(codes, scales, zeros, g_idx))
+    if permuted:                                # vLLM would read this file as if g_idx were sorted
+        with pytest.raises(ValueError, match="desc_act=true"):
+            gptq.CHECKPOINT.write(layer, {**qcfg, "desc_act": False})
+
+
+def test_static_groups_choose_grids_before_the_loop():
+    """Static groups: each group's grid is the round-to-nearest grid of the ORIGINAL weights (the visit cannot
+    change it), while the codes still carry GPTQ's corrections."""
+    torch.manual_seed(5)
+    w = torch.randn(16, 64) * 0.05
+    h = gptq.hessian_from(correlated_inputs(256, 64, 5))
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, act_order=True, static_groups=True)
+    rtn_scales, rtn_zeros = gptq.group_grid(affine.grouped(w, 16).reshape(-1, 16), 4)
+    assert torch.equal(scales, rtn_scales.reshape(16, 4)) and torch.equal(zeros, rtn_zeros.reshape(16, 4))
+    assert torch.equal(g_idx.long(), torch.arange(64) // 16)
+    assert not torch.equal(codes, affine.quantize_to_affine(w, 4, 16)[0])
+
+
+@pytest.mark.parametrize("order", ["static_groups", "act_group_aware"])
+def test_reordering_lowers_the_error_on_uneven_scales(order):
+    """Inputs whose scale grows along the columns: the natural order quantizes the least important groups first.
+    Both trivial-g_idx orders visit the heavy groups first and cut the layer error well below plain GPTQ's."""
+    torch.manual_seed(6)
+    w = torch.randn(64, 256) * 0.05
+    h = gptq.hessian_from(correlated_inputs(1024, 256, 6))
+    errors = {name: weighted_error(gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 64, **ORDERS[name])), w, h)
+              for name in ("natural", order)}
+    assert errors[order] < 0.8 * errors["natural"]
+
+
 def test_to_runtime_rejects_bad_g_idx():
     codes, scales, zeros = torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2), torch.ones(4, 2)
     with pytest.raises(ValueError, match="g_idx"):
@@ -179,19 +241,23 @@ def test_reader_validates():
         gptq.CHECKPOINT.read({**t, "scales": t["scales"].to(torch.uint8)}, qcfg)
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-def test_model_save_load_and_quality(tiny_model, tmp_path, act_order):
+@pytest.mark.parametrize("order", [*ORDERS, "default"])
+def test_model_save_load_and_quality(tiny_model, tmp_path, order):
+    """Every order saves, loads bit-exact and beats RTN; the default is act-order with static groups (a plain file)."""
     torch.manual_seed(1)
     calibration = torch.randint(0, 256, (4, 64))
     held_out = torch.randint(0, 256, (2, 48))
     reference, rtn_error = rtn_baseline(tiny_model, held_out)
-    qcfg = checkpoints.save_quantized(tiny_model, tmp_path, "gptq", calibration, group_size=32, act_order=act_order)
-    assert qcfg == {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": act_order, "sym": False,
-                    "checkpoint_format": "gptq"}
+    qcfg = checkpoints.save_quantized(tiny_model, tmp_path, "gptq", calibration, group_size=32, **ORDERS.get(order, {}))
+    permuted = order == "act_order"
+    effective = ORDERS.get(order, ORDERS["static_groups"])
+    recorded = {k: True for k in ("static_groups", "act_group_aware") if effective.get(k)}
+    assert qcfg == {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": permuted, "sym": False,
+                    "checkpoint_format": "gptq", **recorded}
     with torch.no_grad():
         ours = tiny_model(held_out)
         loaded = checkpoints.load_quantized(tmp_path)
         assert torch.equal(loaded(held_out), ours)
     assert (ours - reference).pow(2).mean() < rtn_error
     layers = [m for m in loaded.modules() if isinstance(m, affine.AffineQuantLinear)]
-    assert len(layers) == 14 and all((m.perm is not None) == act_order for m in layers)
+    assert len(layers) == 14 and all((m.perm is not None) == permuted for m in layers)

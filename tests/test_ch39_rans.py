@@ -74,6 +74,14 @@ def test_fast_decoder_is_exact_for_every_chunk_of_deferred_lookups(chunk, monkey
     assert np.array_equal(R.rans_decode(R.rans_encode(symbols, lanes=32)).numpy(), symbols)
 
 
+@pytest.mark.parametrize("chunk", [32, 96, 160])
+@pytest.mark.parametrize("lanes", [32, 64])
+def test_fast_encoder_is_exact_for_every_chunk_of_lookups(chunk, lanes, monkeypatch):
+    monkeypatch.setattr(R, "ENCODE_CHUNK", chunk)         # 1 to 5 steps per batch, after the partial last one
+    symbols = STREAMS["weights"]
+    assert R.rans_encode(symbols, lanes=lanes) == R.rans_encode_reference(symbols, lanes=lanes)
+
+
 def test_frequency_table_sums_to_precision_and_keeps_every_symbol():
     counts = np.zeros(256, np.int64)
     counts[:200] = 1                               # 200 symbols seen once: each still needs f >= 1

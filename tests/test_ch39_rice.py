@@ -55,6 +55,24 @@ def test_payload_is_the_textbook_bit_string(name):
                                         for s in range(0, symbols.numel(), 512)]
 
 
+@pytest.mark.parametrize("name", ["Z", "D4", "E8"])
+@pytest.mark.parametrize("chunk", [512, 5000])
+def test_encoding_chunk_by_chunk_changes_no_byte(name, chunk, monkeypatch):
+    """Chunks of 4096 or 4608 symbols (a whole number of sub-streams, ending mid-byte) give the one-chunk stream."""
+    levels = LAYOUTS[name]
+    symbols = torch.cat([every_rice_k(levels, seed) for seed in range(3)])
+    whole = R.rice_encode(symbols, levels, context=b"layer")
+    monkeypatch.setattr(R, "ENCODE_CHUNK", chunk)
+    chunked = R.rice_encode(symbols, levels, context=b"layer")
+    step = 512 * max(8, chunk // 512)
+    assert any(int(whole.offsets[s]) % 8 for s in range(step // 512, whole.streams, step // 512))
+    for field in ("payload", "offsets", "rice_ks"):
+        assert torch.equal(getattr(chunked, field), getattr(whole, field)), field
+    assert (chunked.count, chunked.total_bits, chunked.crc) == (whole.count, whole.total_bits, whole.crc)
+    bits = "".join(format(b, "08b") for b in chunked.payload.tolist())[:chunked.total_bits]
+    assert bits == reference_bits(symbols, chunked, levels)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_fast_decoder_equals_the_reference_decoder(name):
     levels = LAYOUTS[name]

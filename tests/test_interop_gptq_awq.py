@@ -8,7 +8,9 @@ Test-only installs (torch must stay at the pinned version; both tools declare ne
 (gptqmodel's import needs the second line's packages and torchao; transformers' GPTQ loader needs optimum; AutoAWQ's
 import needs accelerate and datasets. /tmp/torch-constraint.txt holds the single line torch==2.13.0.)
 """
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +82,45 @@ def test_gptqmodel_tensors_load_in_engine(gptqmodel_packer, act_order):
     assert torch.equal(layer.dequantize(), weight)          # the exact weights GPTQModel packed
 
 
+@pytest.fixture(scope="module")
+def order_bench():
+    """benchmarks/gptq_order.py: it drives GPTQModel's GPTQ quantizer with a given weight and Hessian."""
+    pytest.importorskip("gptqmodel")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gptq_order
+    return gptq_order
+
+
+def uneven_layer(seed, out_f=32, in_f=128):
+    """A layer whose inputs have uneven, shuffled channel scales (what makes the order matter)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, in_f, generator=g) * torch.linspace(0.1, 3.0, in_f)[torch.randperm(in_f, generator=g)]
+    return torch.randn(out_f, in_f, generator=g) * 0.02, gptq.hessian_from(x)
+
+
+def test_group_aware_order_is_gptqmodels():
+    pytest.importorskip("gptqmodel")
+    from gptqmodel.quantization import gar
+    _, h = uneven_layer(0)
+    diag = torch.diag(h)
+    local, values = gar.compute_local_perms(diag, 32, return_values=True)
+    theirs = gar.compose_final_perm(local, gar.compute_global_perm(diag, 32, precomputed_values=values), 32)
+    assert torch.equal(gptq.visit_order(diag, 32, act_group_aware=True), theirs)
+
+
+@pytest.mark.parametrize("order", ["natural", "desc_act", "static+desc_act", "act_group_aware"])
+def test_each_order_matches_gptqmodel_layer_error(order_bench, order):
+    """Same weight, Hessian, damping and group size: the same layer error as GPTQModel in the same order (they differ
+    only by our f16 scales), and our best order at or below GPTQModel's default (group-aware)."""
+    w, h = uneven_layer(1)
+    ours = order_bench.layer_error(order_bench.engine_quantize(w, h, 4, 32, **order_bench.ORDERS[order]), w, h)
+    theirs = order_bench.layer_error(order_bench.gptqmodel_quantize(w, h, 4, 32, **order_bench.ORDERS[order]), w, h)
+    assert abs(ours / theirs - 1) < 0.03
+    if order in ("desc_act", "static+desc_act"):
+        default = order_bench.gptqmodel_quantize(w, h, 4, 32, act_group_aware=True)
+        assert ours < order_bench.layer_error(default, w, h)
+
+
 def test_pack_awq_bit_identical_to_autoawq():
     pytest.importorskip("awq")
     from awq.modules.linear.gemm import WQLinear_GEMM
@@ -100,8 +141,11 @@ def test_pack_awq_bit_identical_to_autoawq():
     assert torch.equal(back.dequantize(), layer.dequantize())
 
 
-@pytest.mark.parametrize("method,options", [("gptq", {"group_size": 32, "act_order": False}),
-                                            ("gptq", {"group_size": 32, "act_order": True}),
+@pytest.mark.parametrize("method,options", [("gptq", {"group_size": 32, "act_order": False, "static_groups": False}),
+                                            ("gptq", {"group_size": 32, "static_groups": False}),      # permuted
+                                            ("gptq", {"group_size": 32}),       # the default: static groups
+                                            ("gptq", {"group_size": 32, "act_order": False, "static_groups": False,
+                                                      "act_group_aware": True}),
                                             ("awq", {"group_size": 32})])
 def test_transformers_loads_our_checkpoint(tiny_model, tmp_path, method, options):
     pytest.importorskip("gptqmodel")
@@ -128,7 +172,8 @@ def test_checkpoint_packed_by_gptqmodel_loads_in_engine(gptqmodel_packer, tiny_m
     import json
 
     from engine.safetensors_io import save_file
-    qcfg = gptq.quantize(tiny_model, torch.randint(0, 256, (4, 64)), group_size=32, act_order=act_order)
+    qcfg = gptq.quantize(tiny_model, torch.randint(0, 256, (4, 64)), group_size=32, act_order=act_order,
+                         static_groups=False)
     tensors = {}
     for name, layer in quantized_linears(tiny_model).items():
         codes, scales, zeros, g_idx = affine.affine_parts(layer)

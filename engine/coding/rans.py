@@ -44,6 +44,7 @@ MAX_LANES = 4096                    # default lanes: at most
 LANES_LIMIT = 1 << 20               # lanes a caller may ask for (4 bytes of state each)
 ONE_SYMBOL_LIMIT = 1 << 32          # a one-symbol stream's count is trusted up to here (its words bound nothing)
 DECODE_CHUNK = 1 << 15              # fast decoder: symbols per batch of deferred symbol lookups
+ENCODE_CHUNK = 1 << 16              # fast encoder: symbols per batch of table lookups made at once
 VERSION = 2                         # 1: no checksum
 _MAGIC = b"rANS"
 _HEADER = struct.Struct("<4sBBHQI")  # magic, version, prob_bits, lanes per stream, n, sub-streams
@@ -305,22 +306,39 @@ def rans_encode(symbols, lanes=None, lanes_per_stream=LANES_PER_STREAM, prob_bit
     f = quantize_frequencies(np.bincount(symbols, minlength=256), prob_bits)
     c = np.cumsum(f) - f
     x_max = f << (32 - prob_bits)                     # hand a word over first when x >= x_max(s): then x' < 2^32
-    x = np.full(lanes, STATE_LOW, dtype=np.int64)
-    emitted, owners = [], []                          # per step (last first): words in lane order, their sub-stream
-    for t in range(-(-n // lanes) - 1, -1, -1):
-        sym = symbols[t * lanes:(t + 1) * lanes].astype(np.int64)
-        taking = sym.size                             # the last step may be partial: lanes [0, taking) take part
-        xs, fs = x[:taking], f[sym]
-        emit = xs >= x_max[sym]
-        emitted.append(xs[emit] & 0xFFFF)
-        owners.append(np.flatnonzero(emit) // lanes_per_stream)
-        xs = np.where(emit, xs >> 16, xs)
-        x[:taking] = (xs // fs << prob_bits) + xs % fs + c[sym]
-    words = np.concatenate(emitted[::-1]) if emitted else np.zeros(0, np.int64)
-    owner = np.concatenate(owners[::-1]) if owners else np.zeros(0, np.int64)
-    order = np.argsort(owner, kind="stable")          # group by sub-stream, keep the decoder's reading order
-    counts = np.bincount(owner, minlength=lanes // lanes_per_stream)
-    return pack_stream(prob_bits, lanes_per_stream, n, f, x, counts, words[order], context)
+    keep = (1 << prob_bits) - f                       # x' = x + (x // f)(2^p - f) + c: one division, no modulo
+    steps = -(-n // lanes)
+    grid = np.zeros(steps * lanes, np.uint8)          # [steps, lanes]; the last step's lanes past n: see below
+    grid[:n] = symbols
+    grid[n:] = symbols[0] if n else 0
+    grid = grid.reshape(steps, lanes)
+    # What each step hands over: whether a lane emits, and its x mod 2^16 before the step (the word, if it does).
+    emits, low = np.empty((steps, lanes), bool), np.empty((steps, lanes), np.uint16)
+    x, q, sixteen = np.full(lanes, STATE_LOW, np.int64), np.empty(lanes, np.int64), np.array(16)
+    # Steps in chunks, last first, their lookups made once per chunk; a partial last step is a chunk of its own.
+    chunk = max(1, ENCODE_CHUNK // lanes)
+    top = steps - 1 if n % lanes else steps
+    bounds = [steps] + ([top] if n % lanes else []) + list(range(top - chunk, 0, -chunk))
+    for t1, t0 in zip(bounds, bounds[1:] + [0]):
+        rows = grid[t0:t1]
+        freq, most, kept, cum = f.take(rows), x_max.take(rows), keep.take(rows), c.take(rows)
+        for t in range(t1 - t0 - 1, -1, -1):
+            np.copyto(low[t0 + t], x, casting="unsafe")          # the low 16 bits
+            emit = emits[t0 + t]
+            np.greater_equal(x, most[t], out=emit)
+            np.right_shift(x, sixteen, out=x, where=emit)
+            np.floor_divide(x, freq[t], out=q)
+            q *= kept[t]
+            x += q
+            x += cum[t]
+        if t1 * lanes > n:                            # the partial step, coded first: lanes past n take no part
+            x[n - t0 * lanes:] = STATE_LOW
+            emits[t0, n - t0 * lanes:] = False
+    # The decoder reads a sub-stream's words step by step, lane by lane: [sub-stream, step, lane] order.
+    by_stream = (steps, lanes // lanes_per_stream, lanes_per_stream)
+    emitted = emits.reshape(by_stream).transpose(1, 0, 2)
+    words = low.reshape(by_stream).transpose(1, 0, 2)[emitted]
+    return pack_stream(prob_bits, lanes_per_stream, n, f, x, emitted.sum((1, 2)), words, context)
 
 
 def rans_decode(data, n=None, context=b""):

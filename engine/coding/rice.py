@@ -29,6 +29,7 @@ STREAM_META_BITS = 32 + 8  # per sub-stream: start bit offset, byte of Rice para
 RICE_K_MAX = 7             # Rice parameters 0..7 (3 bits)
 ESCAPE = 15                # a unary run this long means "RAW_BITS raw bits follow"
 RAW_BITS = 16
+ENCODE_CHUNK = 1 << 20     # rice_encode: symbols coded at once (its int64 temporaries: ~100 bytes each)
 
 
 def rice_decode_reference(streams, levels=(0,)):
@@ -249,10 +250,12 @@ class RiceStreams:
 
 
 def rice_encode(symbols, levels=(0,), substream=SUBSTREAM, context=b""):
-    """symbols [N] (int64 in [0, 2^16), whole vectors of len(levels)) -> RiceStreams sealed with `context`.
-    Vectorized: every codeword's length, a prefix sum for its position, then each codeword's bits after its leading
-    zeros (at most 17) are added into the (at most 3) bytes they touch."""
-    flat = symbols.reshape(-1).long()
+    """symbols [N] (integers in [0, 2^16), whole vectors of len(levels)) -> RiceStreams sealed with `context`.
+    Vectorized, ENCODE_CHUNK symbols (whole sub-streams) at a time, so that the extra memory is O(chunk) and not a
+    few int64 copies of the tensor: each codeword's length, a prefix sum for its position, then its bits after its
+    leading zeros (at most 17) added into the (at most 3) bytes they touch. A chunk's bytes start at the byte
+    holding its first bit, which it shares with the chunk before when that one ends inside it."""
+    flat = symbols.reshape(-1)
     n = len(levels)
     if flat.numel() == 0:
         raise ValueError("nothing to encode")
@@ -262,22 +265,32 @@ def rice_encode(symbols, levels=(0,), substream=SUBSTREAM, context=b""):
         raise ValueError(f"Rice symbols must lie in [0, 2^{RAW_BITS}), got [{int(flat.min())}, {int(flat.max())}]"
                          " (lattice scale too fine?)")
     count = flat.numel()
-    rice_ks = choose_rice_ks(flat, levels, substream)                     # [streams, 2]
-    m = flat.numpy()
-    rice_k = symbol_rice_ks(rice_ks, count, levels, substream)
-    esc = (m >> rice_k) >= ESCAPE
-    length = rice_lengths(m, rice_k)
-    end = np.cumsum(length)
-    total = int(end[-1])
-    if total >= 2 ** 31:
-        raise ValueError("tensor too large for 32-bit sub-stream offsets")
-    value = np.where(esc, m | (1 << RAW_BITS), (m & ((1 << rice_k) - 1)) | (1 << rice_k))  # the '1' and what follows
-    last = end - 1                                                     # the codeword's final bit
-    aligned = value << (7 - (last & 7))                                # <= 24 bits ending at that byte's LSB
-    byte = last >> 3
-    # Codewords occupy disjoint bits, so summing their bytes is OR-ing them.
-    payload = sum(np.bincount(np.maximum(byte - i, 0), weights=(aligned >> (8 * i)) & 255,
-                              minlength=-(-total // 8)) for i in range(3))
-    offsets = torch.from_numpy((end - length)[::substream])
-    return RiceStreams.seal(torch.from_numpy(payload.astype(np.uint8)), offsets, rice_ks[:, 0] | (rice_ks[:, 1] << 3),
-                            count, total, substream, context)
+    step = substream * max(8, ENCODE_CHUNK // substream)          # >= 8 bits: a chunk always has a byte its own
+    pieces, offsets, ks, bit = [], [], [], 0                          # bit: where the next chunk starts
+    for first in range(0, count, step):
+        chunk = flat[first:first + step].long()
+        rice_ks = choose_rice_ks(chunk, levels, substream)            # [chunk's streams, 2]
+        m = chunk.numpy()
+        rice_k = symbol_rice_ks(rice_ks, m.size, levels, substream)
+        esc = (m >> rice_k) >= ESCAPE
+        length = rice_lengths(m, rice_k)
+        end = bit + np.cumsum(length)                                 # each codeword's end, in the whole payload
+        if int(end[-1]) >= 2 ** 31:
+            raise ValueError("tensor too large for 32-bit sub-stream offsets")
+        value = np.where(esc, m | (1 << RAW_BITS), (m & ((1 << rice_k) - 1)) | (1 << rice_k))  # '1' and what follows
+        last = end - 1 - 8 * (bit >> 3)                               # the codeword's final bit, from the chunk's
+        aligned = value << (7 - (last & 7))                           # <= 24 bits ending at that byte's LSB
+        byte = last >> 3
+        # Codewords occupy disjoint bits, so summing their bytes is OR-ing them.
+        chunk_bytes = sum(np.bincount(np.maximum(byte - i, 0), weights=(aligned >> (8 * i)) & 255,
+                                      minlength=int(byte[-1]) + 1) for i in range(3)).astype(np.uint8)
+        if bit & 7:                                                   # the byte shared with the chunk before
+            pieces[-1][-1] |= chunk_bytes[0]
+            chunk_bytes = chunk_bytes[1:]
+        pieces.append(chunk_bytes)
+        offsets.append((end - length)[::substream].copy())              # a copy: the view would keep the chunk
+        ks.append(rice_ks)
+        bit = int(end[-1])
+    rice_ks = torch.cat(ks)
+    return RiceStreams.seal(torch.from_numpy(np.concatenate(pieces)), torch.from_numpy(np.concatenate(offsets)),
+                            rice_ks[:, 0] | (rice_ks[:, 1] << 3), count, bit, substream, context)

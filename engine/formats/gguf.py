@@ -9,7 +9,8 @@ Container (little-endian, versions 2 and 3; strings are a u64 byte length + UTF-
     padding to `general.alignment` (default 32), then the data: each tensor at data_start + offset (aligned)
 
 The tensor with ne = [in, out] is the torch tensor [out, in]. The block formats are in gguf_quants.py: integer types
-load as AffineQuantLinear with their own codes and grid, MXFP4 as MXFP4Linear, F32 / F16 / BF16 as dense tensors.
+load as AffineQuantLinear with their own codes and grid, MXFP4 / NVFP4 as MXFP4Linear / NVFP4Linear (NVFP4's
+per-tensor factor from `<name>.scale`), F32 / F16 / BF16 as dense tensors.
 Every count, length, dimension and offset is checked against the file size before anything is allocated, so a
 malformed file is a ValueError; tensor bytes are read one tensor at a time.
 
@@ -214,8 +215,8 @@ LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 
 def hf_name(name):
     """'blk.3.attn_q.weight' -> ('model.layers.3.self_attn.q_proj.weight', 'attn_q')."""
-    block = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name, re.ASCII)
-    if block and block[2] in TENSOR_NAMES:
+    block = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias|scale)", name, re.ASCII)
+    if block and block[2] in TENSOR_NAMES and (block[3] != "scale" or block[2] in LINEARS):
         return f"model.layers.{int(block[1])}.{TENSOR_NAMES[block[2]]}.{block[3]}", block[2]
     base, _, suffix = name.rpartition(".")
     if base in GLOBAL_NAMES and suffix in ("weight", "bias"):
@@ -301,12 +302,28 @@ def hf_tensors(f, keep=None, dense=False):
         stem = info.name.rpartition(".")[0]
         weight = f.tensors.get(stem + ".weight")
         if not dense and kind in LINEARS and weight is not None and weight.type_name not in DENSE:
-            if suffix == "weight":                    # a quantized linear; its bias (if any) goes with it
+            if suffix == "weight":                    # a quantized linear; its bias and scale go with it
                 bias = f.tensors.get(stem + ".bias")
                 bias = None if bias is None else dequantize(read(bias, kind), bias.type_name, bias.shape)
-                yield module, quantized_linear(read(info, kind), info.type_name, info.shape, bias)
-        else:
-            yield name, dequantize(read(info, kind), info.type_name, info.shape)
+                yield module, quantized_linear(read(info, kind), info.type_name, info.shape, bias,
+                                               _tensor_scale(f, stem))
+        elif suffix == "scale":
+            if weight is None or weight.type_name in DENSE:
+                raise ValueError(f"GGUF tensor {info.name}: a per-tensor scale on a dense weight is not supported")
+        else:                                         # (dense=True: an NVFP4 weight times its scale)
+            value = dequantize(read(info, kind), info.type_name, info.shape)
+            scale = _tensor_scale(f, stem) if suffix == "weight" else None
+            yield name, value if scale is None else value * scale
+
+
+def _tensor_scale(f, stem):
+    """The F32 [1] tensor `<stem>.scale` (llama.cpp's per-tensor factor of NVFP4 weights) as a 0-d tensor, or None."""
+    scale = f.tensors.get(stem + ".scale")
+    if scale is None:
+        return None
+    if scale.type_name != "F32" or scale.shape != (1,):
+        raise ValueError(f"GGUF tensor {scale.name} must be one F32 number")
+    return dequantize(f.raw(scale.name), "F32", (1,))[0]
 
 
 def load_gguf(path, dtype=torch.float32, device="cpu"):
@@ -384,6 +401,12 @@ def _flag(meta, name, default):
     return _typed(meta, f"tokenizer.ggml.{name}", default, lambda v: isinstance(v, bool), "a bool")
 
 
+def gpt2_pre_tokenizer(pre):
+    """llama.cpp's splits for tokenizer.ggml.pre `pre`, then GPT-2's byte-to-unicode spelling."""
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), "isolated") for r in PRE_TOKENIZERS[pre]]
+                                   + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 def gguf_tokenizer(f):
     """(tokenizers.Tokenizer, tokenizer_config dict as Hugging Face writes it, chat template included)."""
     meta = f.metadata
@@ -402,14 +425,16 @@ def gguf_tokenizer(f):
                    lambda v: v is None or (type(v) is int and 0 <= v < len(tokens)), "a token id")
         special[role] = None if i is None else tokens[i]
     vocab = {t: i for i, t in enumerate(tokens)}
+    # a merge into no token (the byte vocabulary's one dummy merge) leaves its pieces apart in llama.cpp, and
+    # tokenizers panics on it: drop it
+    if merges:
+        merges = [m for m in merges if m[0] + m[1] in vocab or not (m[0] in vocab and m[1] in vocab)]
     if kind == "gpt2":
         pre = meta.get("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
             raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported ({sorted(PRE_TOKENIZERS)})")
         tok = _bpe(vocab, merges or [], ignore_merges=pre in LLAMA3_LIKE)
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), "isolated") for r in PRE_TOKENIZERS[pre]]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = gpt2_pre_tokenizer(pre)
         tok.decoder = decoders.ByteLevel()
         add_bos = _flag(meta, "add_bos_token", pre in LLAMA3_LIKE)
     elif kind == "llama":

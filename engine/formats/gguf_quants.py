@@ -20,8 +20,10 @@ holds 256 weights in sub-blocks of 16 or 32 with their own scales. Every integer
   Q6_K   256  210    128 B low nibbles, 64 B 2-bit high, 16 int8 sc, f16 d
                                                                  d * sc * (q - 32)          16     8-bit
   MXFP4  32   17     E8M0 byte e, 16 B nibbles                   E2M1(q) * 2^(e - 127)      -> MXFP4Linear
+  NVFP4  64   36     4 E4M3 scales (one per 16), 32 B nibbles    E2M1(q) * s_16 * t         -> NVFP4Linear
 
-(Q3_K's stored bit is "not 4": q = low 2 bits + 4 * high bit, minus 4.) Products of an f16 and a small integer are
+(Q3_K's stored bit is "not 4": q = low 2 bits + 4 * high bit, minus 4. NVFP4's per-tensor factor t is not in the
+blocks: llama.cpp keeps it in a separate F32 [1] tensor `<name>.scale` and multiplies the matmul's output by it.) Products of an f16 and a small integer are
 exact in float32, so q * scale + offset gives exactly ggml's float32 values (as numbers: ggml's d * (q - 8) is -0
 where this is +0). Codes of 5 and 6 bits are held one per byte (the engine packs 1, 2, 4 or 8 bits); scales and
 offsets are float32 in memory, so storage_bits counts 32 bits per group, not the super-block's packed 6-bit scales.
@@ -29,13 +31,17 @@ offsets are float32 in memory, so storage_bits counts 32 bits per group, not the
 Bit order: ggml never interleaves neighbours. In a run of S bytes, bits [f*b, f*b + b) of byte j hold element
 f * S + j (`_fields`): Q4_0 nibbles are element j low, j + 16 high (S = 16, the "split" layout of mx.py); Q4_K / Q5_K
 runs of 32 bytes cover 64 weights; Q2_K / Q3_K 2-bit runs of 32 bytes cover 128; the high-bit planes of Q3_K / Q5_K
-are 8 planes of 32. Q5_0's u32 is plain little-endian, bit i = element i.
+are 8 planes of 32; NVFP4 runs of 8 bytes cover each sub-block of 16. Q5_0's u32 is plain little-endian, bit i =
+element i.
+
+The writer's side (`encode`) is the inverse for the types the engine's layers map onto exactly: Q4_0, Q4_1, Q8_0,
+MXFP4, NVFP4 (engine/formats/gguf_writer.py decides which layer goes where).
 """
 import torch
 
 from .affine import AffineQuantLinear, pack_nibbles, unpack_bits
 from .minifloats import E2M1, e8m0_to_float
-from .mx import MXFP4Linear
+from .mx import MXFP4Linear, NVFP4Linear
 
 QK_K = 256
 
@@ -78,6 +84,13 @@ def _k_scales(s):
 
 
 # Each decoder: blocks uint8 [n, bytes] -> (codes uint8 [n, B], scale [n, B / group], offset [n, B / group]).
+
+def _nvfp4_scales(b):
+    """NVFP4 blocks -> E4M3 scales float8_e4m3fn [n, 4]. ggml reads them unsigned (the sign bit is ignored) and 0x7F
+    (E4M3's NaN) as 0."""
+    s = b[:, :4] & 0x7F
+    return torch.where(s == 0x7F, 0, s).view(torch.float8_e4m3fn)
+
 
 def _q4_0(b):
     d = _f16(b, 0)
@@ -135,7 +148,7 @@ def _q6_k(b):
 AFFINE = {"Q4_0": (_q4_0, 32, 4), "Q4_1": (_q4_1, 32, 4), "Q5_0": (_q5_0, 32, 8), "Q5_1": (_q5_1, 32, 8),
           "Q8_0": (_q8_0, 32, 8), "Q2_K": (_q2_k, 16, 2), "Q3_K": (_q3_k, 16, 4), "Q4_K": (_q4_k, 32, 4),
           "Q5_K": (_q5_k, 32, 8), "Q6_K": (_q6_k, 16, 8)}
-DECODED = (*DENSE, *AFFINE, "MXFP4")
+DECODED = (*DENSE, *AFFINE, "MXFP4", "NVFP4")
 
 
 def _blocks(raw, type_name, shape):
@@ -157,19 +170,29 @@ def dequantize(raw, type_name, shape):
     if type_name == "MXFP4":
         codes = _fields(blocks[:, 1:], 4, 16).long()
         return (E2M1[codes] * e8m0_to_float(blocks[:, :1])).reshape(shape)
+    if type_name == "NVFP4":
+        codes = _fields(blocks[:, 4:], 4, 8).long().reshape(-1, 4, 16)
+        return (E2M1[codes] * _nvfp4_scales(blocks).float()[..., None]).reshape(shape)
     decode, group, _ = AFFINE[type_name]
     codes, scale, offset = decode(blocks)
     w = codes.float().reshape(len(blocks), -1, group) * scale[..., None] + offset[..., None]
     return w.reshape(shape)
 
 
-def quantized_linear(raw, type_name, shape, bias=None):
+def quantized_linear(raw, type_name, shape, bias=None, tensor_scale=None):
     """raw uint8 [nbytes] of a quantized weight [out, in] -> the engine layer holding exactly its codes and grid:
-    AffineQuantLinear for the integer types, MXFP4Linear for MXFP4."""
+    AffineQuantLinear for the integer types, MXFP4Linear for MXFP4, NVFP4Linear for NVFP4 (tensor_scale: the
+    `<name>.scale` tensor's value, 1 when absent)."""
     if len(shape) != 2 or type_name in DENSE:
         raise ValueError(f"a quantized linear needs a 2-D quantized weight, got {type_name} {tuple(shape)}")
+    if tensor_scale is not None and type_name != "NVFP4":
+        raise ValueError(f"a per-tensor scale on a {type_name} weight is not supported (only NVFP4 has one)")
     out_f, in_f = shape
     blocks = _blocks(raw, type_name, shape)
+    if type_name == "NVFP4":
+        codes = _fields(blocks[:, 4:], 4, 8).reshape(out_f, in_f)
+        return NVFP4Linear(pack_nibbles(codes), _nvfp4_scales(blocks).reshape(out_f, -1),
+                           1.0 if tensor_scale is None else tensor_scale, bias)
     if type_name == "MXFP4":
         codes = _fields(blocks[:, 1:], 4, 16)                # split layout -> element order -> interleaved
         return MXFP4Linear(pack_nibbles(codes).reshape(out_f, -1, 16), blocks[:, 0].reshape(out_f, -1), bias)
@@ -177,3 +200,51 @@ def quantized_linear(raw, type_name, shape, bias=None):
     codes, scale, offset = decode(blocks)
     return AffineQuantLinear.from_codes(codes.reshape(out_f, in_f), scale.reshape(out_f, -1),
                                         offset.reshape(out_f, -1), group, bits, bias=bias)
+
+
+# ---- the writer's side: engine codes -> GGML blocks --------------------------------------------------------------
+
+def _split_nibbles(codes, span):
+    """codes uint8 [n, runs * 2 * span] (each < 16) -> uint8 [n, runs * span], the inverse of _fields(., 4, span):
+    byte j of each run holds element j in its low nibble and element j + span in its high one."""
+    c = codes.reshape(len(codes), -1, 2, span)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(len(codes), -1)
+
+
+def _f16_bytes(x):
+    """float32 [n] holding f16 values -> uint8 [n, 2]."""
+    return x.reshape(-1, 1).half().view(torch.uint8)
+
+
+ENCODED = ("Q4_0", "Q4_1", "Q8_0", "MXFP4", "NVFP4")
+
+
+def encode(type_name, codes, scales, offsets=None):
+    """The engine's codes and grid -> raw uint8 [nbytes] of a GGML tensor, the inverse of the decoders:
+
+      Q4_0   codes [out, in] 0..15, scales [out, in/32] (f16 values)          w = scale * (q - 8)
+      Q4_1   codes 0..15, scales and offsets [out, in/32] (f16 values)        w = scale * q + offset
+      Q8_0   codes 0..255, scales [out, in/32] (f16 values)                   w = scale * (q - 128)  (int8 q - 128)
+      MXFP4  E2M1 codes, scales = E8M0 bytes uint8 [out, in/32]
+      NVFP4  E2M1 codes, scales = float8_e4m3fn [out, in/16] (>= 0); the tensor scale goes in `<name>.scale`
+
+    Scales and offsets must already be what the file stores (gguf_writer checks that before calling)."""
+    if type_name not in ENCODED:
+        raise ValueError(f"GGML type {type_name} cannot be written (this engine writes {', '.join(ENCODED)})")
+    _, block, _ = GGML_TYPES[type_name]
+    if codes.dim() != 2 or codes.shape[1] % block:
+        raise ValueError(f"{type_name}: codes {tuple(codes.shape)} are not rows of whole blocks of {block}")
+    q = codes.to(torch.uint8).reshape(-1, block)
+    if type_name == "NVFP4":
+        s = scales.contiguous().view(torch.uint8).reshape(len(q), 4)
+        return torch.cat([s, _split_nibbles(q, 8)], 1).reshape(-1)
+    s = scales.reshape(-1)
+    if type_name == "MXFP4":
+        parts = [s.to(torch.uint8).reshape(-1, 1), _split_nibbles(q, 16)]
+    elif type_name == "Q4_0":
+        parts = [_f16_bytes(s), _split_nibbles(q, 16)]
+    elif type_name == "Q4_1":
+        parts = [_f16_bytes(s), _f16_bytes(offsets.reshape(-1)), _split_nibbles(q, 16)]
+    else:
+        parts = [_f16_bytes(s), (q.short() - 128).to(torch.int8).view(torch.uint8)]
+    return torch.cat(parts, 1).reshape(-1)

@@ -7,8 +7,26 @@ the columns not yet quantized, so that the layer's OUTPUT on calibration inputs 
 H^-1 comes once from a Cholesky factorization (damped by 1% of mean(diag H)); updates are applied lazily, one block
 of 128 columns at a time. Each group's grid (affine.find_params: f16 scale, integer zero) is chosen from the weights
 as corrected when the loop enters the group (columns beyond the current 128-column block have received the earlier
-blocks' corrections but not yet this block's: the lazy update lands when the block ends). Act-order (desc_act) visits columns by decreasing H_ii; groups
-are then ranges of that order, and the checkpoint's g_idx [in] names each original column's group.
+blocks' corrections but not yet this block's: the lazy update lands when the block ends).
+
+The column order (the visit; names as in AutoGPTQ / GPTQModel configs), and what each costs the checkpoint:
+
+    natural          0, 1, 2, ...                                  g_idx = i // G (sorted)     loads everywhere
+    act_order        by decreasing H_ii ("desc_act"); groups are   g_idx permuted, and a       vLLM refuses it
+                     ranges of the visit                           runtime permutation         (desc_act=True)
+    act_order +      the same visit, but each group is a range of  g_idx = i // G, no perm:    loads everywhere
+      static_groups  ORIGINAL columns whose grid is chosen from    the file is a plain one     (desc_act=False)
+                     the weights before the loop
+    act_group_aware  groups of original columns by decreasing     g_idx = i // G, no perm     loads everywhere
+                     max H_ii, each group's columns by decreasing  ("GAR", GPTQModel's default (desc_act=False)
+                     H_ii; the grid when the group is entered      since 2025)
+
+Visiting the most activated columns first leaves the most freedom to compensate their errors. Plain act-order
+minimizes the layer error best but needs its permutation; act-order with static groups comes close, below the
+group-aware order (benchmarks/gptq_order.py), at no cost in the file: it is quantize_layer's default, while
+gptq_quantize keeps the paper's natural order. The config's desc_act is true only for the permuted layout (vLLM
+ignores g_idx when it is false; GPTQModel's act-order + static groups file says desc_act=true over a sorted
+g_idx); static_groups / act_group_aware record the other visits.
 
 Checkpoint (AutoGPTQ, `checkpoint_format` "gptq" = v1, the default everywhere; "gptq_v2" = raw zeros):
 
@@ -30,7 +48,7 @@ import warnings
 import torch
 
 from . import calibration
-from .affine import AffineQuantLinear, affine_parts, find_params, pack_int32, unpack_int32
+from .affine import AffineQuantLinear, affine_parts, find_params, grouped, pack_int32, unpack_int32
 from .base import CheckpointMethod, config_field, scale_tensor
 from .calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
 
@@ -55,19 +73,49 @@ def group_grid(w, bits, sym=False, min_zero=0):
     return scale, zero
 
 
+def check_order(act_order, act_group_aware):
+    if act_order and act_group_aware:
+        raise ValueError("act_order and act_group_aware are two column orders: choose one (act_group_aware=True "
+                         "wants act_order=False; GPTQModel's rule too)")
+
+
+def visit_order(diag, group_size, act_order=False, act_group_aware=False):
+    """diag [in] = diag(H) -> the order [in] in which GPTQ visits the columns (a permutation of the inputs).
+
+    natural: 0, 1, 2, ...;  act_order (desc_act): by decreasing H_ii;  act_group_aware (GPTQModel's default, "GAR"):
+    the groups of consecutive columns by decreasing max H_ii, and within each group its columns by decreasing H_ii,
+    so that a group is still visited as one contiguous run."""
+    check_order(act_order, act_group_aware)
+    cols = diag.shape[0]
+    if act_order:
+        return torch.argsort(diag, descending=True, stable=True)
+    if not act_group_aware:
+        return torch.arange(cols, device=diag.device)
+    group = torch.arange(cols, device=diag.device) // group_size
+    score = torch.zeros(int(group[-1]) + 1, device=diag.device).scatter_reduce(0, group, diag, "amax",
+                                                                              include_self=False)
+    rank = torch.argsort(torch.argsort(score, descending=True, stable=True))      # each group's place in the visit
+    within = torch.argsort(diag, descending=True, stable=True)
+    return within[torch.argsort(rank[group[within]], stable=True)]
+
+
 @torch.no_grad()
 def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp=0.01, block=128, sym=False,
-                  min_zero=0):
+                  min_zero=0, static_groups=False, act_group_aware=False):
     """weight [out, in], hessian [in, in] = 2 X^T X / n -> (codes uint8 [out, in], scales [out, groups],
     zeros [out, groups], g_idx int32 [in]); W_hat[o, i] = scales[o, g_idx[i]] * (codes[o, i] - zeros[o, g_idx[i]]).
 
-    group_size -1 (or any value <= 0) means one group per row. min_zero=1 keeps every zero point storable in a v1 checkpoint.
+    group_size -1 (or any value <= 0) means one group per row. min_zero=1 keeps every zero point storable in a v1
+    checkpoint. The column order is one of visit_order's (act_order, act_group_aware). static_groups: every group is
+    a range of original columns whose grid is chosen from the weights before the loop, so that act-order can visit
+    the columns in any order and g_idx still stays sorted.
     Columns are processed in blocks of `block`; inside a block each column's error is pushed onto the block's
     remaining columns at once, and onto the columns after the block in one matmul when the block is done.
     """
     out_f, cols = weight.shape
     if hessian.shape != (cols, cols):
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({cols}, {cols})")
+    check_order(act_order, act_group_aware)
     group_size = cols if group_size <= 0 else group_size
     W = weight.float().clone()
     H = hessian.float().clone()
@@ -75,15 +123,23 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
     H[dead, dead] = 1
     W[:, dead] = 0
     dev = W.device
-    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else torch.arange(cols, device=dev)
+    groups = -(-cols // group_size)
+    perm = visit_order(torch.diag(H), group_size, act_order, act_group_aware)
+    # The group of each visited column: under plain act-order the ranges of the visit (g_idx then names each
+    # column's), otherwise the ranges of the original columns (g_idx stays sorted).
+    label = torch.arange(cols, device=dev) // group_size if act_order and not static_groups else perm // group_size
+    if static_groups:
+        scales, zeros = (t.reshape(out_f, groups) for t in
+                         group_grid(grouped(W, group_size).reshape(-1, group_size), bits, sym, min_zero))
+    else:
+        scales, zeros = torch.zeros(out_f, groups, device=dev), torch.zeros(out_f, groups, device=dev)
+    labels, sizes = label.tolist(), torch.bincount(label, minlength=groups).tolist()
     W, H = W[:, perm], H[perm][:, perm]
     H += damp * torch.diag(H).mean() * torch.eye(cols, device=dev)
     # The upper Cholesky factor of H^-1 holds exactly the [H^-1]_ij / [H^-1]_ii rows OBQ needs, in the order
     # the columns are eliminated (each row is the inverse Hessian of the columns still left).
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     codes = torch.zeros_like(W)
-    groups = -(-cols // group_size)
-    scales, zeros = torch.zeros(out_f, groups, device=dev), torch.zeros(out_f, groups, device=dev)
     top = 2 ** bits - 1
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
@@ -91,9 +147,10 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
         H1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            g = col // group_size
-            if col % group_size == 0:                      # a new group: its range from the CURRENT weights
-                ahead = torch.cat((W1[:, i:i + group_size], W[:, i2:i2 + group_size]), 1)[:, :group_size]
+            g = labels[col]
+            if not static_groups and (col == 0 or labels[col - 1] != g):   # a new group: its grid from the
+                n = sizes[g]                                                # CURRENT weights of its n columns
+                ahead = torch.cat((W1[:, i:i + n], W[:, i2:i2 + n]), 1)[:, :n]
                 scales[:, g], zeros[:, g] = group_grid(ahead, bits, sym, min_zero)
             q = (W1[:, i] / scales[:, g] + zeros[:, g]).round().clamp(0, top)
             codes[:, col] = q
@@ -102,8 +159,7 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
             Err[:, i] = error
         W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
     inverse = torch.argsort(perm)
-    g_idx = (torch.arange(cols, device=dev) // group_size)[inverse]    # the group of each ORIGINAL column
-    return codes[:, inverse].to(torch.uint8), scales, zeros, g_idx.to(torch.int32)
+    return codes[:, inverse].to(torch.uint8), scales, zeros, label[inverse].to(torch.int32)
 
 
 def dequantize_gptq(codes, scales, zeros, g_idx):
@@ -204,14 +260,28 @@ def to_runtime(codes, scales, zeros, g_idx, group_size, bits=4, bias=None):
 
 # ---- whole model ------------------------------------------------------------------------------------------------
 
+def permuted_layout(act_order=True, static_groups=True, **_):
+    """Whether quantize_layer(**options) writes the permuted layout (g_idx permuted, desc_act=true)."""
+    return bool(act_order) and not static_groups
+
+
 @torch.no_grad()
-def quantize_layer(layer, group_size=64, act_order=False, bits=4, sym=False, checkpoint_format="gptq", damp=0.01):
+def quantize_layer(layer, group_size=64, act_order=True, bits=4, sym=False, checkpoint_format="gptq", damp=0.01,
+                   static_groups=True, act_group_aware=False):
     """GPTQ one decoder layer (a calibration.LayerCalibration) in place, step by step in forward order (q/k/v, o,
     gate/up, down): each step's Hessians come from the layer's inputs passed through its already-quantized earlier
     steps (GPTQModel's "true sequential"). For a v1 checkpoint (the default) every zero point is kept >= 1
-    (min_zero). Returns the quantization_config."""
-    qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
-                     "sym": sym, "checkpoint_format": checkpoint_format})
+    (min_zero). The column order: act_order, static_groups, act_group_aware as in gptq_quantize, by default
+    act-order with static groups (a plain file: g_idx sorted); act_order=False, static_groups=False is the paper's
+    natural order, act_order=True, static_groups=False the permuted layout, act_group_aware=True with both False
+    GPTQModel's default. The config's desc_act says whether g_idx is permuted, the only case that needs it.
+    Returns the quantization_config."""
+    check_order(act_order, act_group_aware)
+    orders = {key: True for key, on in (("static_groups", static_groups), ("act_group_aware", act_group_aware)) if on}
+    qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size,
+                     "desc_act": permuted_layout(act_order, static_groups), "sym": sym,
+                     "checkpoint_format": checkpoint_format,
+                     **orders})
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
     for step in calibration.SEQUENTIAL_STEPS:
         hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
@@ -219,11 +289,12 @@ def quantize_layer(layer, group_size=64, act_order=False, bits=4, sym=False, che
         def make(name, linear, hessians=hessians):
             group = linear.in_features if group_size == -1 else group_size          # -1: one group per row
             codes, scales, zeros, g_idx = gptq_quantize(linear.weight.detach(), hessians[name], bits, group,
-                                                        act_order, damp, sym=sym, min_zero=min_zero)
+                                                        act_order, damp, sym=sym, min_zero=min_zero,
+                                                        static_groups=static_groups, act_group_aware=act_group_aware)
             return to_runtime(codes, scales, zeros, g_idx, group, bits, linear.bias)
 
         layer.replace(make, names=hessians)
-    return {k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format")}
+    return {k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", *orders)}
 
 
 def quantize(model, calibration_ids, batch_size=8, **options):
@@ -241,7 +312,7 @@ def validate(qcfg):
     bits = config_field(qcfg, "bits", 4, int, lambda b: b in PACKABLE_BITS, f"one of {PACKABLE_BITS}")
     group_size = config_field(qcfg, "group_size", 128, int, lambda g: g == -1 or g >= 1, "-1 or a positive int")
     fmt = config_field(qcfg, "checkpoint_format", "gptq", str, lambda f: f in FORMATS, f"one of {FORMATS}")
-    for key in ("desc_act", "sym"):
+    for key in ("desc_act", "sym", "static_groups", "act_group_aware"):
         config_field(qcfg, key, False, bool)
     return {**qcfg, "bits": bits, "group_size": group_size, "checkpoint_format": fmt}
 
@@ -271,6 +342,9 @@ def _write(layer, qcfg):
     codes, scales, zeros, g_idx = affine_parts(layer)
     if layer.bits != bits or layer.group_size != (layer.in_features if group_size == -1 else group_size):
         raise ValueError(f"layer has {layer.bits} bits, group {layer.group_size}; config says {bits}, {group_size}")
+    if layer.perm is not None and not qcfg.get("desc_act", False):
+        raise ValueError("an act-order layer (permuted g_idx) needs desc_act=true in its config: loaders that trust "
+                         "desc_act=false (vLLM) ignore g_idx")
     if fmt == "gptq":
         codes, scales, zeros, changed = make_v1_safe(codes, scales, zeros, g_idx, bits)
         if changed:

@@ -1,20 +1,107 @@
-"""HyperQuant's KV cache: every head vector lattice-quantized as it enters the cache (weights untouched).
+"""KV-cache quantization: the hook every KV quantizer speaks, its bit accounting, and HyperQuant's lattice cache.
 
-Per head vector x [d] (K after RoPE, V): a rotation S drawn once per layer (none, random signs diag(+-1), or Haar
-"qjl" S ~ Uniform(O(d))), a per-vector scale alpha = rms(S x) kept in f16, then x_hat = S^T alpha beta Q(S x / (alpha
-beta)) with Q the lattice quantizer (engine.formats.lattice) and beta from the rate table's SNR for the target bps.
-Subtractive dither (optional): x_hat = S^T (Q(y + U) - U) with U ~ Uniform(Voronoi cell) drawn fresh on every call;
-by the Crypto Lemma the error -pi(y + U) is uniform on the cell and independent of x, so E_U <q, x_hat> = <q, x> for
-every single x, not only on average over S.
+The hook (engine/qwen3.py, `model.set_kv_transform(fn, window=R)`): fn(k, v, layer, start) gets the exact K (after
+RoPE) and V [B, kv_heads, n, d] of the positions start.. that it has not coded yet and returns the coded K/V of the
+first m of them (n rounded down to whole blocks of `block` tokens); the model attends from query t to position s
+through the exact K/V if t - s < R (the residual window of recent tokens, bf16 in a real cache), through the coded
+ones otherwise. With `exact_keys` F the keys of positions < F are never coded (the first block's keys kept exact;
+HyperQuant's protocol keeps both, with R = 32; the paper's text at hand names no block size, so F is a count of
+tokens, 32 in the tables: one window's length). A quantizer that codes a block of tokens jointly needs R >= block - 1,
+or a query would see a block holding a later token. Prefill and generate run the same arithmetic: a cache codes
+each block once, when its last token arrives.
 
-Rate: each call's codes are stripped and Rice-coded exactly as a weight would be (engine.coding.rice.rice_bits:
-the bits the encoder would emit, without building the stream), plus 40 bits per 512-symbol sub-stream and 16 bits
-per vector for alpha; `report()` gives payload and total bits per scalar.
+Bits, counted honestly: coded_bps = every bit stored for the coded scalars (codes, scales, zeros, stream headers)
+per coded scalar. The cache of L positions at the end of a forward holds the exact K of positions < F or >= L - R and
+the exact V of positions >= L - R at 16 bits (bf16), the rest coded:
+
+    total_bps = (16 * exact + coded_bps_K * coded_K + coded_bps_V * coded_V) / (exact + coded_K + coded_V)
+
+summed over the forwards' caches (the KL table's one forward per batch: the cache at the evaluated length, so a
+window of 32 is a quarter of a 128-token cache). The exact positions hold the model's own values (float32 here);
+their bits are bf16's.
+
+HyperQuant's lattice KV: per head vector x [d] (K after RoPE, V): a rotation S drawn once per layer (none, random
+signs diag(+-1), or Haar "qjl" S ~ Uniform(O(d))), a per-vector scale alpha = rms(S x) kept in f16, then x_hat = S^T
+alpha beta Q(S x / (alpha beta)) with Q the lattice quantizer (engine.formats.lattice) and beta from the rate table's
+SNR for the target bps. Subtractive dither (optional): x_hat = S^T (Q(y + U) - U) with U ~ Uniform(Voronoi cell)
+drawn fresh on every call; by the Crypto Lemma the error -pi(y + U) is uniform on the cell and independent of x, so
+E_U <q, x_hat> = <q, x> for every single x, not only on average over S. Its codes are stripped and Rice-coded
+exactly as a weight's would be (engine.coding.rice.rice_bits: the bits the encoder would emit, without building the
+stream), plus 40 bits per 512-symbol sub-stream and 16 bits per vector for alpha.
+
+The formats real engines use (FP8, llama.cpp's q8_0 / q4_0, KIVI) are in engine/formats/kv_baselines.py.
 """
 import torch
 
 from ..coding.rice import STREAM_META_BITS, SUBSTREAM, rice_bits
 from .lattice import get_lattice, lattice_scale, snr_for_rate
+
+
+# ---- the hook and its bits ---------------------------------------------------------------------------------------
+
+EXACT_BITS = 16             # a position kept exact is stored as bf16
+RESIDUAL_WINDOW = 32        # HyperQuant's protocol: the last 32 tokens in bf16
+
+
+class KVHook:
+    """The windowed KV hook and its bit accounting, shared by every KV quantizer. A subclass sets `block` (tokens
+    coded jointly) and gives quantize(x, layer, which) -> x_hat for x [B, kv_heads, n, d] (n a multiple of block,
+    which 0 for K and 1 for V), calling self.count(which, scalars, bits) with everything it stores for them."""
+    block = 1
+
+    def __init__(self, window=0, exact_keys=0):
+        for name, value in (("window", window), ("exact_keys", exact_keys)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r}: must be an integer >= 0")
+        if exact_keys % self.block:
+            raise ValueError(f"exact_keys={exact_keys} must be a multiple of the {self.block}-token block")
+        self.window, self.exact_keys = window, exact_keys
+        self.coded = [[0, 0], [0, 0]]            # K, V: [scalars coded, bits stored for them]
+        self.cache = [0, 0, 0]                   # scalars in the forwards' final caches: exact, coded K, coded V
+
+    def count(self, which, scalars, bits):
+        self.coded[which][0] += scalars
+        self.coded[which][1] += bits
+
+    def __call__(self, k, v, layer_index, start):
+        """k, v [B, kv_heads, n, d] of positions start..start+n-1 -> coded k, v of the first n // block * block."""
+        b, h, n, d = k.shape
+        self._count_cache(b * h * d, start + n)
+        m = n // self.block * self.block
+        exact = min(max(self.exact_keys - start, 0), m)
+        k_hat = torch.cat((k[:, :, :exact], self._code(k[:, :, exact:m], layer_index, 0)), 2)
+        return k_hat, self._code(v[:, :, :m], layer_index, 1)
+
+    def _code(self, x, layer, which):
+        return self.quantize(x, layer, which) if x.shape[2] else x
+
+    def _count_cache(self, per_position, length):
+        exact_k, exact_v = min(length, self.window + self.exact_keys), min(length, self.window)
+        self.cache[0] += per_position * (exact_k + exact_v)
+        self.cache[1] += per_position * (length - exact_k)
+        self.cache[2] += per_position * (length - exact_v)
+
+    def report(self):
+        """coded_bps (bits per coded scalar, everything stored with the codes included), total_bps (the caches'
+        average with the exact positions at 16 bits; = coded_bps when quantize was called directly), vs_bf16, and
+        exact_fraction (of the cache's scalars)."""
+        (n_k, bits_k), (n_v, bits_v) = self.coded
+        coded = (bits_k + bits_v) / max(n_k + n_v, 1)
+        exact, c_k, c_v = self.cache
+        stored = exact + c_k + c_v
+        total = coded if stored == 0 else (EXACT_BITS * exact + bits_k / max(n_k, 1) * c_k
+                                           + bits_v / max(n_v, 1) * c_v) / stored
+        return {"coded_bps": coded, "total_bps": total, "vs_bf16": total / 16,
+                "exact_fraction": exact / max(stored, 1)}
+
+
+def install(model, quantizer):
+    """Put a KVHook on the model's attention (weights untouched); returns it (see .report())."""
+    model.set_kv_transform(quantizer, window=quantizer.window)
+    return quantizer
+
+
+# ---- HyperQuant's lattice KV ----------------------------------------------------------------------------------
 
 ROTATIONS = ("none", "signs", "qjl")
 
@@ -34,15 +121,18 @@ def voronoi_dither(shape, lattice, generator):
     return u - lat.closest_point(u) * axis
 
 
-class KVQuantizer:
-    """fn(k, v, layer_index) -> (k_hat, v_hat) for `model.set_kv_transform`: every head vector (last dim) is
-    rotated (none / signs / Haar "qjl", drawn once per layer from `seed`), scaled by its rms alpha (kept in f16),
-    quantized to the lattice at the SNR of the target rate (optionally with subtractive dither, fresh each call)
-    and rotated back. `stats` counts scalars and coded bits (Rice payload, sub-stream metadata, alphas)."""
+class KVQuantizer(KVHook):
+    """HyperQuant's lattice KV (see the module docstring): every head vector (last dim) is rotated (none / signs /
+    Haar "qjl", drawn once per layer from `seed`), scaled by its rms alpha (kept in f16), quantized to the lattice at
+    the SNR of the target rate (optionally with subtractive dither, fresh each call) and rotated back. `stats`
+    counts coded scalars and bits (Rice payload, sub-stream metadata, alphas). window (default the paper's 32 recent
+    tokens in bf16; 0 codes every position) / exact_keys: see KVHook."""
 
-    def __init__(self, lattice="E8", bps=3.0, rotation="none", dither=False, seed=0):
+    def __init__(self, lattice="E8", bps=3.0, rotation="none", dither=False, seed=0, window=RESIDUAL_WINDOW,
+                 exact_keys=0):
         if rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {rotation!r}")
+        super().__init__(window, exact_keys)
         self.lat = get_lattice(lattice)
         self.bps, self.rotation, self.dither, self.seed = bps, rotation, dither, seed
         self.beta = lattice_scale(snr_for_rate(bps, self.lat), self.lat)
@@ -76,28 +166,25 @@ class KVQuantizer:
         u = voronoi_dither(z.shape[:-1], self.lat, self.noise) if self.dither else torch.zeros_like(z)
         codes = self.lat.closest_point(z + u)
         y_hat = (codes * axis - u).reshape(y.shape) * scale
-        self._count(codes, d)
+        self._count_codes(codes, d, which)
         x_hat = y_hat if s is None else y_hat @ s
         return x_hat.to(x.dtype)
 
-    def _count(self, codes, d):
+    def _count_codes(self, codes, d, which):
         scalars = codes.numel()
+        payload = rice_bits(self.lat.strip(codes.reshape(-1, self.lat.n)), self.lat.levels)
+        metadata = STREAM_META_BITS * -(-scalars // SUBSTREAM) + 16 * (scalars // d)        # + alphas
         self.stats["scalars"] += scalars
-        self.stats["payload_bits"] += rice_bits(self.lat.strip(codes.reshape(-1, self.lat.n)), self.lat.levels)
-        self.stats["metadata_bits"] += STREAM_META_BITS * -(-scalars // SUBSTREAM) + 16 * (scalars // d)  # + alphas
-
-    def __call__(self, k, v, layer_index):
-        return self.quantize(k, layer_index, 0), self.quantize(v, layer_index, 1)
+        self.stats["payload_bits"] += payload
+        self.stats["metadata_bits"] += metadata
+        self.count(which, scalars, payload + metadata)
 
     def report(self):
-        """Coded KV rate: payload and total bits per scalar, and the total as a fraction of bf16."""
-        n = max(self.stats["scalars"], 1)
-        total = (self.stats["payload_bits"] + self.stats["metadata_bits"]) / n
-        return {"payload_bps": self.stats["payload_bits"] / n, "total_bps": total, "vs_bf16": total / 16}
+        """KVHook's report and payload_bps (the Rice payload alone, per coded scalar)."""
+        return {"payload_bps": self.stats["payload_bits"] / max(self.stats["scalars"], 1), **super().report()}
 
 
-def kv_quantize(model, lattice="E8", bps=3.0, rotation="none", dither=False, seed=0):
+def kv_quantize(model, lattice="E8", bps=3.0, rotation="none", dither=False, seed=0, window=RESIDUAL_WINDOW,
+                exact_keys=0):
     """Install a KVQuantizer on the model's attention hook (weights untouched); returns it (see .report())."""
-    fn = KVQuantizer(lattice, bps, rotation, dither, seed)
-    model.set_kv_transform(fn)
-    return fn
+    return install(model, KVQuantizer(lattice, bps, rotation, dither, seed, window, exact_keys))

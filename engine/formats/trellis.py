@@ -7,10 +7,10 @@ QTIP's 16 x 16 block) is coded as
 
     w_t ~ scale * codebook[s_t],    scale an f16 per tile,
 
-and the best symbols b_t are a shortest path through 2^L states per step (Viterbi). Weights are first rotated
-group by group with a random Hadamard transform R = H D / sqrt(n) so they look i.i.d. Gaussian (QuIP#); the layer
-keeps the rotated weight and rotates the activations instead, y = (x R^T) (W R^T)^T, with a fast Walsh-Hadamard
-transform.
+and the best symbols b_t are a shortest path through 2^L states per step (Viterbi, in viterbi.py). Weights are
+first rotated group by group with a random Hadamard transform R = H D / sqrt(n) so they look i.i.d. Gaussian
+(QuIP#); the layer keeps the rotated weight and rotates the activations instead, y = (x R^T) (W R^T)^T, with a fast
+Walsh-Hadamard transform.
 
 The stream of one tile is one integer N read as little-endian bytes; state t is the L-bit field at bit K(T-1-t):
   - free start:   N = s_0 followed by b_1 .. b_{T-1}, L + K(T-1) bits, padded to whole bytes;
@@ -27,7 +27,6 @@ shape), and a layer whose CRC does not match is refused (ValueError), never deco
 BlockLDLQ (QTIP): GPTQ's error feedback where each block of tile-width columns is trellis-coded as a whole: with
 U = chol(H^-1) upper, W[:, rest] -= (W_B - Q_B) U_BB^-1 U_B,rest (the best linear correction of the later columns).
 """
-import contextlib
 import functools
 import json
 import zlib
@@ -35,7 +34,7 @@ import zlib
 import torch
 
 from ..kernels import triton_formats
-from . import calibration, hadamard
+from . import calibration, hadamard, viterbi
 from .affine import pack_bits
 from .base import CheckpointMethod, QuantLinear, config_field
 
@@ -97,53 +96,7 @@ def codebook(L, code="1mad"):
     return _codebook(L, code).clone()
 
 
-# ---- Viterbi ------------------------------------------------------------------------------------------------------
-
-def _viterbi(x, table, L, K, wrap=None, budget=2 ** 28):
-    """x [B, T] -> least-squared-error state paths [B, T] (int64).
-
-    wrap [B] (optional) pins the path's ends: s_0 >> K == wrap and s_{T-1} mod 2^(L-K) == wrap (tail-biting).
-    cost[s] = least error of a path ending in s; s's predecessors are p = j 2^(L-K) + (s >> K), j < 2^K, so a view
-    of cost as [B, 2^K, 2^(L-K)] puts them on one axis. Back-pointers keep only j (int8), 2^(L-K) per step; the
-    batch is cut into chunks so that they fit in `budget` bytes (L=16: 16384 per step per sequence).
-    """
-    B, T = x.shape
-    S, H, J = 2 ** L, 2 ** (L - K), 2 ** K
-    chunk = max(1, budget // (T * H + 16 * S))
-    if B > chunk:
-        return torch.cat([_viterbi(x[i:i + chunk], table, L, K, None if wrap is None else wrap[i:i + chunk], budget)
-                          for i in range(0, B, chunk)])
-    states = torch.arange(S)
-    back = torch.empty((T, B, H), dtype=torch.int8 if J <= 128 else torch.int16)
-    cost = (x[:, :1] - table).square_()
-    if wrap is not None:
-        cost.masked_fill_((states >> K)[None, :] != wrap[:, None], float("inf"))
-    for t in range(1, T):
-        best, which = cost.view(B, J, H).min(1)
-        back[t] = which
-        d = (x[:, t, None] - table).square_()
-        cost = (d.view(B, H, J) + best[:, :, None]).view(B, S)
-    if wrap is not None:
-        cost.masked_fill_((states & (H - 1))[None, :] != wrap[:, None], float("inf"))
-    path = torch.empty((B, T), dtype=torch.int64)
-    path[:, -1] = cost.argmin(1)
-    for t in range(T - 1, 0, -1):
-        h = path[:, t] >> K
-        path[:, t - 1] = h + (back[t].gather(1, h[:, None])[:, 0].long() << (L - K))
-    return path
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """Each Viterbi step is a few small tensor ops; handing them to a thread pool costs more than it saves
-    (measured on 2 busy cores: 8 sequences at L=8 took 3.1 s with 2 threads, 0.1 s with one)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
+# ---- encoding -----------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
 def viterbi_encode(x, L=8, K=2, code="1mad", tail_biting=False):
@@ -158,17 +111,17 @@ def viterbi_encode(x, L=8, K=2, code="1mad", tail_biting=False):
     if x.dim() != 2 or x.shape[1] * K < L:
         raise ValueError(f"x must be [T] or [B, T] with K*T >= L, got shape {tuple(x.shape)}")
     table = _codebook(L, code)
-    with _one_thread():
+    with viterbi.one_thread() as threads:
         if tail_biting:
             half = x.shape[1] // 2
-            first = _viterbi(x.roll(half, 1), table, L, K)   # original position 0 sits at index `half`
-            path = _viterbi(x, table, L, K, wrap=first[:, half] >> K)
+            first = viterbi.viterbi(x.roll(half, 1), table, L, K, threads=threads)  # position 0 is at index `half`
+            path = viterbi.viterbi(x, table, L, K, wrap=first[:, half] >> K, threads=threads)
         else:
-            path = _viterbi(x, table, L, K)
-    symbols = path & (2 ** K - 1)
-    if not tail_biting:
-        symbols = symbols[:, 1:]
-    out = path, symbols, table[path]
+            path = viterbi.viterbi(x, table, L, K, threads=threads)
+        symbols = path & (2 ** K - 1)
+        if not tail_biting:
+            symbols = symbols[:, 1:]
+        out = path, symbols, table[path]
     return tuple(t[0] for t in out) if single else out
 
 

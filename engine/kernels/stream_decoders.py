@@ -109,101 +109,158 @@ def rans_decode(states, starts, words, slot_sym, slot_freq, slot_bias, out, prob
 # HyperQuant lattice codes (engine.formats.lattice): Rice sub-streams (engine.coding.rice) -> lattice points, inverse
 # strip fused. The format passes its lattice in (name: which inverse strip; n; levels: which symbols of a vector take
 # the second Rice parameter, as the bit mask LEVEL1; axis[0]: A2's sqrt3) and the Rice constants.
-# A decoder lane per sub-stream: it seeks to the sub-stream's start bit and decodes its symbols in one pass. A program
-# decodes STREAMS sub-streams side by side as a vector (lane i: sub-stream program * STREAMS + i, with its own bit
-# position; lanes past the last sub-stream are masked), all lanes stepping through their symbols in lockstep.
-# Why STREAMS: a sub-stream's symbols must be read one after the other (a codeword's start is known only once the one
-# before it is decoded), so the kernel is 512 steps long whatever the layer. Compiled, a lane is a GPU thread and
-# STREAMS = 32 (one warp per program) spreads the sub-streams over the SMs. Under the interpreter every tl op of
-# every program costs ~0.1 ms of Python whatever its width, so the launcher runs ONE program for all sub-streams
-# (STREAMS = next power of two of their count): 512 vector steps instead of 512 per sub-stream (384 sub-streams in a
-# 768 x 256 layer). For the same reason a step is kept to few ops, and its numbers are tensors made once (below).
-# A codeword is read through a 32-bit window, bits pos .. pos+31 MSB first, cut from one 64-bit load: the launcher
-# lays the payload out as windows[i] = bytes 4i .. 4i+7 (like rice_decode's win40). The unary run is the window's
-# count of leading zeros, taken from the float32 exponent of its top 24 bits (a valid codeword has its '1' among the
-# first 16); an escaped codeword (ESCAPE zeros, a one, RAW_BITS raw bits) fills the window exactly. Symbol orders per
-# vector: E8 [comb, s0..s6], D4 [c0, c1, c2, t], A2 [n_x, t_y], Z [n]; the vector's position r is a compile-time
-# constant (static inner loop), and the dropped coordinate is rebuilt at the vector's last symbol. Output: float32
-# code * axis * scale[row]; end_ptr gets each lane's final bit position (-1: a start below 0 or an invalid
-# codeword), which the launcher checks against where each sub-stream must end.
+# A program decodes STREAMS sub-streams side by side (lane i: sub-stream program * STREAMS + i; lanes past the last
+# sub-stream are masked), in two phases:
+# 1. Where each codeword starts: the only sequential part (a codeword's start is known once the one before it is
+#    read), so the kernel is 512 steps long whatever the layer, and a step is kept to ~11 tl ops: a lane stores its
+#    bit position and adds the codeword's length, looked up as lengths[rice_k, next 16 bits] (a valid codeword has its
+#    '1' among its first 16 bits: q + 1 + rice_k bits, or ESCAPE + 1 + RAW_BITS = 32 for an escape; a run of 16
+#    zeros, no codeword, also reads as 32, so a corrupt lane moves at most 32 bits a step). The 16 bits come from
+#    one 64-bit load: the launcher lays the payload out as windows[i] = bytes 4i .. 4i+7 (like rice_decode's win40).
+# 2. Everything else, vectorized over [STREAMS, CHUNK] symbols: each codeword's value from the 32 bits at its start
+#    (the unary run is their count of leading zeros, from the float32 exponent of their top 24 bits; an escape's raw
+#    bits fill the window's end), zig-zag, the inverse strip, scales, and the store. Symbol orders per vector: E8
+#    [comb, s0..s6], D4 [c0, c1, c2, t], A2 [n_x, t_y], Z [n]. Output coordinate r decodes symbol (r + ROT) mod n
+#    (ROT = 1 for E8 and A2, whose first symbol rebuilds their last coordinate); the "special" coordinate (E8 7, D4 3,
+#    A2 0) adds the parity of the others (a sum per vector: a reshape to [STREAMS, CHUNK / n, n]), and E8 adds its
+#    coset (the comb's low bit) to all.
+# Why two phases: under the interpreter every tl op costs ~0.1 ms of Python whatever its width, so only the position
+# chain is paid per step; compiled, phase 1 is one thread per sub-stream (a warp of them per program) with two loads
+# per step, and phase 2 is plain parallel work. The launcher runs ONE program for all sub-streams under the
+# interpreter (STREAMS = next power of two of their count, CHUNK = a whole sub-stream), STREAMS = 32 compiled.
+# The starts are kept in the output itself (an int32 view of the float32 result) until phase 2 replaces them by
+# values: barriers order phase 1's stores before phase 2's loads, and in phase 2 a chunk's loads before its stores
+# (a coordinate reads its neighbour's start). Every lane runs the same number of steps: the last, shorter sub-stream
+# runs on into the output's padding, so its end is the start it stored after its last symbol. end_ptr gets each
+# lane's end (-1: a start outside the payload or an invalid codeword), which the launcher checks against where each
+# sub-stream must end.
 
 _FUSED_UNSTRIP = ("Z", "A2", "D4", "E8")          # the lattices whose inverse strip the kernel below is written for
+_ROTATION = {"Z": 0, "A2": 1, "D4": 0, "E8": 1}    # output coordinate r decodes symbol (r + ROT) mod n
+_SPECIAL = {"Z": -1, "A2": 0, "D4": 3, "E8": 7}    # the coordinate rebuilt from the others' parity
+_GROUP = 8                                         # phase 1 stores every 8th start: a multiple of every n
 
 
 @triton.jit
-def lattice_decode_kernel(windows_ptr, nwords, offsets_ptr, rice_ks_ptr, count, n_streams, vectors, scale_ptr,
-                          row_len, axis0, out_ptr, end_ptr, LATTICE: tl.constexpr, N: tl.constexpr,
-                          LEVEL1: tl.constexpr, S: tl.constexpr, ESCAPE: tl.constexpr, RAW_BITS: tl.constexpr,
-                          STREAMS: tl.constexpr):
+def lattice_decode_kernel(windows_ptr, nwords, offsets_ptr, rice_ks_ptr, lengths_ptr, count, n_streams, steps,
+                          scale_ptr, row_len, axis0, starts_ptr, out_ptr, end_ptr, LATTICE: tl.constexpr,
+                          N: tl.constexpr, LEVEL1: tl.constexpr, ROT: tl.constexpr, SPECIAL: tl.constexpr,
+                          S: tl.constexpr, ESCAPE: tl.constexpr, RAW_BITS: tl.constexpr, STREAMS: tl.constexpr,
+                          CHUNK: tl.constexpr, GROUP: tl.constexpr):
     sid = tl.program_id(0) * STREAMS + tl.arange(0, STREAMS)        # this program's sub-streams, one per lane
     live = sid < n_streams
     pos = tl.load(offsets_ptr + sid, mask=live, other=0).to(tl.int64)
     packed = tl.load(rice_ks_ptr + sid, mask=live, other=0).to(tl.int64)
     rice_k0, rice_k1 = packed & 7, (packed >> 3) & 7
-    mask0, mask1, shift0, shift1 = (1 << rice_k0) - 1, (1 << rice_k1) - 1, 31 - rice_k0, 31 - rice_k1
-    len0, len1 = rice_k0 + 1, rice_k1 + 1
-    worst = tl.where(live & (pos < 0), ESCAPE + 1, 0).to(tl.int64)    # largest unary run seen (> ESCAPE: invalid)
-    pos = tl.maximum(pos, 0)                                          # a corrupt negative start reads from 0
-    # The loop's numbers as [STREAMS] tensors, made once (cN is N): under the interpreter an op with a Python number
-    # first broadcasts it into a fresh array, which about doubles the op's cost; compiled, they are plain constants.
+    bad = live & ((pos < 0) | (pos > 32 * nwords))       # a start outside the payload, later an invalid codeword
+    pos = tl.minimum(tl.maximum(pos, 0), 32 * nwords)     # ... which is then read inside it
+    first = sid.to(tl.int64) * S                          # each lane's first element (the buffers cover every lane)
+    starts = starts_ptr + first                           # where its codewords' starts go
+    lane_count = tl.minimum(count - first, S)             # symbols of each sub-stream
+
+    # Phase 1: the start of every GROUP-th codeword (storing every start would cost two ops a step). The loop's
+    # numbers as [STREAMS] tensors, made once: under the interpreter an op with a Python number first broadcasts it
+    # into a fresh array, which about doubles the op's cost; compiled, they are plain constants.
     zero = tl.zeros((STREAMS,), dtype=tl.int64)
-    c1, c2, c5, c8, c23, c31, c32 = zero + 1, zero + 2, zero + 5, zero + 8, zero + 23, zero + 31, zero + 32
-    c150, low_raw, low32, last_word = zero + 150, zero + ((1 << RAW_BITS) - 1), zero + 0xFFFFFFFF, zero + nwords
-    escape, cap = zero + ESCAPE, zero + ESCAPE + 1
-    stream_base = sid.to(tl.int64) * S                    # each lane's first element
-    for vec in range(vectors):                            # S // N, fewer when the whole tensor is shorter
-        base = stream_base + vec * N                      # this vector's first element
-        act = live & (base < count)                       # vectors never straddle the end
-        out_vec = out_ptr + base
-        row_scale = tl.load(scale_ptr + base // row_len, mask=act, other=0.0)
-        parity = tl.zeros((STREAMS,), dtype=tl.int64)
-        start = pos          # a lane past its last vector decodes junk in this one: stores masked, q ignored, and
-                             # pos goes back here afterwards
-        for r in tl.static_range(N):
-            if (LEVEL1 >> r) & 1:                         # a symbol of the second Rice parameter
-                rice_k, k_mask, k_shift, k_len = rice_k1, mask1, shift1, len1
+    c5, c31, c48, c_group = zero + 5, zero + 31, zero + 48, zero + GROUP
+    # A table row is indexed by the 16 bits read as a signed number (an arithmetic shift leaves them so).
+    lengths0, lengths1 = lengths_ptr + (rice_k0 << 16) + 32768, lengths_ptr + (rice_k1 << 16) + 32768
+    groups = tl.cdiv(steps, GROUP)                        # steps: S, fewer when the whole tensor is shorter
+    at = starts
+    for g in range(groups):
+        tl.store(at, pos)
+        at += c_group
+        for r in tl.static_range(GROUP):
+            win = tl.load(windows_ptr + (pos >> c5))
+            top = (win << (pos & c31)) >> c48             # bits pos .. pos+15, MSB first
+            if (LEVEL1 >> (r % N)) & 1:                   # a symbol of the second Rice parameter
+                pos += tl.load(lengths1 + top)
             else:
-                rice_k, k_mask, k_shift, k_len = rice_k0, mask0, shift0, len0
-            # One Rice codeword per lane at bit pos: one load of the 64-bit window of 32-bit word pos // 32 (the
-            # index is clamped and the windows end in zeros, so a corrupt stream never reads outside them).
-            win = tl.load(windows_ptr + tl.minimum(pos >> c5, last_word))
-            w = (win >> (c32 - (pos & c31))) & low32      # bits pos .. pos+31, MSB first
-            q = c150 - ((w >> c8).to(tl.float32).to(tl.int32, bitcast=True) >> c23)  # 150 - (127 + top one's index)
-            q = tl.minimum(q, cap)                        # = leading zeros of w, capped: shifts stay in range
-            esc = q >= escape                             # escape: m is the raw bits after the '1'
-            m = tl.where(esc, w & low_raw, (q << rice_k) | ((w >> (k_shift - q)) & k_mask))
-            pos += tl.where(esc, c32, q + k_len)
-            vec_worst = q if r == 0 else tl.maximum(vec_worst, q)   # static_range unrolls: r == 0 defines it
-            if LATTICE == "E8":                           # E8int: [comb, s0..s6]
-                if r == 0:
-                    coset = m & c1
-                    half = (m >> c2) ^ -((m >> c1) & c1)
-                else:
-                    v = (m >> c1) ^ -(m & c1)             # zig-zag back to signed
-                    parity += v
-                    tl.store(out_vec + (r - 1), (c2 * v + coset).to(tl.float32) * row_scale, mask=act)
-                    if r == N - 1:
-                        last = c2 * (c2 * half + (parity & c1)) + coset
-                        tl.store(out_vec + r, last.to(tl.float32) * row_scale, mask=act)
-            else:
-                v = (m >> c1) ^ -(m & c1)
-                if LATTICE == "D4":                       # D4: [c0, c1, c2, t]
-                    if r == 3:
-                        v = c2 * v + (parity & c1)
-                    else:
-                        parity += v
-                    tl.store(out_vec + r, v.to(tl.float32) * row_scale, mask=act)
-                elif LATTICE == "A2":                     # A2: [n_x, t_y] -> (n_y * axis0, n_x)
-                    if r == 0:
-                        parity = v
-                        tl.store(out_vec + 1, v.to(tl.float32) * row_scale, mask=act)
-                    else:
-                        tl.store(out_vec, (c2 * v + (parity & c1)).to(tl.float32) * axis0 * row_scale, mask=act)
-                else:
-                    tl.store(out_vec, v.to(tl.float32) * row_scale, mask=act)
-        worst = tl.maximum(worst, tl.where(act, vec_worst, 0))
-        pos = tl.where(act, pos, start)
-    tl.store(end_ptr + sid, tl.where(worst > ESCAPE, -1, pos), mask=live)
+                pos += tl.load(lengths0 + top)
+    tl.debug_barrier()
+    # The starts in between, every group at once.
+    in_group = tl.arange(0, S // GROUP)[None, :]
+    group_starts = starts[:, None] + in_group * GROUP                                     # [STREAMS, S / GROUP]
+    p = tl.load(group_starts, mask=in_group < groups, other=0)
+    for r in tl.static_range(GROUP - 1):
+        shifted = tl.load(windows_ptr + (p >> 5)) << (p & 31)
+        if (LEVEL1 >> (r % N)) & 1:
+            p += tl.load(lengths1[:, None] + (shifted >> 48))
+        else:
+            p += tl.load(lengths0[:, None] + (shifted >> 48))
+        tl.store(group_starts + (r + 1), p)
+    tl.debug_barrier()
+    partial = live & (lane_count < groups * GROUP)        # a sub-stream that ends early: its end was stored
+    end = tl.where(partial, tl.load(starts + lane_count, mask=partial, other=0), pos)
+
+    # Phase 2, CHUNK symbols of every lane at a time (vectors never straddle a chunk: CHUNK is a multiple of N).
+    col = tl.arange(0, CHUNK)
+    r = col % N
+    source = col - r + (r + ROT) % N                      # the symbol each output coordinate decodes
+    special = (r == SPECIAL)[None, :]
+    level = ((LEVEL1 >> ((r + ROT) % N)) & 1)[None, :]
+    rice_k = tl.where(level == 1, rice_k1[:, None], rice_k0[:, None])                    # [STREAMS, CHUNK]
+    lengths, k1, k_mask = lengths_ptr + (rice_k << 16) + 32768, rice_k + 1, (1 << rice_k) - 1
+    for c0 in range(0, steps, CHUNK):
+        j = c0 + col
+        p = tl.load(starts[:, None] + (c0 + source)[None, :]).to(tl.int64)
+        shifted = tl.load(windows_ptr + (p >> 5)) << (p & 31)
+        top = shifted >> 48                               # bits p .. p+15 (signed), as in phase 1
+        w = (shifted >> 32) & 0xFFFFFFFF                  # bits p .. p+31, MSB first
+        length = tl.load(lengths + top)
+        # length - 1 - rice_k leading zeros, a one, then rice_k bits; an escape: the window's last RAW_BITS bits.
+        m = tl.where(length == ESCAPE + 1 + RAW_BITS, w & ((1 << RAW_BITS) - 1),
+                     ((length - k1) << rice_k) | ((w >> (32 - length)) & k_mask))
+        real = live[:, None] & (j[None, :] < lane_count[:, None])
+        bad |= tl.max((real & (top == 0)).to(tl.int32), axis=1) > 0          # 16 zeros: no codeword
+        if LATTICE == "E8":                               # the comb: the coset bit, then the zig-zagged t
+            v = _unzigzag(tl.where(special, m >> 1, m))
+            both = _per_vector_sum(tl.where(special, m & 1, 2 * v), STREAMS, CHUNK, N)   # coset + 2 sum(s_i)
+            v = 2 * tl.where(special, 2 * v + ((both >> 1) & 1), v) + (both & 1)
+        else:
+            v = _unzigzag(m)
+            if SPECIAL >= 0:                              # D4's t, A2's t_y: the parity of the others added
+                parity = _per_vector_sum(tl.where(special, 0, v), STREAMS, CHUNK, N)
+                v = tl.where(special, 2 * v + (parity & 1), v)
+        x = v.to(tl.float32)
+        if LATTICE == "A2":                               # [n_x, t_y] -> (n_y * axis0, n_x)
+            x = tl.where(special, x * axis0, x)
+        elem = first[:, None] + j[None, :]
+        value = x * tl.load(scale_ptr + elem // row_len)
+        tl.debug_barrier()                                # every start of the chunk read before any is replaced
+        tl.store(out_ptr + elem, value.to(tl.int32, bitcast=True))
+    tl.store(end_ptr + sid, tl.where(bad, -1, end), mask=live)
+
+
+@triton.jit
+def _unzigzag(m):
+    return (m >> 1) ^ -(m & 1)
+
+
+@triton.jit
+def _per_vector_sum(x, STREAMS: tl.constexpr, CHUNK: tl.constexpr, N: tl.constexpr):
+    """x [STREAMS, CHUNK] -> each vector's sum (N consecutive columns), repeated over its N columns."""
+    per_vector = tl.reshape(x, (STREAMS, CHUNK // N, N))
+    total = tl.reduce(per_vector, 2, tl.standard._sum_combine, keep_dims=True)
+    return tl.reshape(tl.broadcast_to(total, (STREAMS, CHUNK // N, N)), (STREAMS, CHUNK))
+
+
+_LENGTHS = {}
+
+
+def rice_lengths_table(escape, raw_bits, device):
+    """uint8 [8 * 2^16] on device (made once): entry rice_k * 2^16 + t is the length of a Rice codeword of parameter
+    rice_k whose first 16 bits are t: q + 1 + rice_k for q = t's leading zeros below escape, else escape + 1 +
+    raw_bits (an escape; and a run of 16 zeros, which no encoder writes)."""
+    key = (escape, raw_bits, str(device))
+    if key not in _LENGTHS:
+        t = torch.arange(-32768, 32768) & 0xFFFF                   # row order: the 16 bits as a signed number
+        q = 16 - torch.frexp(t.double()).exponent.long()          # leading zeros of t in 16 bits (16 for t = 0)
+        rice_k = torch.arange(8)[:, None]
+        lengths = torch.where(q < escape, q + 1 + rice_k, escape + 1 + raw_bits)
+        # Compiled, one rice_k's row (64 KB of uint8) stays in L1; interpreted, int64 saves a cast (an op) a step.
+        _LENGTHS[key] = lengths.to(torch.int64 if INTERPRETED else torch.uint8).reshape(-1).to(device)
+    return _LENGTHS[key]
 
 
 def lattice_decode(payload, offsets, rice_ks, count, ends, lattice, scales, row_len, substream, escape, raw_bits):
@@ -224,26 +281,40 @@ def lattice_decode(payload, offsets, rice_ks, count, ends, lattice, scales, row_
                          f"rows {row_len}")
     if escape + 1 + raw_bits != 32:
         raise ValueError(f"an escaped codeword must fill the 32-bit window: escape {escape}, raw_bits {raw_bits}")
+    if substream % _GROUP:
+        raise ValueError(f"sub-streams of {substream} symbols are not whole groups of {_GROUP}")
     # 64-bit windows: windows[i] = bytes 4i .. 4i+7, MSB first (what rice_decode's win40 is for every byte), so a
-    # lane gets any 32 bits starting in word i with one load; zero bytes pad the end.
+    # lane gets any 32 bits starting in word i with one load. Zero bytes pad the end, past where a corrupt lane can
+    # get: a start inside the payload, then at most 32 bits a step.
     nwords = -(-payload.numel() // 4)
-    padded = payload.new_zeros(4 * (nwords + 2), dtype=torch.uint8)
+    device = payload.device
+    padded = payload.new_zeros(4 * (nwords + substream + 2), dtype=torch.uint8)
     padded[:payload.numel()] = payload
     b = padded.view(-1, 4).long()
     words = (b[:, 0] << 24) | (b[:, 1] << 16) | (b[:, 2] << 8) | b[:, 3]
-    windows = (words[:-1] << 32) | words[1:]                                  # [nwords + 1] int64
-    out = torch.zeros(count, device=payload.device, dtype=torch.float32)
-    found = torch.empty(streams, device=payload.device, dtype=torch.int64)
-    # Interpreter: one program for all sub-streams (up to 4096 lanes); compiled: one warp's worth per program.
+    windows = (words[:-1] << 32) | words[1:]                                  # [nwords + substream + 1] int64
+    # Interpreter: one program for all sub-streams (up to 4096 lanes), a whole sub-stream per chunk; compiled: one
+    # warp's worth per program.
     per_program = min(4096, triton.next_power_of_2(streams)) if INTERPRETED else 32
+    grid = triton.cdiv(streams, per_program)
+    steps = min(substream, count)
+    chunk = max(n, triton.next_power_of_2(steps) if INTERPRETED else min(64, triton.next_power_of_2(steps)))
+    # The output, the starts and the scales cover every lane of every program, so that no load or store needs a
+    # mask (under the interpreter a mask costs about as much as the access); the extra lanes decode zeros, unread.
+    out = torch.empty(grid * per_program * substream, device=device, dtype=torch.int32)
+    starts = torch.empty(out.numel(), device=device, dtype=torch.int64) if INTERPRETED else out   # int64: no cast
+    rows = scales.numel()
+    scales = torch.cat([scales.float(), scales.new_zeros(out.numel() // row_len + 1 - rows, dtype=torch.float32)])
+    found = torch.empty(streams, device=device, dtype=torch.int64)
     level1 = sum(1 << r for r, level in enumerate(lattice.levels) if level)
-    lattice_decode_kernel[(triton.cdiv(streams, per_program),)](
-        windows, nwords, offsets.contiguous(), rice_ks.contiguous(), count, streams, min(substream, count) // n,
-        scales.float().contiguous(), row_len, float(lattice.axis[0]), out, found, LATTICE=lattice.name, N=n,
-        LEVEL1=level1, S=substream, ESCAPE=escape, RAW_BITS=raw_bits, STREAMS=per_program)
+    lattice_decode_kernel[(grid,)](
+        windows, nwords, offsets.contiguous(), rice_ks.contiguous(), rice_lengths_table(escape, raw_bits, device),
+        count, streams, steps, scales, row_len, float(lattice.axis[0]), starts, out, found, LATTICE=lattice.name,
+        N=n, LEVEL1=level1, ROT=_ROTATION[lattice.name], SPECIAL=_SPECIAL[lattice.name], S=substream,
+        ESCAPE=escape, RAW_BITS=raw_bits, STREAMS=per_program, CHUNK=chunk, GROUP=_GROUP)
     wrong = found != ends.to(found.device)
     if bool(wrong.any()):
         i = int(wrong.nonzero()[0])
         raise ValueError(f"sub-stream {i} does not decode to its boundary (ends at {int(found[i])}, expected "
                          f"{int(ends[i])}): stream is corrupt")
-    return out
+    return out.view(torch.float32)[:count]

@@ -1,0 +1,149 @@
+"""The lossless coders against their peers, one thread, CPU time (process_time: on a shared machine, what a coder
+costs without the wait for a core); medians of --repeats runs.
+
+    python benchmarks/coders.py rans [--symbols 1048576 4194304] [--lanes 64 256] [--rev main]
+        our rANS (engine.coding.rans) beside constriction's AnsCoder on the same E4M3 symbols (Laplace weights at
+        about 2.1 and 4.4 bits per symbol, as EntQuant's codes look): encode / decode M symbols/s and the rate over
+        the empirical entropy, ours with everything counted (header, table, lane states, word counts, checksum) and
+        without the header and table (constriction's table is not in its output either).
+    python benchmarks/coders.py lattice [--lattice E8] [--bps 3]
+        the Triton lattice decode kernel (engine.kernels.stream_decoders.lattice_decode; under the interpreter when
+        there is no GPU, as `--impl engine` runs it) on every linear of the tiny Qwen3 (2 layers, hidden 256,
+        intermediate 768): seconds to decode them all once, Gaussian weights (the decode's cost depends on the shapes
+        and the rate, not on the values).
+"""
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.formats import lattice
+from engine.qwen3 import Qwen3Config
+from entquant_rate import synthetic_block          # benchmarks/entquant_rate.py: E4M3 codes of Laplace weights
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_at(path, rev=None):
+    """The self-contained module engine/<path> (e.g. "coding/rice.py") of the work tree, or as it is in git revision
+    rev (to measure before a change)."""
+    file = ROOT / "engine" / path
+    if rev:
+        file = Path(tempfile.mkdtemp()) / file.name
+        file.write_text(subprocess.run(["git", "show", f"{rev}:engine/{path}"], cwd=ROOT, check=True,
+                                       capture_output=True, text=True).stdout)
+    spec = importlib.util.spec_from_file_location(f"{file.stem}_under_test", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def median_seconds(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return statistics.median(times)
+
+
+def constriction_coder(symbols):
+    """(encode, decode) closures of constriction's ANS coder with the empirical distribution as its model."""
+    import constriction
+    counts = np.bincount(symbols, minlength=256)
+    used = np.flatnonzero(counts)
+    index = np.searchsorted(used, symbols).astype(np.int32)
+    model = constriction.stream.model.Categorical(counts[used] / counts.sum(), perfect=False)
+
+    def encode():
+        coder = constriction.stream.stack.AnsCoder()
+        coder.encode_reverse(index, model)
+        return coder.get_compressed()
+
+    def decode(words):
+        return used[constriction.stream.stack.AnsCoder(words).decode(model, symbols.size)]
+    return encode, decode
+
+
+def bench_rans(args):
+    ours = module_at("coding/rans.py", args.rev)
+    for n in args.symbols:
+        for spread in (1 / 700, 1 / 128):
+            symbols = synthetic_block(n, spread).numpy()
+            bits = ours.empirical_entropy_bits(symbols)
+            encode, decode = constriction_coder(symbols)
+            words = encode()
+            assert np.array_equal(decode(words), symbols)
+            row = {"symbols": n, "bits_per_symbol": round(bits / n, 3),
+                   "constriction": {"rate_over_entropy_%": round(100 * (32 * words.size / bits - 1), 3),
+                                    "encode_Msym_s": round(n / median_seconds(encode, args.repeats) / 1e6, 1),
+                                    "decode_Msym_s": round(n / median_seconds(lambda: decode(words), args.repeats)
+                                                           / 1e6, 1)}}
+            for lanes in args.lanes or [None]:
+                data = ours.rans_encode(symbols, lanes=lanes)
+                stream = ours.RansStream(data)
+                assert np.array_equal(ours.rans_decode(stream).numpy(), symbols)
+                table = ours._HEADER.size + 32 + 2 * int((stream.f > 0).sum()) + ours._CRC.size
+                row[f"ours{args.rev and ' at ' + args.rev or ''}, {stream.states.size} lanes"] = {
+                    "rate_over_entropy_%": round(100 * (8 * len(data) / bits - 1), 3),
+                    "without_header_and_table_%": round(100 * (8 * (len(data) - table) / bits - 1), 3),
+                    "encode_Msym_s": round(n / median_seconds(lambda: ours.rans_encode(symbols, lanes=lanes),
+                                                              args.repeats) / 1e6, 1),
+                    "decode_Msym_s": round(n / median_seconds(lambda: ours.rans_decode(stream), args.repeats)
+                                           / 1e6, 1)}
+            print(json.dumps(row), flush=True)
+
+
+def tiny_linear_shapes(config=Qwen3Config()):
+    """[out, in] of every linear of the tiny Qwen3, in module order."""
+    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+    h, kv, inter = config.hidden_size, config.num_key_value_heads * head_dim, config.intermediate_size
+    per_layer = [(config.num_attention_heads * head_dim, h), (kv, h), (kv, h), (h, config.num_attention_heads
+                                                                              * head_dim), (inter, h), (inter, h),
+                 (h, inter)]
+    return per_layer * config.num_hidden_layers
+
+
+def bench_lattice(args):
+    from engine.kernels import stream_decoders
+    torch.manual_seed(0)
+    snr_db = lattice.snr_for_rate(args.bps, lattice.get_lattice(args.lattice))
+    layers = [lattice.quantize_weight(torch.randn(o, i), args.lattice, snr_db) for o, i in tiny_linear_shapes()]
+    inputs = [torch.randn(1, layer.in_features) for layer in layers]
+
+    def decode_all():
+        for layer, x in zip(layers, inputs):
+            layer.kernel_matmul(x)
+    decode_all()                                          # compile / warm up once
+    seconds = median_seconds(decode_all, args.repeats)
+    print(json.dumps({"lattice": args.lattice, "bps": args.bps, "interpreted": stream_decoders.INTERPRETED,
+                      "linears": len(layers), "weights": sum(o * i for o, i in tiny_linear_shapes()),
+                      "decode_all_s_median": round(seconds, 2)}), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["rans", "lattice"])
+    p.add_argument("--symbols", type=int, nargs="+", default=[1 << 20, 1 << 22])
+    p.add_argument("--lanes", type=int, nargs="+", help="rans: lane counts to compare (default: default_lanes)")
+    p.add_argument("--lattice", default="E8")
+    p.add_argument("--bps", type=float, default=3.0)
+    p.add_argument("--rev", help="rans: our coder as it is in this git revision (default: the work tree)")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    {"rans": bench_rans, "lattice": bench_lattice}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,395 @@
+"""GGUF writer: the engine's model, with its quantized layers kept as they are where GGML has their type, in the
+single file llama.cpp runs (the container is described in gguf.py, the blocks in gguf_quants.py).
+
+Which layer becomes which GGML type, and how exactly:
+
+  engine layer                                        GGML   stored                       exact?
+  AffineQuantLinear 4-bit, g32, zero 8 (symmetric)    Q4_0   d = scale                    yes: the same codes, bit for bit
+  AffineQuantLinear 4-bit, g32, other zeros           Q4_1   d = scale, m = f16(offset)   codes and scales yes; the offset
+                                                                                          -zero * scale is rounded to f16
+  AffineQuantLinear 8-bit, g32, zero 128              Q8_0   d = scale, int8 q - 128      yes
+  MXFP4Linear                                         MXFP4  E8M0 byte, split nibbles     yes
+  NVFP4Linear (in % 64 == 0)                          NVFP4  4 E4M3 per 64 + `.scale`     yes (the tensor scale in F32)
+  dense weights                                       F32 / F16 / BF16 (norms and biases always F32)
+
+The Q4_1 offset: offset = -zero * scale is a float32 (an f16 times an integer up to 15) and Q4_1 keeps it as an f16,
+so it moves by at most half an f16 ulp of |offset| <= 15 * scale: below 2^-11 * 15 = 0.73% of one quantization step
+(`offset_shift` reports the largest shift of a file, in steps). Everything else GGML cannot hold (group sizes other
+than 32, GPTQ act-order's column permutation, asymmetric 8-bit, FP8, trellis, EntQuant, lattice, NF4 ...) is a
+ValueError naming the layer and the reason, or, if the caller asks for it with fallback="F32" / "F16" / "BF16", that
+layer's dequantized weight in that type, logged.
+
+Names are gguf.py's tables read backwards (`model.layers.N.self_attn.q_proj` -> `blk.N.attn_q`); the architecture is
+the model's model_type (llama / qwen2 / qwen3); a tied lm_head writes no `output.weight`. For `llama` the q_proj and
+k_proj rows (of the raw blocks and of the bias) are permuted into GGML's adjacent RoPE pairs (`permute_rows`, the
+inverse of gguf.unpermute_rows). Tokenizer metadata (`tokenizer_metadata`): the byte model gets the recipe llama.cpp
+accepts (`gpt2`, pre `qwen2`, the 256 GPT-2 byte-to-unicode characters with id = byte, one dummy merge because
+llama.cpp needs a non-empty merges list, no BOS); a GGUF source passes its `tokenizer.*` keys on unchanged; a
+byte-level BPE tokenizer.json is converted (tokens, merges, types, specials, chat template), its pre-tokenizer named
+by which of llama.cpp's splits reproduce its ids on llama.cpp's fingerprint text.
+"""
+import json
+import logging
+import struct
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from tokenizers import Tokenizer
+
+from ..safetensors_io import atomic_file
+from .affine import AffineQuantLinear, unpack_nibbles
+from .base import QuantLinear
+from .gguf import (ARCHITECTURES, GLOBAL_NAMES, LINEARS, PRE_TOKENIZERS, TENSOR_NAMES, GGUFFile, gguf_tokenizer,
+                   gpt2_pre_tokenizer)
+from .gguf_quants import DENSE, GGML_TYPES, encode
+from .mx import MXFP4Linear, NVFP4Linear
+
+log = logging.getLogger(__name__)
+ALIGNMENT, VERSION = 32, 3
+U32, I32, F32, BOOL, STRING, ARRAY, U64 = 4, 5, 6, 7, 8, 9, 10
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32, "MXFP4": 38, "NVFP4": 39}
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+# llama.cpp's pre-tokenizer fingerprint text (convert_hf_to_gguf.py, get_vocab_base_pre)
+CHKTXT = ("\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d\U0001f32b\ufe0f "
+          "(multiple emojis concatenated) \u2705 \U0001f999\U0001f999 3 33 333 3333 33333 333333 3333333 33333333 3.3 "
+          "3..3 3...3 \u1780\u17b6\u1793\u17cb\u178f\u17c2\u1796\u17b7\u179f\u17c1\u179f\u17a2\u17b6\u1785\U0001f601 "
+          "?\u6211\u60f3\u5728apple\u5de5\u4f5c1314151\u5929\uff5e ------======= \u043d\u0435\u0449\u043e \u043d\u0430 "
+          "\u0411\u044a\u043b\u0433\u0430\u0440\u0441\u043a\u0438 ''''''```````\"\"\"\"......!!!!!!?????? I've been "
+          "'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL")
+
+
+# ---- names and the llama permutation ----------------------------------------------------------------------------
+
+_LAYER_NAMES = {hf: g for g, hf in TENSOR_NAMES.items()}
+_GLOBALS = {hf: g for g, hf in GLOBAL_NAMES.items()}
+
+
+def gguf_name(name):
+    """'model.layers.3.self_attn.q_proj.weight' -> 'blk.3.attn_q.weight' (the inverse of gguf.hf_name)."""
+    module, _, suffix = name.rpartition(".")
+    if module in _GLOBALS:
+        return f"{_GLOBALS[module]}.{suffix}"
+    parts = module.split(".", 3)
+    if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in _LAYER_NAMES:
+        raise ValueError(f"tensor {name!r} has no GGUF name in llama / qwen2 / qwen3")
+    return f"blk.{int(parts[2])}.{_LAYER_NAMES[parts[3]]}.{suffix}"
+
+
+def permute_rows(rows, heads):
+    """HF's rotate-half row order -> GGML's adjacent pairs, per head: rows [heads * D, ...] (the converter's
+    LlamaModel.permute; gguf.unpermute_rows undoes it)."""
+    if rows.shape[0] % (2 * heads):
+        raise ValueError(f"{rows.shape[0]} rows do not split into {heads} heads of even size")
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, -1).transpose(1, 2).reshape(rows.shape)
+
+
+# ---- layers -> GGML blocks --------------------------------------------------------------------------------------
+
+def _f16_values(x):
+    return bool(torch.equal(x.half().float(), x))
+
+
+def ggml_blocks(layer):
+    """A quantized linear -> (GGML type, raw uint8 [out, row bytes], tensor scale or None) holding its codes and
+    grid (Q4_1's offsets rounded to f16); ValueError naming why GGML cannot hold it otherwise."""
+    out_f, in_f = layer.out_features, layer.in_features
+    if isinstance(layer, AffineQuantLinear):
+        if layer.perm is not None:
+            raise ValueError("GPTQ act-order (desc_act) permutes the input columns; GGML blocks store no permutation")
+        if layer.group_size != 32 or in_f % 32:
+            raise ValueError(f"group size {layer.group_size} (in_features {in_f}): GGML's Q4_0 / Q4_1 / Q8_0 blocks "
+                             "hold exactly 32 weights; quantize with group size 32")
+        scales, offsets = layer.scales, layer.offsets
+        if not _f16_values(scales) or bool((scales < 0).any()):
+            raise ValueError("scales are not non-negative float16 values, which GGML's blocks store")
+        symmetric = torch.equal(offsets, -(2 ** (layer.bits - 1)) * scales)
+        if layer.bits == 4:
+            kind = "Q4_0" if symmetric else "Q4_1"
+            if kind == "Q4_1" and not bool(torch.isfinite(offsets.half()).all()):
+                raise ValueError("offsets exceed float16's range (Q4_1 stores them as f16)")
+        elif layer.bits == 8 and symmetric:
+            kind = "Q8_0"
+        else:
+            raise ValueError(f"{layer.bits}-bit {'symmetric' if symmetric else 'asymmetric'} codes: GGML has Q4_0, "
+                             "Q4_1 (4-bit) and Q8_0 (8-bit symmetric) only")
+        raw = encode(kind, layer.codes(), scales, offsets.half().float() if kind == "Q4_1" else None)
+        return kind, raw.reshape(out_f, -1), None
+    if isinstance(layer, MXFP4Linear):
+        raw = encode("MXFP4", unpack_nibbles(layer.blocks.reshape(out_f, -1)), layer.scales)
+        return "MXFP4", raw.reshape(out_f, -1), None
+    if isinstance(layer, NVFP4Linear):
+        if in_f % 64:
+            raise ValueError(f"in_features {in_f}: GGML's NVFP4 blocks hold 64 weights")
+        raw = encode("NVFP4", unpack_nibbles(layer.packed), layer.block_scale)
+        return "NVFP4", raw.reshape(out_f, -1), layer.tensor_scale.reshape(1).float()
+    raise ValueError(f"{type(layer).__name__}: GGML has no type for this format")
+
+
+def offset_shift(layer):
+    """How far Q4_1 moves an AffineQuantLinear's offsets: max |f16(offset) - offset| / scale, in quantization steps."""
+    shift = (layer.offsets.half().float() - layer.offsets).abs() / layer.scales.clamp_min(2.0 ** -24)
+    return float(shift.max())
+
+
+def _dense(value, kind, name):
+    out = value.detach().float() if value.dim() == 1 else value.detach().to(DENSE[kind])
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"{name} does not fit in {kind} (values overflow)")
+    return kind if value.dim() > 1 else "F32", out.contiguous().view(torch.uint8).reshape(-1)
+
+
+def model_tensors(model, dense_type="F32", fallback=None):
+    """(GGUF tensors [(name, GGML type, torch shape, raw uint8)], report) for `model`: quantized linears in their
+    GGML type (or `fallback`, logged, for a layer GGML cannot hold), everything else dense."""
+    if dense_type not in DENSE or (fallback is not None and fallback not in DENSE):
+        raise ValueError(f"dense_type and fallback must be one of {sorted(DENSE)} (fallback also None), got "
+                         f"{dense_type!r} and {fallback!r}")
+    cfg = model.cfg
+    if cfg.model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type {cfg.model_type!r} has no GGUF architecture here ({sorted(ARCHITECTURES)})")
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    permuted = cfg.model_type == "llama"
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    tensors, report = [], {"types": Counter(), "fallbacks": {}, "offset_shift": 0.0}
+
+    def add(name, kind, shape, raw):
+        target = gguf_name(name)
+        part = target.split(".")[-2]
+        if permuted and part in heads and not name.endswith(".scale"):
+            raw = permute_rows(raw.reshape(shape[0], -1), heads[part])
+        tensors.append((target, kind, tuple(shape), raw.reshape(-1)))
+
+    for name, layer in quantized.items():
+        shape = (layer.out_features, layer.in_features)
+        try:
+            kind, raw, scale = ggml_blocks(layer)
+        except ValueError as e:
+            if fallback is None:
+                raise ValueError(f"{name}: {e} (or pass fallback='F16' / 'F32' / 'BF16' to dequantize it)") from None
+            log.warning("%s: %s; written dequantized as %s", name, e, fallback)
+            report["fallbacks"][name] = str(e)
+            kind, raw = _dense(layer.dequantize(), fallback, name)
+            scale = None
+        add(f"{name}.weight", kind, shape, raw)
+        report["types"][kind] += 1
+        if kind == "Q4_1":
+            report["offset_shift"] = max(report["offset_shift"], offset_shift(layer))
+        if scale is not None:
+            add(f"{name}.scale", "F32", (1,), scale.contiguous().view(torch.uint8))
+        if layer.bias is not None:
+            add(f"{name}.bias", "F32", (layer.out_features,), _dense(layer.bias, "F32", name)[1])
+    for name, value in model.state_dict().items():
+        module = name.rpartition(".")[0]
+        if module in quantized or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        kind, raw = _dense(value, dense_type, name)
+        add(name, kind, value.shape, raw)
+        if value.dim() == 2 and gguf_name(name).split(".")[-2] in LINEARS:
+            report["types"][kind] += 1
+    return tensors, report
+
+
+# ---- metadata ---------------------------------------------------------------------------------------------------
+
+def model_metadata(cfg, name="engine"):
+    """{key: value} of the architecture keys llama.cpp reads for cfg.model_type (llama / qwen2 / qwen3)."""
+    arch = cfg.model_type
+    meta = {"general.architecture": arch, "general.type": "model", "general.name": name,
+            "general.quantization_version": 2, f"{arch}.vocab_size": cfg.vocab_size,
+            f"{arch}.context_length": cfg.max_position_embeddings, f"{arch}.embedding_length": cfg.hidden_size,
+            f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.feed_forward_length": cfg.intermediate_size,
+            f"{arch}.attention.head_count": cfg.num_attention_heads,
+            f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+            f"{arch}.attention.key_length": cfg.head_dim, f"{arch}.attention.value_length": cfg.head_dim,
+            f"{arch}.rope.dimension_count": cfg.head_dim, f"{arch}.rope.freq_base": float(cfg.rope_theta),
+            f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps)}
+    scaling = cfg.rope_scaling or {"rope_type": "default"}
+    if scaling["rope_type"] == "linear":
+        meta.update({f"{arch}.rope.scaling.type": "linear", f"{arch}.rope.scaling.factor": float(scaling["factor"])})
+    elif scaling["rope_type"] != "default":
+        raise ValueError(f"RoPE type {scaling['rope_type']!r}: llama.cpp needs a rope_freqs tensor for it, which this "
+                         "writer does not compute")
+    return meta
+
+
+def byte_tokenizer_metadata(cfg):
+    """The byte model's vocabulary as llama.cpp accepts it (DESIGN.md section 7)."""
+    if cfg.vocab_size != 256:
+        raise ValueError(f"no tokenizer given and vocab_size is {cfg.vocab_size}: only the byte model (256) has an "
+                         "implied one; pass the model's tokenizer.json folder or GGUF file")
+    chars = bytes_to_unicode()
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+            "tokenizer.ggml.tokens": [chars[b] for b in range(256)], "tokenizer.ggml.token_type": [NORMAL] * 256,
+            "tokenizer.ggml.merges": [f"{chars[32]} {chars[32]}"],      # a dummy: llama.cpp refuses an empty list
+            "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False}
+    for role, value in (("bos", cfg.bos_token_id), ("eos", cfg.eos_token_id)):
+        if isinstance(value, int):
+            meta[f"tokenizer.ggml.{role}_token_id"] = value
+    return meta
+
+
+def bytes_to_unicode():
+    """GPT-2's map byte -> printable character, in which byte-level BPE vocabularies spell every byte."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
+
+
+def _special(value):
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def hf_tokenizer_metadata(directory, vocab_size):
+    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a byte-level BPE tokenizer -> GGUF
+    tokenizer keys. The rows past the tokenizer's last id (a padded embedding) become unused [PAD{i}] tokens."""
+    directory = Path(directory)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    spec = json.loads(tok.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise ValueError(f"{directory}/tokenizer.json is not a byte-level BPE (GPT-2 style) tokenizer; convert it "
+                         "with llama.cpp's converter instead")
+    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    if sorted(by_id) != list(range(len(by_id))) or len(by_id) > vocab_size:
+        raise ValueError(f"tokenizer ids are not 0..{len(by_id) - 1} within the model's vocab_size {vocab_size}")
+    added = {t["id"]: CONTROL if t["special"] else USER_DEFINED for t in spec.get("added_tokens", [])}
+    tokens = [by_id[i] for i in range(len(by_id))] + [f"[PAD{i}]" for i in range(len(by_id), vocab_size)]
+    types = [added.get(i, NORMAL) for i in range(len(by_id))] + [UNUSED] * (vocab_size - len(by_id))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": merges or [f"{bytes_to_unicode()[32]} {bytes_to_unicode()[32]}"],
+            "tokenizer.ggml.add_bos_token": bool(config.get("add_bos_token", False)),
+            "tokenizer.ggml.add_eos_token": bool(config.get("add_eos_token", False))}
+    ids = {t: i for i, t in enumerate(tokens)}
+    for role, key in (("bos", "bos_token"), ("eos", "eos_token"), ("unknown", "unk_token"), ("padding", "pad_token")):
+        if _special(config.get(key)) in ids:
+            meta[f"tokenizer.ggml.{role}_token_id"] = ids[_special(config[key])]
+    template = config.get("chat_template")
+    if (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text()
+    if isinstance(template, str):
+        meta["tokenizer.chat_template"] = template
+    meta["tokenizer.ggml.pre"] = _pre_tokenizer_name(tok, meta)
+    return meta
+
+
+def _pieces(pre_tokenizer, normalizer, text):
+    text = normalizer.normalize_str(text) if normalizer else text
+    return [piece for piece, _ in pre_tokenizer.pre_tokenize_str(text)]
+
+
+def _pre_tokenizer_name(tok, meta):
+    """The llama.cpp pre-tokenizer that splits CHKTXT into `tok`'s own pieces, else the first that gives its ids
+    (llama.cpp's converter names it by a hash of those ids; trying each split gguf.py knows needs no hash table)."""
+    names = []                                           # one name per distinct set of splits, in gguf.py's order
+    for name, splits in PRE_TOKENIZERS.items():
+        if all(PRE_TOKENIZERS[other] != splits for other in names):
+            names.append(name)
+    if tok.pre_tokenizer is not None:
+        pieces = _pieces(tok.pre_tokenizer, tok.normalizer, CHKTXT)
+        for name in names:
+            if _pieces(gpt2_pre_tokenizer(name), None, CHKTXT) == pieces:
+                return name
+    ids = tok.encode(CHKTXT, add_special_tokens=False).ids
+    for name in names:
+        probe = {**meta, "tokenizer.ggml.pre": name, "tokenizer.ggml.add_bos_token": False,
+                 "tokenizer.ggml.add_eos_token": False}
+        if gguf_tokenizer(SimpleNamespace(metadata=probe))[0].encode(CHKTXT).ids == ids:
+            return name
+    raise ValueError("no llama.cpp pre-tokenizer reproduces this tokenizer's splits (on llama.cpp's fingerprint "
+                     f"text); the known ones are {sorted(PRE_TOKENIZERS)}")
+
+
+def tokenizer_metadata(cfg, source=None):
+    """GGUF tokenizer keys: from a .gguf file (copied), a folder with tokenizer.json (converted), or, with no
+    source, the byte model's vocabulary."""
+    if source is None or (Path(source).is_dir() and not (Path(source) / "tokenizer.json").is_file()):
+        return byte_tokenizer_metadata(cfg)
+    if Path(source).is_dir():
+        return hf_tokenizer_metadata(source, cfg.vocab_size)
+    with GGUFFile(source) as f:
+        meta = {k: v for k, v in f.metadata.items() if k.startswith("tokenizer.")}
+    if "tokenizer.ggml.model" not in meta:
+        raise ValueError(f"{source} holds no tokenizer (tokenizer.ggml.model)")
+    return meta
+
+
+# ---- the container ----------------------------------------------------------------------------------------------
+
+_SCALARS = {U32: "I", I32: "i", F32: "f", BOOL: "?", U64: "Q"}
+
+
+def _string(text):
+    data = text.encode("utf-8")
+    return struct.pack("<Q", len(data)) + data
+
+
+def _kind(key, value):
+    """The GGUF value type of a metadata value (ints are u32 as llama.cpp's keys want, token types i32)."""
+    if isinstance(value, bool):
+        return BOOL
+    if isinstance(value, int):
+        if key == "tokenizer.ggml.token_type":
+            return I32
+        return U32 if 0 <= value < 2 ** 32 else U64 if 0 <= value < 2 ** 64 else None
+    return F32 if isinstance(value, float) else STRING if isinstance(value, str) else None
+
+
+def _value(key, value):
+    if isinstance(value, (list, tuple)):
+        kinds = {_kind(key, v) for v in value} or {I32}
+        if len(kinds) != 1 or None in kinds:
+            raise ValueError(f"metadata {key}: an array must hold values of one GGUF type")
+        kind = kinds.pop()
+        items = b"".join(_string(v) for v in value) if kind == STRING else \
+            struct.pack(f"<{len(value)}{_SCALARS[kind]}", *value)
+        return struct.pack("<IIQ", ARRAY, kind, len(value)) + items
+    kind = _kind(key, value)
+    if kind is None:
+        raise ValueError(f"metadata {key}: {type(value).__name__} {value!r} has no GGUF type")
+    return struct.pack("<I", kind) + (_string(value) if kind == STRING else struct.pack("<" + _SCALARS[kind], value))
+
+
+def write_container(path, metadata, tensors, force=False):
+    """metadata {key: value}, tensors [(name, GGML type, torch shape, raw uint8)] -> a GGUF v3 file at `path`,
+    written atomically (engine.safetensors_io.atomic_file)."""
+    path = Path(path)
+    if path.is_dir() or (path.exists() and not force):
+        raise ValueError(f"output {path} exists; choose another path or pass force=True (--force)")
+    head = bytearray(b"GGUF" + struct.pack("<IQQ", VERSION, len(tensors), len(metadata)))
+    for key, value in metadata.items():
+        head += _string(key) + _value(key, value)
+    offset = 0
+    for name, kind, shape, raw in tensors:
+        _, block, size = GGML_TYPES[kind]
+        if shape[-1] % block or raw.numel() != torch.Size(shape).numel() // block * size:
+            raise ValueError(f"tensor {name}: {raw.numel()} bytes of {kind} do not hold shape {tuple(shape)}")
+        head += _string(name) + struct.pack(f"<I{len(shape)}QIQ", len(shape), *reversed(shape),
+                                            GGML_TYPES[kind][0], offset)
+        offset += -(-raw.numel() // ALIGNMENT) * ALIGNMENT
+    head += bytes(-len(head) % ALIGNMENT)
+    with atomic_file(path) as f:
+        f.write(head)
+        for _, _, _, raw in tensors:
+            f.write(memoryview(raw.contiguous().numpy()))
+            f.write(bytes(-raw.numel() % ALIGNMENT))
+
+
+def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, force=False, name="engine"):
+    """Write `model` (dense or quantized, llama / qwen2 / qwen3) as a GGUF file that llama.cpp runs. tokenizer: a
+    .gguf file or a folder with tokenizer.json to take the vocabulary from (None: the byte model's). Returns a
+    report: {"types": {GGML type: linears}, "fallbacks": {layer: reason}, "offset_shift": Q4_1's largest offset
+    shift in quantization steps}."""
+    path = Path(path)
+    if path.is_dir() or (path.exists() and not force):             # before any tensor is converted
+        raise ValueError(f"output {path} exists; choose another path or pass force=True (--force)")
+    tensors, report = model_tensors(model, dense_type, fallback)
+    metadata = model_metadata(model.cfg, name)
+    metadata["general.file_type"] = FILE_TYPES[report["types"].most_common(1)[0][0]] if report["types"] else 0
+    metadata.update(tokenizer_metadata(model.cfg, tokenizer))
+    write_container(path, metadata, tensors, force)
+    return {**report, "types": dict(report["types"])}
