@@ -17,9 +17,11 @@ page-cache, speed). Calibration: --calib-samples x --calib-len token ids drawn u
 fixed seed, saved once (WORK/calib-*.pt) and handed to every tool as ids (no tokenization). Each tool runs with its own
 defaults otherwise (benchmarks/peers/run_*.py say which: the peers' GPTQ grid is symmetric, the engine's asymmetric).
 
-The peers live in their own venv (PEERS_VENV, built on first use by the commands in VENV_STEPS: torch stays at the
-machine's 2.13.0; GPTQModel and llm-compressor declare other torch and transformers versions and are installed
-with --no-deps, then what they import). The checkpoints are written by transformers (benchmarks/peers/
+The peers live in their own venv (PEERS_VENV, ~/.cache/engine/peers/venv unless the environment variable says
+otherwise, built on first use by the commands in VENV_STEPS: torch stays at the machine's 2.13.0; GPTQModel and
+llm-compressor declare other torch and transformers versions and are installed with --no-deps, then what they
+import). The engine's own venv does not serve both: llm-compressor pins compressed-tensors 0.19, the engine reads
+0.20 (a venv with GPTQModel alone does for --tools engine gptqmodel). The checkpoints are written by transformers (benchmarks/peers/
 make_checkpoint.py) when missing; the peers get a folder of hard links to them with a byte-level tokenizer added
 (both refuse a model without one, though neither tokenizes anything here).
 """
@@ -95,8 +97,11 @@ def peers_python():
 
 
 def peer_versions(python):
-    code = ("import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in "
-            "('torch', 'transformers', 'gptqmodel', 'llmcompressor', 'compressed-tensors')}))")
+    """{package: version or None} in the peers venv (a venv with GPTQModel alone serves --tools engine gptqmodel)."""
+    code = ("import importlib.metadata as m, json\nv = {}\n"
+            "for p in ('torch', 'transformers', 'gptqmodel', 'llmcompressor', 'compressed-tensors'):\n"
+            "    try:\n        v[p] = m.version(p)\n    except m.PackageNotFoundError:\n        v[p] = None\n"
+            "print(json.dumps(v))")
     return json.loads(subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout)
 
 
