@@ -66,7 +66,7 @@ ENGINE_OPTIONS = {"gptq": ["group_size=128"], "awq": ["group_size=128"], "fp8": 
 # KL: per model (the dense reference and each output) and 1024 held-out tokens, 5 s (the 151,936-row lm_head) + 0.5 s
 # a layer.
 CPU_PER_LAYER = {("engine", "gptq"): (9, 1.8), ("gptqmodel", "gptq"): (7, 2.5), ("llm-compressor", "gptq"): (3.5, 2),
-                 ("engine", "awq"): (80, 1.8), ("gptqmodel", "awq"): (100, 10), ("llm-compressor", "awq"): (1, 10),
+                 ("engine", "awq"): (105, 1.8), ("gptqmodel", "awq"): (100, 10), ("llm-compressor", "awq"): (1, 10),
                  ("read", "fp8"): (0.1, 0), ("engine", "fp8"): (0.6, 0), ("read", "entquant"): (0.1, 0),
                  ("engine", "entquant"): (7.2, 0), ("read", "lattice"): (0.1, 0), ("engine", "lattice"): (3.8, 0)}
 STARTUP_CPU = {"engine": 5, "read": 3, "gptqmodel": 25, "llm-compressor": 20}
