@@ -195,18 +195,25 @@ def compare_models(reference, quantized, chunks, batch_size=1, impl="torch", pro
 
 
 def markdown_table(results, label="model"):
-    """Results of compare_models (each with a results[label] name and optionally 'bits') -> a markdown table, one
-    row per result, in llama.cpp's terms."""
+    """Results of compare_models (each with a results[label] name and optionally 'bits', 'seconds', 'peak_rss_gb')
+    -> a markdown table, one row per result, in llama.cpp's terms; a result with an 'error' is a row saying why."""
     bits = any("bits" in r for r in results)
+    cost = any("seconds" in r for r in results)
     head = [label] + ["bits"] * bits + ["PPL(Q)", "PPL(ref)", "ln(PPL(Q)/PPL(ref))", "KLD", "KLD median",
-                                        "KLD p99", "KLD p99.9", "KLD max", "RMS Δp %", "same top %"]
+                                        "KLD p99", "KLD p99.9", "KLD max", "RMS Δp %", "same top %"] + \
+        ["seconds", "peak RSS GB"] * cost
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in results:
+        if "error" in r:
+            lines.append("| " + " | ".join([str(r.get(label, ""))] + [""] * bits + [f"refused: {r['error']}"] +
+                                          [""] * (len(head) - 2 - bits)) + " |")
+            continue
         cells = [str(r.get(label, ""))] + [str(r.get("bits", ""))] * bits + [
             f"{r['ppl']:.4f} ± {r['ppl_stderr']:.4f}", f"{r['ppl_ref']:.4f}",
             f"{r['ln_ppl_ratio']:.5f} ± {r['ln_ppl_ratio_stderr']:.5f}",
             f"{r['kl_nats']:.6f} ± {r['kl_stderr']:.6f}", f"{r['kl_median']:.6f}", f"{r['kl_p99']:.5f}",
             f"{r['kl_p999']:.5f}", f"{r['kl_max']:.4f}", f"{r['dp_rms_pct']:.3f} ± {r['dp_rms_stderr_pct']:.3f}",
-            f"{r['same_top_pct']:.3f} ± {r['same_top_stderr_pct']:.3f}"]
+            f"{r['same_top_pct']:.3f} ± {r['same_top_stderr_pct']:.3f}"] + \
+            [str(r.get("seconds", "")), str(r.get("peak_rss_gb", ""))] * cost
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -171,3 +171,13 @@ def test_markdown_table_shows_each_statistic():
     table = markdown_table([{"model": "Q4", "bits": 4.5, **stats}])
     assert table.count("\n") == 2 and "| Q4 | 4.5 |" in table
     assert f"{stats['kl_nats']:.6f} ± {stats['kl_stderr']:.6f}" in table and f"{stats['same_top_pct']:.3f}" in table
+
+
+def test_markdown_table_keeps_cost_columns_and_says_why_a_row_was_refused():
+    chunks, ref, q = _random_case()
+    stats = compare_models(TableModel(ref), TableModel(q), chunks)
+    table = markdown_table([{"model": "Q4", "bits": 4.5, **stats, "seconds": 1.5, "peak_rss_gb": 0.7},
+                            {"model": "trellis", "error": "last dim 576 is not a multiple of the rotation tile 256"}])
+    head, _, good, refused = table.split("\n")
+    assert head.endswith("| seconds | peak RSS GB |") and good.endswith("| 1.5 | 0.7 |")
+    assert "refused: last dim 576" in refused and refused.count("|") == head.count("|")
