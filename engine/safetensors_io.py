@@ -250,10 +250,13 @@ class TensorReader:
 
     def read(self, name):
         path, (dtype, shape), (begin, end) = self.where[name]
-        with open(path, "rb") as f:
+        data = bytearray(end - begin)                   # read into one buffer: f.read() + bytearray() would be two
+        with open(path, "rb", buffering=0) as f:
             f.seek(begin)
-            data = bytearray(f.read(end - begin))
-        if len(data) != end - begin:
+            view, got = memoryview(data), 0
+            while got < len(data) and (n := f.readinto(view[got:])):
+                got += n
+        if got != end - begin:
             raise ValueError(f"{path} is not a valid safetensors file: {name} is cut short (the file shrank)")
         tensor = (torch.frombuffer(data, dtype=TORCH_DTYPES[dtype]) if data else
                   torch.empty(0, dtype=TORCH_DTYPES[dtype])).reshape(shape)

@@ -170,10 +170,14 @@ def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, 
         for i in tqdm(range(cfg.num_hidden_layers), desc=f"{method} layers", disable=not progress, unit="layer"):
             batches = _convert_layer(model, i, src, entry, mode, batches, folder, state, layer_dtype, options)
         rest = (lambda n: not n.startswith("model.layers.") and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
-        for k, (name, tensor) in enumerate(src.tensors(rest)):            # one at a time: an 8B's embedding is 1.2 GB
+        # one at a time (an 8B's embedding is 1.2 GB), and no enumerate(): its cached result tuple would keep the
+        # previous tensor alive while the next one is read
+        k = 0
+        for name, tensor in src.tensors(rest):
             state["digests"][name] = float_digest(tensor)
             save_file({name: tensor}, folder / f"rest-{k:05d}.safetensors")     # as stored, byte for byte
             del tensor
+            k += 1
         qcfg = merged_config(state["layer_configs"], state["weights"])
         _finish(folder, out, src, cfg, qcfg, digest_of(state["digests"]))
     return qcfg
