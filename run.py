@@ -89,6 +89,8 @@ def quantize_row(row, model, calibration):
 def cmd_quantformats(args):
     rows = tables.rows() if args.model is None else tables.real_model_rows()
     selected = tables.select(rows, args.rows)
+    if args.plot:
+        tables.check_plot(args.plot)
     if args.model is not None:
         return quantformats_real(args, selected)
     t0 = time.time()

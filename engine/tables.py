@@ -8,9 +8,11 @@ over the cache at the evaluated length (128 tokens on the tiny model, --ctx on a
 table on the tiny byte model; `real_model_rows()` is every method at about 2, 3 and 4 bits for a real model, at the
 group sizes real checkpoints use.
 """
+import importlib.util
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from .formats import affine, awq, entropy, fp8, gptq, kv_baselines, kv_cache, lattice, mx, nf4, trellis
@@ -179,15 +181,21 @@ FAMILIES = {"RTN": "o", "GPTQ": "s", "AWQ": "D", "FP8": "P", "MXFP4": "v", "NVFP
             "lattice": "h", "trellis": "p", "KV": "x"}
 
 
+def check_plot(path):
+    """Before any work: --plot needs matplotlib (an optional extra) and a folder to write the .png into."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib")
+    if not Path(path).resolve().parent.is_dir():
+        raise ValueError(f"--plot {path}: no folder {Path(path).resolve().parent} to write it into")
+
+
 def plot_rate_distortion(results, path, title=""):
     """KL (log scale) against bits per weight, one marker per method family, into a .png (matplotlib, an optional
     extra: `pip install matplotlib`)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    check_plot(path)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for family, marker in FAMILIES.items():
         points = [(r["bits"], r["kl_nats"]) for r in results if r["format"].startswith(family) and r["kl_nats"] > 0]

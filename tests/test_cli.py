@@ -41,6 +41,8 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     assert out.returncode != 0 and "--steps must be >= 1" in out.stderr
     out = run("quantformats", "--text", str(tmp_path / "nope.txt"))
     assert out.returncode != 0 and "no such file" in out.stderr
+    out = run("quantformats", "--plot", str(tmp_path / "no" / "such" / "kl.png"))    # not after the whole table
+    assert out.returncode != 0 and "no folder" in out.stderr and "training" not in out.stderr
 
 
 def test_quantformats_on_a_model_reports_a_refused_row_and_goes_on(tmp_path, tiny_model):
@@ -49,9 +51,10 @@ def test_quantformats_on_a_model_reports_a_refused_row_and_goes_on(tmp_path, tin
     from engine.loaders import save_dense
     save_dense(tiny_model, tmp_path / "dense")
     out = run("quantformats", "--model", str(tmp_path / "dense"), "--ctx", "32", "--chunks", "2",
-              "--calib-samples", "2", "--calib-len", "32", "--rows", "L=8, K=3", "RTN int2")
+              "--calib-samples", "2", "--calib-len", "32", "--rows", "L=8, K=3", "RTN int2",
+              "--plot", str(tmp_path / "kl.png"))
     assert out.returncode == 0, out.stderr
     rows = rows_of(out.stdout)
     assert [r["format"] for r in rows] == ["trellis (QTIP-style), L=8, K=3", "RTN int2, g64"]
     assert "rotation tile" in rows[0]["error"] and rows[1]["kl_nats"] > 0
-    assert "refused: " in out.stdout
+    assert "refused: " in out.stdout and (tmp_path / "kl.png").stat().st_size > 0    # the plot skips refused rows
