@@ -63,8 +63,9 @@ def train(cfg, corpus, tc: TrainConfig, log=print):
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
         if step == 0 or (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
+            elapsed = time.time() - start
             log(f"step {step + 1:4d}/{tc.steps}  loss {loss.item():.4f}  lr {lr_at(step, tc):.2e}  "
-                f"{time.time() - start:6.1f} s")
+                f"{elapsed:6.1f} s  (eta {elapsed / (step + 1) * (tc.steps - step - 1):5.0f} s)")
     return model.eval()
 
 
