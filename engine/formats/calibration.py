@@ -18,6 +18,7 @@ the float layer (AWQ and BlockLDLQ, as AutoAWQ does). The work is one pass of on
 linearly with depth, not as layers^2 as re-running the model from the embedding for every step would.
 """
 import torch
+from tqdm import tqdm
 
 from .base import linear_names, replace_linears
 
@@ -231,6 +232,8 @@ def by_layer(model, quantize_layer, calibration_ids=None, inputs_from=None, batc
     """Quantize `model` in place, one decoder layer at a time: quantize_layer(LayerCalibration, **options) on each
     (the same function the streaming converter, engine.formats.checkpoints.quantize_checkpoint, calls on layers read
     from disk). Returns the quantization_config quantize_layer describes its work with."""
-    configs = [quantize_layer(layer, **options)
-               for layer in decoder_layers(model, calibration_ids, batch_size, method, inputs_from)]
+    layers = decoder_layers(model, calibration_ids, batch_size, method, inputs_from)
+    bar = tqdm(layers, total=model.cfg.num_hidden_layers, desc=f"{method} layers", unit="layer", leave=False,
+               disable=None)                        # shown on a terminal only
+    configs = [quantize_layer(layer, **options) for layer in bar]
     return configs[0]

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from ..coding.rans import PROB_BITS, RansStream, rans_decode, rans_encode
 from ..kernels import stream_decoders, triton_formats
@@ -331,9 +332,12 @@ def lambda_for_bpw(target, measure, table, tol=0.05, max_evals=10):
     order = np.argsort(rates)
     log_lam = float(np.interp(target, rates[order], logs[order]))
     lo = hi = None                                              # (log lambda, bpw) with bpw above / below target
-    for _ in range(max_evals):
+    bar = tqdm(range(max_evals), desc=f"lambda for {target} bpw", leave=False, disable=None)   # a terminal only
+    for _ in bar:
         bpw = measure(math.exp(log_lam))
+        bar.set_postfix(lam=f"{math.exp(log_lam):.3g}", bpw=f"{bpw:.3f}")
         if abs(bpw - target) <= tol:
+            bar.close()
             return math.exp(log_lam), bpw
         if bpw > target:
             lo = (log_lam, bpw)
