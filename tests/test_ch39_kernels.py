@@ -100,3 +100,15 @@ def test_gpu_check_quick_passes_every_check(tmp_path):
                                                 "Rice lattice Z"} and all(r["bit_exact"] for r in decoders)
     assert report["table"] and all(r["ok"] for r in report["table"])
     assert report["summary"]["ok"] and "checks passed" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_a_gpu_offline(tmp_path):
+    """The interpreter runs code the GPU compiler refuses (a loop-carried variable that changes type, say): every
+    kernel must also compile for sm_90, which Triton does without a GPU."""
+    out = tmp_path / "compile"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--compile-only", "--out",
+                          str(out)], capture_output=True, text=True, cwd=ROOT)
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert run.returncode == 0, report["summary"]["failed"]
+    assert report["summary"]["passed"] == report["summary"]["checks"] >= 30 and not report["summary"]["failed"]

@@ -203,10 +203,12 @@ def lattice_decode_kernel(windows_ptr, nwords, offsets_ptr, rice_ks_ptr, lengths
     lengths, k1, k_mask = lengths_ptr + (rice_k << 16) + 32768, rice_k + 1, (1 << rice_k) - 1
     for c0 in range(0, steps, CHUNK):
         j = c0 + col
-        p = tl.load(starts[:, None] + (c0 + source)[None, :]).to(tl.int64)
-        shifted = tl.load(windows_ptr + (p >> 5)) << (p & 31)
-        top = shifted >> 48                               # bits p .. p+15 (signed), as in phase 1
-        w = (shifted >> 32) & 0xFFFFFFFF                  # bits p .. p+31, MSB first
+        # (a name used nowhere before the loop: reusing one of another type makes it a loop-carried variable that
+        # changes type, which the GPU compiler refuses and the interpreter does not notice)
+        bit_at = tl.load(starts[:, None] + (c0 + source)[None, :]).to(tl.int64)
+        shifted = tl.load(windows_ptr + (bit_at >> 5)) << (bit_at & 31)
+        top = shifted >> 48                               # bits bit_at .. +15 (signed), as in phase 1
+        w = (shifted >> 32) & 0xFFFFFFFF                  # bits bit_at .. +31, MSB first
         length = tl.load(lengths + top)
         # length - 1 - rice_k leading zeros, a one, then rice_k bits; an escape: the window's last RAW_BITS bits.
         m = tl.where(length == ESCAPE + 1 + RAW_BITS, w & ((1 << RAW_BITS) - 1),
