@@ -252,6 +252,8 @@ def check_quantize_args(args):
         options, args.format = check_target(args.target or "llama.cpp", args.method, options, args.format)
     if args.format != "gguf":
         check_output(args.out, args.force)
+    elif Path(args.out).is_dir():
+        raise ValueError(f"output {args.out} is a directory; --format gguf writes one file (--out FILE.gguf)")
     elif Path(args.out).exists() and not args.force:
         raise ValueError(f"output {args.out} exists; choose another path or pass --force")
     return options

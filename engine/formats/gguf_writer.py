@@ -385,7 +385,9 @@ def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, for
     report: {"types": {GGML type: linears}, "fallbacks": {layer: reason}, "offset_shift": Q4_1's largest offset
     shift in quantization steps}."""
     path = Path(path)
-    if path.is_dir() or (path.exists() and not force):             # before any tensor is converted
+    if path.is_dir():                                              # before any tensor is converted
+        raise ValueError(f"output {path} is a directory; a GGUF file needs a file name (never replaced by one)")
+    if path.exists() and not force:
         raise ValueError(f"output {path} exists; choose another path or pass force=True (--force)")
     tensors, report = model_tensors(model, dense_type, fallback)
     metadata = model_metadata(model.cfg, name)
