@@ -26,15 +26,24 @@ class Row:
     kv_cache: bool = False      # weights stay dense; K and V are quantized as they enter the cache
 
 
+GPTQ_ORDERS = {"natural order": dict(act_order=False, static_groups=False),
+               "act-order": dict(static_groups=False),
+               "act-order, static groups (default)": {},
+               "group-aware order (GPTQModel's default)": dict(act_order=False, static_groups=False,
+                                                               act_group_aware=True)}
+
+
+def gptq_order_rows(group_size):
+    """GPTQ at 4 bits in each column order it offers (see engine/formats/gptq.py's visit_order)."""
+    return [Row(f"GPTQ int4, g{group_size}, {name}", gptq.quantize, dict(group_size=group_size, **order))
+            for name, order in GPTQ_ORDERS.items()]
+
+
 def rows():
     """The tiny model's table: the book's rows in the book's order, then EntQuant, HyperQuant and the KV cache."""
     return [
         Row("RTN int4, g64", affine.quantize, dict(bits=4, group_size=64)),
-        Row("GPTQ int4, g64, natural order", gptq.quantize, dict(group_size=64, act_order=False, static_groups=False)),
-        Row("GPTQ int4, g64, act-order", gptq.quantize, dict(group_size=64, static_groups=False)),
-        Row("GPTQ int4, g64, act-order, static groups (default)", gptq.quantize, dict(group_size=64)),
-        Row("GPTQ int4, g64, group-aware order (GPTQModel's default)", gptq.quantize,
-            dict(group_size=64, act_order=False, static_groups=False, act_group_aware=True)),
+        *gptq_order_rows(64),
         Row("AWQ int4, g64", awq.quantize, dict(group_size=64)),
         Row("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
         Row("MXFP4", mx.quantize, dict(format="mxfp4")),
@@ -103,12 +112,7 @@ def real_model_rows():
     return [
         Row("RTN int4, g32", affine.quantize, dict(bits=4, group_size=32)),
         Row("RTN int4, g128", affine.quantize, dict(bits=4, group_size=128)),
-        Row("GPTQ int4, g128, natural order", gptq.quantize,
-            dict(group_size=128, act_order=False, static_groups=False)),
-        Row("GPTQ int4, g128, act-order", gptq.quantize, dict(group_size=128, static_groups=False)),
-        Row("GPTQ int4, g128, act-order, static groups (default)", gptq.quantize, dict(group_size=128)),
-        Row("GPTQ int4, g128, group-aware order (GPTQModel's default)", gptq.quantize,
-            dict(group_size=128, act_order=False, static_groups=False, act_group_aware=True)),
+        *gptq_order_rows(128),
         Row("AWQ int4, g128", awq.quantize, dict(group_size=128)),
         Row("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
         Row("MXFP4", mx.quantize, dict(format="mxfp4")),
