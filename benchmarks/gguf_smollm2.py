@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from clients import VENV, client_python, compare, log, run_client  # noqa: E402
 
 from engine.data import Corpus, load_corpus  # noqa: E402
-from engine.formats import affine, gguf, gptq  # noqa: E402
+from engine.formats import affine, gguf, gguf_tokenizer, gptq  # noqa: E402
 from engine.formats.base import quantized_linears  # noqa: E402
 from engine.formats.gguf_writer import write_gguf  # noqa: E402
 
@@ -68,7 +68,7 @@ def main(argv=None):
     if missing:
         raise SystemExit(f"llama.cpp: {missing}")
     with gguf.GGUFFile(source) as f:
-        tok, _ = gguf.gguf_tokenizer(f)
+        tok, _ = gguf_tokenizer.gguf_tokenizer(f)
     corpus = Corpus.from_bytes(load_corpus(None))
     held = token_windows(tok, bytes(corpus.held_out.to(torch.uint8).tolist()), 4, 128)
     np.save(out / "ids.npy", held.numpy())

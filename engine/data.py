@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from .formats.gguf import GGUFFile, gguf_tokenizer
+from .formats.gguf import GGUFFile
+from .formats.gguf_tokenizer import gguf_tokenizer
 from .safetensors_io import MAX_JSON_BYTES, checked_file, read_json, write_json
 
 

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from engine.formats import base, gguf, gguf_quants, gguf_writer
+from engine.formats import base, gguf, gguf_quants, gguf_tokenizer, gguf_writer
 from engine.formats.affine import AffineQuantLinear
 from engine.formats.mx import MXFP4Linear
 from engine.qwen3 import Qwen3, Qwen3Config
@@ -406,7 +406,7 @@ def byte_chars():
 
 def _tokenizer(tmp_path, metadata):
     with gguf.GGUFFile(write(tmp_path, gguf_bytes(metadata), "tok.gguf")) as f:
-        return gguf.gguf_tokenizer(f)
+        return gguf_tokenizer.gguf_tokenizer(f)
 
 
 def bpe_metadata(pre="qwen2", extra=()):
@@ -538,7 +538,7 @@ def test_smollm2_config(smollm2):
 
 @needs_smollm2
 def test_smollm2_tokenizer(smollm2):
-    tok, config = gguf.gguf_tokenizer(smollm2)
+    tok, config = gguf_tokenizer.gguf_tokenizer(smollm2)
     assert tok.get_vocab_size() == 49152
     assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
     assert (config["bos_token"], config["eos_token"], config["add_bos_token"]) == ("<|im_start|>", "<|im_end|>",
@@ -558,7 +558,7 @@ CHKTXT = gguf_writer.CHKTXT
 
 @needs_smollm2
 def test_smollm2_tokenizer_is_hugging_faces_by_llama_cpps_fingerprint(smollm2):
-    tok, _ = gguf.gguf_tokenizer(smollm2)
+    tok, _ = gguf_tokenizer.gguf_tokenizer(smollm2)
     digest = hashlib.sha256(str(tok.encode(CHKTXT).ids).encode()).hexdigest()
     assert digest == "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249"
 
@@ -576,7 +576,7 @@ def _has_llama():
 @pytest.mark.skipif(not _has_llama(), reason="the engine model has no Llama support yet")
 def test_smollm2_answers_a_question_greedily(smollm2):
     model = gguf.load_gguf(gguf.smollm2_path())
-    tok, _ = gguf.gguf_tokenizer(smollm2)
+    tok, _ = gguf_tokenizer.gguf_tokenizer(smollm2)
     prompt = ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
     ids = torch.tensor([tok.encode(prompt).ids])
     out = model.generate(ids, 8)

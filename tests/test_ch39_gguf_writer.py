@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.formats import affine, fp8, gguf, gguf_quants, gguf_writer, mx, nf4
+from engine.formats import affine, fp8, gguf, gguf_quants, gguf_tokenizer, gguf_writer, mx, nf4
 from engine.formats.affine import AffineQuantLinear
 from engine.formats.base import quantized_linears
 from engine.formats.mx import dequantize_nvfp4
@@ -165,7 +165,7 @@ def test_byte_model_gets_the_vocabulary_llama_cpp_accepts(tmp_path):
     gguf_writer.write_gguf(small_model(), tmp_path / "m.gguf")
     with gguf.GGUFFile(tmp_path / "m.gguf") as f:
         meta = f.metadata
-        tok, config = gguf.gguf_tokenizer(f)
+        tok, config = gguf_tokenizer.gguf_tokenizer(f)
     assert (meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
     assert len(meta["tokenizer.ggml.tokens"]) == 256 and len(meta["tokenizer.ggml.merges"]) == 1
     assert meta["tokenizer.ggml.add_bos_token"] is False and not config["add_bos_token"]
@@ -187,7 +187,7 @@ def saved_tokenizer(tmp_path, pre, merges=DISCRIMINATING):
     meta["tokenizer.ggml.token_type"] = [1] * (len(meta["tokenizer.ggml.tokens"]) - 1) + [3]
     meta["tokenizer.ggml.merges"] += merges
     meta["tokenizer.ggml.eos_token_id"] = len(meta["tokenizer.ggml.tokens"]) - 1
-    tok, config = gguf.gguf_tokenizer(SimpleNamespace(metadata=meta))
+    tok, config = gguf_tokenizer.gguf_tokenizer(SimpleNamespace(metadata=meta))
     folder = tmp_path / pre
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))

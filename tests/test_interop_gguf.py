@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.formats import gguf, gguf_quants
+from engine.formats import gguf, gguf_quants, gguf_tokenizer
 from engine.formats.affine import AffineQuantLinear
 from engine.formats.base import QuantLinear
 from engine.loaders import load_dense, save_dense
@@ -314,7 +314,7 @@ def test_smollm2_tokenizer_equals_transformers_gguf_tokenizer():
     arch, tokenizer_dict, _ = mapping.get_gguf_tokenizer(str(gguf.smollm2_path()))
     theirs, _ = mapping.convert_gguf_tokenizer(arch, tokenizer_dict)
     with gguf.GGUFFile(gguf.smollm2_path()) as f:
-        ours, _ = gguf.gguf_tokenizer(f)
+        ours, _ = gguf_tokenizer.gguf_tokenizer(f)
     text = ("The quick brown fox jumps over the lazy dog.\n\nIt's a naïve café, isn't it?  Indeed:\t"
             "<|im_start|>assistant\n\u6771\u4eac and \U0001F600 emoji; don't, won't, we'll.")
     assert ours.encode(text).ids == theirs.encode(text, add_special_tokens=False).ids

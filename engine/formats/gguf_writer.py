@@ -41,9 +41,9 @@ from tokenizers import Tokenizer
 from ..safetensors_io import atomic_file
 from .affine import AffineQuantLinear, unpack_nibbles
 from .base import QuantLinear
-from .gguf import (ARCHITECTURES, GLOBAL_NAMES, LINEARS, PRE_TOKENIZERS, TENSOR_NAMES, GGUFFile, gguf_tokenizer,
-                   gpt2_pre_tokenizer)
+from .gguf import ARCHITECTURES, GLOBAL_NAMES, LINEARS, TENSOR_NAMES, GGUFFile
 from .gguf_quants import DENSE, GGML_TYPES, encode
+from .gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer, gpt2_pre_tokenizer
 from .mx import MXFP4Linear, NVFP4Linear
 
 log = logging.getLogger(__name__)
