@@ -38,7 +38,7 @@ from engine.formats.serving import check_target, export_gguf, tp_degrees, vllm_s
 from engine.formats.streaming import quantize_checkpoint
 from engine.loaders import checkpoint_source, model_digest, read_config, save_dense
 from engine.qwen3 import Qwen3Config
-from engine.safetensors_io import check_output
+from engine.safe_writes import check_output
 from engine.training import TrainConfig, trained_model
 
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)    # what GPTQModel's QuantizeConfig accepts

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from .qwen3 import Qwen3, Qwen3Config
-from .safetensors_io import (atomic_directory, checkpoint_records, read_json, recover_interrupted_swap, save_file,
-                             snapshot_tensors, float_digest, tensor_specs, write_json)
+from .safe_writes import atomic_directory, recover_interrupted_swap
+from .safetensors_io import (checkpoint_records, read_json, save_file, snapshot_tensors, float_digest, tensor_specs,
+                             write_json)
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -185,7 +186,7 @@ def dense_tensors(model, dtype=None):
 
 
 def save_dense(model, directory, dtype=None, force=False, side_files=None):
-    """Write config.json + model.safetensors atomically (engine.safetensors_io.atomic_directory: a failed or killed
+    """Write config.json + model.safetensors atomically (engine.safe_writes.atomic_directory: a failed or killed
     save leaves the old checkpoint or nothing; a folder holding other files is refused unless force=True).
     side_files(folder), if given, writes the rest of the checkpoint (tokenizer files) into the same atomic folder."""
     raw = model.cfg.to_hf()

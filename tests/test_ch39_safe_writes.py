@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.loaders import load_dense, save_dense
-from engine.safetensors_io import atomic_directory, check_output, is_engine_checkpoint
+from engine.safe_writes import atomic_directory, check_output, is_engine_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,13 +82,13 @@ def test_interrupted_overwrite_keeps_the_old_checkpoint(saved):
 # nothing behind. "fallback" disables the atomic rename-exchange to test the journalled two-rename swap.
 CHILD = textwrap.dedent("""
     import os, shutil, sys, torch
-    from engine import safetensors_io
+    from engine import safe_writes
     from engine.loaders import load_dense, save_dense
     step, n, fallback, target = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
     if fallback:
-        safetensors_io._exchange = lambda a, b: False
+        safe_writes._exchange = lambda a, b: False
     calls = [0]
-    real = {"replace": os.replace, "rmtree": shutil.rmtree, "exchange": safetensors_io._exchange}[step]
+    real = {"replace": os.replace, "rmtree": shutil.rmtree, "exchange": safe_writes._exchange}[step]
     def dying(*args, **kwargs):
         calls[0] += 1
         if calls[0] == n:
@@ -98,11 +98,11 @@ CHILD = textwrap.dedent("""
     with torch.no_grad():
         model.model.norm.weight.fill_(7.0)                       # the new checkpoint: recognizable
     if step == "replace":
-        safetensors_io.os.replace = dying
+        safe_writes.os.replace = dying
     elif step == "rmtree":
-        safetensors_io.shutil.rmtree = dying
+        safe_writes.shutil.rmtree = dying
     else:
-        safetensors_io._exchange = dying
+        safe_writes._exchange = dying
     save_dense(model, target)
 """)
 

@@ -15,7 +15,8 @@ import torch
 
 from ..loaders import (check_complete, default_dtype, install_layer, load_dense, load_tensors, model_digest, place,
                        prepare, read_config)
-from ..safetensors_io import atomic_directory, check_output, checkpoint_records, save_file, write_json
+from ..safe_writes import atomic_directory, check_output
+from ..safetensors_io import checkpoint_records, save_file, write_json
 from . import awq, compressed_tensors, entropy, fp8, gguf, gptq, lattice, trellis
 from .base import linear_names, quantized_linears
 
@@ -125,7 +126,7 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
     quantized (e.g. RTN or GPTQ layers written as compressed-tensors) is written as it is, with
     `quantization_config` or the one recorded when it was quantized.
     The save is atomic and refuses a folder that holds anything but an engine checkpoint unless force=True
-    (engine.safetensors_io.atomic_directory); side_files(folder), if given, adds the tokenizer files to it. Returns
+    (engine.safe_writes.atomic_directory); side_files(folder), if given, adds the tokenizer files to it. Returns
     the quantization_config written.
     """
     if method not in METHODS:

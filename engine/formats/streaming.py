@@ -17,7 +17,7 @@ config.json with the quantization_config, and the source's tokenizer and generat
 A killed conversion resumes: the output is built in DIR's sibling .DIR.partial, with progress.json recording what
 was done and with which source, method, options and calibration; a re-run with the same arguments skips the layers
 already written (replaying them to rebuild the hidden states it needs) and goes on. The finished folder is swapped
-into DIR atomically (engine.safetensors_io.commit_directory).
+into DIR atomically (engine.safe_writes.commit_directory).
 """
 import ctypes
 import gc
@@ -31,8 +31,9 @@ from tqdm import tqdm
 from ..data import export_tokenizer
 from ..loaders import check_layer_count, check_shapes, digest_of, place, read_config, skeleton
 from ..qwen3 import DecoderLayer, Qwen3Config
-from ..safetensors_io import (INDEX, TensorReader, check_output, commit_directory, recover_interrupted_swap,
-                              resumable_directory, save_file, float_digest, tensor_digest, tensor_specs, write_json)
+from ..safe_writes import check_output, commit_directory, recover_interrupted_swap, resumable_directory
+from ..safetensors_io import (INDEX, TensorReader, save_file, float_digest, tensor_digest, tensor_specs,
+                              write_json)
 from . import gguf
 from .base import QuantLinear
 from .calibration import LayerCalibration, check_ids, first_layer_batches
