@@ -4,9 +4,9 @@ import torch
 
 from engine.formats import affine, base
 from engine.formats.base import quantized_linears
-from engine.formats.affine import (AffineQuantLinear, choose_clip, fake_quantize, find_params, pack_bits,
-                                   pack_int32, pack_nibbles, quantize_to_affine, unpack_bits,
-                                   unpack_int32, unpack_nibbles)
+from engine.formats.affine import (AffineQuantLinear, choose_clip, choose_clip_reference, fake_quantize, find_params,
+                                   pack_bits, pack_int32, pack_nibbles, quantize_to_affine, unpack_bits, unpack_int32,
+                                   unpack_nibbles)
 
 
 def test_find_params_covers_the_range_and_rounds_scales_to_f16():
@@ -96,10 +96,21 @@ def test_choose_clip_never_increases_output_error():
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(32, 128, generator=g), torch.randn(256, 128, generator=g)
     w[:, 5] *= 8                                                 # an outlier column the range must stretch over
-    clip = choose_clip(w, x, 3, 64)
+    clip = choose_clip(w, x.T @ x / len(x), 3, 64)
     err = lambda wq: (x @ (wq - w).T).pow(2).mean()              # noqa: E731
     assert (clip <= 1).all() and (clip < 1).any()
     assert err(fake_quantize(w, 3, 64, clip)) <= err(fake_quantize(w, 3, 64))
+
+
+@pytest.mark.parametrize("in_features, group", [(128, 64), (100, 32)])
+def test_choose_clip_from_the_gram_matrix_equals_the_per_token_search(in_features, group):
+    g = torch.Generator().manual_seed(in_features)
+    w, x = torch.randn(48, in_features, generator=g), torch.randn(300, in_features, generator=g)
+    w[:, 3] *= 6
+    x[:, 7] *= 5                                                 # a large input channel
+    fast, reference = choose_clip(w, x.T @ x / len(x), 4, group), choose_clip_reference(w, x, 4, group)
+    assert (fast < 1).any()
+    assert (fast != reference).float().mean() < 0.01               # float rounding may flip a near-tie
 
 
 def test_rtn_quantize_model_replaces_every_linear_but_lm_head(tiny_model):

@@ -81,14 +81,12 @@ def fake_quantize(weight, bits=4, group_size=64, clip=None, sym=False):
 
 
 @torch.no_grad()
-def choose_clip(weight, inputs, bits=4, group_size=64, grid=20, max_shrink=0.5, max_tokens=512):
-    """Per-group clip ratio [out, groups] minimizing the output error on calibration inputs [tokens, in].
+def choose_clip_reference(weight, inputs, bits=4, group_size=64, grid=20, max_shrink=0.5):
+    """Per-group clip ratio [out, groups] minimizing the output error on calibration inputs [tokens, in], AutoAWQ's
+    auto_clip: each shrink of a grid is tried on every group at once, and err[o, g] = mean_t (x_tg . dw_og)^2.
 
-    Clipping a group's range trades a larger error on its few extreme weights for a finer grid for all the others.
-    Output error is measured group by group, as AutoAWQ's auto_clip does: err[o, g] = mean_t (x_tg . dw_og)^2.
-    """
+    Clipping a group's range trades a larger error on its few extreme weights for a finer grid for all the others."""
     x = inputs.reshape(-1, inputs.shape[-1]).float()
-    x = x[torch.linspace(0, x.shape[0] - 1, min(max_tokens, x.shape[0])).long()]
     xg = grouped(x, group_size)                                           # [tokens, groups, G]
     wg = grouped(weight, group_size)                                      # [out, groups, G]
     best_err = torch.full(wg.shape[:2], float("inf"))
@@ -97,6 +95,27 @@ def choose_clip(weight, inputs, bits=4, group_size=64, grid=20, max_shrink=0.5, 
         clip = torch.full(wg.shape[:2], float(ratio))
         dw = grouped(fake_quantize(weight, bits, group_size, clip), group_size) - wg
         err = torch.einsum("tgk,ogk->tog", xg, dw).pow(2).mean(0)
+        better = err < best_err
+        best_err, best = torch.where(better, err, best_err), torch.where(better, clip, best)
+    return best
+
+
+def choose_clip(weight, gram, bits=4, group_size=64, grid=20, max_shrink=0.5):
+    """choose_clip_reference from the inputs' Gram matrix G = X^T X / tokens [in, in] instead of the inputs:
+    mean_t (x_tg . dw_og)^2 = dw_og^T G_g dw_og, G_g the g-th diagonal block of G, so each shrink costs
+    out * in * group_size, not tokens * out * in, and no calibration input is kept (the same choices up to float
+    rounding)."""
+    wg = grouped(weight, group_size)                                      # [out, groups, G]
+    groups, size = wg.shape[1:]
+    pad = groups * size - gram.shape[0]
+    blocks = F.pad(gram.float(), (0, pad, 0, pad)).reshape(groups, size, groups, size)
+    blocks = blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1)              # [groups, G, G]
+    best_err = torch.full(wg.shape[:2], float("inf"))
+    best = torch.ones(wg.shape[:2])
+    for ratio in torch.linspace(1.0, 1.0 - max_shrink, grid):
+        clip = torch.full(wg.shape[:2], float(ratio))
+        dw = (grouped(fake_quantize(weight, bits, group_size, clip), group_size) - wg).transpose(0, 1)
+        err = (torch.bmm(dw, blocks) * dw).sum(-1).T                      # [out, groups]
         better = err < best_err
         best_err, best = torch.where(better, err, best_err), torch.where(better, clip, best)
     return best

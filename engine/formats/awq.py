@@ -12,7 +12,8 @@ Improvements over the book's code (tested in tests/test_ch39_awq.py):
   * The book keeps every calibration input and recomputes x @ W^T for all tokens at each of the 20 alphas. The
     output error only depends on X through G = X^T X / n:  mean_t ||x_t dW^T||^2 = tr(dW G dW^T), dW = Q(W s)/s - W.
     So we stream G and mean|x| (InputStats) and never hold the inputs; each alpha costs out * in^2, not
-    tokens * in * out (the same number, up to float rounding).
+    tokens * in * out (the same number, up to float rounding). The clipping search too reads G only, its
+    diagonal blocks: each shrink costs out * in * group_size, and no inputs are sampled.
   * The book's to_checkpoint recomputes zero points as round(-offsets / scales).clamp(0, 15), silently changing any
     layer whose offsets are not integer zero points; we recover them exactly or refuse (affine.affine_parts).
 
@@ -91,15 +92,10 @@ def quantize_layer(layer, group_size=64, bits=4):
         if previous is None or previous.out_features == linears[0].in_features:      # GQA: v's rows feed
             s, _ = search_scale([lin.weight for lin in linears], inputs, bits, group_size)  # several heads
             _fold_scale(norm and layer.layer.get_submodule(norm), previous, linears, s)
-        # AutoAWQ's clipping search, on the scaled weights and inputs: any X with X^T X / n = G / (s s^T) gives
-        # choose_clip's group-wise output error; sqrt(n) diag(sqrt(lambda)) V^T (G / (s s^T) = V diag(lambda) V^T)
-        # is one with only n rows
-        g = inputs.gram.double() / (s[:, None] * s[None, :]).double()
-        n = g.shape[0]
-        lam, v = torch.linalg.eigh(g)
-        x = (n ** 0.5 * lam.clamp_min(0).sqrt()[:, None] * v.T).float()
+        # AutoAWQ's clipping search, on the scaled weights: their inputs x / s have the Gram matrix G / (s s^T)
+        gram = inputs.gram / (s[:, None] * s[None, :])
         for name, linear in zip(names, linears):
-            clips[layer.prefix + name] = choose_clip(linear.weight.detach(), x, bits, group_size, max_tokens=n)
+            clips[layer.prefix + name] = choose_clip(linear.weight.detach(), gram, bits, group_size)
     layer.replace(lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size, clip=clips[name]))
     return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
 
