@@ -102,6 +102,15 @@ def test_choose_clip_never_increases_output_error():
     assert err(fake_quantize(w, 3, 64, clip)) <= err(fake_quantize(w, 3, 64))
 
 
+@pytest.mark.parametrize("in_features, group, clipped", [(128, 64, False), (100, 32, True)])
+def test_fake_quantize_is_exactly_the_stored_layer(in_features, group, clipped):
+    g = torch.Generator().manual_seed(in_features)
+    w = torch.randn(24, in_features, generator=g) * 3
+    clip = torch.rand(24, -(-in_features // group), generator=g) * 0.5 + 0.5 if clipped else None
+    stored = affine.dequantize_affine(*quantize_to_affine(w, 4, group, clip), group)
+    assert torch.equal(fake_quantize(w, 4, group, clip), stored)
+
+
 @pytest.mark.parametrize("in_features, group", [(128, 64), (100, 32)])
 def test_choose_clip_from_the_gram_matrix_equals_the_per_token_search(in_features, group):
     g = torch.Generator().manual_seed(in_features)

@@ -75,9 +75,20 @@ def dequantize_affine(codes, scales, offsets, group_size):
     return codes.float() * s + o
 
 
+def fake_quantize_grouped(g, bits=4, clip=None, sym=False):
+    """grouped weight [out, groups, G] -> its quantized-then-dequantized values, same shape: quantize_to_affine then
+    dequantize_affine without the codes and the per-weight copies of scales and offsets (the same float ops, so the
+    same values: what the model sees)."""
+    fit = g if clip is None else g * clip[..., None]
+    scale, zero = find_params(fit.reshape(-1, g.shape[-1]), bits, sym)
+    scale, zero = scale.reshape(g.shape[:2])[..., None], zero.reshape(g.shape[:2])[..., None]
+    q = (g / scale).round().add(zero).clamp(0, 2 ** bits - 1)
+    return q * scale + -zero * scale
+
+
 def fake_quantize(weight, bits=4, group_size=64, clip=None, sym=False):
-    """Quantize and immediately dequantize: what the model sees, in float."""
-    return dequantize_affine(*quantize_to_affine(weight, bits, group_size, clip, sym), group_size)
+    """Quantize and immediately dequantize: weight [out, in] -> what the model sees, float32 [out, in]."""
+    return fake_quantize_grouped(grouped(weight, group_size), bits, clip, sym).flatten(1)[:, :weight.shape[1]]
 
 
 @torch.no_grad()
@@ -114,7 +125,7 @@ def choose_clip(weight, gram, bits=4, group_size=64, grid=20, max_shrink=0.5):
     best = torch.ones(wg.shape[:2])
     for ratio in torch.linspace(1.0, 1.0 - max_shrink, grid):
         clip = torch.full(wg.shape[:2], float(ratio))
-        dw = (grouped(fake_quantize(weight, bits, group_size, clip), group_size) - wg).transpose(0, 1)
+        dw = (fake_quantize_grouped(wg, bits, clip) - wg).transpose(0, 1)
         err = (torch.bmm(dw, blocks) * dw).sum(-1).T                      # [out, groups]
         better = err < best_err
         best_err, best = torch.where(better, err, best_err), torch.where(better, clip, best)
