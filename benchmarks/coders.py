@@ -1,11 +1,15 @@
 """The lossless coders against their peers, one thread, CPU time (process_time: on a shared machine, what a coder
 costs without the wait for a core); medians of --repeats runs.
 
-    python benchmarks/coders.py rans [--symbols 1048576 4194304] [--lanes 64 256] [--rev main]
+    python benchmarks/coders.py rans [--symbols 1048576 4194304] [--lanes 64 256] [--prob-bits 14 15] [--rev main]
+                                     [--compiled 32]
         our rANS (engine.coding.rans) beside constriction's AnsCoder on the same E4M3 symbols (Laplace weights at
         about 2.1 and 4.4 bits per symbol, as EntQuant's codes look): encode / decode M symbols/s and the rate over
-        the empirical entropy, ours with everything counted (header, table, lane states, word counts, checksum) and
-        without the header and table (constriction's table is not in its output either).
+        the empirical entropy, ours with everything counted (header, table, lane states, word counts, checksum),
+        without the header and table (constriction's table is not in its output either), and what the table's
+        rounding of the frequencies alone costs. --compiled T: also our encoder with its step loop compiled by
+        torch.compile (inductor's C++ backend), T steps unrolled per call: the seconds its first call takes (the
+        compile: cold with an empty TORCHINDUCTOR_CACHE_DIR, warm with a filled one) and its M symbols/s after.
     python benchmarks/coders.py lattice [--lattice E8] [--bps 3]
         the Triton lattice decode kernel (engine.kernels.stream_decoders.lattice_decode; under the interpreter when
         there is no GPU, as `--impl engine` runs it) on every linear of the tiny Qwen3 (2 layers, hidden 256,
@@ -75,8 +79,57 @@ def constriction_coder(symbols):
     return encode, decode
 
 
+def encode_steps(x, rows, f, x_max, keep, c):
+    """Our encoder's step loop over T rows, last first, in torch for torch.compile to fuse into one C++ loop over the
+    lanes: x float64 [lanes], rows int64 [T, lanes] symbols, tables float64 [256] -> (x, handed [T, lanes]: x mod
+    2^16 before the step where a lane hands a word over, else -1). float64 is exact here: every value is an integer
+    below 2^53, and floor(x / f) = x // f (x / f is >= 1 / f from the next integer, rounded by <= 2^-21)."""
+    handed = []
+    for t in range(rows.shape[0] - 1, -1, -1):
+        s = rows[t]
+        high = torch.floor(x / 65536)
+        emit = x >= x_max[s]
+        handed.append(torch.where(emit, x - 65536 * high, -1.0))
+        x = torch.where(emit, high, x)
+        x = x + torch.floor(x / f[s]) * keep[s] + c[s]
+    return x, torch.stack(handed[::-1])
+
+
+def compiled_encoder(ours, steps_per_call):
+    """encode(symbols, lanes) -> the bytes ours.rans_encode gives, with encode_steps compiled (lanes must divide n and
+    T the steps)."""
+    step = torch.compile(encode_steps, dynamic=False, fullgraph=True)
+
+    def encode(symbols, lanes):
+        n, p = symbols.size, ours.PROB_BITS
+        f = ours.quantize_frequencies(np.bincount(symbols, minlength=256), p)
+        c = np.cumsum(f) - f
+        tables = torch.from_numpy(np.stack([f, f << (32 - p), (1 << p) - f, c]).astype(np.float64))
+        grid = torch.from_numpy(symbols.astype(np.int64).reshape(-1, lanes))
+        assert n % lanes == 0 and grid.shape[0] % steps_per_call == 0
+        x = torch.full((lanes,), float(ours.STATE_LOW), dtype=torch.float64)
+        handed = torch.empty(grid.shape, dtype=torch.float64)
+        for t1 in range(grid.shape[0], 0, -steps_per_call):
+            x, handed[t1 - steps_per_call:t1] = step(x, grid[t1 - steps_per_call:t1], *tables)
+        by_stream = (grid.shape[0], lanes // ours.LANES_PER_STREAM, ours.LANES_PER_STREAM)
+        handed = handed.numpy().reshape(by_stream).transpose(1, 0, 2)
+        emitted = handed >= 0
+        return ours.pack_stream(p, ours.LANES_PER_STREAM, n, f, x.numpy().astype(np.int64), emitted.sum((1, 2)),
+                                handed[emitted], b"")
+    return encode
+
+
+def table_rounding_percent(ours, symbols, prob_bits):
+    """What coding with the rounded table f costs over the empirical entropy, in % (the coder's own loss aside)."""
+    counts = np.bincount(symbols, minlength=256)
+    f = ours.quantize_frequencies(counts, prob_bits)
+    cross = -(counts[counts > 0] * np.log2(f[counts > 0] / 2 ** prob_bits)).sum()
+    return 100 * (cross / ours.empirical_entropy_bits(symbols) - 1)
+
+
 def bench_rans(args):
     ours = module_at("coding/rans.py", args.rev)
+    compiled = compiled_encoder(ours, args.compiled) if args.compiled else None
     for n in args.symbols:
         for spread in (1 / 700, 1 / 128):
             symbols = synthetic_block(n, spread).numpy()
@@ -89,18 +142,28 @@ def bench_rans(args):
                                     "encode_Msym_s": round(n / median_seconds(encode, args.repeats) / 1e6, 1),
                                     "decode_Msym_s": round(n / median_seconds(lambda: decode(words), args.repeats)
                                                            / 1e6, 1)}}
-            for lanes in args.lanes or [None]:
-                data = ours.rans_encode(symbols, lanes=lanes)
+            for lanes, p in [(lanes, p) for lanes in args.lanes or [None] for p in args.prob_bits or [None]]:
+                options = dict(lanes=lanes, prob_bits=p or ours.PROB_BITS)
+                data = ours.rans_encode(symbols, **options)
                 stream = ours.RansStream(data)
                 assert np.array_equal(ours.rans_decode(stream).numpy(), symbols)
                 table = ours._HEADER.size + 32 + 2 * int((stream.f > 0).sum()) + ours._CRC.size
-                row[f"ours{args.rev and ' at ' + args.rev or ''}, {stream.states.size} lanes"] = {
+                key = f"ours{args.rev and ' at ' + args.rev or ''}, {stream.states.size} lanes, p {stream.prob_bits}"
+                row[key] = {
                     "rate_over_entropy_%": round(100 * (8 * len(data) / bits - 1), 3),
                     "without_header_and_table_%": round(100 * (8 * (len(data) - table) / bits - 1), 3),
-                    "encode_Msym_s": round(n / median_seconds(lambda: ours.rans_encode(symbols, lanes=lanes),
+                    "table_rounding_%": round(table_rounding_percent(ours, symbols, stream.prob_bits), 4),
+                    "encode_Msym_s": round(n / median_seconds(lambda: ours.rans_encode(symbols, **options),
                                                               args.repeats) / 1e6, 1),
                     "decode_Msym_s": round(n / median_seconds(lambda: ours.rans_decode(stream), args.repeats)
                                            / 1e6, 1)}
+                if compiled and stream.prob_bits == ours.PROB_BITS:
+                    start = time.perf_counter()
+                    assert compiled(symbols, stream.states.size) == data
+                    row[key]["compiled"] = {
+                        "steps_per_call": args.compiled, "first_call_s": round(time.perf_counter() - start, 1),
+                        "encode_Msym_s": round(n / median_seconds(lambda: compiled(symbols, stream.states.size),
+                                                                  args.repeats) / 1e6, 1)}
             print(json.dumps(row), flush=True)
 
 
@@ -138,6 +201,8 @@ def main():
     p.add_argument("--lanes", type=int, nargs="+", help="rans: lane counts to compare (default: default_lanes)")
     p.add_argument("--lattice", default="E8")
     p.add_argument("--bps", type=float, default=3.0)
+    p.add_argument("--prob-bits", type=int, nargs="+", help="rans: table precisions to compare (default: ours)")
+    p.add_argument("--compiled", type=int, metavar="T", help="rans: also the torch.compile'd encoder, T steps a call")
     p.add_argument("--rev", help="rans: our coder as it is in this git revision (default: the work tree)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()

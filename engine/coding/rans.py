@@ -1,6 +1,6 @@
 """rANS: a lossless coder of byte symbols against a static frequency table, in lanes that decode in lockstep.
 
-Table: f [256] with sum 2^p (p = prob_bits, 15 by default), f[s] >= 1 for every symbol present; c[s] = f[0] + ...
+Table: f [256] with sum 2^p (p = prob_bits, 14 by default), f[s] >= 1 for every symbol present; c[s] = f[0] + ...
 + f[s - 1]. A state x in [2^16, 2^32) holds the coded symbols:
 
     encode  x' = (x // f[s]) 2^p + x mod f[s] + c[s]                          (x' ~ x 2^p / f[s]: -log2 p(s) bits)
@@ -9,6 +9,10 @@ Table: f [256] with sum 2^p (p = prob_bits, 15 by default), f[s] >= 1 for every 
 Before a push would carry x past 2^32 (x >= f[s] 2^(32-p)) the encoder hands the low 16 bits of x to the stream;
 the decoder takes a 16-bit word back whenever x falls below 2^16. rANS is a stack: the encoder runs from the last
 symbol to the first, the decoder reads forward.
+
+Why p = 14 and not 15: a push costs -log2 p(s) bits only up to the rounding in x // f[s], whose cost grows with
+2^p / x (x may be as low as 2^16), and one bit less precision halves it; for the codes EntQuant makes this saves more
+than the coarser table loses to rounding f (benchmarks/coders.py measures both).
 
 Lanes: symbol i goes to lane i mod lanes, so the lanes decode one symbol each per step, in lockstep. They are
 grouped lanes_per_stream at a time into sub-streams, each with its own words, so that a GPU program decodes one
@@ -36,7 +40,7 @@ import zlib
 import numpy as np
 import torch
 
-PROB_BITS = 15                      # default table precision: sum of f = 2^15
+PROB_BITS = 14                      # default table precision: sum of f = 2^14 (why: see above)
 STATE_LOW = 1 << 16                 # x lives in [2^16, 2^32): one 16-bit word per renormalization
 LANES_PER_STREAM = 32               # one GPU warp per sub-stream
 MIN_STEPS = 3072                    # default lanes: symbols per lane at least, so that states cost < 1%
