@@ -6,7 +6,8 @@
 
 Every layer is quantized by engine.formats.gptq.gptq_quantize and by GPTQModel's own quantizer
 (gptqmodel.quantization.gptq.GPTQ) with the same weight, the same Hessian H = 2 X^T X / n (handed to both), the same
-damping (1% of mean(diag H), GPTQModel's auto-increment off), group size, bits and asymmetric grid, in each order:
+damping (--damp, 1% of mean(diag H) by default as in AutoGPTQ; GPTQModel's own default is 5%, its auto-increment
+off here), group size, bits and asymmetric grid, in each order:
 
     natural          GPTQModel act_group_aware=False
     desc_act         act_order=True / desc_act=True                        (g_idx permuted: vLLM refuses the file)
@@ -15,11 +16,24 @@ damping (1% of mean(diag H), GPTQModel's auto-increment off), group size, bits a
     static+GAR       static_groups=True with act_group_aware=True          (GPTQModel picks each static grid by
                                                                            the visited column's position, not its
                                                                            group: its figure there is not this order's)
+    GAR-sum          GAR with groups ranked by their total H_ii            (engine only; g_idx sorted)
+    GAR, reference   GAR with reference_grid=True: GPTQModel's grid rule   (engine only: it reproduces GPTQModel's
+      grid                                                                 default)
+    search           gptq.search_order: the lowest of static+desc_act,     (engine only; g_idx sorted; one GPTQ per
+                     GAR-sum and GAR with the reference grid, per layer     candidate)
+
+GPTQModel's result is taken as its checkpoint decodes it: codes from its float weights and float scales, scales
+stored in f16 (the engine rounds its scales to f16 inside the loop, so GPTQ compensates the grid that is stored).
+The two tools then differ in exactly two places: those f16 scales, and which weights a group's grid is read from
+when the group starts inside a 128-column block (the engine: as corrected by the block's earlier columns;
+GPTQModel, like the reference GPTQ code: as they stood when the block began). Either choice moves single layers by
+a few percent either way; with both switched to GPTQModel's (reference_grid=True) the outputs are identical.
 
 The engine's whole-model default (gptq.quantize_layer) is static+desc_act. Errors are relative to the engine's
 natural order on the same layer, as a geometric mean over the set's layers (min-max in brackets); "ours / theirs"
-compares the two tools' errors in the same order, layer by layer. Times are the sums over the set, one run each, on
-this process's torch threads (noisy on a shared machine).
+compares the two tools' errors in the same order, layer by layer, and "/ GPTQModel default" each engine order with
+GPTQModel's act_group_aware on the same layer. Times are the sums over the set, one run each, on this process's
+torch threads (noisy on a shared machine).
 
 Sets: `synthetic` (correlated inputs whose per-channel scales are uneven: growing along the columns, the same
 shuffled, log-normal, 1% outlier channels x20), `tiny` (the book's trained tiny Qwen3, Hessians from its byte
@@ -27,11 +41,14 @@ corpus: corpus.calibration()), `smollm2` (SmolLM2-135M-Instruct's dequantized Q4
 tokens of the default text as `run.py quantformats --model` calibrates). Real layers' Hessians come from the float
 model's inputs, so both tools see exactly the same H.
 
-Whole models (KL against the float model): `python run.py quantformats --rows GPTQ` and
-`python run.py quantformats --model PATH --rows GPTQ --chunks 4`.
+Whole models (KL against the float model): `--kl` quantizes the tiny model with gptq.quantize in each whole-model
+option (WHOLE_MODEL, at --bits / --group-size / --damp) and prints its KL on the held-out windows, as
+`python run.py quantformats --rows GPTQ` does for its 4-bit rows (`--model PATH --rows GPTQ --chunks 4` for a real
+model).
 """
 import argparse
 import contextlib
+import copy
 import json
 import math
 import sys
@@ -46,19 +63,18 @@ from engine.formats import calibration, gptq
 
 ORDERS = {"natural": {}, "desc_act": {"act_order": True}, "static+desc_act": {"act_order": True, "static_groups": True},
           "act_group_aware": {"act_group_aware": True},
-          "static+GAR": {"static_groups": True, "act_group_aware": True}}
-
-
-def layer_error(w_hat, w, h):
-    """tr(E H E^T), E = W_hat - W: the layer's output error on the calibration inputs (what GPTQ minimizes)."""
-    e = (w_hat - w).double()
-    return float((e @ h.double() * e).sum())
+          "static+GAR": {"static_groups": True, "act_group_aware": True},
+          "GAR-sum": {"act_group_aware": True, "group_score": "sum"},
+          "GAR, reference grid": {"act_group_aware": True, "reference_grid": True},
+          "search": None}
+ENGINE_ONLY = ("GAR-sum", "GAR, reference grid", "search")
+layer_error = gptq.layer_error
 
 
 def gptqmodel_quantize(weight, hessian, bits, group_size, damp=0.01, act_order=False, static_groups=False,
                        act_group_aware=False):
-    """GPTQModel's GPTQ quantizer on (weight [out, in], hessian [in, in]) -> W_hat [out, in] float32 (its log lines,
-    which it prints on stdout, go to stderr)."""
+    """GPTQModel's GPTQ quantizer on (weight [out, in], hessian [in, in]) -> W_hat [out, in] float32 as its
+    checkpoint decodes it (f16 scales); its log lines, which it prints on stdout, go to stderr."""
     with contextlib.redirect_stdout(sys.stderr):
         from gptqmodel.quantization.config import QuantizeConfig
         from gptqmodel.quantization.gptq import GPTQ
@@ -70,11 +86,21 @@ def gptqmodel_quantize(weight, hessian, bits, group_size, damp=0.01, act_order=F
         quantizer = GPTQ(linear, qcfg)
         quantizer.quantizer.configure(perchannel=True)
         quantizer.H, quantizer.nsamples = hessian.float().clone(), 1      # the Hessian itself, not its inputs
-        return quantizer.quantize()[0].float()
+        w_hat, scales, zeros, g_idx = quantizer.quantize()[:4]
+    g = g_idx.long()
+    scales, zeros = scales.float()[:, g], zeros.float()[:, g]
+    codes = (w_hat.float() / scales + zeros).round().clamp(0, 2 ** bits - 1)     # as its packer re-derives them
+    return scales.half().float() * (codes - zeros)
 
 
 def engine_quantize(weight, hessian, bits, group_size, damp=0.01, **order):
     return gptq.dequantize_gptq(*gptq.gptq_quantize(weight, hessian, bits, group_size, damp=damp, **order))
+
+
+def engine_search(weight, hessian, bits, group_size, damp=0.01):
+    """gptq.search_order -> (W_hat, the order it kept)."""
+    parts, chosen = gptq.search_order(weight, hessian, bits, group_size, damp=damp)
+    return gptq.dequantize_gptq(*parts), chosen
 
 
 # ---- the layers -------------------------------------------------------------------------------------------------
@@ -127,13 +153,20 @@ def smollm2_layers(layers):
 # ---- the measurement --------------------------------------------------------------------------------------------
 
 def measure(layers, bits, group_size, damp, orders):
-    """-> one JSON-able record per (layer, order): both tools' errors and seconds."""
+    """-> one JSON-able record per (layer, order): both tools' errors and seconds (GPTQModel's only in the orders it
+    has), and for every order GPTQModel's default (act_group_aware) on the same layer."""
     for name, w, h in layers:
+        default = layer_error(gptqmodel_quantize(w, h, bits, group_size, damp, act_group_aware=True), w, h)
         for order in orders:
-            row = {"layer": name, "order": order, "shape": list(w.shape)}
-            for tool, run in (("engine", engine_quantize), ("gptqmodel", gptqmodel_quantize)):
+            row = {"layer": name, "order": order, "shape": list(w.shape), "gptqmodel_default": default}
+            tools = (("engine", engine_quantize),) + (() if order in ENGINE_ONLY else
+                                                      (("gptqmodel", gptqmodel_quantize),))
+            for tool, run in tools:
                 start = time.perf_counter()
-                w_hat = run(w, h, bits, group_size, damp, **ORDERS[order])
+                if order == "search":
+                    w_hat, row["chosen"] = engine_search(w, h, bits, group_size, damp)
+                else:
+                    w_hat = run(w, h, bits, group_size, damp, **ORDERS[order])
                 row[f"{tool}_s"] = time.perf_counter() - start
                 row[tool] = layer_error(w_hat, w, h)
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -144,30 +177,74 @@ def geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def spread(ratios):
+    return f"{geomean(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]" if ratios else "-"
+
+
 def summary(rows, orders):
-    """Markdown table: per order, each tool's error relative to the engine's natural order, and ours / theirs."""
+    """Markdown table: per order, each tool's error relative to the engine's natural order, ours / theirs, and the
+    engine's error relative to GPTQModel's default; then which order the search kept, and how often."""
     base = {r["layer"]: r["engine"] for r in rows if r["order"] == "natural"}
-    lines = ["| order | engine / engine natural | GPTQModel / engine natural | engine / GPTQModel | engine s | "
-             "GPTQModel s |", "|---|---|---|---|---|---|"]
+    lines = ["| order | engine / engine natural | GPTQModel / engine natural | engine / GPTQModel | "
+             "engine / GPTQModel default | engine s | GPTQModel s |", "|---|---|---|---|---|---|---|"]
     for order in orders:
         mine = [r for r in rows if r["order"] == order]
-        cells = []
-        for ratio in ([r["engine"] / base[r["layer"]] for r in mine], [r["gptqmodel"] / base[r["layer"]] for r in mine],
-                      [r["engine"] / r["gptqmodel"] for r in mine]):
-            cells.append(f"{geomean(ratio):.3f} [{min(ratio):.3f}-{max(ratio):.3f}]")
-        seconds = [f"{sum(r[k] for r in mine):.1f}" for k in ("engine_s", "gptqmodel_s")]
+        theirs = [r for r in mine if "gptqmodel" in r]
+        cells = [spread([r["engine"] / base[r["layer"]] for r in mine]) if base else "-",
+                 spread([r["gptqmodel"] / base[r["layer"]] for r in theirs]) if base else "-",
+                 spread([r["engine"] / r["gptqmodel"] for r in theirs]),
+                 spread([r["engine"] / r["gptqmodel_default"] for r in mine])]
+        seconds = [f"{sum(r[k] for r in mine):.1f}" if theirs or k == "engine_s" else "-"
+                   for k in ("engine_s", "gptqmodel_s")]
         lines.append(f"| {order} | " + " | ".join(cells + seconds) + " |")
+    chosen = [r["chosen"] for r in rows if r["order"] == "search"]
+    if chosen:
+        lines.append("\nsearch kept: " + ", ".join(f"{name} {chosen.count(name)}" for name in sorted(set(chosen))))
+    return "\n".join(lines)
+
+
+# ---- whole models -----------------------------------------------------------------------------------------------
+
+WHOLE_MODEL = {"static+desc_act (default)": {}, "desc_act (permuted g_idx)": {"static_groups": False},
+               "act_group_aware": {"act_order": False, "static_groups": False, "act_group_aware": True},
+               "search (order_search=True)": {"order_search": True}}
+
+
+def whole_model_kl(bits, group_size, damp):
+    """The tiny model quantized by gptq.quantize in each WHOLE_MODEL option -> markdown table of KL to the float model
+    on the held-out windows (engine.evaluation, as run.py quantformats)."""
+    from engine.data import Corpus, load_corpus
+    from engine.evaluation import held_out_logits, kl_stats
+    from engine.qwen3 import Qwen3Config
+    from engine.training import TrainConfig, trained_model
+    corpus = Corpus.from_bytes(load_corpus())
+    reference = trained_model(Qwen3Config(), corpus, TrainConfig())
+    windows = corpus.eval_windows()
+    with torch.no_grad():
+        ref_logits = held_out_logits(reference, windows)
+    lines = [f"| GPTQ int{bits}, g{group_size}, order | KL (nats) | ± | p99 | same top % | seconds |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for label, options in WHOLE_MODEL.items():
+        model, start = copy.deepcopy(reference), time.perf_counter()
+        gptq.quantize(model, corpus.calibration(), bits=bits, group_size=group_size, damp=damp, **options)
+        seconds = time.perf_counter() - start
+        with torch.no_grad():
+            stats = kl_stats(ref_logits, held_out_logits(model, windows))
+        print(json.dumps({"whole_model": label, **stats, "seconds": seconds}), file=sys.stderr, flush=True)
+        lines.append(f"| {label} | {stats['kl_nats']:.6f} | {stats['kl_stderr']:.6f} | {stats['kl_p99']:.4f} | "
+                     f"{stats['same_top_pct']:.1f} | {seconds:.1f} |")
     return "\n".join(lines)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sets", nargs="+", default=["synthetic", "tiny"], choices=["synthetic", "tiny", "smollm2"])
+    p.add_argument("--sets", nargs="*", default=["synthetic", "tiny"], choices=["synthetic", "tiny", "smollm2"])
     p.add_argument("--bits", type=int, default=4, choices=gptq.PACKABLE_BITS)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--damp", type=float, default=0.01)
     p.add_argument("--layers", type=int, nargs="+", default=[0, 15, 29], help="smollm2: decoder layers to measure")
     p.add_argument("--orders", nargs="+", default=list(ORDERS), choices=list(ORDERS))
+    p.add_argument("--kl", action="store_true", help="also the tiny model's whole-model KL in each WHOLE_MODEL option")
     args = p.parse_args()
     import torch._dynamo
     torch._dynamo.config.disable = True                 # GPTQModel's helpers would otherwise compile on CPU
@@ -178,6 +255,8 @@ def main():
         rows = list(measure(sources[name](), args.bits, args.group_size, args.damp, args.orders))
         print(f"\n{name}: {len({r['layer'] for r in rows})} layers, {args.bits}-bit g{args.group_size}\n")
         print(summary(rows, args.orders), flush=True)
+    if args.kl:
+        print(f"\ntiny model, whole-model KL\n\n{whole_model_kl(args.bits, args.group_size, args.damp)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,67 @@ def test_static_groups_choose_grids_before_the_loop():
     assert not torch.equal(codes, affine.quantize_to_affine(w, 4, 16)[0])
 
 
+def test_group_score_sum_ranks_groups_by_their_total():
+    """Group-aware order with group_score="sum": a group of many active inputs goes before a group with one outlier
+    (the max score puts the outlier's group first)."""
+    diag = torch.tensor([9.0, 0.0, 0.0, 4.0, 4.0, 4.0])
+    assert gptq.visit_order(diag, 3, act_group_aware=True).tolist() == [0, 1, 2, 3, 4, 5]
+    assert gptq.visit_order(diag, 3, act_group_aware=True, group_score="sum").tolist() == [3, 4, 5, 0, 1, 2]
+    with pytest.raises(ValueError, match="group_score must be one of"):
+        gptq.visit_order(diag, 3, act_group_aware=True, group_score="mean")
+
+
+def test_search_order_keeps_the_candidate_with_the_lowest_layer_error():
+    torch.manual_seed(7)
+    w = torch.randn(32, 128) * 0.05
+    h = gptq.hessian_from(correlated_inputs(512, 128, 7))
+    errors = {name: gptq.layer_error(gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 32, **gptq.ORDERS[name])), w, h)
+              for name in gptq.ORDERS}
+    for candidates in (gptq.SEARCHED, tuple(gptq.ORDERS), ("natural", "group_aware")):
+        parts, chosen = gptq.search_order(w, h, 4, 32, candidates)
+        assert chosen == min(candidates, key=errors.get)
+        assert gptq.layer_error(gptq.dequantize_gptq(*parts), w, h) == errors[chosen]
+    assert torch.equal(gptq.search_order(w, h, 4, 32)[0][3].long(), torch.arange(128) // 32)    # plain g_idx
+    assert gptq.layer_error(w, w, h) == 0 and errors["natural"] == pytest.approx(weighted_error(
+        gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 32)), w, h), rel=1e-5)
+    with pytest.raises(ValueError, match="candidates must be"):
+        gptq.search_order(w, h, 4, 32, ("desc_act",))
+    with pytest.raises(ValueError, match="order_search chooses"):
+        gptq.quantize_layer(None, order_search=True, static_groups=False)
+
+
+def test_reference_grid_reads_the_weights_as_the_block_began():
+    """reference_grid (GPTQModel's and the reference code's rule): inside one block (block = all columns) no
+    correction has landed in W yet, so every group's grid is the float32 RTN grid of the ORIGINAL weights, rounded to
+    f16 for the file; the engine's own rule sees the corrections of the block's earlier groups."""
+    torch.manual_seed(8)
+    w = torch.randn(16, 96) * 0.05
+    h = gptq.hessian_from(correlated_inputs(256, 96, 8))
+    _, scales, zeros, _ = gptq.gptq_quantize(w, h, 4, 32, block=96, reference_grid=True)
+    rtn_scales, rtn_zeros = gptq.group_grid(affine.grouped(w, 32).reshape(-1, 32), 4, f16=False)
+    assert torch.equal(scales, rtn_scales.reshape(16, 3).half().float())
+    assert torch.equal(zeros, rtn_zeros.reshape(16, 3))
+    own = gptq.gptq_quantize(w, h, 4, 32, block=96)[1]
+    assert torch.equal(own[:, 0], scales[:, 0]) and not torch.equal(own[:, 1:], scales[:, 1:])   # group 0 alone
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("order", ["desc_act", "act_group_aware"])
+def test_reference_grid_reproduces_gptqmodel(order):
+    pytest.importorskip("gptqmodel")
+    import sys
+    from pathlib import Path
+    import torch._dynamo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gptq_order
+    torch.manual_seed(9)
+    w = torch.randn(32, 256) * 0.05
+    h = gptq.hessian_from(correlated_inputs(1024, 256, 9))
+    with torch._dynamo.config.patch(disable=True):
+        theirs = gptq_order.gptqmodel_quantize(w, h, 4, 64, **gptq_order.ORDERS[order])
+    assert torch.equal(gptq_order.engine_quantize(w, h, 4, 64, reference_grid=True, **gptq_order.ORDERS[order]), theirs)
+
+
 @pytest.mark.parametrize("order", ["static_groups", "act_group_aware"])
 def test_reordering_lowers_the_error_on_uneven_scales(order):
     """Inputs whose scale grows along the columns: the natural order quantizes the least important groups first.
@@ -241,17 +302,19 @@ def test_reader_validates():
         gptq.CHECKPOINT.read({**t, "scales": t["scales"].to(torch.uint8)}, qcfg)
 
 
-@pytest.mark.parametrize("order", [*ORDERS, "default"])
+@pytest.mark.parametrize("order", [*ORDERS, "default", "order_search"])
 def test_model_save_load_and_quality(tiny_model, tmp_path, order):
-    """Every order saves, loads bit-exact and beats RTN; the default is act-order with static groups (a plain file)."""
+    """Every order saves, loads bit-exact and beats RTN; the default is act-order with static groups (a plain file),
+    and the order search writes a plain file too."""
     torch.manual_seed(1)
     calibration = torch.randint(0, 256, (4, 64))
     held_out = torch.randint(0, 256, (2, 48))
     reference, rtn_error = rtn_baseline(tiny_model, held_out)
-    qcfg = checkpoints.save_quantized(tiny_model, tmp_path, "gptq", calibration, group_size=32, **ORDERS.get(order, {}))
+    options = {"order_search": True} if order == "order_search" else ORDERS.get(order, {})
+    qcfg = checkpoints.save_quantized(tiny_model, tmp_path, "gptq", calibration, group_size=32, **options)
     permuted = order == "act_order"
-    effective = ORDERS.get(order, ORDERS["static_groups"])
-    recorded = {k: True for k in ("static_groups", "act_group_aware") if effective.get(k)}
+    effective = ORDERS.get(order, options or ORDERS["static_groups"])
+    recorded = {k: True for k in ("static_groups", "act_group_aware", "order_search") if effective.get(k)}
     assert qcfg == {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": permuted, "sym": False,
                     "checkpoint_format": "gptq", **recorded}
     with torch.no_grad():

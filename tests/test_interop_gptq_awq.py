@@ -146,6 +146,7 @@ def test_pack_awq_bit_identical_to_autoawq():
                                             ("gptq", {"group_size": 32}),       # the default: static groups
                                             ("gptq", {"group_size": 32, "act_order": False, "static_groups": False,
                                                       "act_group_aware": True}),
+                                            ("gptq", {"group_size": 32, "order_search": True}),
                                             ("awq", {"group_size": 32})])
 def test_transformers_loads_our_checkpoint(tiny_model, tmp_path, method, options):
     pytest.importorskip("gptqmodel")

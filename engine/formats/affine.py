@@ -23,9 +23,10 @@ from .calibration import whole_model
 
 # ---- choosing the grid ------------------------------------------------------------------------------------------
 
-def find_params(w, bits, sym=False):
+def find_params(w, bits, sym=False, f16=True):
     """w [rows, n] -> (scale [rows], zero [rows]) of the affine grid covering each row's range (0 included).
-    sym=True puts the zero point in the middle of the grid (GPTQ's sym option)."""
+    sym=True puts the zero point in the middle of the grid (GPTQ's sym option). f16=False keeps the float32 scale
+    (the reference GPTQ code's, which rounds it to f16 only when it writes the file)."""
     top = 2 ** bits - 1
     w = w.float()
     lo, hi = w.min(1).values.clamp(max=0), w.max(1).values.clamp(min=0)
@@ -34,7 +35,8 @@ def find_params(w, bits, sym=False):
         lo = -hi
     empty = hi == lo                                       # an all-zero row: any grid reproduces it
     lo, hi = torch.where(empty, -1.0, lo), torch.where(empty, 1.0, hi)
-    scale = ((hi - lo) / top).half().float()
+    scale = (hi - lo) / top
+    scale = scale.half().float() if f16 else scale
     if not torch.isfinite(scale).all():
         raise ValueError(f"weights are not finite or their range exceeds what an f16 scale covers "
                          f"(|w| up to {65504 * top / 2:.3g} with {bits} bits)")

@@ -7,7 +7,11 @@ the columns not yet quantized, so that the layer's OUTPUT on calibration inputs 
 H^-1 comes once from a Cholesky factorization (damped by 1% of mean(diag H)); updates are applied lazily, one block
 of 128 columns at a time. Each group's grid (affine.find_params: f16 scale, integer zero) is chosen from the weights
 as corrected when the loop enters the group (columns beyond the current 128-column block have received the earlier
-blocks' corrections but not yet this block's: the lazy update lands when the block ends).
+blocks' corrections but not yet this block's: the lazy update lands when the block ends). That and the f16 scale
+are the only two differences from GPTQModel's loop in the same order: it reads a grid from the weights as they
+stood when the block began (as the reference code does), and rounds its scales to f16 only when it packs, so GPTQ
+never compensates the grid its file stores. Neither choice is lower on every layer; reference_grid=True takes
+GPTQModel's.
 
 The column order (the visit; names as in AutoGPTQ / GPTQModel configs), and what each costs the checkpoint:
 
@@ -19,14 +23,19 @@ The column order (the visit; names as in AutoGPTQ / GPTQModel configs), and what
                      the weights before the loop
     act_group_aware  groups of original columns by decreasing     g_idx = i // G, no perm     loads everywhere
                      max H_ii, each group's columns by decreasing  ("GAR", GPTQModel's default (desc_act=False)
-                     H_ii; the grid when the group is entered      since 2025)
+                     H_ii; the grid when the group is entered      since 2025); group_score="sum"
+                                                                   ranks the groups by total H_ii
+    order_search     per linear, the lowest tr(E H E^T) of         g_idx = i // G, no perm     loads everywhere
+                     act-order + static groups, group-aware by     (one GPTQ per candidate)    (desc_act=False)
+                     sum and GPTQModel's own (search_order)
 
 Visiting the most activated columns first leaves the most freedom to compensate their errors. Plain act-order
 minimizes the layer error best but needs its permutation; act-order with static groups comes close, below the
-group-aware order (benchmarks/gptq_order.py), at no cost in the file: it is quantize_layer's default, while
-gptq_quantize keeps the paper's natural order. The config's desc_act is true only for the permuted layout (vLLM
-ignores g_idx when it is false; GPTQModel's act-order + static groups file says desc_act=true over a sorted
-g_idx); static_groups / act_group_aware record the other visits.
+group-aware order on most layers (benchmarks/gptq_order.py), at no cost in the file: it is quantize_layer's
+default, while gptq_quantize keeps the paper's natural order. No single plain-file order is lowest on every layer,
+hence order_search. The config's desc_act is true only for the permuted layout (vLLM ignores g_idx when it is false;
+GPTQModel's act-order + static groups file says desc_act=true over a sorted g_idx); static_groups /
+act_group_aware / order_search record the other visits.
 
 Checkpoint (AutoGPTQ, `checkpoint_format` "gptq" = v1, the default everywhere; "gptq_v2" = raw zeros):
 
@@ -54,20 +63,22 @@ from .calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_fr
 
 FORMATS = ("gptq", "gptq_v2")
 PACKABLE_BITS = (2, 4, 8)          # bit widths that tile an int32 word exactly (3-bit GPTQ uses a split layout)
+GROUP_SCORES = {"max": "amax", "sum": "sum"}
 
 
 # ---- the algorithm ----------------------------------------------------------------------------------------------
 
-def group_grid(w, bits, sym=False, min_zero=0):
-    """w [rows, n] -> (scale, zero) [rows], as affine.find_params, but with zero >= min_zero.
+def group_grid(w, bits, sym=False, min_zero=0, f16=True):
+    """w [rows, n] -> (scale, zero) [rows], as affine.find_params (f16 as there), but with zero >= min_zero.
 
     A group whose grid would start at zero (its weights all >= 0, or nearly) gets zero = min_zero and a grid
     stretched so its top code still reaches the group's maximum: scale = max / (top - min_zero)."""
-    scale, zero = find_params(w, bits, sym)
+    scale, zero = find_params(w, bits, sym, f16)
     if min_zero:
         top = 2 ** bits - 1
         low = zero < min_zero
-        stretched = (w.float().max(1).values.clamp(min=0) / (top - min_zero)).half().float()
+        stretched = w.float().max(1).values.clamp(min=0) / (top - min_zero)
+        stretched = stretched.half().float() if f16 else stretched
         scale = torch.where(low & (stretched > 0), stretched, scale)
         zero = zero.clamp(min=min_zero)
     return scale, zero
@@ -79,20 +90,25 @@ def check_order(act_order, act_group_aware):
                          "wants act_order=False; GPTQModel's rule too)")
 
 
-def visit_order(diag, group_size, act_order=False, act_group_aware=False):
+def visit_order(diag, group_size, act_order=False, act_group_aware=False, group_score="max"):
     """diag [in] = diag(H) -> the order [in] in which GPTQ visits the columns (a permutation of the inputs).
 
     natural: 0, 1, 2, ...;  act_order (desc_act): by decreasing H_ii;  act_group_aware (GPTQModel's default, "GAR"):
-    the groups of consecutive columns by decreasing max H_ii, and within each group its columns by decreasing H_ii,
-    so that a group is still visited as one contiguous run."""
+    the groups of consecutive columns by decreasing score, and within each group its columns by decreasing H_ii,
+    so that a group is still visited as one contiguous run. The score is the group's max H_ii (GPTQModel's) or, with
+    group_score="sum", its total (GPTQModel's gar.compute_global_perm metric "sum": a group of many moderately
+    active inputs can outrank one with a single outlier)."""
     check_order(act_order, act_group_aware)
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"group_score must be one of {tuple(GROUP_SCORES)}, got {group_score!r}")
     cols = diag.shape[0]
     if act_order:
         return torch.argsort(diag, descending=True, stable=True)
     if not act_group_aware:
         return torch.arange(cols, device=diag.device)
     group = torch.arange(cols, device=diag.device) // group_size
-    score = torch.zeros(int(group[-1]) + 1, device=diag.device).scatter_reduce(0, group, diag, "amax",
+    score = torch.zeros(int(group[-1]) + 1, device=diag.device).scatter_reduce(0, group, diag,
+                                                                              GROUP_SCORES[group_score],
                                                                               include_self=False)
     rank = torch.argsort(torch.argsort(score, descending=True, stable=True))      # each group's place in the visit
     within = torch.argsort(diag, descending=True, stable=True)
@@ -101,14 +117,17 @@ def visit_order(diag, group_size, act_order=False, act_group_aware=False):
 
 @torch.no_grad()
 def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp=0.01, block=128, sym=False,
-                  min_zero=0, static_groups=False, act_group_aware=False):
+                  min_zero=0, static_groups=False, act_group_aware=False, group_score="max", reference_grid=False):
     """weight [out, in], hessian [in, in] = 2 X^T X / n -> (codes uint8 [out, in], scales [out, groups],
     zeros [out, groups], g_idx int32 [in]); W_hat[o, i] = scales[o, g_idx[i]] * (codes[o, i] - zeros[o, g_idx[i]]).
 
     group_size -1 (or any value <= 0) means one group per row. min_zero=1 keeps every zero point storable in a v1
-    checkpoint. The column order is one of visit_order's (act_order, act_group_aware). static_groups: every group is
-    a range of original columns whose grid is chosen from the weights before the loop, so that act-order can visit
-    the columns in any order and g_idx still stays sorted.
+    checkpoint. The column order is one of visit_order's (act_order, act_group_aware, group_score). static_groups:
+    every group is a range of original columns whose grid is chosen from the weights before the loop, so that
+    act-order can visit the columns in any order and g_idx still stays sorted. reference_grid=True chooses the grids
+    as the reference GPTQ code, AutoGPTQ and GPTQModel do: read from the weights as they stood when the block began,
+    with float32 scales rounded to f16 only for the returned (stored) scales; in any order it then reproduces
+    GPTQModel's checkpoint in that order.
     Columns are processed in blocks of `block`; inside a block each column's error is pushed onto the block's
     remaining columns at once, and onto the columns after the block in one matmul when the block is done.
     """
@@ -124,13 +143,14 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
     W[:, dead] = 0
     dev = W.device
     groups = -(-cols // group_size)
-    perm = visit_order(torch.diag(H), group_size, act_order, act_group_aware)
+    perm = visit_order(torch.diag(H), group_size, act_order, act_group_aware, group_score)
     # The group of each visited column: under plain act-order the ranges of the visit (g_idx then names each
     # column's), otherwise the ranges of the original columns (g_idx stays sorted).
     label = torch.arange(cols, device=dev) // group_size if act_order and not static_groups else perm // group_size
+    f16 = not reference_grid
     if static_groups:
         scales, zeros = (t.reshape(out_f, groups) for t in
-                         group_grid(grouped(W, group_size).reshape(-1, group_size), bits, sym, min_zero))
+                         group_grid(grouped(W, group_size).reshape(-1, group_size), bits, sym, min_zero, f16))
     else:
         scales, zeros = torch.zeros(out_f, groups, device=dev), torch.zeros(out_f, groups, device=dev)
     labels, sizes = label.tolist(), torch.bincount(label, minlength=groups).tolist()
@@ -150,8 +170,9 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
             g = labels[col]
             if not static_groups and (col == 0 or labels[col - 1] != g):   # a new group: its grid from the
                 n = sizes[g]                                                # CURRENT weights of its n columns
-                ahead = torch.cat((W1[:, i:i + n], W[:, i2:i2 + n]), 1)[:, :n]
-                scales[:, g], zeros[:, g] = group_grid(ahead, bits, sym, min_zero)
+                ahead = (W[:, col:col + n] if reference_grid else
+                         torch.cat((W1[:, i:i + n], W[:, i2:i2 + n]), 1)[:, :n])
+                scales[:, g], zeros[:, g] = group_grid(ahead, bits, sym, min_zero, f16)
             q = (W1[:, i] / scales[:, g] + zeros[:, g]).round().clamp(0, top)
             codes[:, col] = q
             error = (W1[:, i] - scales[:, g] * (q - zeros[:, g])) / H1[i, i]
@@ -159,6 +180,7 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
             Err[:, i] = error
         W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
     inverse = torch.argsort(perm)
+    scales = scales.half().float() if reference_grid else scales
     return codes[:, inverse].to(torch.uint8), scales, zeros, label[inverse].to(torch.int32)
 
 
@@ -166,6 +188,45 @@ def dequantize_gptq(codes, scales, zeros, g_idx):
     """(codes [out, in], scales / zeros [out, groups], g_idx [in]) -> W_hat [out, in] float32."""
     g = g_idx.long()
     return scales.float()[:, g] * (codes.float() - zeros.float()[:, g])
+
+
+def layer_error(w_hat, weight, hessian):
+    """tr(E H E^T), E = W_hat - W [out, in]: the layer's output error on the calibration inputs (GPTQ's objective,
+    measured with the undamped H), in float64."""
+    e = (w_hat - weight).double()
+    return float((e @ hessian.double() * e).sum())
+
+
+# The column orders by name, as gptq_quantize options; SEARCHED: those order_search tries (all write a plain file).
+ORDERS = {"natural": {},
+          "act_order": {"act_order": True},
+          "act_order_static": {"act_order": True, "static_groups": True},
+          "group_aware": {"act_group_aware": True},
+          "group_aware_sum": {"act_group_aware": True, "group_score": "sum"},
+          "group_aware_reference": {"act_group_aware": True, "reference_grid": True}}
+SEARCHED = ("act_order_static", "group_aware_sum", "group_aware_reference")
+
+
+@torch.no_grad()
+def search_order(weight, hessian, bits=4, group_size=128, candidates=SEARCHED, **options):
+    """weight [out, in], hessian [in, in] -> (gptq_quantize's four tensors, the order's name): GPTQ in each candidate
+    order of ORDERS, keeping the one with the lowest layer_error (ties: the first). Costs one GPTQ per candidate.
+
+    No order wins everywhere: act-order with static groups usually does, but on a layer whose heavy inputs cluster
+    in a few groups (attention's o_proj) a group-aware order can be lower, and max and sum as the group score each
+    win on some layers. The default candidates all keep g_idx sorted (desc_act=false); one of them,
+    group_aware_reference, is GPTQModel's default (GAR with the reference grid), so the search is never above
+    GPTQModel's default on the same weight, Hessian and damping."""
+    unknown = [name for name in candidates if name not in ORDERS]
+    if unknown or not candidates:
+        raise ValueError(f"candidates must be a non-empty list of {tuple(ORDERS)}, got {list(candidates)}")
+    best = None
+    for name in candidates:
+        parts = gptq_quantize(weight, hessian, bits, group_size, **ORDERS[name], **options)
+        error = layer_error(dequantize_gptq(*parts), weight.float(), hessian)
+        if best is None or error < best[0]:
+            best = error, parts, name
+    return best[1], best[2]
 
 
 # ---- the checkpoint layout --------------------------------------------------------------------------------------
@@ -267,17 +328,25 @@ def permuted_layout(act_order=True, static_groups=True, **_):
 
 @torch.no_grad()
 def quantize_layer(layer, group_size=64, act_order=True, bits=4, sym=False, checkpoint_format="gptq", damp=0.01,
-                   static_groups=True, act_group_aware=False):
+                   static_groups=True, act_group_aware=False, order_search=False):
     """GPTQ one decoder layer (a calibration.LayerCalibration) in place, step by step in forward order (q/k/v, o,
     gate/up, down): each step's Hessians come from the layer's inputs passed through its already-quantized earlier
     steps (GPTQModel's "true sequential"). For a v1 checkpoint (the default) every zero point is kept >= 1
     (min_zero). The column order: act_order, static_groups, act_group_aware as in gptq_quantize, by default
     act-order with static groups (a plain file: g_idx sorted); act_order=False, static_groups=False is the paper's
     natural order, act_order=True, static_groups=False the permuted layout, act_group_aware=True with both False
-    GPTQModel's default. The config's desc_act says whether g_idx is permuted, the only case that needs it.
-    Returns the quantization_config."""
+    GPTQModel's default. order_search=True (with the order flags left at their defaults) picks each linear's order
+    itself: search_order over SEARCHED (act-order with static groups, group-aware by total H_ii, and GPTQModel's
+    group-aware default), the lowest layer error of the three at three times the GPTQ work; the file stays plain.
+    The config's desc_act says whether g_idx is permuted, the only case that needs it. Returns the
+    quantization_config."""
     check_order(act_order, act_group_aware)
-    orders = {key: True for key, on in (("static_groups", static_groups), ("act_group_aware", act_group_aware)) if on}
+    if order_search and not (act_order and static_groups and not act_group_aware):
+        raise ValueError("order_search chooses each linear's column order itself: leave act_order, static_groups "
+                         "and act_group_aware at their defaults")
+    flags = (("static_groups", static_groups and not order_search), ("act_group_aware", act_group_aware),
+             ("order_search", order_search))
+    orders = {key: True for key, on in flags if on}
     qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size,
                      "desc_act": permuted_layout(act_order, static_groups), "sym": sym,
                      "checkpoint_format": checkpoint_format,
@@ -288,10 +357,13 @@ def quantize_layer(layer, group_size=64, act_order=True, bits=4, sym=False, chec
 
         def make(name, linear, hessians=hessians):
             group = linear.in_features if group_size == -1 else group_size          # -1: one group per row
-            codes, scales, zeros, g_idx = gptq_quantize(linear.weight.detach(), hessians[name], bits, group,
-                                                        act_order, damp, sym=sym, min_zero=min_zero,
-                                                        static_groups=static_groups, act_group_aware=act_group_aware)
-            return to_runtime(codes, scales, zeros, g_idx, group, bits, linear.bias)
+            weight, options = linear.weight.detach(), dict(damp=damp, sym=sym, min_zero=min_zero)
+            if order_search:
+                parts, _ = search_order(weight, hessians[name], bits, group, **options)
+            else:
+                parts = gptq_quantize(weight, hessians[name], bits, group, act_order, static_groups=static_groups,
+                                      act_group_aware=act_group_aware, **options)
+            return to_runtime(*parts, group, bits, linear.bias)
 
         layer.replace(make, names=hessians)
     return {k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", *orders)}
@@ -312,7 +384,7 @@ def validate(qcfg):
     bits = config_field(qcfg, "bits", 4, int, lambda b: b in PACKABLE_BITS, f"one of {PACKABLE_BITS}")
     group_size = config_field(qcfg, "group_size", 128, int, lambda g: g == -1 or g >= 1, "-1 or a positive int")
     fmt = config_field(qcfg, "checkpoint_format", "gptq", str, lambda f: f in FORMATS, f"one of {FORMATS}")
-    for key in ("desc_act", "sym", "static_groups", "act_group_aware"):
+    for key in ("desc_act", "sym", "static_groups", "act_group_aware", "order_search"):
         config_field(qcfg, key, False, bool)
     return {**qcfg, "bits": bits, "group_size": group_size, "checkpoint_format": fmt}
 
