@@ -30,7 +30,8 @@ GPTQ_ORDERS = {"natural order": dict(act_order=False, static_groups=False),
                "act-order": dict(static_groups=False),
                "act-order, static groups (default)": {},
                "group-aware order (GPTQModel's default)": dict(act_order=False, static_groups=False,
-                                                               act_group_aware=True)}
+                                                               act_group_aware=True),
+               "order search (the best of three per linear)": dict(order_search=True)}
 
 
 def gptq_order_rows(group_size):
