@@ -98,18 +98,16 @@ def codebook(L, code="1mad"):
 
 # ---- encoding -----------------------------------------------------------------------------------------------------
 
-WRAP_WINDOW = 48      # steps on each side of the wrap point that tail-biting's first pass searches
-
-
 @torch.no_grad()
-def viterbi_encode(x, L=8, K=2, code="1mad", tail_biting=False, wrap_window=WRAP_WINDOW, compiled=None):
+def viterbi_encode(x, L=8, K=2, code="1mad", tail_biting=False, wrap_window=None, compiled=None):
     """x [B, T] or [T] (unit variance) -> (states [B, T] int64, symbols, reconstruction [B, T] float32).
 
     symbols are the K new bits of each step: [B, T - 1] (steps 1..T-1; the start state is stored whole) or, with
     tail_biting, [B, T] (s_0's high bits are s_{T-1}'s low bits, so the stream is exactly K T bits).
-    wrap_window: tail-biting's first pass only has to pick the wrap state, and a Viterbi path forgets where it came
-    from within a few multiples of L / K steps: it codes the last and the first wrap_window steps, joined (None: the
-    whole sequence rotated by T/2, QTIP's). compiled: viterbi's.
+    wrap_window: tail-biting's first pass only picks the wrap state; with wrap_window it codes only the last and the
+    first wrap_window steps, joined, instead of the whole sequence rotated by T/2 (None, QTIP's). Cheaper, but at
+    L=16 the wrap state it picks still depends on steps far away, and the MSE rises (see benchmarks/trellis_mse.py
+    --windows). compiled: viterbi's.
     """
     _check_code(L, K, code)
     single = x.dim() == 1

@@ -226,9 +226,9 @@ def _search_chunk(x, table, L, K, wrap, best, step):
         cost.masked_fill_((state & (H - 1))[:, None] != wrap[None, :], float("inf"))
     at = torch.empty((T, B), dtype=torch.int64)                      # the path's positions
     at[-1] = cost.argmin(0)
-    batch = torch.arange(B)[:, None]
+    j = torch.arange(J)[:, None]
     for t in range(T - 1, 0, -1):
-        before = ((at[t] & (H - 1)) << K)[:, None] | torch.arange(J)  # [B, J]: the J predecessors' positions
-        candidates = best[t - 1][before & (H - 1), batch] + (xt[t - 1][:, None] - values[before]) ** 2
-        at[t - 1] = before.gather(1, candidates.argmin(1, keepdim=True))[:, 0]
+        before = ((at[t] & (H - 1)) << K) | j                         # [J, B]: the J predecessors' positions
+        candidates = best[t - 1].gather(0, before & (H - 1)) + (xt[t - 1] - values[before]) ** 2
+        at[t - 1] = before.gather(0, candidates.argmin(0, keepdim=True))[0]
     return state[at.T]
