@@ -97,7 +97,7 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-CACHE_BYTES = 2 ** 23      # per thread: the arrays a chunk's step touches fit in L3
+CACHE_BYTES = 2 ** 23      # per thread: the arrays a chunk's step touches fit in L3 (chunk widths of 16 at L=16)
 COMPILE_FROM = 2 ** 30     # state-steps (B T 2^L) from which compiling the step (seconds, once per shape) pays off
 
 
@@ -113,7 +113,7 @@ def viterbi(x, table, L, K, wrap=None, threads=None, budget=2 ** 29, compiled=No
         S, H = 2 ** L, 2 ** (L - K)
         threads = threads or default
         step = _compiled_step() if compiled or (compiled is None and B * T * S >= COMPILE_FROM) else None
-        per_sequence = 8 * H if step else 12 * S           # bytes of the arrays one step touches
+        per_sequence = 8 * H + (0 if step else 6 * S)      # bytes a step touches: minima in and out, eager costs
         chunk = max(1, min(CACHE_BYTES // per_sequence, budget // threads // (4 * T * H)))
         threads = max(1, min(threads, B // chunk))          # a thread only for a full chunk: small ops share the GIL
         width = min(chunk, -(-B // threads))
