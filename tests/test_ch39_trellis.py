@@ -93,6 +93,7 @@ def test_fast_viterbi_finds_the_textbook_paths(L, K, T):
         assert torch.equal(chunked, reference)
 
 
+@pytest.mark.slow                                   # compiles a C++ kernel: ~5-10 s, more with a cold inductor cache
 def test_compiled_step_finds_the_textbook_paths_on_two_threads():
     """The compiled add-compare-select step (one shape: chunks of 2 sequences, one per thread) rounds as the eager
     one and the book's listing do, so all three find the same paths, with and without pinned ends."""
