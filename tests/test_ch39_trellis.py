@@ -93,6 +93,33 @@ def test_fast_viterbi_finds_the_textbook_paths(L, K, T):
         assert torch.equal(chunked, reference)
 
 
+@pytest.mark.slow                                   # compiles a C++ kernel: ~5-10 s, more with a cold inductor cache
+def test_compiled_step_finds_the_textbook_paths_on_two_threads():
+    """The compiled add-compare-select step (one shape: chunks of 2 sequences, one per thread) rounds as the eager
+    one and the book's listing do, so all three find the same paths, with and without pinned ends."""
+    L, K, T = 16, 2, 12
+    torch.manual_seed(3)
+    x = torch.randn(4, T)
+    table = trellis.codebook(L)
+    budget = 2 * 4 * T * 2 ** (L - K) * 2                      # two chunks of 2 sequences, one per thread
+    for wrap in (None, torch.randint(0, 2 ** (L - K), (4,))):
+        reference = viterbi.viterbi_reference(x, table, L, K, wrap)
+        assert torch.equal(viterbi.viterbi(x, table, L, K, wrap, threads=2, budget=budget, compiled=True), reference)
+        assert torch.equal(viterbi.viterbi(x, table, L, K, wrap, threads=2, budget=budget, compiled=False), reference)
+
+
+def test_viterbi_runs_eager_where_the_step_does_not_compile(monkeypatch):
+    x = torch.randn(3, 16)
+    table = trellis.codebook(8)
+    monkeypatch.setattr(viterbi, "_compiles", lambda *shape: OSError("no C++ compiler"))
+    with pytest.raises(RuntimeError, match="cannot build the Viterbi step"):
+        viterbi.viterbi(x, table, 8, 2, compiled=True)
+    monkeypatch.setattr(viterbi, "COMPILE_FROM", 0)            # a search big enough to compile
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler.*runs eager"):
+        paths = viterbi.viterbi(x, table, 8, 2)
+    assert torch.equal(paths, viterbi.viterbi_reference(x, table, 8, 2))
+
+
 def test_viterbi_rejects_bad_input():
     table = trellis.codebook(8)
     with pytest.raises(ValueError, match="not finite"):
@@ -103,11 +130,21 @@ def test_viterbi_rejects_bad_input():
         viterbi.viterbi(torch.zeros(2, 8), table, 8, 2, wrap=torch.tensor([0, 64]))
 
 
-def test_tail_biting_path_closes_on_itself():
+@pytest.mark.parametrize("wrap_window", [None, 4])
+def test_tail_biting_path_closes_on_itself_and_its_stream_decodes_to_it(wrap_window):
+    """With a first pass over the 4 + 4 steps around the wrap point too (4 = L / K, the least allowed): the
+    second pass pins the ends, so the path closes and is the best one through its wrap state."""
     L, K = 8, 2
-    states, symbols, _ = trellis.viterbi_encode(torch.randn(4, 64), L, K, tail_biting=True)
+    x = torch.randn(4, 64)
+    states, symbols, recon = trellis.viterbi_encode(x, L, K, tail_biting=True, wrap_window=wrap_window)
     assert symbols.shape == (4, 64)
     assert _is_trellis_path(torch.cat((states, states[:, :1]), 1), L, K)        # s_0 follows s_{T-1}
+    assert torch.equal(trellis.stream_states(trellis.pack_stream(states, L, K, True), L, K, 64, True), states)
+    assert torch.equal(recon, trellis.codebook(L)[states])
+    pinned = viterbi.viterbi_reference(x, trellis.codebook(L), L, K, wrap=states[:, 0] >> K)
+    assert torch.equal(states, pinned)
+    with pytest.raises(ValueError, match="wrap_window must be"):
+        trellis.viterbi_encode(x, L, K, tail_biting=True, wrap_window=3)
 
 
 @pytest.mark.parametrize("code", trellis.CODES)

@@ -99,25 +99,36 @@ def codebook(L, code="1mad"):
 # ---- encoding -----------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def viterbi_encode(x, L=8, K=2, code="1mad", tail_biting=False):
+def viterbi_encode(x, L=8, K=2, code="1mad", tail_biting=False, wrap_window=None, compiled=None):
     """x [B, T] or [T] (unit variance) -> (states [B, T] int64, symbols, reconstruction [B, T] float32).
 
     symbols are the K new bits of each step: [B, T - 1] (steps 1..T-1; the start state is stored whole) or, with
     tail_biting, [B, T] (s_0's high bits are s_{T-1}'s low bits, so the stream is exactly K T bits).
+    wrap_window: tail-biting's first pass only picks the wrap state; with wrap_window it codes only the last and the
+    first wrap_window steps, joined, instead of the whole sequence rotated by T/2 (None, QTIP's). Cheaper, but at
+    L=16 the wrap state it picks still depends on steps far away, and the MSE rises (see benchmarks/trellis_mse.py
+    --windows). compiled: viterbi's.
     """
     _check_code(L, K, code)
     single = x.dim() == 1
     x = x.float().reshape(1, -1) if single else x.float()
     if x.dim() != 2 or x.shape[1] * K < L:
         raise ValueError(f"x must be [T] or [B, T] with K*T >= L, got shape {tuple(x.shape)}")
+    if wrap_window is not None and not (isinstance(wrap_window, int) and wrap_window * K >= L):
+        raise ValueError(f"wrap_window must be None or an int >= L / K = {L / K}, got {wrap_window!r}")
     table = _codebook(L, code)
+    T = x.shape[1]
+    search = functools.partial(viterbi.viterbi, table=table, L=L, K=K, compiled=compiled)
     with viterbi.one_thread() as threads:
         if tail_biting:
-            half = x.shape[1] // 2
-            first = viterbi.viterbi(x.roll(half, 1), table, L, K, threads=threads)  # position 0 is at index `half`
-            path = viterbi.viterbi(x, table, L, K, wrap=first[:, half] >> K, threads=threads)
+            half = T // 2 if wrap_window is None else min(T // 2, wrap_window)
+            around = x.roll(half, 1)                                    # position 0 is at index `half`
+            if 2 * half < T - 1:
+                around = around[:, :2 * half]                           # the last and the first `half` steps
+            first = search(around, threads=threads)
+            path = search(x, wrap=first[:, half] >> K, threads=threads)
         else:
-            path = viterbi.viterbi(x, table, L, K, threads=threads)
+            path = search(x, threads=threads)
         symbols = path & (2 ** K - 1)
         if not tail_biting:
             symbols = symbols[:, 1:]

@@ -7,23 +7,27 @@ predecessors are p = j 2^(L-K) + (s >> K), j < J, so
     cost_t[s] = min_j cost_{t-1}[j 2^(L-K) + (s >> K)] + (x_t - v[s])^2,
 
 one add-compare-select per state and step, and the best path is read back from which j won (`viterbi_reference`,
-the book's listing). `viterbi` runs the same recursion on many sequences at once, with three changes:
+the book's listing). `viterbi` runs the same recursion on many sequences at once, with four changes:
 
   - the batch is the innermost axis, and the states are stored in an order (`state_layout`: the K-bit symbols
     reversed, the newest outermost) where a state's J predecessors sit next to each other and the J successors of
-    a minimum are J slabs apart: a step is two elementwise minimums and one broadcast multiply-add, all on
-    contiguous memory, no gather;
-  - it keeps every step's minima [T, 2^(L-K), B] instead of back-pointers: the traceback recomputes the J
-    candidates of the one state it follows, so the forward pass does no argmin (a slow op in torch);
-  - chunks of the batch, sized to keep a chunk's costs in cache and all minima within a memory budget, run on a
-    few threads, each op on the thread that calls it (torch's pool would wait for its slowest thread at every op).
+    a minimum are J slabs apart: all reads and writes are contiguous, no gather;
+  - it carries only the minima m_t[q] = min_j cost_{t-1}[q J + j] (2^(L-K) per sequence, a quarter of the costs at
+    K=2) from step to step, as cost_t = m_t + (x_t - v)^2 is one add away (`acs_step`); every step's minima
+    [T, 2^(L-K), B] are kept, and the traceback recomputes the J candidates of the one state it follows, so the
+    forward pass does no argmin (a slow op in torch);
+  - on big searches the step is compiled (torch.compile, C++ on a CPU) into one pass over the states that never
+    writes the costs at all; the eager step below computes the same numbers with a few whole-array torch ops;
+  - chunks of the batch, sized to keep a chunk's arrays in cache and all minima within a memory budget, run on a
+    few threads, each op on the thread that calls it (torch's pool, and OpenMP inside a compiled kernel, would wait
+    for their slowest thread at every step, which stalls on a busy machine).
 
-The fast one adds the square with one rounding (a fused multiply-add), the reference with two, so their paths can
-differ where two paths' costs agree to float32 rounding; anywhere else they are the same.
+All of them round the same way (the square, then the sum), so they find the same paths as the textbook listing.
 """
 import concurrent.futures
 import contextlib
 import functools
+import warnings
 
 import torch
 
@@ -93,42 +97,100 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-CACHE_BYTES = 2 ** 23      # per thread: a chunk's cost arrays (2 x 4 bytes per state and sequence) fit in L3
+CACHE_BYTES = 2 ** 23      # per thread: the arrays a chunk's step touches fit in L3 (chunk widths of 16 at L=16)
+COMPILE_FROM = 2 ** 30     # state-steps (B T 2^L) from which compiling the step (seconds, once per shape) pays off
 
 
 @torch.no_grad()
-def viterbi(x, table, L, K, wrap=None, threads=None, budget=2 ** 29):
+def viterbi(x, table, L, K, wrap=None, threads=None, budget=2 ** 29, compiled=None):
     """x [B, T] -> least-squared-error state paths [B, T] int64, as viterbi_reference. wrap: as there.
     threads: default torch's thread count. budget: bytes of stored minima (4 2^(L-K) per step and sequence, 16 MiB
-    per sequence of 256 at L=16, K=2) held at once over all threads."""
-    B, T = x.shape
-    S, H = 2 ** L, 2 ** (L - K)
+    per sequence of 256 at L=16, K=2) held at once over all threads. compiled: True / False forces the compiled /
+    eager step; None compiles searches of COMPILE_FROM state-steps and more, and runs eager where it cannot."""
     with one_thread() as default:
         _check(x, table, L, K, wrap)
-        x = x.float()
+        B, T = x.shape
+        S, H = 2 ** L, 2 ** (L - K)
         threads = threads or default
-        chunk = max(1, min(CACHE_BYTES // (8 * S), budget // threads // (4 * T * H)))
+        step = _compiled_step() if compiled or (compiled is None and B * T * S >= COMPILE_FROM) else None
+        per_sequence = 8 * H + (0 if step else 6 * S)      # bytes a step touches: minima in and out, eager costs
+        chunk = max(1, min(CACHE_BYTES // per_sequence, budget // threads // (4 * T * H)))
         threads = max(1, min(threads, B // chunk))          # a thread only for a full chunk: small ops share the GIL
-        search = functools.partial(_search, table=table.float(), L=L, K=K, chunk=chunk)
+        width = min(chunk, -(-B // threads))
+        n = -(-B // width) * width                           # equal chunks: one shape to compile
+        x = torch.cat((x.float(), x.new_zeros(n - B, T, dtype=torch.float32)))
+        wrap = None if wrap is None else torch.cat((wrap, wrap.new_zeros(n - B)))
+        failure = step and _compiles(H, S, width)
+        if failure:
+            if compiled:
+                raise RuntimeError("torch.compile cannot build the Viterbi step here") from failure
+            warnings.warn(f"torch.compile cannot build the Viterbi step here ({failure!r:.200}): it runs eager")
+            step = None
+        search = functools.partial(_search, table=table.float(), L=L, K=K, width=width, step=step)
+        rows = -(-n // width // threads) * width
+        parts = [slice(i, i + rows) for i in range(0, n, rows)]
 
-        def run(rows):
-            return search(x[rows], wrap=None if wrap is None else wrap[rows])
-        if threads == 1:
-            return run(slice(None))
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            return torch.cat(list(pool.map(run, [slice(i * B // threads, (i + 1) * B // threads)
-                                                 for i in range(threads)])))
+        @torch.no_grad()                                     # grad mode is per thread (and in the step's guards)
+        def run(part):
+            return search(x[part], wrap=None if wrap is None else wrap[part])
+        if len(parts) == 1:
+            return run(parts[0])[:B]
+        with concurrent.futures.ThreadPoolExecutor(len(parts)) as pool:
+            return torch.cat(list(pool.map(run, parts)))[:B]
 
 
-def _search(x, table, L, K, wrap, chunk):
-    """x [B, T] -> paths [B, T], in chunks of equal size <= chunk that share one set of buffers (fresh memory
-    costs a page fault per 4 KiB on its first write)."""
+def acs_step(prev, x, values):
+    """One add-compare-select step on the minima alone: prev [2^(L-K), B] = m_{t-1}, x [B] = x_{t-1}, values [2^L]
+    (v at each position) -> m_t [2^(L-K), B]. The successors of minimum q sit at positions b 2^(L-K) + q, so
+    cost_{t-1}[p] = prev[p mod 2^(L-K)] + (x - values[p])^2, and m_t[q] = min_j cost_{t-1}[q J + j]."""
+    H, B = prev.shape
+    cost = prev.repeat(values.shape[0] // H, 1) + (x - values[:, None]) ** 2
+    return cost.view(H, -1, B).amin(1)
+
+
+def _acs_into(prev, x, values, out):
+    out.copy_(acs_step(prev, x, values))
+
+
+@functools.cache
+def _compiled_step():
+    """acs_step compiled (writing into out): one pass over the states that never writes the costs. The C++ wrapper
+    (cpp_wrapper) runs it without the GIL, so that chunks on several Python threads run at once; one torch thread
+    each keeps inductor from adding an OpenMP team (and its barrier at every step). Made on first use: importing
+    torch.compile's machinery takes seconds."""
+    return torch.compile(_acs_into, dynamic=False, options={"cpp_wrapper": True})
+
+
+@functools.cache
+def _compiles(H, S, width):
+    """Compile the step for one chunk shape on this thread (before the workers call it), on zeros: None where it
+    works, the exception where it does not (no C++ compiler, say)."""
+    try:
+        _compiled_step()(torch.zeros(H, width), torch.zeros(width), torch.zeros(S), torch.empty(H, width))
+    except Exception as error:      # the eager step computes the same numbers
+        return error
+    return None
+
+
+def _acs_eager(prev, x, values, out, cost, scratch):
+    """acs_step(prev, x, values) into out, with whole-array ops on preallocated buffers cost [2^L, B], scratch
+    [2^(L-1), B] (fresh memory costs a page fault per 4 KiB on its first write)."""
+    H, B = prev.shape
+    view = cost.view(-1, H, B)
+    torch.sub(x, values.view(-1, H, 1), out=view).square_()
+    view += prev
+    _min_over_predecessors(cost, scratch, out)
+
+
+def _search(x, table, L, K, wrap, width, step):
+    """x [B, T] -> paths [B, T], in chunks of `width` sequences that share one set of buffers. step: the compiled
+    step, or None for the eager one."""
     B, T = x.shape
     S, H = 2 ** L, 2 ** (L - K)
-    width = -(-B // -(-B // chunk))
-    buffers = (torch.empty(S * width), torch.empty(S * width), torch.empty(T * H * width))
-    return torch.cat([_search_chunk(x[i:i + width], table, L, K, None if wrap is None else wrap[i:i + width],
-                                    *buffers) for i in range(0, B, width)])
+    best = torch.empty(T, H, width)
+    step = step or functools.partial(_acs_eager, cost=torch.empty(S, width), scratch=torch.empty(S // 2, width))
+    return torch.cat([_search_chunk(x[i:i + width], table, L, K, None if wrap is None else wrap[i:i + width], best,
+                                    step) for i in range(0, B, width)])
 
 
 def _min_over_predecessors(cost, scratch, out):
@@ -145,35 +207,28 @@ def _min_over_predecessors(cost, scratch, out):
     torch.minimum(view[:, 0], view[:, 1], out=out)
 
 
-def _search_chunk(x, table, L, K, wrap, cost, diff, best):
-    """x [B, T] -> paths [B, T]. cost [S, B] lives in state_layout's positions; best [T, 2^(L-K), B] keeps every
-    step's minima, from which the traceback recomputes the J candidates of the one state it follows."""
+def _search_chunk(x, table, L, K, wrap, best, step):
+    """x [B, T] -> paths [B, T]. best [T, 2^(L-K), B] holds every step's minima m_t in state_layout's positions
+    (m_0: 0, or inf off the pinned start), from which the traceback recomputes the J candidates of the one state it
+    follows."""
     B, T = x.shape
     S, H, J = 2 ** L, 2 ** (L - K), 2 ** K
     position, state = state_layout(L, K)
     values = table[state]                                            # the value at each position
     xt = x.T.contiguous()                                            # [T, B]: step t's inputs are contiguous
-    cost, diff, best = cost[:S * B].view(S, B), diff[:S * B].view(S, B), best[:T * H * B].view(T, H, B)
-    torch.sub(xt[0], values[:, None], out=cost).square_()
-    if wrap is not None:
-        cost.masked_fill_((state >> K)[:, None] != wrap[None, :], float("inf"))
+    best[0] = 0
+    if wrap is not None:                                             # s >> K is a function of position mod H
+        best[0].masked_fill_((state[:H] >> K)[:, None] != wrap[None, :], float("inf"))
     for t in range(1, T):
-        _min_over_predecessors(cost, diff, best[t])                  # diff serves as scratch here
-        torch.sub(xt[t], values[:, None], out=diff)
-        torch.addcmul(best[t], diff.view(J, H, B), diff.view(J, H, B), out=cost.view(J, H, B))
+        step(best[t - 1], xt[t - 1], values, best[t])
+    cost = best[T - 1].repeat(J, 1) + (xt[T - 1] - values[:, None]) ** 2
     if wrap is not None:
         cost.masked_fill_((state & (H - 1))[:, None] != wrap[None, :], float("inf"))
     at = torch.empty((T, B), dtype=torch.int64)                      # the path's positions
     at[-1] = cost.argmin(0)
-    batch = torch.arange(B)[:, None]
+    j = torch.arange(J)[:, None]
     for t in range(T - 1, 0, -1):
-        before = ((at[t] & (H - 1)) << K)[:, None] | torch.arange(J)  # [B, J]: the J predecessors' positions
-        diff = xt[t - 1][:, None] - values[before]
-        if t > 1:
-            candidates = torch.addcmul(best[t - 1][before & (H - 1), batch], diff, diff)
-        else:
-            candidates = diff.square()
-            if wrap is not None:
-                candidates.masked_fill_((state[before] >> K) != wrap[:, None], float("inf"))
-        at[t - 1] = before.gather(1, candidates.argmin(1, keepdim=True))[:, 0]
+        before = ((at[t] & (H - 1)) << K) | j                         # [J, B]: the J predecessors' positions
+        candidates = best[t - 1].gather(0, before & (H - 1)) + (xt[t - 1] - values[before]) ** 2
+        at[t - 1] = before.gather(0, candidates.argmin(0, keepdim=True))[0]
     return state[at.T]
