@@ -357,7 +357,7 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
         return bits / count
 
     if bpw is not None:
-        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt, sensitivity), tol=tol)
+        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt, sensitivity, feedback), tol=tol)
     else:
         measure(lam)
     layers, bits, count = found[lam]

@@ -54,17 +54,20 @@ LAMBDA_TABLE = Path(__file__).resolve().parents[2] / "data" / "entquant_lambda_b
 PRESETS = {None: [(3.9, 4.0), (14.5, 3.0), (58.0, 2.0)], "fisher": [(0.25, 4.04), (2.0, 3.06), (16.0, 2.16)]}
 
 
-def table_key(fmt, sensitivity=None):
+def table_key(fmt, sensitivity=None, feedback=None):
     """The lambda table's key: the format, plus "+fisher" when the Fisher-weighted loss sets the scales (its lambda
-    has another scale than the paper's)."""
-    return fmt if sensitivity is None else f"{fmt}+{sensitivity}"
+    has another scale than the paper's), plus "+feedback" when the codes come with error feedback (the same lambda
+    scale, a slightly higher rate at each lambda)."""
+    return fmt + (f"+{sensitivity}" if sensitivity else "") + ("+feedback" if feedback else "")
 
 
-def load_lambda_table(fmt="float8", sensitivity=None, path=LAMBDA_TABLE):
-    """[(lambda, bpw), ...] measured on the tiny trained model (benchmarks/entquant_rate.py rebuilds the file);
-    without it, PRESETS (the search then brackets from there)."""
+def load_lambda_table(fmt="float8", sensitivity=None, feedback=None, path=LAMBDA_TABLE):
+    """[(lambda, bpw), ...] measured on the tiny trained model (benchmarks/entquant_rate.py rebuilds the file); for
+    feedback without its own table, the table without feedback; without either, PRESETS (the search then brackets
+    from there)."""
     path = Path(path)
-    table = json.loads(path.read_text()).get(table_key(fmt, sensitivity), []) if path.exists() else []
+    tables = json.loads(path.read_text()) if path.exists() else {}
+    table = tables.get(table_key(fmt, sensitivity, feedback)) or tables.get(table_key(fmt, sensitivity))
     if not table:
         return PRESETS[sensitivity]
     return [(row["lambda"], row["bpw"]) for row in table]
