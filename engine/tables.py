@@ -121,8 +121,6 @@ def real_model_rows():
         Row("NVFP4", mx.quantize, dict(format="nvfp4")),
         Row("NF4, g64", nf4.quantize, dict(group_size=64)),
         *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.05)) for b in (4.0, 3.0, 2.1)],
-        *[Row(f"EntQuant Float8+ANS + self-Hessian feedback, ~{b} bpw", entropy.quantize,
-              dict(bpw=b, tol=0.05, feedback="self")) for b in (3.0, 2.1)],
         *[Row(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (4.0, 3.0, 2.0)],
         Row("trellis (QTIP-style), L=8, K=3", trellis.quantize, dict(L=8, K=3)),
         Row("trellis (QTIP-style), L=8", trellis.quantize, dict(L=8, K=2)),
