@@ -2,9 +2,12 @@
 coder's and the runtime's figures.
 
     python benchmarks/entquant_rate.py calibrate      # rebuilds data/entquant_lambda_bpw.json (Float8 and Int8,
-                                                      # the paper's loss and the Fisher-weighted one)
+                                                      # the paper's loss and the Fisher-weighted one, each with
+                                                      # and without error feedback)
     python benchmarks/entquant_rate.py measure        # KL rows (with NF4, RTN int2 and, if installed, HQQ),
                                                       # coder throughput, compression time, resident memory
+    python benchmarks/entquant_rate.py measure --sensitivities none --feedbacks none self --bpw 3.0 2.1
+                                                      # the paper's nearest codes against error feedback
     python benchmarks/entquant_rate.py coder          # rANS throughput (one thread) on synthetic E4M3 blocks of a
                                                       # block's size (786,432 symbols at ~2.1 bits) and of 15.7M
 
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.coding import rans
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats
-from engine.formats import affine, entropy, nf4
+from engine.formats import affine, entropy, entropy_feedback, nf4
 from engine.formats.base import quantized_linears
 from engine.formats.sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 from engine.qwen3 import Qwen3Config
@@ -44,24 +47,25 @@ def model_for(args):
 def calibrate(args):
     model = model_for(args)
     linears = entropy._block_linears(model)
-    table = {"model": "tiny Qwen3 (2 layers, hidden 256, intermediate 768), engine.training defaults",
+    out = Path(args.out)                                  # the tables not asked for stay as they are
+    table = {**(json.loads(out.read_text()) if out.exists() else {}),
+             "model": "tiny Qwen3 (2 layers, hidden 256, intermediate 768), engine.training defaults",
              "train_steps": args.steps, "seed": args.seed}
-    for sensitivity in map(parse_sensitivity, args.sensitivities):
-        importance = None
-        if sensitivity == "fisher":
-            names = [n for named in linears.values() for n, _ in named]
-            importance = fisher_importance(model, names, self_generated_ids(model))
-        for fmt in args.fmts:
-            rows = []
-            for lam in args.lambdas or LAMBDAS[sensitivity]:
-                start = time.time()
-                layers, bits, count = entropy.compress_blocks(linears, lam, fmt, importance=importance)
-                row = {"lambda": lam, "bpw": round(bits / count, 4), "seconds": round(time.time() - start, 1),
-                       "stream_bytes": sum(m.stream.numel() for m in layers.values()), "symbols": count}
-                rows.append(row)
-                print(json.dumps({"table": entropy.table_key(fmt, sensitivity), **row}), flush=True)
-            table[entropy.table_key(fmt, sensitivity)] = rows
-    Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
+    names = [n for named in linears.values() for n, _ in named]
+    for sensitivity, feedback, fmt in [(parse_sensitivity(s), entropy_feedback.parse_feedback(f), fmt)
+                                       for s in args.sensitivities for f in args.feedbacks for fmt in args.fmts]:
+        importance = fisher_importance(model, names, self_generated_ids(model)) if sensitivity else None
+        hessians = entropy_feedback.self_hessians(model, names, self_generated_ids(model)) if feedback else None
+        key, rows = entropy.table_key(fmt, sensitivity, feedback), []
+        for lam in args.lambdas or LAMBDAS[sensitivity]:
+            start = time.time()
+            layers, bits, count = entropy.compress_blocks(linears, lam, fmt, importance=importance, hessians=hessians)
+            row = {"lambda": lam, "bpw": round(bits / count, 4), "seconds": round(time.time() - start, 1),
+                   "stream_bytes": sum(m.stream.numel() for m in layers.values()), "symbols": count}
+            rows.append(row)
+            print(json.dumps({"table": key, **row}), flush=True)
+        table[key] = rows
+    out.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
@@ -118,11 +122,12 @@ def measure(args):
         kl_row(label, m, sum(x.storage_bits() for x in layers) / sum(x.in_features * x.out_features for x in layers))
     for bits in (4, 3, 2):
         hqq_row(model, bits, kl_row)
-    for sensitivity, target in [(s, b) for s in args.sensitivities for b in args.bpw]:
-        sensitivity = parse_sensitivity(sensitivity)
+    for sensitivity, feedback, target in [(s, f, b) for s in args.sensitivities for f in args.feedbacks
+                                          for b in args.bpw]:
+        sensitivity, feedback = parse_sensitivity(sensitivity), entropy_feedback.parse_feedback(feedback)
         m = copy.deepcopy(model)
         start = time.time()
-        qcfg = entropy.quantize(m, bpw=target, sensitivity=sensitivity, tol=args.tol)
+        qcfg = entropy.quantize(m, bpw=target, sensitivity=sensitivity, tol=args.tol, feedback=feedback)
         seconds = time.time() - start
         block0 = m.entquant_decoder.blocks[0]
         raw, context = block0[0].stream.numpy().tobytes(), entropy.block_context(0, block0)
@@ -131,7 +136,8 @@ def measure(args):
         enc = best_seconds(lambda: rans.rans_encode(symbols, context=context))
         dec = best_seconds(lambda: rans.rans_decode(raw, context=context))
         h = rans.empirical_entropy_bits(symbols) / 8
-        label = f"EntQuant Float8+ANS{' + self-Fisher' if sensitivity else ''} (bpw={target})"
+        label = (f"EntQuant Float8+ANS{' + self-Fisher' if sensitivity else ''}"
+                 f"{' + self-Hessian feedback' if feedback else ''} (bpw={target})")
         kl_row(label, m, qcfg["bits_per_weight"], **{
             "lambda": round(qcfg["lambda"], 3), "compress_seconds": round(seconds, 1), "block0_symbols": stream.n,
             "lanes": stream.states.size, "block0_bytes": len(raw), "block0_entropy_bytes": round(h),
@@ -173,6 +179,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lambdas", type=float, nargs="+", help="default: LAMBDAS of each sensitivity")
     p.add_argument("--sensitivities", nargs="+", choices=["none", "fisher"], default=["none", "fisher"])
+    p.add_argument("--feedbacks", nargs="+", choices=["none", "self"], default=["none", "self"])
     p.add_argument("--fmts", nargs="+", default=["float8", "int8"])
     p.add_argument("--bpw", type=float, nargs="+", default=[4.0, 3.0, 2.1])
     p.add_argument("--tol", type=float, default=0.01, help="measure: bpw tolerance of the lambda search")

@@ -57,6 +57,8 @@ def rows():
         *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.01)) for b in (4.0, 3.0, 2.1)],
         *[Row(f"EntQuant Float8+ANS + self-Fisher, ~{b} bpw", entropy.quantize,
               dict(bpw=b, tol=0.01, sensitivity="fisher")) for b in (3.0, 2.1)],
+        *[Row(f"EntQuant Float8+ANS + self-Hessian feedback, ~{b} bpw", entropy.quantize,
+              dict(bpw=b, tol=0.01, feedback="self")) for b in (3.0, 2.1)],
         Row("NF4, g64", nf4.quantize, dict(group_size=64)),
         *[Row(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (2.0, 3.0, 4.0)],
         *[Row(f"lattice {name}, 3.0 bps", lattice.quantize, dict(lattice=name, bps=3.0)) for name in ("D4", "A2", "Z")],

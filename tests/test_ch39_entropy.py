@@ -1,5 +1,6 @@
 """EntQuant: the scale search, the block-by-block runtime from one shared buffer, rate control, the checkpoint and
-its integrity (the block streams bound to the config and the scales), and the Fisher-weighted loss."""
+its integrity (the block streams bound to the config and the scales), the Fisher-weighted loss and the error
+feedback."""
 import copy
 import json
 
@@ -12,6 +13,7 @@ from engine.coding import rans
 from engine.evaluation import kl_stats
 from engine.formats import base
 from engine.formats import entropy as E
+from engine.formats import entropy_feedback as F
 from engine.formats.minifloats import round_e4m3
 from engine.formats.sensitivity import fisher_importance, self_generated_ids
 from engine.kernels import stream_decoders
@@ -322,16 +324,92 @@ def test_fisher_importance_is_relative_to_the_whole_model(tiny_model):
         fisher_importance(tiny_model, names, ids)
 
 
-def test_fisher_weighted_loss_lowers_kl_at_the_same_rate(tiny_model):
-    ids = self_generated_ids(tiny_model, samples=4, seq_len=64, seed=5)       # not the Fisher's own samples (seed 0)
+@pytest.mark.parametrize("option, bound", [(dict(sensitivity="fisher", fisher_samples=4), 0.8),      # seen 0.56x
+                                           (dict(feedback="self", feedback_samples=8), 0.9)])      # seen 0.81x
+def test_self_generated_text_lowers_kl_at_the_same_rate(tiny_model, option, bound):
+    """The Fisher-weighted loss and the error feedback, each against the paper's EntQuant (an untrained model)."""
+    ids = self_generated_ids(tiny_model, samples=4, seq_len=64, seed=5)       # not the options' own samples (seed 0)
     with torch.no_grad():
         reference = tiny_model(ids)
-    kl, bits = {}, {}
-    for sensitivity in (None, "fisher"):
+    kl, bits = [], []
+    for options in ({}, option):
         model = copy.deepcopy(tiny_model)
-        qcfg = E.quantize(model, bpw=2.5, tol=0.05, max_iter=20, sensitivity=sensitivity, fisher_samples=4)
+        qcfg = E.quantize(model, bpw=2.5, tol=0.05, max_iter=20, **options)
         with torch.no_grad():
-            kl[sensitivity] = kl_stats(reference, model(ids))["kl_nats"]
-        bits[sensitivity] = qcfg["bits_per_weight"]
-    assert abs(bits[None] - 2.5) <= 0.05 and abs(bits["fisher"] - 2.5) <= 0.05
-    assert kl["fisher"] < 0.8 * kl[None], (kl, bits)                    # seen 0.56x
+            kl.append(kl_stats(reference, model(ids))["kl_nats"])
+        bits.append(qcfg["bits_per_weight"])
+    assert qcfg.get("sensitivity") == option.get("sensitivity") and qcfg["feedback"] == option.get("feedback")
+    assert abs(bits[0] - 2.5) <= 0.05 and abs(bits[1] - 2.5) <= 0.05
+    assert kl[1] < bound * kl[0], (kl, bits)
+
+
+def _correlated_inputs(n=2048, d=48, seed=0):
+    """Inputs [n, d] whose features are strongly correlated (what makes error feedback pay)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d, d, generator=g) * 0.3 + torch.eye(d)
+    return torch.randn(n, d, generator=g) @ mix
+
+
+@pytest.mark.parametrize("fmt", ["float8", "int8"])
+def test_feedback_codes_lie_on_the_grid_and_lower_the_output_error(fmt):
+    torch.manual_seed(0)
+    x = _correlated_inputs()
+    H = 2 * x.T @ x / len(x)
+    w = torch.randn(32, 48) * 0.02
+    s = E.entquant_scales(w, 58.0 if fmt == "float8" else 14.5, fmt, max_iter=30)
+    w_hat = F.feedback_weight(w, s, H, fmt)
+    codes = E.encode_weight(w_hat, s, fmt)
+    assert torch.equal(E.decode_weight(codes, s, fmt), w_hat)           # stored exactly: nothing else is needed
+    nearest = E.decode_weight(E.encode_weight(w, s, fmt), s, fmt)
+    out_err = lambda v: ((v - w) @ x.T).square().mean().item()
+    assert out_err(w_hat) < 0.8 * out_err(nearest)
+
+
+def test_feedback_with_uncorrelated_inputs_is_nearest_rounding():
+    torch.manual_seed(1)
+    w = torch.randn(16, 40) * 0.02
+    s = E.entquant_scales(w, 14.5, max_iter=30)
+    H = torch.diag(torch.rand(40) + 0.5)                                 # no cross terms: nothing to feed back
+    assert torch.equal(F.feedback_weight(w, s, H), E.decode_weight(E.encode_weight(w, s), s))
+
+
+def test_feedback_keeps_super_weights_exact_and_counts_their_error_as_zero():
+    torch.manual_seed(2)
+    x = _correlated_inputs(d=32, seed=2)
+    H = 2 * x.T @ x / len(x)
+    w = torch.randn(16, 32) * 0.02
+    w[3, 5] = 2.0
+    keep = E.super_weight_mask(w, 1)
+    s = E.entquant_scales(w, 14.5, "int8", keep=keep, max_iter=30)
+    w_hat = F.feedback_weight(w, s, H, "int8", keep=keep)
+    assert w_hat[3, 5] == 0                                              # the code beside the exact value
+    # with the super weight restored, the error must be small: spreading 2.0 - 0 over row 3 would not be
+    restored = w_hat.clone()
+    restored[3, 5] = 2.0
+    nearest = E.decode_weight(E.encode_weight(w, s, "int8", keep), s, "int8")
+    nearest[3, 5] = 2.0
+    out_err = lambda v: ((v - w) @ x.T).square().mean().item()
+    assert out_err(restored) < 0.8 * out_err(nearest)
+
+
+def test_feedback_arguments_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="feedback must be"):
+        E.quantize(tiny_model, lam=10.0, feedback="calibration")
+    with pytest.raises(ValueError, match="do not fit"):
+        F.feedback_weight(torch.randn(4, 8), torch.zeros(4), torch.eye(7))
+    with pytest.raises(ValueError, match="not linears"):
+        F.self_hessians(tiny_model, ["model.layers.0.mlp"], torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_self_hessians_are_the_inputs_second_moment(tiny_model):
+    ids = self_generated_ids(tiny_model, samples=3, seq_len=16)
+    name = "model.layers.1.mlp.down_proj"
+    seen = []
+    module = dict(tiny_model.named_modules())[name]
+    handle = module.register_forward_pre_hook(lambda m, args: seen.append(args[0].reshape(-1, m.in_features)))
+    with torch.no_grad():
+        tiny_model(ids)
+    handle.remove()
+    x = torch.cat(seen)
+    H = F.self_hessians(tiny_model, [name, "model.layers.0.self_attn.q_proj"], ids, batch_size=2)[name]
+    torch.testing.assert_close(H, 2 * x.T @ x / len(x), rtol=1e-4, atol=1e-6)

@@ -27,25 +27,27 @@ sum_j phi_j / Z ||W_hat_j - W_j||^2 / n_layer, phi_j / Z the diagonal Fisher inf
 samples, normalized over the whole model (engine/formats/sensitivity.py): a second-order estimate of the KL that the
 layer's error costs, so one lambda trades rate against it in every layer alike (sensitive rows get finer steps).
 
-Rate control. lambda -> bits per weight is close to log-linear (the paper: nearly model-independent); the table
-measured on the tiny model ships in data/entquant_lambda_bpw.json and seeds a bracketing search on lambda that
-meets a bpw target (measured: coded bytes of everything, scales included) within a tolerance.
+Error feedback (our addition, optional: feedback="self"; engine/formats/entropy_feedback.py). The same scales,
+format and streams, but each row's codes are chosen column by column with GPTQ's error feedback, the Hessians
+taken from text the model writes itself (still no calibration data).
+
+Rate control (engine/formats/entropy_rate.py). lambda -> bits per weight is close to log-linear; a shipped table
+seeds a bracketing search on lambda that meets a bpw target (coded bytes of everything, scales included).
 """
 import functools
 import json
-import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..coding.rans import PROB_BITS, RansStream, rans_decode, rans_encode
 from ..kernels import stream_decoders, triton_formats
 from .base import CheckpointMethod, QuantLinear, config_field, get_impl, matrix_shape, replace_linears
-from .minifloats import E4M3_MAX, round_e4m3
+from .entropy_feedback import feedback_weight, parse_feedback, quantize_codes, self_hessians
+from .entropy_rate import LAMBDA_TABLE, PRESETS, lambda_for_bpw, load_lambda_table, table_key  # noqa: F401
+from .minifloats import E4M3_MAX
 from .sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 
 
@@ -56,11 +58,7 @@ FORMATS = {"float8": E4M3_MAX, "int8": 127.0}          # largest code magnitude
 
 def _ste_codes(x, fmt):
     """Straight-through quantizer: forward = the stored code values, backward = identity (cast and clamp alike)."""
-    if fmt == "float8":
-        q = round_e4m3(x.detach())
-    else:
-        q = x.round().clamp(-127.0, 127.0)
-    return x + (q - x).detach()
+    return x + (quantize_codes(x.detach(), fmt) - x).detach()
 
 
 def entquant_scales(weight, lam, fmt="float8", max_iter=500, history=100, lr=1.0, keep=None, importance=None):
@@ -293,10 +291,12 @@ def _block_linears(model):
     return {i: named for i, named in found.items() if named}
 
 
-def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, lanes=None, importance=None):
+def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, lanes=None, importance=None,
+                    hessians=None):
     """{block: [(name, nn.Linear)]} -> ({name: EntQuantLinear, not yet bound to a decoder}, total bits, weight
     count). Each block's stream, bound to its block_context, sits in the block's first layer. super_weights applies
-    to Int8 only; importance: {name: [out]} from fisher_importance, or None for the paper's loss."""
+    to Int8 only; importance: {name: [out]} from fisher_importance, or None for the paper's loss; hessians:
+    {name: [in, in]} from self_hessians for the error feedback, or None for the paper's nearest codes."""
     layers, bits, count = {}, 0, 0
     for i, named in linears.items():
         block, codes = [], []
@@ -305,7 +305,8 @@ def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, l
             keep = super_weight_mask(w, super_weights) if fmt == "int8" else None
             s = entquant_scales(w, lam, fmt, max_iter=max_iter, keep=keep,
                                 importance=None if importance is None else importance[name])
-            codes.append(encode_weight(w, s, fmt, keep).reshape(-1))
+            target = w if hessians is None else feedback_weight(w, s, hessians[name], fmt, keep)
+            codes.append(encode_weight(target, s, fmt, keep).reshape(-1))
             idx = torch.zeros(0, dtype=torch.int32) if keep is None else keep.reshape(-1).nonzero()[:, 0].int()
             layers[name] = EntQuantLinear(w.shape[1], w.shape[0], s, fmt, None, idx, w.reshape(-1)[idx.long()],
                                           linear.bias)
@@ -318,115 +319,67 @@ def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, l
     return layers, bits, count
 
 
-def lambda_for_bpw(target, measure, table, tol=0.05, max_evals=10):
-    """Find lambda with |measure(lambda) - target| <= tol (measure: lambda -> coded bits per weight, decreasing).
-
-    First guess: the shipped lambda -> bpw table, read as log-linear. Then bracket and bisect in log lambda, each new
-    point placed where the line through the bracket's ends meets the target (regula falsi), clamped to the middle
-    80% of the bracket so that it always shrinks. Returns (lambda, bpw)."""
-    table = sorted(table)
-    if not table:
-        raise ValueError("no lambda -> bpw table to start from")
-    logs = np.log([lam for lam, _ in table])
-    rates = np.array([b for _, b in table])
-    order = np.argsort(rates)
-    log_lam = float(np.interp(target, rates[order], logs[order]))
-    lo = hi = None                                              # (log lambda, bpw) with bpw above / below target
-    bar = tqdm(range(max_evals), desc=f"lambda for {target} bpw", leave=False, disable=None)   # a terminal only
-    for _ in bar:
-        bpw = measure(math.exp(log_lam))
-        bar.set_postfix(lam=f"{math.exp(log_lam):.3g}", bpw=f"{bpw:.3f}")
-        if abs(bpw - target) <= tol:
-            bar.close()
-            return math.exp(log_lam), bpw
-        if bpw > target:
-            lo = (log_lam, bpw)
-        else:
-            hi = (log_lam, bpw)
-        if lo is None or hi is None:
-            log_lam += math.log(2.0) if hi is None else -math.log(2.0)
-            continue
-        frac = (lo[1] - target) / (lo[1] - hi[1])
-        log_lam = lo[0] + min(max(frac, 0.1), 0.9) * (hi[0] - lo[0])
-    raise ValueError(f"no lambda reached {target} +- {tol} bits per weight in {max_evals} tries")
-
-
-LAMBDA_TABLE = Path(__file__).resolve().parents[2] / "data" / "entquant_lambda_bpw.json"
-
-
-# Where no table is shipped: the paper's Float8 presets, and what the Fisher-weighted loss measured on the tiny model.
-PRESETS = {None: [(3.9, 4.0), (14.5, 3.0), (58.0, 2.0)], "fisher": [(0.25, 4.04), (2.0, 3.06), (16.0, 2.16)]}
-
-
-def table_key(fmt, sensitivity=None):
-    """The lambda table's key: the format, plus "+fisher" when the Fisher-weighted loss sets the scales (its lambda
-    has another scale than the paper's)."""
-    return fmt if sensitivity is None else f"{fmt}+{sensitivity}"
-
-
-def load_lambda_table(fmt="float8", sensitivity=None, path=LAMBDA_TABLE):
-    """[(lambda, bpw), ...] measured on the tiny trained model (benchmarks/entquant_rate.py rebuilds the file);
-    without it, PRESETS (the search then brackets from there)."""
-    path = Path(path)
-    table = json.loads(path.read_text()).get(table_key(fmt, sensitivity), []) if path.exists() else []
-    if not table:
-        return PRESETS[sensitivity]
-    return [(row["lambda"], row["bpw"]) for row in table]
-
-
 @torch.no_grad()
 def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", super_weights=8, max_iter=500,
-             lanes=None, tol=0.05, sensitivity=None, fisher_samples=64):
+             lanes=None, tol=0.05, sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64):
     """EntQuant, data-free (calibration_ids is ignored): replace every linear of every transformer block by an
     EntQuantLinear, IN PLACE. Give lam (lambda) or bpw (a target in coded bits per weight, metadata included, reached
     within tol by searching lambda). sensitivity="fisher" weights the reconstruction by the Fisher information
-    estimated on fisher_samples sequences the model writes itself (see the module docstring). Returns the
+    estimated on fisher_samples sequences the model writes itself; feedback="self" chooses the codes with error
+    feedback, the Hessians from feedback_samples such sequences (see the module docstring). Returns the
     quantization_config."""
     if (lam is None) == (bpw is None):
         raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
-    sensitivity = parse_sensitivity(sensitivity)
+    sensitivity, feedback = parse_sensitivity(sensitivity), parse_feedback(feedback)
     linears = _block_linears(model)
-    importance = None
+    names = [n for named in linears.values() for n, _ in named]
+    importance = hessians = None
     if sensitivity == "fisher":
         start = time.time()
-        ids = self_generated_ids(model, fisher_samples)
-        importance = fisher_importance(model, [n for named in linears.values() for n, _ in named], ids)
+        importance = fisher_importance(model, names, self_generated_ids(model, fisher_samples))
         print(f"entquant: Fisher sensitivities from {fisher_samples} self-generated sequences "
               f"({time.time() - start:.1f} s)", file=sys.stderr, flush=True)
+    if feedback == "self":
+        start = time.time()
+        hessians = self_hessians(model, names, self_generated_ids(model, feedback_samples))
+        print(f"entquant: Hessians from {feedback_samples} self-generated sequences ({time.time() - start:.1f} s)",
+              file=sys.stderr, flush=True)
     found = {}
 
     def measure(lam_):
         start = time.time()
-        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes, importance)
+        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes, importance, hessians)
         _, bits, count = found[lam_]
         print(f"entquant: lambda {lam_:.4g} -> {bits / count:.3f} bits per weight ({time.time() - start:.1f} s)",
               file=sys.stderr, flush=True)
         return bits / count
 
     if bpw is not None:
-        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt, sensitivity), tol=tol)
+        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt, sensitivity, feedback), tol=tol)
     else:
         measure(lam)
     layers, bits, count = found[lam]
     replace_linears(model, lambda name, linear: layers[name], names=set(layers))
     attach_decoder(model)
     return {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
-            "sensitivity": sensitivity, "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
+            "sensitivity": sensitivity, "feedback": feedback, "coding_unit": "transformer block", "coder": "rANS",
+            "prob_bits": PROB_BITS}
 
 
 @torch.no_grad()
 def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max_iter=500, lanes=None, tol=0.05,
-                   sensitivity=None, fisher_samples=64):
+                   sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64):
     """EntQuant one transformer block (a calibration.LayerCalibration: the coding unit) in place, for the streaming
     converter: with lam, exactly what `quantize` does to this block; with bpw, lambda is searched for this block
     alone (each block then meets the target, rather than the model on average). The Fisher-weighted loss needs the
     whole model's gradients and is refused here. Returns the quantization_config."""
     if (lam is None) == (bpw is None):
         raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
-    if parse_sensitivity(sensitivity) is not None:
-        raise ValueError("sensitivity='fisher' needs the whole model in memory (engine.formats.entropy.quantize)")
+    if parse_sensitivity(sensitivity) is not None or parse_feedback(feedback) is not None:
+        raise ValueError("sensitivity='fisher' and feedback='self' need the whole model in memory to write their "
+                         "own text (engine.formats.entropy.quantize)")
     linears = {layer.index: [(name, layer.module(name)) for name in layer.linear_names()]}
     found = {}
 
@@ -441,7 +394,8 @@ def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max
     layers, bits, count = found[lam]
     layer.replace(lambda name, linear: layers[name], names=set(layers))
     return {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
-            "sensitivity": None, "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
+            "sensitivity": None, "feedback": None, "coding_unit": "transformer block", "coder": "rANS",
+            "prob_bits": PROB_BITS}
 
 
 def resident_bytes(model):

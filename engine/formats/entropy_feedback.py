@@ -1,0 +1,83 @@
+"""EntQuant with error feedback (our addition, optional: feedback="self"): the same codes, scales and streams, but
+each weight's code is chosen knowing the errors already made in its row, as GPTQ / OBS does.
+
+The paper rounds every weight to its nearest E4M3 value at its row's scale. With the inputs' second moment
+H = 2 X^T X / n of a linear, the output error of a weight error E is tr(E H E^T) / 2; quantizing the columns in
+order and, after each column i, spreading its error over the columns not yet quantized,
+
+    W[:, j] -= (W[:, i] - Q[:, i]) * U[i, j] / U[i, i]   for j > i,   U = upper Cholesky factor of H^-1,
+
+leaves the later columns to cancel what column i got wrong (Frantar et al., GPTQ). The quantizer is EntQuant's own
+(E4M3 or int8 at the row's fixed scale 2^s), so the format, the storage and the decoder stay exactly the paper's;
+only which code each weight gets changes, and the entropy of the codes with it (the lambda search then meets the
+rate). To stay data-free, X is text the model writes itself (engine/formats/sensitivity.py's self_generated_ids):
+no calibration text is read. The Hessians are those of the float model, all captured in one pass.
+"""
+import torch
+
+from .calibration import capture
+from .minifloats import round_e4m3
+
+
+def parse_feedback(feedback):
+    """None or "none" -> None (the paper's nearest codes); "self" -> "self" (error feedback, self-generated text)."""
+    if feedback in (None, "none"):
+        return None
+    if feedback != "self":
+        raise ValueError(f"feedback must be 'none' (nearest codes) or 'self' (error feedback with Hessians from "
+                         f"self-generated text), got {feedback!r}")
+    return feedback
+
+
+def quantize_codes(x, fmt):
+    """Values in code units [...] -> the nearest code values (float): E4M3 (saturating at 448) or int8."""
+    return round_e4m3(x) if fmt == "float8" else x.round().clamp(-127.0, 127.0)
+
+
+def self_hessians(model, names, ids, batch_size=8):
+    """{name: H [in, in] = 2 X^T X / n} of the named linears' inputs on ids [batch, T] (self_generated_ids), from
+    one forward pass of the (float) model per batch."""
+    modules = dict(model.named_modules())
+    missing = [n for n in names if not isinstance(modules.get(n), torch.nn.Linear)]
+    if missing:
+        raise ValueError(f"self_hessians: not linears of this model: {missing[:3]}")
+    with torch.no_grad():
+        stats = capture({n: modules[n] for n in names}, ids.split(batch_size), model)
+    return {n: s.hessian for n, s in stats.items()}
+
+
+@torch.no_grad()
+def feedback_weight(weight, log_scale, hessian, fmt="float8", keep=None, damp=0.01, block=128):
+    """weight [out, in], log2 scales [out], hessian [in, in] -> W_hat [out, in] float32, every entry a code value
+    times its row's 2^s (encode_weight(W_hat, log_scale) gives its codes exactly), chosen column by column with the
+    error feedback of the module docstring. keep (bool [out, in], Int8 super weights): stored exactly, so their
+    error is zero and their W_hat is 0 (the code beside the exact value). damp: added to H's diagonal, times its
+    mean (GPTQ's dampening). Columns are taken in blocks of `block`: within a block each error updates the block at
+    once, the columns after it in one matmul when the block is done."""
+    out_f, cols = weight.shape
+    if hessian.shape != (cols, cols) or log_scale.shape != (out_f,):
+        raise ValueError(f"hessian {tuple(hessian.shape)} and log_scale {tuple(log_scale.shape)} do not fit a "
+                         f"weight of shape {tuple(weight.shape)}")
+    W, H = weight.detach().float().clone(), hessian.float().clone()
+    dead = torch.diag(H) == 0                                 # inputs never active: their weights cannot matter
+    H[dead, dead] = 1
+    H += damp * torch.diag(H).mean() * torch.eye(cols, device=H.device)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    step, inv = torch.exp2(log_scale.float()), torch.exp2(-log_scale.float())
+    exact = torch.zeros_like(W, dtype=torch.bool) if keep is None else keep
+    original = weight.detach().float()
+    W_hat = torch.zeros_like(W)
+    for i1 in range(0, cols, block):
+        i2 = min(i1 + block, cols)
+        W1, errors = W[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1, device=W.device)
+        for i in range(i2 - i1):
+            col = i1 + i
+            q = quantize_codes(W1[:, i] * inv, fmt) * step
+            q = torch.where(dead[col] | exact[:, col], 0.0, q)
+            W_hat[:, col] = q
+            # a super weight's stored value is its original one: what remains of the feedback there is its error
+            err = W1[:, i] - torch.where(exact[:, col], original[:, col], q)
+            errors[:, i] = err / U[col, col]
+            W1[:, i:] -= errors[:, i:i + 1] * U[col, col:i2][None, :]
+        W[:, i2:] -= errors @ U[i1:i2, i2:]
+    return W_hat
