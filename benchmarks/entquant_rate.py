@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.coding import rans
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats
-from engine.formats import affine, entropy, entropy_feedback, nf4
+from engine.formats import affine, entropy, entropy_feedback, entropy_rate, nf4
 from engine.formats.base import quantized_linears
 from engine.formats.sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 from engine.qwen3 import Qwen3Config
@@ -56,7 +56,7 @@ def calibrate(args):
                                        for s in args.sensitivities for f in args.feedbacks for fmt in args.fmts]:
         importance = fisher_importance(model, names, self_generated_ids(model)) if sensitivity else None
         hessians = entropy_feedback.self_hessians(model, names, self_generated_ids(model)) if feedback else None
-        key, rows = entropy.table_key(fmt, sensitivity, feedback), []
+        key, rows = entropy_rate.table_key(fmt, sensitivity, feedback), []
         for lam in args.lambdas or LAMBDAS[sensitivity]:
             start = time.time()
             layers, bits, count = entropy.compress_blocks(linears, lam, fmt, importance=importance, hessians=hessians)
@@ -183,7 +183,7 @@ def main():
     p.add_argument("--fmts", nargs="+", default=["float8", "int8"])
     p.add_argument("--bpw", type=float, nargs="+", default=[4.0, 3.0, 2.1])
     p.add_argument("--tol", type=float, default=0.01, help="measure: bpw tolerance of the lambda search")
-    p.add_argument("--out", default=str(entropy.LAMBDA_TABLE))
+    p.add_argument("--out", default=str(entropy_rate.LAMBDA_TABLE))
     p.add_argument("--symbols", type=int, nargs="+", default=[786_432, 15_728_640], help="coder: block sizes")
     p.add_argument("--repeats", type=int, default=7, help="coder: timed decodes per block (median and best)")
     args = p.parse_args()

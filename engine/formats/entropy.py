@@ -46,7 +46,7 @@ from ..coding.rans import PROB_BITS, RansStream, rans_decode, rans_encode
 from ..kernels import stream_decoders, triton_formats
 from .base import CheckpointMethod, QuantLinear, config_field, get_impl, matrix_shape, replace_linears
 from .entropy_feedback import feedback_weight, parse_feedback, quantize_codes, self_hessians
-from .entropy_rate import LAMBDA_TABLE, PRESETS, lambda_for_bpw, load_lambda_table, table_key  # noqa: F401
+from .entropy_rate import lambda_for_bpw, load_lambda_table
 from .minifloats import E4M3_MAX
 from .sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 
