@@ -54,6 +54,8 @@ def rows():
         Row("trellis (QTIP-style), L=16, tail-biting", trellis.quantize, dict(L=16, K=2, tail_biting=True)),
         Row("RTN int2, g64 (for comparison)", affine.quantize, dict(bits=2, group_size=64)),
         Row("trellis BlockLDLQ (QTIP-style), L=8, 16x16 tiles", trellis.quantize, dict(L=8, K=2, ldlq=True)),
+        Row("trellis BlockLDLQ (QTIP-style), L=16, tail-biting, 16x16 tiles", trellis.quantize,
+            dict(L=16, K=2, tail_biting=True, ldlq=True)),
         *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.01)) for b in (4.0, 3.0, 2.1)],
         *[Row(f"EntQuant Float8+ANS + self-Fisher, ~{b} bpw", entropy.quantize,
               dict(bpw=b, tol=0.01, sensitivity="fisher")) for b in (3.0, 2.1)],
