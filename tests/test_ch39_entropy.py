@@ -392,9 +392,30 @@ def test_feedback_keeps_super_weights_exact_and_counts_their_error_as_zero():
     assert out_err(restored) < 0.8 * out_err(nearest)
 
 
+def test_feedback_damping_reaches_the_codes():
+    torch.manual_seed(0)
+    x = _correlated_inputs()
+    H, w = 2 * x.T @ x / len(x), torch.randn(32, 48) * 0.02
+    s = E.entquant_scales(w, 58.0, "float8", max_iter=30)
+    nearest = E.decode_weight(E.encode_weight(w, s), s)
+    moved = [(F.feedback_weight(w, s, H, damp=d) != nearest).float().mean() for d in (0.01, 1e4)]
+    assert moved[0] > 0.05 and moved[1] < 0.2 * moved[0]           # a huge diagonal leaves nothing to feed back
+
+
+def test_quantize_hands_feedback_damp_to_every_linear(tiny_model, monkeypatch):
+    seen = []
+    monkeypatch.setattr(E, "feedback_weight", lambda w, s, h, fmt, keep, damp: seen.append(damp) or w)
+    qcfg = E.quantize(copy.deepcopy(tiny_model), lam=10.0, max_iter=2, feedback="self", feedback_samples=1,
+                      feedback_damp=0.5)
+    assert seen == [0.5] * 14 and qcfg["feedback_damp"] == 0.5                  # 7 linears in each of 2 blocks
+
+
 def test_feedback_arguments_are_refused(tiny_model):
     with pytest.raises(ValueError, match="feedback must be"):
         E.quantize(tiny_model, lam=10.0, feedback="calibration")
+    for damp in (-0.1, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="feedback_damp"):
+            E.quantize(tiny_model, lam=10.0, feedback="self", feedback_damp=damp)
     with pytest.raises(ValueError, match="do not fit"):
         F.feedback_weight(torch.randn(4, 8), torch.zeros(4), torch.eye(7))
     with pytest.raises(ValueError, match="not linears"):

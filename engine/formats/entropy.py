@@ -292,11 +292,12 @@ def _block_linears(model):
 
 
 def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, lanes=None, importance=None,
-                    hessians=None):
+                    hessians=None, damp=0.01):
     """{block: [(name, nn.Linear)]} -> ({name: EntQuantLinear, not yet bound to a decoder}, total bits, weight
     count). Each block's stream, bound to its block_context, sits in the block's first layer. super_weights applies
     to Int8 only; importance: {name: [out]} from fisher_importance, or None for the paper's loss; hessians:
-    {name: [in, in]} from self_hessians for the error feedback, or None for the paper's nearest codes."""
+    {name: [in, in]} from self_hessians for the error feedback (damp: its dampening), or None for the paper's nearest
+    codes."""
     layers, bits, count = {}, 0, 0
     for i, named in linears.items():
         block, codes = [], []
@@ -305,7 +306,7 @@ def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, l
             keep = super_weight_mask(w, super_weights) if fmt == "int8" else None
             s = entquant_scales(w, lam, fmt, max_iter=max_iter, keep=keep,
                                 importance=None if importance is None else importance[name])
-            target = w if hessians is None else feedback_weight(w, s, hessians[name], fmt, keep)
+            target = w if hessians is None else feedback_weight(w, s, hessians[name], fmt, keep, damp)
             codes.append(encode_weight(target, s, fmt, keep).reshape(-1))
             idx = torch.zeros(0, dtype=torch.int32) if keep is None else keep.reshape(-1).nonzero()[:, 0].int()
             layers[name] = EntQuantLinear(w.shape[1], w.shape[0], s, fmt, None, idx, w.reshape(-1)[idx.long()],
@@ -321,18 +322,23 @@ def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, l
 
 @torch.no_grad()
 def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", super_weights=8, max_iter=500,
-             lanes=None, tol=0.05, sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64):
+             lanes=None, tol=0.05, sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64,
+             feedback_damp=0.01):
     """EntQuant, data-free (calibration_ids is ignored): replace every linear of every transformer block by an
     EntQuantLinear, IN PLACE. Give lam (lambda) or bpw (a target in coded bits per weight, metadata included, reached
     within tol by searching lambda). sensitivity="fisher" weights the reconstruction by the Fisher information
     estimated on fisher_samples sequences the model writes itself; feedback="self" chooses the codes with error
-    feedback, the Hessians from feedback_samples such sequences (see the module docstring). Returns the
-    quantization_config."""
+    feedback, the Hessians from feedback_samples such sequences, feedback_damp times their mean diagonal added to
+    it (see the module docstring). Returns the quantization_config."""
     if (lam is None) == (bpw is None):
         raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
     sensitivity, feedback = parse_sensitivity(sensitivity), parse_feedback(feedback)
+    if not (isinstance(feedback_damp, (int, float)) and not isinstance(feedback_damp, bool)
+            and 0 <= feedback_damp < float("inf")):
+        raise ValueError(f"feedback_damp must be a finite number >= 0 (a fraction of the Hessian's mean diagonal), "
+                         f"got {feedback_damp!r}")
     linears = _block_linears(model)
     names = [n for named in linears.values() for n, _ in named]
     importance = hessians = None
@@ -350,7 +356,8 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
 
     def measure(lam_):
         start = time.time()
-        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes, importance, hessians)
+        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes, importance, hessians,
+                                      feedback_damp)
         _, bits, count = found[lam_]
         print(f"entquant: lambda {lam_:.4g} -> {bits / count:.3f} bits per weight ({time.time() - start:.1f} s)",
               file=sys.stderr, flush=True)
@@ -364,17 +371,17 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
     replace_linears(model, lambda name, linear: layers[name], names=set(layers))
     attach_decoder(model)
     return {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
-            "sensitivity": sensitivity, "feedback": feedback, "coding_unit": "transformer block", "coder": "rANS",
-            "prob_bits": PROB_BITS}
+            "sensitivity": sensitivity, "feedback": feedback, **({"feedback_damp": feedback_damp} if feedback else {}),
+            "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
 
 
 @torch.no_grad()
 def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max_iter=500, lanes=None, tol=0.05,
-                   sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64):
+                   sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64, feedback_damp=0.01):
     """EntQuant one transformer block (a calibration.LayerCalibration: the coding unit) in place, for the streaming
     converter: with lam, exactly what `quantize` does to this block; with bpw, lambda is searched for this block
-    alone (each block then meets the target, rather than the model on average). The Fisher-weighted loss needs the
-    whole model's gradients and is refused here. Returns the quantization_config."""
+    alone (each block then meets the target, rather than the model on average). The Fisher-weighted loss and the
+    error feedback need the whole model (its gradients, its self-generated text) and are refused here. Returns the quantization_config."""
     if (lam is None) == (bpw is None):
         raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
     if parse_sensitivity(sensitivity) is not None or parse_feedback(feedback) is not None:
