@@ -2,7 +2,7 @@
 costs without the wait for a core); medians of --repeats runs.
 
     python benchmarks/coders.py rans [--symbols 1048576 4194304] [--lanes 64 256] [--prob-bits 14 15] [--rev main]
-                                     [--compiled 32]
+                                     [--compiled 32] [--blocks 32]
         our rANS (engine.coding.rans) beside constriction's AnsCoder on the same E4M3 symbols (Laplace weights at
         about 2.1 and 4.4 bits per symbol, as EntQuant's codes look): encode / decode M symbols/s and the rate over
         the empirical entropy, ours with everything counted (header, table, lane states, word counts, checksum),
@@ -10,6 +10,8 @@ costs without the wait for a core); medians of --repeats runs.
         rounding of the frequencies alone costs. --compiled T: also our encoder with its step loop compiled by
         torch.compile (inductor's C++ backend), T steps unrolled per call: the seconds its first call takes (the
         compile: cold with an empty TORCHINDUCTOR_CACHE_DIR, warm with a filled one) and its M symbols/s after.
+        --blocks K: K such blocks (seeds 0..K-1) coded side by side by rans_encode_many, each its own stream at the
+        default lanes, beside constriction coding the K one after another.
     python benchmarks/coders.py lattice [--lattice E8] [--bps 3]
         the Triton lattice decode kernel (engine.kernels.stream_decoders.lattice_decode; under the interpreter when
         there is no GPU, as `--impl engine` runs it) on every linear of the tiny Qwen3 (2 layers, hidden 256,
@@ -164,6 +166,14 @@ def bench_rans(args):
                         "steps_per_call": args.compiled, "first_call_s": round(time.perf_counter() - start, 1),
                         "encode_Msym_s": round(n / median_seconds(lambda: compiled(symbols, stream.states.size),
                                                                   args.repeats) / 1e6, 1)}
+            if args.blocks > 1:
+                blocks = [synthetic_block(n, spread, seed).numpy() for seed in range(args.blocks)]
+                theirs = [constriction_coder(b)[0] for b in blocks]
+                row[f"{args.blocks} blocks side by side"] = {
+                    "ours_encode_Msym_s": round(args.blocks * n / median_seconds(
+                        lambda: ours.rans_encode_many(blocks), args.repeats) / 1e6, 1),
+                    "constriction_encode_Msym_s": round(args.blocks * n / median_seconds(
+                        lambda: [encode() for encode in theirs], args.repeats) / 1e6, 1)}
             print(json.dumps(row), flush=True)
 
 
@@ -203,6 +213,9 @@ def main():
     p.add_argument("--bps", type=float, default=3.0)
     p.add_argument("--prob-bits", type=int, nargs="+", help="rans: table precisions to compare (default: ours)")
     p.add_argument("--compiled", type=int, metavar="T", help="rans: also the torch.compile'd encoder, T steps a call")
+    p.add_argument("--blocks", type=int, default=1, metavar="K",
+                   help="rans: also K blocks of each size coded side by side (rans_encode_many), as EntQuant codes a "
+                        "model's blocks, beside constriction coding them one after another")
     p.add_argument("--rev", help="rans: our coder as it is in this git revision (default: the work tree)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()

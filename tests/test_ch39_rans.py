@@ -82,6 +82,29 @@ def test_fast_encoder_is_exact_for_every_chunk_of_lookups(chunk, lanes, monkeypa
     assert R.rans_encode(symbols, lanes=lanes) == R.rans_encode_reference(symbols, lanes=lanes)
 
 
+@pytest.mark.parametrize("batch", [1 << 24, 6000])
+@pytest.mark.parametrize("lanes", [None, 64])
+def test_blocks_coded_side_by_side_give_each_block_its_own_stream(batch, lanes, monkeypatch):
+    monkeypatch.setattr(R, "ENCODE_BATCH", batch)         # all blocks in one pass, or a pass per block or two
+    names = ["weights", "empty", "one symbol only", "very skewed", "uniform random", "one symbol once"]
+    blocks, contexts = [STREAMS[n] for n in names], [n.encode() for n in names]
+    streams = R.rans_encode_many(blocks, lanes=lanes, contexts=contexts)
+    assert streams == [R.rans_encode(b, lanes=lanes, context=c) for b, c in zip(blocks, contexts)]
+    assert streams[0] == R.rans_encode_reference(blocks[0], lanes=lanes, context=contexts[0])
+    for symbols, data, context in zip(blocks, streams, contexts):
+        assert np.array_equal(R.rans_decode(data, context=context).numpy(), symbols)
+
+
+def test_more_blocks_side_by_side_than_a_uint16_table_index_holds():
+    blocks = [STREAMS["weights"][i:i + 100 + i % 7] for i in range(300)]       # 300 x 257 table entries
+    assert R.rans_encode_many(blocks) == [R.rans_encode(b) for b in blocks]
+
+
+def test_side_by_side_coding_refuses_contexts_that_do_not_match_the_blocks():
+    with pytest.raises(ValueError, match="2 blocks but 1 contexts"):
+        R.rans_encode_many([STREAMS["weights"]] * 2, contexts=[b""])
+
+
 def test_frequency_table_sums_to_precision_and_keeps_every_symbol():
     counts = np.zeros(256, np.int64)
     counts[:200] = 1                               # 200 symbols seen once: each still needs f >= 1

@@ -31,7 +31,8 @@ Stream, version 2 (little-endian):
              bound to the stream (a stream is refused unless the same context is given back when it is read)
 
 Below: the textbook coder, one symbol at a time; then the table, the stream format, and the fast coder, which
-computes the same bytes with NumPy over all lanes at once (tests pin the two equal).
+computes the same bytes with NumPy over all lanes at once, and over the lanes of many blocks at once (a model's
+blocks in one pass: rans_encode_many); tests pin them equal.
 """
 import math
 import struct
@@ -49,6 +50,7 @@ LANES_LIMIT = 1 << 20               # lanes a caller may ask for (4 bytes of sta
 ONE_SYMBOL_LIMIT = 1 << 32          # a one-symbol stream's count is trusted up to here (its words bound nothing)
 DECODE_CHUNK = 1 << 15              # fast decoder: symbols per batch of deferred symbol lookups
 ENCODE_CHUNK = 1 << 16              # fast encoder: symbols per batch of table lookups made at once
+ENCODE_BATCH = 1 << 24              # rans_encode_many: symbols coded side by side at most (~7 bytes each)
 VERSION = 2                         # 1: no checksum
 _MAGIC = b"rANS"
 _HEADER = struct.Struct("<4sBBHQI")  # magic, version, prob_bits, lanes per stream, n, sub-streams
@@ -305,44 +307,95 @@ def check_final(stream, x, read):
 def rans_encode(symbols, lanes=None, lanes_per_stream=LANES_PER_STREAM, prob_bits=PROB_BITS, context=b""):
     """uint8 symbols [n] (array or tensor) -> the stream's bytes, `context` bound to them by the checksum. lanes:
     default_lanes(n) if None. What rans_encode_reference computes, one step (all lanes) at a time, backwards."""
-    symbols, lanes = check_encode_arguments(symbols, lanes, lanes_per_stream, prob_bits, context)
-    n = symbols.size
-    f = quantize_frequencies(np.bincount(symbols, minlength=256), prob_bits)
-    c = np.cumsum(f) - f
-    x_max = f << (32 - prob_bits)                     # hand a word over first when x >= x_max(s): then x' < 2^32
-    keep = (1 << prob_bits) - f                       # x' = x + (x // f)(2^p - f) + c: one division, no modulo
-    steps = -(-n // lanes)
-    grid = np.zeros(steps * lanes, np.uint8)          # [steps, lanes]; the last step's lanes past n: see below
-    grid[:n] = symbols
-    grid[n:] = symbols[0] if n else 0
-    grid = grid.reshape(steps, lanes)
-    # What each step hands over: whether a lane emits, and its x mod 2^16 before the step (the word, if it does).
-    emits, low = np.empty((steps, lanes), bool), np.empty((steps, lanes), np.uint16)
-    x, q, sixteen = np.full(lanes, STATE_LOW, np.int64), np.empty(lanes, np.int64), np.array(16)
-    # Steps in chunks, last first, their lookups made once per chunk; a partial last step is a chunk of its own.
-    chunk = max(1, ENCODE_CHUNK // lanes)
-    top = steps - 1 if n % lanes else steps
-    bounds = [steps] + ([top] if n % lanes else []) + list(range(top - chunk, 0, -chunk))
-    for t1, t0 in zip(bounds, bounds[1:] + [0]):
-        rows = grid[t0:t1]
-        freq, most, kept, cum = f.take(rows), x_max.take(rows), keep.take(rows), c.take(rows)
+    return rans_encode_many([symbols], lanes, lanes_per_stream, prob_bits, [context])[0]
+
+
+def rans_encode_many(blocks, lanes=None, lanes_per_stream=LANES_PER_STREAM, prob_bits=PROB_BITS, contexts=None):
+    """[uint8 symbols [n_b]] -> [the bytes rans_encode(symbols_b, lanes, ..., context=contexts[b]) gives], each
+    block its own stream (table, lanes, checksum). The blocks are coded side by side, up to ENCODE_BATCH symbols at
+    a time: their lanes form one row of a step, so a model's blocks cost one pass of wide NumPy calls instead of
+    one pass of narrow ones per block (a call's overhead, not its arithmetic, bounds a narrow step)."""
+    contexts = [b""] * len(blocks) if contexts is None else list(contexts)
+    if len(contexts) != len(blocks):
+        raise ValueError(f"{len(blocks)} blocks but {len(contexts)} contexts")
+    checked = [check_encode_arguments(b, lanes, lanes_per_stream, prob_bits, c) for b, c in zip(blocks, contexts)]
+    batches, size = [[]], 0
+    for i, (symbols, _) in enumerate(checked):
+        if batches[-1] and size + symbols.size > ENCODE_BATCH:
+            batches, size = batches + [[]], 0
+        batches[-1].append(i)
+        size += symbols.size
+    return [stream for batch in batches if batch for stream in _encode_side_by_side(
+        [checked[i] for i in batch], [contexts[i] for i in batch], lanes_per_stream, prob_bits)]
+
+
+def _encode_side_by_side(blocks, contexts, lanes_per_stream, prob_bits):
+    """[(symbols [n_b], lanes_b)] -> [bytes]: every block's lanes in one row [C = sum lanes_b] per step.
+
+    Block b's symbol i sits at step i // lanes_b of its lanes; steps past a block's end (and the lanes past n_b in
+    its last step, coded first) take an identity entry of the tables: f = 2^p and c = 0, so that x' = x and no word
+    is handed over. Arithmetic is in uint32, exact because every x' < 2^32."""
+    p = prob_bits
+    sizes = [symbols.size for symbols, _ in blocks]
+    widths = [lanes for _, lanes in blocks]
+    steps = [-(-n // lanes) for n, lanes in zip(sizes, widths)]
+    f = [quantize_frequencies(torch.bincount(torch.from_numpy(symbols), minlength=256).numpy(), p)
+         for symbols, _ in blocks]
+    # Block b's entries in the table: 257 b + s holds c[s] << 16 | f[s] (one lookup for both), 257 b + 256 the
+    # identity; index [step, lane] says which entry each lane codes at each step.
+    table = np.concatenate([np.append((np.cumsum(f_b) - f_b) << 16 | f_b, 1 << p) for f_b in f]).astype(np.uint32)
+    first = np.cumsum([0] + widths)
+    index = np.empty((max(steps), first[-1]), np.min_scalar_type(table.size))
+    for b, ((symbols, lanes), t) in enumerate(zip(blocks, steps)):
+        part, full, offset = index[:, first[b]:first[b + 1]], (t - 1) * lanes, index.dtype.type(257 * b)
+        part.fill(offset + 256)
+        if t:
+            part[:t - 1] = symbols[:full].reshape(-1, lanes) + offset
+            part[t - 1, :symbols.size - full] = symbols[full:] + offset
+    x, emits, low = _encode_steps(index, table, p, lanes_per_stream)
+    counts = np.count_nonzero(emits.reshape(len(emits), -1), axis=1)       # steps past a block's end emit nothing
+    words = np.compress(emits.reshape(-1), low.reshape(-1))   # every block's words, sub-stream after sub-stream
+    starts, streams = np.concatenate([[0], np.cumsum(counts)]), []
+    for b in range(len(blocks)):
+        s0, s1 = first[b] // lanes_per_stream, first[b + 1] // lanes_per_stream     # the block's sub-streams
+        streams.append(pack_stream(p, lanes_per_stream, sizes[b], f[b], x[first[b]:first[b + 1]], counts[s0:s1],
+                                   words[starts[s0]:starts[s1]], contexts[b]))
+    return streams
+
+
+def _encode_steps(index, table, p, width):
+    """The step loop, last step first, over the lanes of every block side by side: index [T, C] (table entries),
+    table uint32 [E] (c << 16 | f) -> (final states [C], emits bool [S, T, W], low uint16 [S, T, W]: x mod 2^16
+    before each step, the word where the lane emits), C = S W lanes in sub-streams of W = width. [sub-stream, step,
+    lane] is the order in which a decoder reads a sub-stream's words; a chunk of steps is made [step, lane] (a
+    step's lanes side by side) and then copied there, while in cache."""
+    rows, columns = index.shape
+    emits, low = np.empty((columns // width, rows, width), bool), np.empty((columns // width, rows, width), np.uint16)
+    x = np.full(columns, STATE_LOW, np.uint32)
+    q, high, shift = np.empty_like(x), np.empty_like(x), np.empty_like(x)
+    top, sixteen = np.uint32(32 - p), np.uint32(16)
+    chunk = max(1, ENCODE_CHUNK // columns)                    # steps whose lookups are made at once
+    entry = np.empty((chunk, columns), np.uint32)
+    emit_chunk, low_chunk = np.empty((chunk, columns), bool), np.empty((chunk, columns), np.uint16)
+    for t1 in range(rows, 0, -chunk):
+        t0 = max(0, t1 - chunk)
+        np.take(table, index[t0:t1], out=entry[:t1 - t0], mode="clip")
+        f_t, cum_t = entry[:t1 - t0] & np.uint32(0xFFFF), entry[:t1 - t0] >> sixteen
+        keep_t = np.uint32(1 << p) - f_t                       # x' = x + (x // f)(2^p - f) + c: no modulo
         for t in range(t1 - t0 - 1, -1, -1):
-            np.copyto(low[t0 + t], x, casting="unsafe")          # the low 16 bits
-            emit = emits[t0 + t]
-            np.greater_equal(x, most[t], out=emit)
-            np.right_shift(x, sixteen, out=x, where=emit)
-            np.floor_divide(x, freq[t], out=q)
-            q *= kept[t]
+            np.copyto(low_chunk[t], x, casting="unsafe")         # the low 16 bits
+            emit = emit_chunk[t]
+            np.right_shift(x, top, out=high)                     # hand a word over first when x >= f 2^(32 - p):
+            np.greater_equal(high, f_t[t], out=emit)             # then x' < 2^32 (f = 2^p, identity: never)
+            np.multiply(emit, sixteen, out=shift)                # a shift by 0 or 16: cheaper than a masked one
+            np.right_shift(x, shift, out=x)
+            np.floor_divide(x, f_t[t], out=q)
+            q *= keep_t[t]
             x += q
-            x += cum[t]
-        if t1 * lanes > n:                            # the partial step, coded first: lanes past n take no part
-            x[n - t0 * lanes:] = STATE_LOW
-            emits[t0, n - t0 * lanes:] = False
-    # The decoder reads a sub-stream's words step by step, lane by lane: [sub-stream, step, lane] order.
-    by_stream = (steps, lanes // lanes_per_stream, lanes_per_stream)
-    emitted = emits.reshape(by_stream).transpose(1, 0, 2)
-    words = low.reshape(by_stream).transpose(1, 0, 2)[emitted]
-    return pack_stream(prob_bits, lanes_per_stream, n, f, x, emitted.sum((1, 2)), words, context)
+            x += cum_t[t]
+        for chunk_of, whole in ((emit_chunk, emits), (low_chunk, low)):
+            whole[:, t0:t1] = chunk_of[:t1 - t0].reshape(t1 - t0, -1, width).transpose(1, 0, 2)
+    return x, emits, low
 
 
 def rans_decode(data, n=None, context=b""):
