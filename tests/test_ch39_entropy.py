@@ -14,6 +14,7 @@ from engine.evaluation import kl_stats
 from engine.formats import base
 from engine.formats import entropy as E
 from engine.formats import entropy_feedback as F
+from engine.formats import entropy_scales as S
 from engine.formats.minifloats import round_e4m3
 from engine.formats.sensitivity import fisher_importance, self_generated_ids
 from engine.kernels import stream_decoders
@@ -36,7 +37,7 @@ def test_larger_lambda_gives_lower_entropy_and_no_negative_zero():
     w = torch.randn(64, 128) * 0.02
     rates = []
     for lam in (1.0, 14.5, 58.0):
-        s = E.entquant_scales(w, lam, max_iter=50)
+        s = S.entquant_scales(w, lam, max_iter=50)
         codes = E.encode_weight(w, s)
         assert not (codes == 0x80).any()
         assert torch.equal(s, s.half().float())                # what the checkpoint stores (float16) is what was used
@@ -140,9 +141,9 @@ def test_bad_arguments_are_refused(tiny_model):
         E.quantize(tiny_model, lam=10.0, sensitivity="hessian")
     w = torch.randn(4, 8)
     with pytest.raises(ValueError, match="importance"):
-        E.entquant_scales(w, 10.0, importance=torch.ones(3))
+        S.entquant_scales(w, 10.0, importance=torch.ones(3))
     with pytest.raises(ValueError, match="importance"):
-        E.entquant_scales(w, 10.0, importance=torch.tensor([1.0, float("nan"), 1.0, 1.0]))
+        S.entquant_scales(w, 10.0, importance=torch.tensor([1.0, float("nan"), 1.0, 1.0]))
 
 
 @pytest.fixture(scope="module")
@@ -325,16 +326,19 @@ def test_fisher_importance_is_relative_to_the_whole_model(tiny_model):
 
 
 @pytest.mark.parametrize("option, bound", [(dict(sensitivity="fisher", fisher_samples=4), 0.8),      # seen 0.56x
-                                           (dict(feedback="self", feedback_samples=8), 0.9)])      # seen 0.81x
+                                           (dict(feedback="self", feedback_samples=8), 0.9),       # seen 0.81x
+                                           (dict(feedback="calibration"), 0.9)])               # seen 0.83x
 def test_self_generated_text_lowers_kl_at_the_same_rate(tiny_model, option, bound):
-    """The Fisher-weighted loss and the error feedback, each against the paper's EntQuant (an untrained model)."""
+    """The Fisher-weighted loss and the error feedback, each against the paper's EntQuant (an untrained model);
+    feedback="calibration" takes other self-generated text as its calibration."""
     ids = self_generated_ids(tiny_model, samples=4, seq_len=64, seed=5)       # not the options' own samples (seed 0)
+    calibration = self_generated_ids(tiny_model, samples=8, seq_len=64, seed=7)
     with torch.no_grad():
         reference = tiny_model(ids)
     kl, bits = [], []
     for options in ({}, option):
         model = copy.deepcopy(tiny_model)
-        qcfg = E.quantize(model, bpw=2.5, tol=0.05, max_iter=20, **options)
+        qcfg = E.quantize(model, calibration, bpw=2.5, tol=0.05, max_iter=20, **options)
         with torch.no_grad():
             kl.append(kl_stats(reference, model(ids))["kl_nats"])
         bits.append(qcfg["bits_per_weight"])
@@ -356,7 +360,7 @@ def test_feedback_codes_lie_on_the_grid_and_lower_the_output_error(fmt):
     x = _correlated_inputs()
     H = 2 * x.T @ x / len(x)
     w = torch.randn(32, 48) * 0.02
-    s = E.entquant_scales(w, 58.0 if fmt == "float8" else 14.5, fmt, max_iter=30)
+    s = S.entquant_scales(w, 58.0 if fmt == "float8" else 14.5, fmt, max_iter=30)
     w_hat = F.feedback_weight(w, s, H, fmt)
     codes = E.encode_weight(w_hat, s, fmt)
     assert torch.equal(E.decode_weight(codes, s, fmt), w_hat)           # stored exactly: nothing else is needed
@@ -368,7 +372,7 @@ def test_feedback_codes_lie_on_the_grid_and_lower_the_output_error(fmt):
 def test_feedback_with_uncorrelated_inputs_is_nearest_rounding():
     torch.manual_seed(1)
     w = torch.randn(16, 40) * 0.02
-    s = E.entquant_scales(w, 14.5, max_iter=30)
+    s = S.entquant_scales(w, 14.5, max_iter=30)
     H = torch.diag(torch.rand(40) + 0.5)                                 # no cross terms: nothing to feed back
     assert torch.equal(F.feedback_weight(w, s, H), E.decode_weight(E.encode_weight(w, s), s))
 
@@ -379,8 +383,8 @@ def test_feedback_keeps_super_weights_exact_and_counts_their_error_as_zero():
     H = 2 * x.T @ x / len(x)
     w = torch.randn(16, 32) * 0.02
     w[3, 5] = 2.0
-    keep = E.super_weight_mask(w, 1)
-    s = E.entquant_scales(w, 14.5, "int8", keep=keep, max_iter=30)
+    keep = S.super_weight_mask(w, 1)
+    s = S.entquant_scales(w, 14.5, "int8", keep=keep, max_iter=30)
     w_hat = F.feedback_weight(w, s, H, "int8", keep=keep)
     assert w_hat[3, 5] == 0                                              # the code beside the exact value
     # with the super weight restored, the error must be small: spreading 2.0 - 0 over row 3 would not be
@@ -396,7 +400,7 @@ def test_feedback_damping_reaches_the_codes():
     torch.manual_seed(0)
     x = _correlated_inputs()
     H, w = 2 * x.T @ x / len(x), torch.randn(32, 48) * 0.02
-    s = E.entquant_scales(w, 58.0, "float8", max_iter=30)
+    s = S.entquant_scales(w, 58.0, "float8", max_iter=30)
     nearest = E.decode_weight(E.encode_weight(w, s), s)
     moved = [(F.feedback_weight(w, s, H, damp=d) != nearest).float().mean() for d in (0.01, 1e4)]
     assert moved[0] > 0.05 and moved[1] < 0.2 * moved[0]           # a huge diagonal leaves nothing to feed back
@@ -412,6 +416,8 @@ def test_quantize_hands_feedback_damp_to_every_linear(tiny_model, monkeypatch):
 
 def test_feedback_arguments_are_refused(tiny_model):
     with pytest.raises(ValueError, match="feedback must be"):
+        E.quantize(tiny_model, lam=10.0, feedback="hessian")
+    with pytest.raises(ValueError, match="needs calibration_ids"):
         E.quantize(tiny_model, lam=10.0, feedback="calibration")
     for damp in (-0.1, float("nan"), True, "1"):
         with pytest.raises(ValueError, match="feedback_damp"):

@@ -67,6 +67,18 @@ def test_block_ldlq_streams_too(three_layers, source, ids, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_entquant_with_calibration_feedback_streams_too(three_layers, source, ids, tmp_path):
+    options = dict(lam=14.5, max_iter=5, feedback="calibration")             # Hessians from ids, block by block
+    in_memory = save_quantized(copy.deepcopy(three_layers), tmp_path / "mem", "entquant", ids, **options)
+    streamed = quantize_checkpoint(source, tmp_path / "disk", "entquant", ids, progress=False, **options)
+    assert streamed == in_memory and streamed["feedback"] == "calibration"
+    plain = save_quantized(copy.deepcopy(three_layers), tmp_path / "plain", "entquant", ids, lam=14.5, max_iter=5)
+    assert not torch.equal(_tensors(tmp_path / "plain")["model.layers.2.self_attn.q_proj.weight_stream"],
+                           _tensors(tmp_path / "disk")["model.layers.2.self_attn.q_proj.weight_stream"])
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "disk")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_unquantized_tensors_keep_the_source_dtype(three_layers, ids, tmp_path):
     save_dense(three_layers, tmp_path / "bf16", dtype=torch.bfloat16)
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "out", "gptq", ids, progress=False, group_size=32)

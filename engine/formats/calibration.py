@@ -20,7 +20,7 @@ linearly with depth, not as layers^2 as re-running the model from the embedding 
 import torch
 from tqdm import tqdm
 
-from .base import linear_names, replace_linears
+from .base import QuantLinear, linear_names, replace_linears
 
 # The linears of a decoder layer, in forward order, grouped into the steps whose members read the same input.
 SEQUENTIAL_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
@@ -235,5 +235,26 @@ def by_layer(model, quantize_layer, calibration_ids=None, inputs_from=None, batc
     layers = decoder_layers(model, calibration_ids, batch_size, method, inputs_from)
     bar = tqdm(layers, total=model.cfg.num_hidden_layers, desc=f"{method} layers", unit="layer", leave=False,
                disable=None)                        # shown on a terminal only
-    configs = [quantize_layer(layer, **options) for layer in bar]
-    return configs[0]
+    configs, weights = [], []
+    for layer in bar:
+        configs.append(quantize_layer(layer, **options))
+        weights.append(layer_weights(layer))
+    return merged_config(configs, weights)
+
+
+def layer_weights(layer):
+    """How many weights a quantized LayerCalibration's quantized linears hold (what its config's bits_per_weight
+    counts)."""
+    return sum(m.in_features * m.out_features for m in layer.layer.modules() if isinstance(m, QuantLinear))
+
+
+def merged_config(configs, weights):
+    """One quantization_config from the layers' own: fields they agree on as they are; bits_per_weight (EntQuant's
+    per-block rate search) as the weight-weighted mean; any other field that differs as the list of per-layer values."""
+    merged = dict(configs[0])
+    for key in merged:
+        values = [c[key] for c in configs]
+        if any(v != values[0] for v in values):
+            merged[key] = (sum(v * n for v, n in zip(values, weights)) / sum(weights)
+                           if key == "bits_per_weight" else values)
+    return merged

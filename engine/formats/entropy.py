@@ -1,16 +1,15 @@
 """EntQuant: Float8 weights pushed towards low entropy, coded losslessly with rANS, decoded block by block.
 
-Quantization (per linear, data-free). One scale per output channel, kept as its log2 s [out]:
+Quantization (per linear, data-free; engine/formats/entropy_scales.py). One scale per output channel, kept as its
+log2 s [out]:
 
     Q     = E4M3(clamp(W * 2^-s, -448, 448))           (Int8: round, clamp to +-127)
     W_hat = Q * 2^s
     loss  = ||W_hat - W||_1 / ||W||_1 + lambda * R(Q),  R = 4 * mean|Q| (Float8)  or  mean|Q| / 128 (Int8)
 
 The l1 norm of Q is a differentiable stand-in for its entropy: shrinking it pushes weights into E4M3's subnormal
-range, where the grid is uniform and coarse, so fewer distinct byte values occur. Gradients reach s through a
-straight-through estimator (the cast and the clamp count as identity); torch.optim.LBFGS with a strong-Wolfe line
-search minimizes over s, one layer at a time. s is rounded to float16 (what we store) before the final cast.
-Int8 keeps a handful of "super weights" (the largest magnitudes) exact beside the codes.
+range, where the grid is uniform and coarse, so fewer distinct byte values occur; L-BFGS minimizes over s, one layer
+at a time. Int8 keeps a handful of "super weights" (the largest magnitudes) exact beside the codes.
 
 Coding. The E4M3 bytes (-0 mapped to +0) of all quantized linears of one transformer block form one symbol
 stream, coded by engine/coding/rans.py (the empirical entropy plus under 1% at a block's size, table and lane
@@ -29,7 +28,8 @@ layer's error costs, so one lambda trades rate against it in every layer alike (
 
 Error feedback (our addition, optional: feedback="self"; engine/formats/entropy_feedback.py). The same scales,
 format and streams, but each row's codes are chosen column by column with GPTQ's error feedback, the Hessians
-taken from text the model writes itself (still no calibration data).
+taken from text the model writes itself (still no calibration data), or with feedback="calibration" from calibration
+text, block by block (data-aware; the streaming converter runs it too).
 
 Rate control (engine/formats/entropy_rate.py). lambda -> bits per weight is close to log-linear; a shipped table
 seeds a bracketing search on lambda that meets a bpw target (coded bytes of everything, scales included).
@@ -42,64 +42,18 @@ import time
 import numpy as np
 import torch
 
-from ..coding.rans import PROB_BITS, RansStream, rans_decode, rans_encode
+from ..coding.rans import PROB_BITS, RansStream, rans_decode, rans_encode_many
 from ..kernels import stream_decoders, triton_formats
+from . import calibration
 from .base import CheckpointMethod, QuantLinear, config_field, get_impl, matrix_shape, replace_linears
-from .entropy_feedback import feedback_weight, parse_feedback, quantize_codes, self_hessians
+from .entropy_feedback import check_damp, feedback_weight, parse_feedback, self_hessians
 from .entropy_rate import lambda_for_bpw, load_lambda_table
+from .entropy_scales import FORMATS, entquant_scales, super_weight_mask
 from .minifloats import E4M3_MAX
 from .sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 
 
-# ---- choosing the per-channel scales ------------------------------------------------------------------------
-
-FORMATS = {"float8": E4M3_MAX, "int8": 127.0}          # largest code magnitude
-
-
-def _ste_codes(x, fmt):
-    """Straight-through quantizer: forward = the stored code values, backward = identity (cast and clamp alike)."""
-    return x + (quantize_codes(x.detach(), fmt) - x).detach()
-
-
-def entquant_scales(weight, lam, fmt="float8", max_iter=500, history=100, lr=1.0, keep=None, importance=None):
-    """weight [out, in] -> log2 scales s [out] (float32 holding float16 values) minimizing
-    ||Q 2^s - W||_1 / ||W||_1 + lam * R(Q) with L-BFGS (strong Wolfe). keep (bool [out, in], optional) marks
-    weights stored exactly (Int8 super weights): they take no part in the loss. importance [out] (optional, from
-    fisher_importance: phi_j / Z) replaces the reconstruction term by sum_j importance_j ||W_hat_j - W_j||^2 / numel."""
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
-    w = weight.detach().float()
-    if keep is not None:
-        w = w.masked_fill(keep, 0.0)
-    top = FORMATS[fmt]
-    absmax = w.abs().amax(1).clamp(min=torch.finfo(torch.float16).tiny)
-    s = torch.log2(absmax / top).requires_grad_()              # start: absmax scaling, every weight representable
-    norm = w.abs().sum().clamp(min=1e-30)
-    rate_weight = 4.0 if fmt == "float8" else 1.0 / 128
-    if importance is not None:
-        importance = torch.as_tensor(importance).detach().to(w.device, torch.float32)
-        if importance.shape != (w.shape[0],) or not bool(torch.isfinite(importance).all() & (importance >= 0).all()):
-            raise ValueError(f"importance must be {w.shape[0]} finite, non-negative numbers (one per output row)")
-        importance = importance[:, None]
-
-    def loss_fn():
-        q = _ste_codes(w * torch.exp2(-s)[:, None], fmt)
-        err = q * torch.exp2(s)[:, None] - w
-        recon = (err.abs().sum() / norm if importance is None else (importance * err.square()).sum() / w.numel())
-        return recon + lam * rate_weight * q.abs().mean()
-
-    opt = torch.optim.LBFGS([s], lr=lr, max_iter=max_iter, history_size=history, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = loss_fn()
-        loss.backward()
-        return loss
-
-    with torch.enable_grad():
-        opt.step(closure)
-    return s.detach().to(torch.float16).float()
-
+# ---- the codes ------------------------------------------------------------------------------------------------
 
 def encode_weight(weight, log_scale, fmt="float8", keep=None):
     """weight [out, in] + log2 scales [out] -> codes uint8 [out, in] (E4M3 or int8 bytes; -0 stored as +0, so one
@@ -117,14 +71,6 @@ def decode_weight(codes, log_scale, fmt="float8"):
     """codes uint8 [out, in] + log2 scales [out] -> weight [out, in] float32 (super weights not included)."""
     values = codes.view(torch.float8_e4m3fn if fmt == "float8" else torch.int8).float()
     return values * torch.exp2(log_scale.float())[:, None]
-
-
-def super_weight_mask(weight, count):
-    """bool [out, in]: the `count` weights of largest magnitude (Int8's super weights, kept exact)."""
-    keep = torch.zeros(weight.numel(), dtype=torch.bool)
-    if count > 0:
-        keep[weight.detach().abs().reshape(-1).topk(min(count, weight.numel())).indices] = True
-    return keep.reshape(weight.shape)
 
 
 # ---- the layer, the side data of a block, the per-model block decoder --------------------------------------------
@@ -298,9 +244,9 @@ def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, l
     to Int8 only; importance: {name: [out]} from fisher_importance, or None for the paper's loss; hessians:
     {name: [in, in]} from self_hessians for the error feedback (damp: its dampening), or None for the paper's nearest
     codes."""
-    layers, bits, count = {}, 0, 0
+    layers, bits, count, blocks, symbols = {}, 0, 0, {}, {}
     for i, named in linears.items():
-        block, codes = [], []
+        block, codes = blocks.setdefault(i, []), []
         for name, linear in named:
             w = linear.weight.detach().float()
             keep = super_weight_mask(w, super_weights) if fmt == "int8" else None
@@ -314,8 +260,11 @@ def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, l
             block.append(layers[name])
             bits += 16 * s.numel() + 64 * idx.numel()
             count += w.numel()
-        stream = rans_encode(torch.cat(codes), lanes=lanes, context=block_context(i, block))
-        block[0].stream = torch.frombuffer(bytearray(stream), dtype=torch.uint8)
+        symbols[i] = torch.cat(codes)
+    streams = rans_encode_many(list(symbols.values()), lanes=lanes,          # coded side by side: one pass
+                               contexts=[block_context(i, blocks[i]) for i in symbols])
+    for i, stream in zip(symbols, streams):
+        blocks[i][0].stream = torch.frombuffer(bytearray(stream), dtype=torch.uint8)
         bits += 8 * len(stream)
     return layers, bits, count
 
@@ -324,21 +273,26 @@ def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, l
 def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", super_weights=8, max_iter=500,
              lanes=None, tol=0.05, sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64,
              feedback_damp=0.01):
-    """EntQuant, data-free (calibration_ids is ignored): replace every linear of every transformer block by an
-    EntQuantLinear, IN PLACE. Give lam (lambda) or bpw (a target in coded bits per weight, metadata included, reached
+    """EntQuant, data-free (calibration_ids is used by feedback="calibration" only): replace every linear of every
+    transformer block by an EntQuantLinear, IN PLACE. Give lam (lambda) or bpw (a target in coded bits per weight, metadata included, reached
     within tol by searching lambda). sensitivity="fisher" weights the reconstruction by the Fisher information
     estimated on fisher_samples sequences the model writes itself; feedback="self" chooses the codes with error
     feedback, the Hessians from feedback_samples such sequences, feedback_damp times their mean diagonal added to
-    it (see the module docstring). Returns the quantization_config."""
+    it (see the module docstring); feedback="calibration" takes them from calibration_ids instead, block by block
+    (quantize_layer on each, its lambda searched per block). Returns the quantization_config."""
     if (lam is None) == (bpw is None):
         raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
     sensitivity, feedback = parse_sensitivity(sensitivity), parse_feedback(feedback)
-    if not (isinstance(feedback_damp, (int, float)) and not isinstance(feedback_damp, bool)
-            and 0 <= feedback_damp < float("inf")):
-        raise ValueError(f"feedback_damp must be a finite number >= 0 (a fraction of the Hessian's mean diagonal), "
-                         f"got {feedback_damp!r}")
+    check_damp(feedback_damp)
+    if feedback == "calibration":                         # block by block, as AWQ walks the model
+        options = dict(lam=lam, bpw=bpw, fmt=fmt, super_weights=super_weights, max_iter=max_iter, lanes=lanes,
+                       tol=tol, sensitivity=sensitivity, feedback=feedback, feedback_damp=feedback_damp)
+        config = calibration.by_layer(model, quantize_layer, calibration_ids, "float",
+                                      method="EntQuant with feedback='calibration'", **options)
+        attach_decoder(model)
+        return config
     linears = _block_linears(model)
     names = [n for named in linears.values() for n, _ in named]
     importance = hessians = None
@@ -380,29 +334,38 @@ def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max
                    sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64, feedback_damp=0.01):
     """EntQuant one transformer block (a calibration.LayerCalibration: the coding unit) in place, for the streaming
     converter: with lam, exactly what `quantize` does to this block; with bpw, lambda is searched for this block
-    alone (each block then meets the target, rather than the model on average). The Fisher-weighted loss and the
-    error feedback need the whole model (its gradients, its self-generated text) and are refused here. Returns the quantization_config."""
+    alone (each block then meets the target, rather than the model on average). feedback="calibration" takes the
+    error feedback's Hessians from the calibration batches that reach the block; the Fisher-weighted loss and
+    feedback="self" need the whole model (its gradients, its self-generated text) and are refused here. Returns the
+    quantization_config."""
     if (lam is None) == (bpw is None):
         raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
-    if parse_sensitivity(sensitivity) is not None or parse_feedback(feedback) is not None:
+    feedback = parse_feedback(feedback)
+    if parse_sensitivity(sensitivity) is not None or feedback == "self":
         raise ValueError("sensitivity='fisher' and feedback='self' need the whole model in memory to write their "
-                         "own text (engine.formats.entropy.quantize)")
+                         "own text (engine.formats.entropy.quantize); feedback='calibration' works block by block")
+    check_damp(feedback_damp)
     linears = {layer.index: [(name, layer.module(name)) for name in layer.linear_names()]}
+    hessians = None
+    if feedback == "calibration":
+        stats = layer.capture([name.removeprefix(layer.prefix) for name, _ in linears[layer.index]])
+        hessians = {name: s.hessian for name, s in stats.items()}
     found = {}
 
     def measure(lam_):
-        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes)
+        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes, None, hessians,
+                                      feedback_damp)
         return found[lam_][1] / found[lam_][2]
 
     if bpw is not None:
-        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt), tol=tol)
+        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt, None, feedback), tol=tol)
     else:
         measure(lam)
     layers, bits, count = found[lam]
     layer.replace(lambda name, linear: layers[name], names=set(layers))
     return {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
-            "sensitivity": None, "feedback": None, "coding_unit": "transformer block", "coder": "rANS",
-            "prob_bits": PROB_BITS}
+            "sensitivity": None, "feedback": feedback, **({"feedback_damp": feedback_damp} if feedback else {}),
+            "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
 
 
 def resident_bytes(model):
@@ -454,4 +417,6 @@ def finish_loading(model, quantization_config):
 
 CHECKPOINT = CheckpointMethod(name="entquant", parts=lambda quantization_config: _PARTS, read=_read, write=_write,
                               quantize=quantize, validate=validate, finish=finish_loading,
-                              quantize_layer=quantize_layer)
+                              quantize_layer=quantize_layer,
+                              calibration=lambda options: "float" if parse_feedback(options.get("feedback"))
+                              == "calibration" else None)

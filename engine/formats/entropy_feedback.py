@@ -12,26 +12,34 @@ leaves the later columns to cancel what column i got wrong (Frantar et al., GPTQ
 only which code each weight gets changes, and the entropy of the codes with it (the lambda search then meets the
 rate). To stay data-free, X is text the model writes itself (engine/formats/sensitivity.py's self_generated_ids):
 no calibration text is read. The Hessians are those of the float model, all captured in one pass.
+
+feedback="calibration" gives up data-freedom for Hessians of real text: X is calibration text, the hidden states that
+reach each block in the float model (AWQ's walk, block by block: the quantized blocks need not be decoded on the
+way; each block's lambda is then searched for that block alone, as the streaming converter does, which runs it too).
 """
 import torch
 
 from .calibration import capture
-from .minifloats import round_e4m3
+from .entropy_scales import quantize_codes
 
 
 def parse_feedback(feedback):
-    """None or "none" -> None (the paper's nearest codes); "self" -> "self" (error feedback, self-generated text)."""
+    """None or "none" -> None (the paper's nearest codes); "self" (error feedback, the Hessians from self-generated
+    text) or "calibration" (error feedback, the Hessians from calibration text, block by block) as they are."""
     if feedback in (None, "none"):
         return None
-    if feedback != "self":
-        raise ValueError(f"feedback must be 'none' (nearest codes) or 'self' (error feedback with Hessians from "
-                         f"self-generated text), got {feedback!r}")
+    if feedback not in ("self", "calibration"):
+        raise ValueError(f"feedback must be 'none' (nearest codes), 'self' (error feedback with Hessians from "
+                         f"self-generated text) or 'calibration' (Hessians from calibration text), got {feedback!r}")
     return feedback
 
 
-def quantize_codes(x, fmt):
-    """Values in code units [...] -> the nearest code values (float): E4M3 (saturating at 448) or int8."""
-    return round_e4m3(x) if fmt == "float8" else x.round().clamp(-127.0, 127.0)
+def check_damp(feedback_damp):
+    """feedback_damp, refused unless a finite number >= 0."""
+    if not (isinstance(feedback_damp, (int, float)) and not isinstance(feedback_damp, bool)
+            and 0 <= feedback_damp < float("inf")):
+        raise ValueError(f"feedback_damp must be a finite number >= 0 (a fraction of the Hessian's mean diagonal), "
+                         f"got {feedback_damp!r}")
 
 
 def self_hessians(model, names, ids, batch_size=8):

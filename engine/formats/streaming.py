@@ -36,7 +36,7 @@ from ..safetensors_io import (INDEX, TensorReader, save_file, float_digest, tens
                               write_json)
 from . import gguf
 from .base import QuantLinear
-from .calibration import LayerCalibration, check_ids, first_layer_batches
+from .calibration import LayerCalibration, check_ids, first_layer_batches, layer_weights, merged_config
 from .checkpoints import METHODS, config_digest
 
 PROGRESS = "progress.json"
@@ -202,26 +202,13 @@ def _convert_layer(model, i, src, entry, mode, batches, folder, state, dtype, op
                   folder / f"layer-{i:05d}.safetensors")
         batches = ahead if ahead is not None else (layer.outputs() if mode else None)
         state["layer_configs"].append(layer_cfg)
-        state["weights"].append(sum(m.in_features * m.out_features for m in layer.layer.modules()
-                                    if isinstance(m, QuantLinear)))
+        state["weights"].append(layer_weights(layer))
         state["done"] = i + 1
         write_json(folder / PROGRESS, state)
     model.model.layers[i] = DecoderLayer(model.cfg, i).to("meta")
     del layer
     release_memory()
     return batches
-
-
-def merged_config(configs, weights):
-    """One quantization_config from the layers' own: fields they agree on as they are; bits_per_weight (EntQuant's
-    per-block rate search) as the weight-weighted mean; any other field that differs as the list of per-layer values."""
-    merged = dict(configs[0])
-    for key in merged:
-        values = [c[key] for c in configs]
-        if any(v != values[0] for v in values):
-            merged[key] = (sum(v * n for v, n in zip(values, weights)) / sum(weights)
-                           if key == "bits_per_weight" else values)
-    return merged
 
 
 def _resume(out, identity):
