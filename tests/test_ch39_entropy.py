@@ -419,6 +419,9 @@ def test_feedback_arguments_are_refused(tiny_model):
         E.quantize(tiny_model, lam=10.0, feedback="hessian")
     with pytest.raises(ValueError, match="needs calibration_ids"):
         E.quantize(tiny_model, lam=10.0, feedback="calibration")
+    with pytest.raises(ValueError, match="does not combine"):
+        E.quantize(tiny_model, torch.zeros(1, 4, dtype=torch.long), lam=10.0, feedback="calibration",
+                   sensitivity="fisher")
     for damp in (-0.1, float("nan"), True, "1"):
         with pytest.raises(ValueError, match="feedback_damp"):
             E.quantize(tiny_model, lam=10.0, feedback="self", feedback_damp=damp)

@@ -79,6 +79,14 @@ def test_entquant_with_calibration_feedback_streams_too(three_layers, source, id
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("options, match", [(dict(feedback="self"), "whole model in memory"),
+                                            (dict(feedback="calibration", feedback_damp=-1.0), "feedback_damp")])
+def test_entquant_options_a_layer_cannot_run_are_refused_before_any_work(options, match, source, ids, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        quantize_checkpoint(source, tmp_path / "out", "entquant", ids, progress=False, lam=14.5, **options)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unquantized_tensors_keep_the_source_dtype(three_layers, ids, tmp_path):
     save_dense(three_layers, tmp_path / "bf16", dtype=torch.bfloat16)
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "out", "gptq", ids, progress=False, group_size=32)

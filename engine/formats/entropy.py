@@ -274,12 +274,13 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
              lanes=None, tol=0.05, sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64,
              feedback_damp=0.01):
     """EntQuant, data-free (calibration_ids is used by feedback="calibration" only): replace every linear of every
-    transformer block by an EntQuantLinear, IN PLACE. Give lam (lambda) or bpw (a target in coded bits per weight, metadata included, reached
-    within tol by searching lambda). sensitivity="fisher" weights the reconstruction by the Fisher information
-    estimated on fisher_samples sequences the model writes itself; feedback="self" chooses the codes with error
-    feedback, the Hessians from feedback_samples such sequences, feedback_damp times their mean diagonal added to
-    it (see the module docstring); feedback="calibration" takes them from calibration_ids instead, block by block
-    (quantize_layer on each, its lambda searched per block). Returns the quantization_config."""
+    transformer block by an EntQuantLinear, IN PLACE. Give lam (lambda) or bpw (a target in coded bits per weight,
+    metadata included, reached within tol by searching lambda). sensitivity="fisher" weights the reconstruction by
+    the Fisher information estimated on fisher_samples sequences the model writes itself; feedback="self" chooses
+    the codes with error feedback, the Hessians from feedback_samples such sequences, feedback_damp times their mean
+    diagonal added to it (see the module docstring); feedback="calibration" takes them from calibration_ids
+    instead, block by block (quantize_layer on each, its lambda searched per block). Returns the
+    quantization_config."""
     if (lam is None) == (bpw is None):
         raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
     if fmt not in FORMATS:
@@ -287,6 +288,9 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
     sensitivity, feedback = parse_sensitivity(sensitivity), parse_feedback(feedback)
     check_damp(feedback_damp)
     if feedback == "calibration":                         # block by block, as AWQ walks the model
+        if sensitivity is not None:
+            raise ValueError("sensitivity='fisher' weighs the whole model's rows at once; it does not combine with "
+                             "feedback='calibration', which works block by block")
         options = dict(lam=lam, bpw=bpw, fmt=fmt, super_weights=super_weights, max_iter=max_iter, lanes=lanes,
                        tol=tol, sensitivity=sensitivity, feedback=feedback, feedback_damp=feedback_damp)
         config = calibration.by_layer(model, quantize_layer, calibration_ids, "float",
@@ -340,11 +344,7 @@ def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max
     quantization_config."""
     if (lam is None) == (bpw is None):
         raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
-    feedback = parse_feedback(feedback)
-    if parse_sensitivity(sensitivity) is not None or feedback == "self":
-        raise ValueError("sensitivity='fisher' and feedback='self' need the whole model in memory to write their "
-                         "own text (engine.formats.entropy.quantize); feedback='calibration' works block by block")
-    check_damp(feedback_damp)
+    feedback = _layer_feedback(sensitivity, feedback, feedback_damp)
     linears = {layer.index: [(name, layer.module(name)) for name in layer.linear_names()]}
     hessians = None
     if feedback == "calibration":
@@ -366,6 +366,24 @@ def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max
     return {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
             "sensitivity": None, "feedback": feedback, **({"feedback_damp": feedback_damp} if feedback else {}),
             "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
+
+
+def _layer_feedback(sensitivity, feedback, feedback_damp):
+    """The feedback quantize_layer runs with; what it cannot run refused (also before any work, by the
+    converter's calibration question)."""
+    feedback = parse_feedback(feedback)
+    if parse_sensitivity(sensitivity) is not None or feedback == "self":
+        raise ValueError("sensitivity='fisher' and feedback='self' need the whole model in memory to write their "
+                         "own text (engine.formats.entropy.quantize); feedback='calibration' works block by block")
+    check_damp(feedback_damp)
+    return feedback
+
+
+def _calibration(options):
+    """The calibration inputs quantize_layer needs with these options: the float model's (feedback='calibration')
+    or none (data-free)."""
+    feedback = _layer_feedback(options.get("sensitivity"), options.get("feedback"), options.get("feedback_damp", 0))
+    return "float" if feedback == "calibration" else None
 
 
 def resident_bytes(model):
@@ -417,6 +435,4 @@ def finish_loading(model, quantization_config):
 
 CHECKPOINT = CheckpointMethod(name="entquant", parts=lambda quantization_config: _PARTS, read=_read, write=_write,
                               quantize=quantize, validate=validate, finish=finish_loading,
-                              quantize_layer=quantize_layer,
-                              calibration=lambda options: "float" if parse_feedback(options.get("feedback"))
-                              == "calibration" else None)
+                              quantize_layer=quantize_layer, calibration=_calibration)
