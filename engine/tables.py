@@ -126,8 +126,6 @@ def real_model_rows():
         *[Row(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.05)) for b in (4.0, 3.0, 2.1)],
         *[Row(f"EntQuant Float8+ANS + calibration-Hessian feedback, ~{b} bpw", entropy.quantize,
               dict(bpw=b, tol=0.05, feedback="calibration")) for b in (3.0, 2.1)],
-        Row("EntQuant Float8+ANS + calibration-Hessian feedback, damp 1.0, ~2.1 bpw", entropy.quantize,
-            dict(bpw=2.1, tol=0.05, feedback="calibration", feedback_damp=1.0)),
         *[Row(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (4.0, 3.0, 2.0)],
         Row("trellis (QTIP-style), L=8, K=3", trellis.quantize, dict(L=8, K=3)),
         Row("trellis (QTIP-style), L=8", trellis.quantize, dict(L=8, K=2)),

@@ -220,12 +220,18 @@ def attach_decoder(model, prob_bits=PROB_BITS):
         raise ValueError(f"EntQuant layers outside model.model.layers: {strays[:3]}")
     decoder = BlockDecoder(blocks, prob_bits)
     for i, block in enumerate(_blocks_of(model)):
-        if getattr(block, "_entquant_hook", None) is not None:
-            block._entquant_hook.remove()
-        block._entquant_hook = block.register_forward_pre_hook(functools.partial(decoder.pre_hook, i)) \
-            if i in blocks else None
+        _hook_block(block, decoder if i in blocks else None, i)
     model.entquant_decoder = decoder
     return decoder
+
+
+def _hook_block(block, decoder, index):
+    """Make transformer layer `block` decode block `index` with `decoder` before it runs (None: no hook), replacing
+    the hook it had."""
+    if getattr(block, "_entquant_hook", None) is not None:
+        block._entquant_hook.remove()
+    block._entquant_hook = None if decoder is None else block.register_forward_pre_hook(
+        functools.partial(decoder.pre_hook, index))
 
 
 # ---- whole models: quantize, rate control ------------------------------------------------------------------------
@@ -287,13 +293,13 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
     sensitivity, feedback = parse_sensitivity(sensitivity), parse_feedback(feedback)
     check_damp(feedback_damp)
-    if feedback == "calibration":                         # block by block, as AWQ walks the model
+    if feedback == "calibration":                         # block by block, as GPTQ walks the model
         if sensitivity is not None:
             raise ValueError("sensitivity='fisher' weighs the whole model's rows at once; it does not combine with "
                              "feedback='calibration', which works block by block")
         options = dict(lam=lam, bpw=bpw, fmt=fmt, super_weights=super_weights, max_iter=max_iter, lanes=lanes,
                        tol=tol, sensitivity=sensitivity, feedback=feedback, feedback_damp=feedback_damp)
-        config = calibration.by_layer(model, quantize_layer, calibration_ids, "float",
+        config = calibration.by_layer(model, quantize_layer, calibration_ids, "quantized",
                                       method="EntQuant with feedback='calibration'", **options)
         attach_decoder(model)
         return config
@@ -339,7 +345,8 @@ def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max
     """EntQuant one transformer block (a calibration.LayerCalibration: the coding unit) in place, for the streaming
     converter: with lam, exactly what `quantize` does to this block; with bpw, lambda is searched for this block
     alone (each block then meets the target, rather than the model on average). feedback="calibration" takes the
-    error feedback's Hessians from the calibration batches that reach the block; the Fisher-weighted loss and
+    error feedback's Hessians from the calibration batches that reach the block (through the quantized blocks
+    before it: the block gets its own decoder and hook, so that its outputs feed the next); the Fisher-weighted loss and
     feedback="self" need the whole model (its gradients, its self-generated text) and are refused here. Returns the
     quantization_config."""
     if (lam is None) == (bpw is None):
@@ -363,6 +370,9 @@ def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max
         measure(lam)
     layers, bits, count = found[lam]
     layer.replace(lambda name, linear: layers[name], names=set(layers))
+    if feedback == "calibration":                 # the next block's inputs pass through this one, quantized
+        named = [layers[name] for name, _ in linears[layer.index]]
+        _hook_block(layer.layer, BlockDecoder({layer.index: named}), layer.index)
     return {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
             "sensitivity": None, "feedback": feedback, **({"feedback_damp": feedback_damp} if feedback else {}),
             "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
@@ -380,10 +390,10 @@ def _layer_feedback(sensitivity, feedback, feedback_damp):
 
 
 def _calibration(options):
-    """The calibration inputs quantize_layer needs with these options: the float model's (feedback='calibration')
-    or none (data-free)."""
+    """The calibration inputs quantize_layer needs with these options: those the blocks quantized before it pass on
+    (feedback='calibration') or none (data-free)."""
     feedback = _layer_feedback(options.get("sensitivity"), options.get("feedback"), options.get("feedback_damp", 0))
-    return "float" if feedback == "calibration" else None
+    return "quantized" if feedback == "calibration" else None
 
 
 def resident_bytes(model):

@@ -14,8 +14,9 @@ rate). To stay data-free, X is text the model writes itself (engine/formats/sens
 no calibration text is read. The Hessians are those of the float model, all captured in one pass.
 
 feedback="calibration" gives up data-freedom for Hessians of real text: X is calibration text, the hidden states that
-reach each block in the float model (AWQ's walk, block by block: the quantized blocks need not be decoded on the
-way; each block's lambda is then searched for that block alone, as the streaming converter does, which runs it too).
+reach each block through the blocks quantized before it (GPTQ's walk, block by block, so that each block's codes
+also answer the errors of those before; each block's lambda is then searched for that block alone, as the
+streaming converter does, which runs it too).
 """
 import torch
 
