@@ -17,6 +17,12 @@ costs without the wait for a core); medians of --repeats runs.
         there is no GPU, as `--impl engine` runs it) on every linear of the tiny Qwen3 (2 layers, hidden 256,
         intermediate 768): seconds to decode them all once, Gaussian weights (the decode's cost depends on the shapes
         and the rate, not on the values).
+    python benchmarks/coders.py rans-kernel [--lanes 32 64 256]
+        the Triton rANS decode kernel (engine.kernels.stream_decoders.rans_decode, interpreted when there is no GPU)
+        on one tiny-Qwen3 block (all 7 linears of a layer, E4M3 codes at about 2.1 bits): seconds to decode it once
+        at each lane count (default: default_lanes), wall time (a GPU's work is not the process's CPU time), and the
+        bytes of its stream. The kernel is n / lanes steps long, so
+        fewer lanes (a better rate) cost decode time.
 """
 import argparse
 import importlib.util
@@ -54,12 +60,12 @@ def module_at(path, rev=None):
     return module
 
 
-def median_seconds(fn, repeats):
+def median_seconds(fn, repeats, clock=time.process_time):
     times = []
     for _ in range(repeats):
-        start = time.process_time()
+        start = clock()
         fn()
-        times.append(time.process_time() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -204,9 +210,32 @@ def bench_lattice(args):
                       "decode_all_s_median": round(seconds, 2)}), flush=True)
 
 
+def bench_rans_kernel(args):
+    from engine.coding import rans
+    from engine.kernels import stream_decoders
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = sum(o * i for o, i in tiny_linear_shapes()) // Qwen3Config().num_hidden_layers
+    symbols = synthetic_block(n)
+    for lanes in args.lanes or [rans.default_lanes(n)]:
+        data = rans.rans_encode(symbols, lanes=lanes)
+        stream = rans.RansStream(data)
+        tensors, out = stream.tensors(device), torch.empty(n, dtype=torch.uint8, device=device)
+
+        def decode():
+            stream_decoders.rans_decode(*tensors, out, stream.prob_bits)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        decode()                                          # compile / warm up once
+        assert torch.equal(out.cpu(), symbols)
+        print(json.dumps({"symbols": n, "lanes": lanes, "steps": -(-n // lanes), "bytes": len(data),
+                          "interpreted": stream_decoders.INTERPRETED,
+                          "decode_s_median": round(median_seconds(decode, args.repeats, time.perf_counter), 3)}),
+              flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["rans", "lattice"])
+    p.add_argument("command", choices=["rans", "rans-kernel", "lattice"])
     p.add_argument("--symbols", type=int, nargs="+", default=[1 << 20, 1 << 22])
     p.add_argument("--lanes", type=int, nargs="+", help="rans: lane counts to compare (default: default_lanes)")
     p.add_argument("--lattice", default="E8")
@@ -220,7 +249,7 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(1)
-    {"rans": bench_rans, "lattice": bench_lattice}[args.command](args)
+    {"rans": bench_rans, "rans-kernel": bench_rans_kernel, "lattice": bench_lattice}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -41,10 +41,26 @@ def kl_per_position(ref_logits, logits):
     return _kl(torch.log_softmax(ref_logits.double(), -1), torch.log_softmax(logits.double(), -1))
 
 
+def check_finite(logits, which, first_chunk=None):
+    """Refuse logits [..., vocab] with a NaN or an infinity: every statistic computed from them would be NaN (or a
+    KL of inf), a silent wrong answer. A model can hold only finite weights and still overflow float32 in its
+    forward pass (a norm weight of 1e38 does), so this is checked where the logits are scored, not only when weights
+    load. first_chunk: the chunk index of logits[0], when they are [chunks, positions, vocab]."""
+    bad = ~torch.isfinite(logits)
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0][:-1]]
+        where = (f"chunk {first_chunk + at[0]}, scored position {at[1]}" if first_chunk is not None
+                 else f"position {tuple(at)}")
+        raise ValueError(f"the {which} model's logits are not finite (first at {where}): its forward pass "
+                         "overflowed float32 or computed with a NaN; no statistic is reported")
+
+
 def kl_stats(ref_logits, logits):
     """{'kl_nats', 'kl_stderr', 'kl_p99', 'same_top_pct'} over all positions (the tiny model's table)."""
     if ref_logits.shape != logits.shape:
         raise ValueError(f"logits shapes differ: {tuple(ref_logits.shape)} vs {tuple(logits.shape)}")
+    check_finite(ref_logits, "reference")
+    check_finite(logits, "quantized")
     kl = kl_per_position(ref_logits, logits).flatten()
     same = (ref_logits.argmax(-1) == logits.argmax(-1)).double().mean().item()
     return {"kl_nats": kl.mean().item(),
@@ -189,6 +205,8 @@ def compare_models(reference, quantized, chunks, batch_size=1, impl="torch", pro
         if ref_logits.shape != logits.shape:
             raise ValueError(f"the models' logits differ in shape: {tuple(ref_logits.shape)} vs "
                              f"{tuple(logits.shape)} (different vocabularies?)")
+        check_finite(ref_logits, "reference", s)
+        check_finite(logits, "quantized", s)
         scores.add(ref_logits, logits, ids[:, first + 1:])
         del ref_logits, logits
     return {"chunks": n, "ctx": ctx, **scores.summary()}

@@ -159,6 +159,24 @@ def test_bad_chunks_are_named(tiny_model, chunks, match):
         compare_models(tiny_model, tiny_model, chunks)
 
 
+def test_a_forward_pass_that_overflows_is_refused_not_scored_as_nan(tiny_model):
+    """Every weight finite, but a final-norm weight of 3.4e38 overflows float32 in the forward pass: the scores
+    would be NaN; they are refused, naming the model and the first chunk."""
+    chunks = Corpus.from_text(bytes(range(256)) * 20).eval_chunks(ctx=64)
+    overflowing = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        overflowing.model.norm.weight[7] = 3.4e38
+    assert all(bool(torch.isfinite(p).all()) for p in overflowing.parameters())
+    with pytest.raises(ValueError, match=r"the quantized model's logits are not finite \(first at chunk 0,"):
+        compare_models(tiny_model, overflowing, chunks, batch_size=2)
+    with pytest.raises(ValueError, match="the reference model's logits are not finite"):
+        compare_models(overflowing, tiny_model, chunks)
+    with torch.no_grad():
+        logits = overflowing(chunks[:1])
+    with pytest.raises(ValueError, match=r"quantized model's logits are not finite \(first at position \(0, 0\)\)"):
+        kl_stats(logits.nan_to_num(0.0), logits)
+
+
 def test_models_of_different_vocabularies_are_refused():
     chunks, ref, q = _random_case()
     with pytest.raises(ValueError, match="differ in shape"):
