@@ -11,16 +11,16 @@ often both models put the same token on top. KL, unlike perplexity, cannot be im
 model's held-out perplexity sometimes drops when quantization perturbs it, which says nothing about quality.
 
 `compare_models` is llama.cpp's `perplexity --kl-divergence` (tools/perplexity/perplexity.cpp, kl_divergence) in one
-process: both models run on the same chunks of ctx tokens (consecutive, non-overlapping, the first token replaced
-by BOS where the tokenizer adds one: Corpus.eval_chunks), and only the second half of each chunk is scored (the
-logits at positions ctx/2 .. ctx-2 predicting tokens ctx/2+1 .. ctx-1: ctx - 1 - ctx/2 positions, so that every
-scored token has at least ctx/2 tokens of context). Its standard errors are llama.cpp's: sqrt(var / (n - 1)) of
-each per-position quantity (var the population variance: the sample std / sqrt(n)), ln(PPL ratio) from the per-position difference (= llama.cpp's sqrt(se^2 + se_ref^2 -
-2 cov)), PPL's as PPL * se(nll), RMS dp's as se(dp^2) / (2 RMS), same-top's binomial. Percentiles interpolate
-linearly, as llama.cpp's do. Two differences: P is exact, in float64 (llama.cpp reads it back from a file of
-16-bit log-probabilities that drops P(v) < e^-16, which bounds how small a KL it resolves), and nothing of the
-vocabulary's size outlives a chunk, so no logits file is written (llama.cpp's takes 2 x (vocabulary + 4) bytes per
-scored token).
+process: both models run on the same chunks of ctx tokens (consecutive, non-overlapping, the first token replaced by
+BOS where the tokenizer adds one: Corpus.eval_chunks), and only the second half of each chunk is scored (the logits
+at positions ctx/2 .. ctx-2 predicting tokens ctx/2+1 .. ctx-1: ctx - 1 - ctx/2 positions, so that every scored
+token has at least ctx/2 tokens of context). Its standard errors are llama.cpp's: sqrt(var / (n - 1)) of each
+per-position quantity (var the population variance: the sample std / sqrt(n)), ln(PPL ratio) from the per-position
+difference (= llama.cpp's sqrt(se^2 + se_ref^2 - 2 cov)), PPL's as PPL * se(nll), RMS dp's as se(dp^2) / (2 RMS),
+same-top's binomial. Percentiles interpolate linearly, as llama.cpp's do. Two differences: P is exact, in float64
+(llama.cpp reads it back from a file of 16-bit log-probabilities that drops P(v) < e^-16, which bounds how small a
+KL it resolves), and nothing of the vocabulary's size outlives a chunk, so no logits file is written (llama.cpp's
+takes 2 x (vocabulary + 4) bytes per scored token).
 """
 import math
 

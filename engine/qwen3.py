@@ -189,8 +189,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp_residual(self.attention_residual(x, cos, sin, cache))
+
+    # The two residual halves, apart so that a calibration walk can resume between them (calibration.py).
+    def attention_residual(self, x, cos, sin, cache=None, context=None):
+        """x + attention(norm(x)) [B, T, hidden]; context: o_proj's input [B, T, heads * d], when already known."""
+        if context is not None:
+            return x + self.self_attn.o_proj(context)
+        return x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+
+    def mlp_residual(self, h):
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Model(nn.Module):

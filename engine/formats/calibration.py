@@ -16,7 +16,17 @@ seeing the already-quantized earlier ones), and finally the layer's outputs beco
 its quantized linears (GPTQ: later layers correct the error of earlier ones) or, captured before quantizing, through
 the float layer (AWQ and BlockLDLQ, as AutoAWQ does). The work is one pass of one layer per step, so it grows
 linearly with depth, not as layers^2 as re-running the model from the embedding for every step would.
+
+Within a layer, a step's run resumes where the step before it stopped, when the modules in between are unchanged:
+o_proj's input (the attention's context) is kept from the run that reached it, and the residual after attention
+from the run that made it, so GPTQ's four steps and the outputs compute each part of the layer once, not the
+attention four times and gate/up twice. A kept tensor is valid while the modules it came from are the same objects
+with the same tensors, none edited in place (torch counts a tensor's in-place edits in its _version); at most one
+is kept per batch (the residual replaces the context), one activation buffer of the calibration set beside the
+layer's inputs.
 """
+import weakref
+
 import torch
 from tqdm import tqdm
 
@@ -88,8 +98,8 @@ class _Seen(Exception):
 
 
 def capture(modules, batches, run):
-    """{name: module} -> {name: InputStats} of each module's inputs while run(batch) executes for every batch; each
-    run is stopped as soon as all of `modules` have seen their input."""
+    """{name: module} -> {name: InputStats} of each module's inputs while run(b, batch) executes for every batch
+    (b its index); each run is stopped as soon as all of `modules` have seen their input."""
     stats = {name: InputStats(m.in_features) for name, m in modules.items()}
     seen = set()
 
@@ -103,16 +113,36 @@ def capture(modules, batches, run):
 
     handles = [m.register_forward_pre_hook(hook(name)) for name, m in modules.items()]
     try:
-        for batch in batches:
+        for b, batch in enumerate(batches):
             seen.clear()
             try:
-                run(batch)
+                run(b, batch)
             except _Seen:
                 pass
     finally:
         for h in handles:
             h.remove()
     return stats
+
+
+class _Kept:
+    """A tensor a run computed and the modules it came from, by weak reference (a replaced module is not kept
+    alive by it): valid(modules) while they are the same objects holding the same, unedited tensors."""
+
+    def __init__(self, value, modules):
+        self.value, self.key = value, [(weakref.ref(t), _version(t)) for t in _state(modules)]
+
+    def valid(self, modules):
+        state = _state(modules)
+        return len(state) == len(self.key) and all(r() is t and v == _version(t) for (r, v), t in zip(self.key, state))
+
+
+def _state(modules):
+    return [t for m in modules for t in (m, *m.parameters(), *m.buffers())]
+
+
+def _version(t):
+    return (t._version, t.data_ptr()) if torch.is_tensor(t) else None
 
 
 class LayerCalibration:
@@ -123,11 +153,54 @@ class LayerCalibration:
     def __init__(self, layer, index, batches=None, method="this method", prefix=None):
         self.layer, self.index, self.batches, self.method = layer, index, batches, method
         self.prefix = f"model.layers.{index}." if prefix is None else prefix
+        self.kept = [{} for _ in batches or ()]          # per batch: "context" or "residual" -> _Kept (docstring)
 
     def replace(self, make, names=None):
         """Replace the layer's linears (all, or the full names in `names`) by make(full name, linear), in place."""
         names = None if names is None else {n.removeprefix(self.prefix) for n in names}
-        return replace_linears(self.layer, lambda name, linear: make(self.prefix + name, linear), names)
+        replaced = replace_linears(self.layer, lambda name, linear: make(self.prefix + name, linear), names)
+        for kept in self.kept:                          # what the replaced linears made is freed now
+            for part in [p for p, k in kept.items() if not k.valid(self._sources(p))]:
+                del kept[part]
+        return replaced
+
+    def _sources(self, part):
+        """The modules a kept part is computed from: the attention's context from the input norm and everything of
+        the attention but o_proj; the residual after it from those and o_proj."""
+        attn = self.layer.self_attn
+        before = [self.layer.input_layernorm, *(m for name, m in attn.named_children() if name != "o_proj")]
+        return before if part == "context" else [*before, attn.o_proj]
+
+    def _run(self, b, args, watched=()):
+        """What self.layer(*args) returns for batch b, resumed from its kept context or residual where they are
+        valid and no watched module lies before them; a run that computes them keeps them."""
+        layer, kept = self.layer, self.kept[b] if self.kept else None
+        resumable = (kept is not None and hasattr(layer, "attention_residual") and len(args) in (3, 4)
+                     and (len(args) == 3 or args[3] is None)                                # no KV cache
+                     and not layer._forward_pre_hooks and not layer._forward_hooks       # e.g. EntQuant's decoder
+                     and layer.self_attn.kv_transform is None and layer.self_attn.kv_window is None)
+        if not resumable:
+            return layer(*args)
+        attn_modules = {id(m) for m in layer.input_layernorm.modules()} | {id(m) for m in layer.self_attn.modules()}
+        inside = {id(m) for m in watched} & attn_modules
+        residual = kept.get("residual")
+        if not inside and residual is not None and residual.valid(self._sources("residual")):
+            return layer.mlp_residual(residual.value)
+        context = kept.get("context")
+        o_proj = layer.self_attn.o_proj
+        if not inside - {id(o_proj)} and context is not None and context.valid(self._sources("context")):
+            h = layer.attention_residual(*args[:3], context=context.value)    # o_proj's hooks see the kept input
+        else:
+            def keep(module, inputs):
+                kept["context"] = _Kept(inputs[0], self._sources("context"))
+            handle = o_proj.register_forward_pre_hook(keep, prepend=True)     # before a capture hook stops the run
+            try:
+                h = layer.attention_residual(*args[:3])
+            finally:
+                handle.remove()
+        kept["residual"] = _Kept(h, self._sources("residual"))
+        kept.pop("context", None)
+        return layer.mlp_residual(h)
 
     def linears(self, names=None):
         """{full name: module} of the layer's linears (`names`: relative names such as "self_attn.q_proj"; all of
@@ -152,13 +225,20 @@ class LayerCalibration:
         names = [n for step in SEQUENTIAL_STEPS for n in step] if names is None else list(names)
         first = {n: next(s[0] for s in SEQUENTIAL_STEPS if n in s) if any(n in s for s in SEQUENTIAL_STEPS) else n
                  for n in names}
-        stats = capture(self.linears(dict.fromkeys(first.values())), self.batches, lambda args: self.layer(*args))
+        watched = self.linears(dict.fromkeys(first.values()))
+        stats = capture(watched, self.batches, lambda b, args: self._run(b, args, watched.values()))
         return {self.prefix + n: stats[self.prefix + first[n]] for n in names}
 
     @torch.no_grad()
     def outputs(self):
-        """The layer's arguments for the next layer: its outputs, with the same RoPE tables."""
-        return [(self.layer(*args), *args[1:]) for args in self.batches]
+        """The layer's arguments for the next layer: its outputs, with the same RoPE tables. What was kept for the
+        batches is freed: the layer's last use."""
+        outputs = []
+        for b, args in enumerate(self.batches):
+            outputs.append((self._run(b, args), *args[1:]))
+            if self.kept:
+                self.kept[b] = {}
+        return outputs
 
 
 def check_ids(calibration_ids, vocab_size, method):

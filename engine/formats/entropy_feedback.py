@@ -51,7 +51,7 @@ def self_hessians(model, names, ids, batch_size=8):
     if missing:
         raise ValueError(f"self_hessians: not linears of this model: {missing[:3]}")
     with torch.no_grad():
-        stats = capture({n: modules[n] for n in names}, ids.split(batch_size), model)
+        stats = capture({n: modules[n] for n in names}, ids.split(batch_size), lambda b, batch: model(batch))
     return {n: s.hessian for n, s in stats.items()}
 
 
