@@ -37,9 +37,10 @@ def e8m0_to_float(scales):
 
 def round_e4m3(x):
     """float32 -> the nearest E4M3 value (ties to even, saturating at +-448), as float32. Equals
-    x.clamp(-448, 448).to(torch.float8_e4m3fn).float() but runs as a few vectorized integer ops (torch's CPU cast
-    is element by element): normals keep 3 mantissa bits by adding a round-to-even bias to the f32 bit pattern;
-    below 2^-6 the grid is uniform with step 2^-9 (the subnormals)."""
+    x.clamp(-448, 448).to(torch.float8_e4m3fn).float() but runs as a few vectorized integer ops, faster than torch's
+    CPU cast on the weight matrices EntQuant's scale search rounds (the cast wins on short vectors, where an op's
+    fixed cost dominates, and on tens of millions of elements): normals keep 3 mantissa bits by adding a
+    round-to-even bias to the f32 bit pattern; below 2^-6 the grid is uniform with step 2^-9 (the subnormals)."""
     x = x.clamp(-E4M3_MAX, E4M3_MAX)
     bits = x.view(torch.int32)
     bits = (bits + ((1 << 19) - 1) + ((bits >> 20) & 1)) & ~((1 << 20) - 1)
