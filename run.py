@@ -4,7 +4,7 @@ cached); with --model PATH (a Hugging Face folder, a quantized checkpoint or a .
   python run.py quantformats [--model PATH] [--text FILE] [--rows SUBSTR ...] [--impl torch|engine] [--plot F.png]
       quantize the model every way and print one JSON line per row as it finishes, then a markdown table
   python run.py train      [--steps 300] [--text FILE] [--seed 0] [--out DIR]       train (cached), save it dense
-  python run.py quantize   [--model PATH] --method NAME --out DIR [--group-size G] [--act-order] [--bpw B]
+  python run.py quantize   [--model PATH] --method NAME --out DIR [--group-size G] [--order O] [--bpw B]
                            [--option KEY=VALUE ...] [--calib FILE --calib-samples N --calib-len T] [--force]
                            [--target vllm|transformers|llama.cpp|onnx] [--format safetensors|gguf]
       write a quantized checkpoint (gptq, awq, fp8, compressed-tensors, trellis, entquant, lattice); a --model is
@@ -196,13 +196,11 @@ def quantize_options(args):
         if key not in accepted:
             raise ValueError(f"--method {args.method} takes no option {key!r}; it takes {list(accepted)}")
         options[key] = parse_value(key, value, accepted[key])
-    # --act-order asks for AutoGPTQ's desc_act=True file (columns permuted in g_idx); act-order with static groups,
-    # the plain layout every client loads, is already gptq's default
-    flags = (("group_size", args.group_size), ("static_groups", False if args.act_order else None), ("bpw", args.bpw))
+    flags = (("group_size", args.group_size), ("order", args.order), ("bpw", args.bpw))
     for key, value in flags:
         if value is not None:
             if key not in accepted:
-                flag = "--act-order" if key == "static_groups" else f"--{key.replace('_', '-')}"
+                flag = f"--{key.replace('_', '-')}"
                 raise ValueError(f"{flag} does not apply to --method {args.method}; it takes "
                                  f"{list(accepted)}")
             options[key] = value
@@ -385,9 +383,10 @@ def main(argv=None):
     z.add_argument("--method", required=True)
     z.add_argument("--out", required=True)
     z.add_argument("--group-size", type=int)
-    z.add_argument("--act-order", action="store_true", help="gptq: AutoGPTQ's desc_act=True layout (g_idx "
-                   "permuted, 4.59 bits, vLLM refuses it); the default already visits columns in act-order, with "
-                   "static groups")
+    z.add_argument("--order", help="gptq: the column order, one of natural, act_order (AutoGPTQ's desc_act=True "
+                   "file: g_idx permuted, vLLM refuses it), act_order_static (the default: the same visit, a plain "
+                   "file), group_aware, group_aware_sum, group_aware_reference (GPTQModel's default) or search (the "
+                   "best of three per linear)")
     z.add_argument("--bpw", type=float, help="entquant: target bits per weight (lambda found by bisection)")
     z.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="any other option of the method, e.g. format=nvfp4-pack-quantized, L=8, bps=3, sym=true")

@@ -72,7 +72,7 @@ NOISE = {"transformers": 1e-7, "vllm": 1e-5, "llama.cpp": 3e-5, "converter": 3e-
 G32 = {"group_size": 32}
 FORMATS = {
     "dense": (None, {}, "hf"), "gptq-sym": ("gptq", {"sym": True}, "hf"), "gptq-asym": ("gptq", {}, "hf"),
-    "gptq-act-order": ("gptq", {"sym": True, "static_groups": False}, "hf"), "awq": ("awq", {}, "hf"),
+    "gptq-act-order": ("gptq", {"sym": True, "order": "act_order"}, "hf"), "awq": ("awq", {}, "hf"),
     "ct-int4-sym": ("compressed-tensors", {}, "hf"), "ct-int4-asym": ("compressed-tensors", {"symmetric": False}, "hf"),
     "ct-fp8": ("compressed-tensors", {"format": "float-quantized"}, "hf"),
     "ct-nvfp4": ("compressed-tensors", {"format": "nvfp4-pack-quantized"}, "hf"),

@@ -39,7 +39,7 @@ from engine.safetensors_io import INDEX, read_header, save_file, write_json  # n
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_hidden_layers=2)
-QUANTIZED = {"gptq": ("gptq", {"group_size": 32}), "gptq-act": ("gptq", {"group_size": 32, "static_groups": False}),
+QUANTIZED = {"gptq": ("gptq", {"group_size": 32}), "gptq-act": ("gptq", {"group_size": 32, "order": "act_order"}),
              "awq": ("awq", {"group_size": 32}), "fp8": ("fp8", {}),
              "ct-pack": ("compressed-tensors", {"format": "pack-quantized", "group_size": 32, "symmetric": False}),
              "ct-float": ("compressed-tensors", {"format": "float-quantized"}),

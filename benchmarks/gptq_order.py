@@ -13,11 +13,8 @@ off here), group size, bits and asymmetric grid, in each order:
     desc_act         act_order=True / desc_act=True                        (g_idx permuted: vLLM refuses the file)
     static+desc_act  + static_groups=True                                  (g_idx sorted, a plain file)
     act_group_aware  GAR, GPTQModel's default                              (g_idx sorted, a plain file)
-    static+GAR       static_groups=True with act_group_aware=True          (GPTQModel picks each static grid by
-                                                                           the visited column's position, not its
-                                                                           group: its figure there is not this order's)
     GAR-sum          GAR with groups ranked by their total H_ii            (engine only; g_idx sorted)
-    GAR, reference   GAR with reference_grid=True: GPTQModel's grid rule   (engine only: it reproduces GPTQModel's
+    GAR, reference   group_aware_reference: GPTQModel's grid rule          (engine only: it reproduces GPTQModel's
       grid                                                                 default)
     search           gptq.search_order: the lowest of static+desc_act,     (engine only; g_idx sorted; one GPTQ per
                      GAR-sum and GAR with the reference grid, per layer     candidate)
@@ -27,9 +24,10 @@ stored in f16 (the engine rounds its scales to f16 inside the loop, so GPTQ comp
 The two tools then differ in exactly two places: those f16 scales, and which weights a group's grid is read from
 when the group starts inside a 128-column block (the engine: as corrected by the block's earlier columns;
 GPTQModel, like the reference GPTQ code: as they stood when the block began). Either choice moves single layers by
-a few percent either way; with both switched to GPTQModel's (reference_grid=True) the outputs are identical.
+a few percent either way; with both switched to GPTQModel's (an Order with reference_grid=True) the outputs are
+identical.
 
-The engine's whole-model default (gptq.quantize_layer) is static+desc_act. Errors are relative to the engine's
+The engine's whole-model default (gptq.quantize_layer) is static+desc_act (act_order_static). Errors are relative to the engine's
 natural order on the same layer, as a geometric mean over the set's layers (min-max in brackets); "ours / theirs"
 compares the two tools' errors in the same order, layer by layer, and "/ GPTQModel default" each engine order with
 GPTQModel's act_group_aware on the same layer. Times are the sums over the set, one run each, on this process's
@@ -61,13 +59,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.formats import calibration, gptq
 
-ORDERS = {"natural": {}, "desc_act": {"act_order": True}, "static+desc_act": {"act_order": True, "static_groups": True},
-          "act_group_aware": {"act_group_aware": True},
-          "static+GAR": {"static_groups": True, "act_group_aware": True},
-          "GAR-sum": {"act_group_aware": True, "group_score": "sum"},
-          "GAR, reference grid": {"act_group_aware": True, "reference_grid": True},
-          "search": None}
-ENGINE_ONLY = ("GAR-sum", "GAR, reference grid", "search")
+# benchmark name -> (the engine's order, GPTQModel's QuantizeConfig options; None: GPTQModel has no such order)
+ORDERS = {"natural": ("natural", {}), "desc_act": ("act_order", {"act_order": True}),
+          "static+desc_act": ("act_order_static", {"act_order": True, "static_groups": True}),
+          "act_group_aware": ("group_aware", {"act_group_aware": True}),
+          "GAR-sum": ("group_aware_sum", None), "GAR, reference grid": ("group_aware_reference", None),
+          "search": ("search", None)}
 layer_error = gptq.layer_error
 
 
@@ -93,8 +90,8 @@ def gptqmodel_quantize(weight, hessian, bits, group_size, damp=0.01, act_order=F
     return scales.half().float() * (codes - zeros)
 
 
-def engine_quantize(weight, hessian, bits, group_size, damp=0.01, **order):
-    return gptq.dequantize_gptq(*gptq.gptq_quantize(weight, hessian, bits, group_size, damp=damp, **order))
+def engine_quantize(weight, hessian, bits, group_size, damp=0.01, order="natural"):
+    return gptq.dequantize_gptq(*gptq.gptq_quantize(weight, hessian, bits, group_size, order, damp=damp))
 
 
 def engine_search(weight, hessian, bits, group_size, damp=0.01):
@@ -159,14 +156,15 @@ def measure(layers, bits, group_size, damp, orders):
         default = layer_error(gptqmodel_quantize(w, h, bits, group_size, damp, act_group_aware=True), w, h)
         for order in orders:
             row = {"layer": name, "order": order, "shape": list(w.shape), "gptqmodel_default": default}
-            tools = (("engine", engine_quantize),) + (() if order in ENGINE_ONLY else
-                                                      (("gptqmodel", gptqmodel_quantize),))
+            ours, theirs = ORDERS[order]
+            tools = (("engine", lambda *a: engine_quantize(*a, order=ours)),) + (
+                () if theirs is None else (("gptqmodel", lambda *a: gptqmodel_quantize(*a, **theirs)),))
             for tool, run in tools:
                 start = time.perf_counter()
-                if order == "search":
+                if ours == "search":
                     w_hat, row["chosen"] = engine_search(w, h, bits, group_size, damp)
                 else:
-                    w_hat = run(w, h, bits, group_size, damp, **ORDERS[order])
+                    w_hat = run(w, h, bits, group_size, damp)
                 row[f"{tool}_s"] = time.perf_counter() - start
                 row[tool] = layer_error(w_hat, w, h)
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -205,9 +203,8 @@ def summary(rows, orders):
 
 # ---- whole models -----------------------------------------------------------------------------------------------
 
-WHOLE_MODEL = {"static+desc_act (default)": {}, "desc_act (permuted g_idx)": {"static_groups": False},
-               "act_group_aware": {"act_order": False, "static_groups": False, "act_group_aware": True},
-               "search (order_search=True)": {"order_search": True}}
+WHOLE_MODEL = {"act_order_static (default)": "act_order_static", "act_order (permuted g_idx)": "act_order",
+               "group_aware": "group_aware", "search": "search"}
 
 
 def whole_model_kl(bits, group_size, damp):
@@ -224,9 +221,9 @@ def whole_model_kl(bits, group_size, damp):
         ref_logits = held_out_logits(reference, windows)
     lines = [f"| GPTQ int{bits}, g{group_size}, order | KL (nats) | ± | p99 | same top % | seconds |",
              "|---|---:|---:|---:|---:|---:|"]
-    for label, options in WHOLE_MODEL.items():
+    for label, order in WHOLE_MODEL.items():
         model, start = copy.deepcopy(reference), time.perf_counter()
-        gptq.quantize(model, corpus.calibration(), bits=bits, group_size=group_size, damp=damp, **options)
+        gptq.quantize(model, corpus.calibration(), bits=bits, group_size=group_size, damp=damp, order=order)
         seconds = time.perf_counter() - start
         with torch.no_grad():
             stats = kl_stats(ref_logits, held_out_logits(model, windows))

@@ -26,17 +26,16 @@ class Row:
     kv_cache: bool = False      # weights stay dense; K and V are quantized as they enter the cache
 
 
-GPTQ_ORDERS = {"natural order": dict(act_order=False, static_groups=False),
-               "act-order": dict(static_groups=False),
-               "act-order, static groups (default)": {},
-               "group-aware order (GPTQModel's default)": dict(act_order=False, static_groups=False,
-                                                               act_group_aware=True),
-               "order search (the best of three per linear)": dict(order_search=True)}
+GPTQ_ORDERS = {"natural order": "natural",
+               "act-order": "act_order",
+               "act-order, static groups (default)": "act_order_static",
+               "group-aware order (GPTQModel's default)": "group_aware",
+               "order search (the best of three per linear)": "search"}
 
 
 def gptq_order_rows(group_size):
     """GPTQ at 4 bits in each column order it offers (see engine/formats/gptq.py's visit_order)."""
-    return [Row(f"GPTQ int4, g{group_size}, {name}", gptq.quantize, dict(group_size=group_size, **order))
+    return [Row(f"GPTQ int4, g{group_size}, {name}", gptq.quantize, dict(group_size=group_size, order=order))
             for name, order in GPTQ_ORDERS.items()]
 
 

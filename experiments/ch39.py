@@ -52,8 +52,8 @@ def report(rows, label):
 def methods(args):
     reference, ids, chunks, ref_logits = setup(args)
     runs = [("RTN int4, g128", affine.quantize, dict(bits=4, group_size=128)),
-            ("GPTQ int4, g128", gptq.quantize, dict(group_size=128, act_order=False, static_groups=False)),
-            ("GPTQ int4, g128, act-order", gptq.quantize, dict(group_size=128, static_groups=False)),
+            ("GPTQ int4, g128", gptq.quantize, dict(group_size=128, order="natural")),
+            ("GPTQ int4, g128, act-order", gptq.quantize, dict(group_size=128, order="act_order")),
             ("AWQ int4, g128", awq.quantize, dict(group_size=128))]
     rows = []
     for label, quantize, options in runs:

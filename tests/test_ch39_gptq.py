@@ -1,5 +1,7 @@
 """GPTQ: the algorithm (never worse than RTN in the error it minimizes, act-order and g_idx), the AutoGPTQ v1 / v2
 layouts, the v1 zero-point-0 trap, and whole-model save -> load."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -37,7 +39,8 @@ def test_gptq_never_worse_than_rtn(seed, act_order):
     torch.manual_seed(seed)
     w = torch.randn(48, 128) * 0.05
     h = gptq.hessian_from(correlated_inputs(512, 128, seed))
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, act_order, block=48)   # blocks cross groups
+    order = "act_order" if act_order else "natural"
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, order, block=48)   # blocks cross groups
     ours = weighted_error(gptq.dequantize_gptq(codes, scales, zeros, g_idx), w, h)
     rtn = weighted_error(affine.fake_quantize(w, 4, 32), w, h)
     assert ours < rtn
@@ -49,7 +52,7 @@ def test_dead_inputs_get_zero_weight():
     w = torch.randn(8, 32)
     x = torch.randn(64, 32)
     x[:, 5] = 0
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, gptq.hessian_from(x), 4, 16)
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, gptq.hessian_from(x), 4, 16, "natural")
     assert torch.all(gptq.dequantize_gptq(codes, scales, zeros, g_idx)[:, 5].abs() <= scales[:, 0] / 2 + 1e-7)
 
 
@@ -57,7 +60,7 @@ def test_act_order_g_idx_and_runtime_permutation():
     torch.manual_seed(3)
     w = torch.randn(32, 64)
     h = gptq.hessian_from(correlated_inputs(256, 64, 3))
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, act_order=True)
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, "act_order")
     # The first group holds the 16 most activated inputs (largest H_ii), and every group has 16 columns.
     top16 = torch.argsort(torch.diag(h), descending=True)[:16]
     assert set(torch.nonzero(g_idx == 0).flatten().tolist()) == set(top16.tolist())
@@ -80,17 +83,14 @@ def test_group_aware_visit_order_pinned():
     """GPTQModel's GAR: groups by decreasing max H_ii, each group's columns by decreasing H_ii (a ragged last group is
     one more group)."""
     diag = torch.tensor([1.0, 5.0, 2.0, 9.0, 0.0, 3.0, 7.0])
-    assert gptq.visit_order(diag, 3, act_group_aware=True).tolist() == [3, 5, 4, 6, 1, 2, 0]
-    assert gptq.visit_order(diag, 3, act_order=True).tolist() == [3, 6, 1, 5, 2, 0, 4]
+    assert gptq.visit_order(diag, 3, "group_aware").tolist() == [3, 5, 4, 6, 1, 2, 0]
+    assert gptq.visit_order(diag, 3, "act_order").tolist() == [3, 6, 1, 5, 2, 0, 4]
     assert gptq.visit_order(diag, 3).tolist() == list(range(7))
-    with pytest.raises(ValueError, match="two column orders"):
-        gptq.gptq_quantize(torch.zeros(2, 7), torch.eye(7), act_order=True, act_group_aware=True)
+    with pytest.raises(ValueError, match=r".*got True \(the book's act_order=True is order='act_order'\)"):
+        gptq.gptq_quantize(torch.zeros(2, 7), torch.eye(7), 4, 7, True)
 
 
-ORDERS = {"natural": {"act_order": False, "static_groups": False},
-          "act_order": {"act_order": True, "static_groups": False},
-          "static_groups": {"act_order": True, "static_groups": True},
-          "act_group_aware": {"act_order": False, "static_groups": False, "act_group_aware": True}}
+ORDERS = ("natural", "act_order", "act_order_static", "group_aware")
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -98,7 +98,7 @@ def test_each_order_round_trips_through_its_checkpoint(order):
     torch.manual_seed(4)
     w = torch.randn(32, 96) * 0.05
     h = gptq.hessian_from(correlated_inputs(256, 96, 4))
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, min_zero=1, **ORDERS[order])
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, order, min_zero=1)
     layer = gptq.to_runtime(codes, scales, zeros, g_idx, 32)
     permuted = order == "act_order"
     qcfg = gptq.validate({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": permuted})
@@ -119,7 +119,7 @@ def test_static_groups_choose_grids_before_the_loop():
     torch.manual_seed(5)
     w = torch.randn(16, 64) * 0.05
     h = gptq.hessian_from(correlated_inputs(256, 64, 5))
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, act_order=True, static_groups=True)
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, "act_order_static")
     rtn_scales, rtn_zeros = gptq.group_grid(affine.grouped(w, 16).reshape(-1, 16), 4)
     assert torch.equal(scales, rtn_scales.reshape(16, 4)) and torch.equal(zeros, rtn_zeros.reshape(16, 4))
     assert torch.equal(g_idx.long(), torch.arange(64) // 16)
@@ -130,44 +130,46 @@ def test_group_score_sum_ranks_groups_by_their_total():
     """Group-aware order with group_score="sum": a group of many active inputs goes before a group with one outlier
     (the max score puts the outlier's group first)."""
     diag = torch.tensor([9.0, 0.0, 0.0, 4.0, 4.0, 4.0])
-    assert gptq.visit_order(diag, 3, act_group_aware=True).tolist() == [0, 1, 2, 3, 4, 5]
-    assert gptq.visit_order(diag, 3, act_group_aware=True, group_score="sum").tolist() == [3, 4, 5, 0, 1, 2]
-    with pytest.raises(ValueError, match="group_score must be one of"):
-        gptq.visit_order(diag, 3, act_group_aware=True, group_score="mean")
+    assert gptq.visit_order(diag, 3, "group_aware").tolist() == [0, 1, 2, 3, 4, 5]
+    assert gptq.visit_order(diag, 3, "group_aware_sum").tolist() == [3, 4, 5, 0, 1, 2]
+    with pytest.raises(ValueError, match="order must be one of"):
+        gptq.visit_order(diag, 3, "group_aware_mean")
 
 
 def test_search_order_keeps_the_candidate_with_the_lowest_layer_error():
     torch.manual_seed(7)
     w = torch.randn(32, 128) * 0.05
     h = gptq.hessian_from(correlated_inputs(512, 128, 7))
-    errors = {name: gptq.layer_error(gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 32, **gptq.ORDERS[name])), w, h)
+    errors = {name: gptq.layer_error(gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 32, name)), w, h)
               for name in gptq.ORDERS}
     for candidates in (gptq.SEARCHED, tuple(gptq.ORDERS), ("natural", "group_aware")):
         parts, chosen = gptq.search_order(w, h, 4, 32, candidates)
         assert chosen == min(candidates, key=errors.get)
         assert gptq.layer_error(gptq.dequantize_gptq(*parts), w, h) == errors[chosen]
     assert torch.equal(gptq.search_order(w, h, 4, 32)[0][3].long(), torch.arange(128) // 32)    # plain g_idx
-    assert gptq.layer_error(w, w, h) == 0 and errors["natural"] == pytest.approx(weighted_error(
-        gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 32)), w, h), rel=1e-5)
+    assert gptq.layer_error(w, w, h) == 0 and errors["act_order_static"] == pytest.approx(weighted_error(
+        gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 32)), w, h), rel=1e-5)       # the default order
     with pytest.raises(ValueError, match="candidates must be"):
         gptq.search_order(w, h, 4, 32, ("desc_act",))
-    with pytest.raises(ValueError, match="order_search chooses"):
-        gptq.quantize_layer(None, order_search=True, static_groups=False)
+    with pytest.raises(ValueError, match="field 'order' must be one of"):
+        gptq.quantize_layer(None, order="desc_act")
 
 
 def test_reference_grid_reads_the_weights_as_the_block_began():
-    """reference_grid (GPTQModel's and the reference code's rule): inside one block (block = all columns) no
-    correction has landed in W yet, so every group's grid is the float32 RTN grid of the ORIGINAL weights, rounded to
-    f16 for the file; the engine's own rule sees the corrections of the block's earlier groups."""
+    """group_aware_reference (GPTQModel's and the reference code's grid rule): inside one block (block = all
+    columns) no correction has landed in W yet, so every group's grid is the float32 RTN grid of the ORIGINAL
+    weights, rounded to f16 for the file; the engine's own rule sees the corrections of the earlier groups."""
     torch.manual_seed(8)
     w = torch.randn(16, 96) * 0.05
     h = gptq.hessian_from(correlated_inputs(256, 96, 8))
-    _, scales, zeros, _ = gptq.gptq_quantize(w, h, 4, 32, block=96, reference_grid=True)
+    _, scales, zeros, _ = gptq.gptq_quantize(w, h, 4, 32, "group_aware_reference", block=96)
     rtn_scales, rtn_zeros = gptq.group_grid(affine.grouped(w, 32).reshape(-1, 32), 4, f16=False)
     assert torch.equal(scales, rtn_scales.reshape(16, 3).half().float())
     assert torch.equal(zeros, rtn_zeros.reshape(16, 3))
-    own = gptq.gptq_quantize(w, h, 4, 32, block=96)[1]
-    assert torch.equal(own[:, 0], scales[:, 0]) and not torch.equal(own[:, 1:], scales[:, 1:])   # group 0 alone
+    own = gptq.gptq_quantize(w, h, 4, 32, "group_aware", block=96)[1]
+    first = int(gptq.visit_order(torch.diag(h), 32, "group_aware")[0]) // 32        # the group visited first
+    later = [g for g in range(3) if g != first]
+    assert torch.equal(own[:, first], scales[:, first]) and not torch.equal(own[:, later], scales[:, later])
 
 
 @pytest.mark.interop
@@ -182,19 +184,21 @@ def test_reference_grid_reproduces_gptqmodel(order):
     torch.manual_seed(9)
     w = torch.randn(32, 256) * 0.05
     h = gptq.hessian_from(correlated_inputs(1024, 256, 9))
+    ours, their_options = gptq_order.ORDERS[order]
     with torch._dynamo.config.patch(disable=True):
-        theirs = gptq_order.gptqmodel_quantize(w, h, 4, 64, **gptq_order.ORDERS[order])
-    assert torch.equal(gptq_order.engine_quantize(w, h, 4, 64, reference_grid=True, **gptq_order.ORDERS[order]), theirs)
+        theirs = gptq_order.gptqmodel_quantize(w, h, 4, 64, **their_options)
+    reference = dataclasses.replace(gptq.ORDERS[ours], reference_grid=True)
+    assert torch.equal(gptq_order.engine_quantize(w, h, 4, 64, order=reference), theirs)
 
 
-@pytest.mark.parametrize("order", ["static_groups", "act_group_aware"])
+@pytest.mark.parametrize("order", ["act_order_static", "group_aware"])
 def test_reordering_lowers_the_error_on_uneven_scales(order):
     """Inputs whose scale grows along the columns: the natural order quantizes the least important groups first.
     Both trivial-g_idx orders visit the heavy groups first and cut the layer error well below plain GPTQ's."""
     torch.manual_seed(6)
     w = torch.randn(64, 256) * 0.05
     h = gptq.hessian_from(correlated_inputs(1024, 256, 6))
-    errors = {name: weighted_error(gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 64, **ORDERS[name])), w, h)
+    errors = {name: weighted_error(gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 64, name)), w, h)
               for name in ("natural", order)}
     assert errors[order] < 0.8 * errors["natural"]
 
@@ -251,8 +255,8 @@ def test_v1_zero_point_zero():
     torch.manual_seed(0)
     w = torch.rand(16, 64) + 0.1
     h = gptq.hessian_from(torch.randn(128, 64))
-    assert (gptq.gptq_quantize(w, h, 4, 32)[2] == 0).any()
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, min_zero=1)
+    assert (gptq.gptq_quantize(w, h, 4, 32, "natural")[2] == 0).any()
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, "natural", min_zero=1)
     assert zeros.min() >= 1
     layer = gptq.to_runtime(codes, scales, zeros, g_idx, 32)
     qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False,
@@ -302,7 +306,7 @@ def test_reader_validates():
         gptq.CHECKPOINT.read({**t, "scales": t["scales"].to(torch.uint8)}, qcfg)
 
 
-@pytest.mark.parametrize("order", [*ORDERS, "default", "order_search"])
+@pytest.mark.parametrize("order", [*ORDERS, "default", "search"])
 def test_model_save_load_and_quality(tiny_model, tmp_path, order):
     """Every order saves, loads bit-exact and beats RTN; the default is act-order with static groups (a plain file),
     and the order search writes a plain file too."""
@@ -310,13 +314,11 @@ def test_model_save_load_and_quality(tiny_model, tmp_path, order):
     calibration = torch.randint(0, 256, (4, 64))
     held_out = torch.randint(0, 256, (2, 48))
     reference, rtn_error = rtn_baseline(tiny_model, held_out)
-    options = {"order_search": True} if order == "order_search" else ORDERS.get(order, {})
+    options = {} if order == "default" else {"order": order}
     qcfg = checkpoints.save_quantized(tiny_model, tmp_path, "gptq", calibration, group_size=32, **options)
     permuted = order == "act_order"
-    effective = ORDERS.get(order, options or ORDERS["static_groups"])
-    recorded = {k: True for k in ("static_groups", "act_group_aware", "order_search") if effective.get(k)}
     assert qcfg == {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": permuted, "sym": False,
-                    "checkpoint_format": "gptq", **recorded}
+                    "checkpoint_format": "gptq", "order": options.get("order", "act_order_static")}
     with torch.no_grad():
         ours = tiny_model(held_out)
         loaded = checkpoints.load_quantized(tmp_path)

@@ -85,14 +85,14 @@ def test_written_checkpoints_are_read_by_kind_and_units(written):
 
 
 @pytest.mark.parametrize("target,method,options,fmt,match", [
-    ("vllm", "gptq", {"act_order": True, "static_groups": False}, "safetensors", "desc_act=True"),
+    ("vllm", "gptq", {"order": "act_order"}, "safetensors", "desc_act=True"),
     ("vllm", "gptq", {"sym": False}, "safetensors", "symmetric only"),
     ("vllm", "awq", {"group_size": 256}, "safetensors", "group_size = 256"),
     ("onnx", "fp8", {}, "safetensors", "fp8 quantized model is not currently supported"),
     ("onnx", "compressed-tensors", {}, "safetensors", "CUDA EP"),
     ("transformers", "trellis", {}, "safetensors", "only this engine reads it"),
     ("llama.cpp", "gptq", {"group_size": 64}, "gguf", "hold 32 weights, not group size 64"),
-    ("llama.cpp", "gptq", {"act_order": True, "static_groups": False}, "gguf", "no permutation"),
+    ("llama.cpp", "gptq", {"order": "act_order"}, "gguf", "no permutation"),
     ("llama.cpp", "fp8", {}, "gguf", "no FP8 type"),
     ("llama.cpp", "entquant", {}, "gguf", "only this engine"),
     ("vllm", "gptq", {"sym": True}, "gguf", "--format gguf is for llama.cpp"),
@@ -107,8 +107,8 @@ def test_target_picks_the_settings_it_loads():
         assert serving.check_target("vllm", "gptq", {}) == ({"sym": True}, "safetensors")
     assert serving.check_target("llama.cpp", "gptq", {}) == ({"group_size": 32}, "gguf")
     # act-order with static groups (GPTQ's default) writes a sorted g_idx: a plain file every target loads
-    assert serving.check_target("llama.cpp", "gptq", {"act_order": True}) == ({"act_order": True, "group_size": 32},
-                                                                              "gguf")
+    assert serving.check_target("llama.cpp", "gptq", {"order": "act_order_static"}) == (
+        {"order": "act_order_static", "group_size": 32}, "gguf")
     assert serving.check_target("llama.cpp", "compressed-tensors", {"format": "mxfp4-pack-quantized"}) == (
         {"format": "mxfp4-pack-quantized"}, "gguf")
     assert serving.check_target("onnx", "awq", {"group_size": 64}) == ({"group_size": 64}, "safetensors")

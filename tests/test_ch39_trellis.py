@@ -187,6 +187,20 @@ def test_kernel_equals_torch_decoder(code, tail_biting, L, K, tile):
     assert torch.allclose(y_engine, y_torch, rtol=1e-4, atol=1e-4)
 
 
+def test_each_tile_scale_is_the_least_squares_fit_on_its_path():
+    """The Viterbi codes each tile at its RMS; its stored scale is then refit on the chosen path by least squares,
+    <w, v> / <v, v> rounded to f16, which is never worse than the RMS it was searched at."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 256) * torch.linspace(0.5, 2.0, 256)
+    codes, scales, _ = trellis.quantize_trellis(w, L=8, K=2)
+    unit = trellis.decode_trellis(codes, torch.ones_like(scales), L=8, K=2)      # the path's values at scale 1
+    target = trellis.rotate(w, 256, 0)
+    fit = (target * unit).sum(1) / unit.pow(2).sum(1)
+    assert torch.equal(scales[:, 0], fit.half())
+    rms = target.pow(2).mean(1).sqrt()
+    assert (unit * fit[:, None] - target).pow(2).sum() < (unit * rms[:, None] - target).pow(2).sum()
+
+
 def test_gaussian_mse_at_two_bits_with_honest_rate():
     """Tail-biting: the stream is exactly K T bits, so MSE is measured at 2 bits per weight (+16/T for the scale).
     Lloyd-Max, the best scalar 2-bit code, reaches 0.118; the rate-distortion bound is 0.0625."""

@@ -12,7 +12,7 @@ from test_cli import ROOT, run
 
 
 def test_target_refusal_names_the_reason_before_training(tmp_path):
-    out = run("quantize", "--method", "gptq", "--act-order", "--target", "vllm",
+    out = run("quantize", "--method", "gptq", "--order", "act_order", "--target", "vllm",
               "--out", str(tmp_path / "ck"))
     assert out.returncode != 0 and "vLLM refuses desc_act=True" in out.stderr
     assert "training" not in out.stderr and not any(tmp_path.iterdir())
@@ -39,8 +39,8 @@ def test_boolean_options_parse_as_json_booleans():
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     for text in ("True", "true", "1", "yes"):
-        args = argparse.Namespace(method="gptq", option=[f"sym={text}"], group_size=None, act_order=False, bpw=None)
+        args = argparse.Namespace(method="gptq", option=[f"sym={text}"], group_size=None, order=None, bpw=None)
         assert cli.quantize_options(args) == {"sym": True}
     with pytest.raises(ValueError, match="sym wants true or false"):
         cli.quantize_options(argparse.Namespace(method="gptq", option=["sym=maybe"], group_size=None,
-                                                act_order=False, bpw=None))
+                                                order=None, bpw=None))

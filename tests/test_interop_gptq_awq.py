@@ -60,7 +60,8 @@ def gptq_layer(seed, bits, act_order, out_f=64, in_f=256, group=64):
     w = torch.randn(out_f, in_f, generator=g) * 0.02
     x = torch.randn(512, in_f, generator=g) * torch.linspace(0.1, 3.0, in_f)
     # min_zero=1: GPTQModel's word-wide "- 0x11111111" borrows into the next output's zero when a zero is 0
-    return gptq.gptq_quantize(w, gptq.hessian_from(x), bits, group, act_order, min_zero=1)
+    order = "act_order" if act_order else "natural"
+    return gptq.gptq_quantize(w, gptq.hessian_from(x), bits, group, order, min_zero=1)
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -105,7 +106,7 @@ def test_group_aware_order_is_gptqmodels():
     diag = torch.diag(h)
     local, values = gar.compute_local_perms(diag, 32, return_values=True)
     theirs = gar.compose_final_perm(local, gar.compute_global_perm(diag, 32, precomputed_values=values), 32)
-    assert torch.equal(gptq.visit_order(diag, 32, act_group_aware=True), theirs)
+    assert torch.equal(gptq.visit_order(diag, 32, "group_aware"), theirs)
 
 
 @pytest.mark.parametrize("order", ["natural", "desc_act", "static+desc_act", "act_group_aware"])
@@ -113,8 +114,9 @@ def test_each_order_matches_gptqmodel_layer_error(order_bench, order):
     """Same weight, Hessian, damping and group size: the same layer error as GPTQModel in the same order (they differ
     only by our f16 scales), and our best order at or below GPTQModel's default (group-aware)."""
     w, h = uneven_layer(1)
-    ours = order_bench.layer_error(order_bench.engine_quantize(w, h, 4, 32, **order_bench.ORDERS[order]), w, h)
-    theirs = order_bench.layer_error(order_bench.gptqmodel_quantize(w, h, 4, 32, **order_bench.ORDERS[order]), w, h)
+    engine_order, their_options = order_bench.ORDERS[order]
+    ours = order_bench.layer_error(order_bench.engine_quantize(w, h, 4, 32, order=engine_order), w, h)
+    theirs = order_bench.layer_error(order_bench.gptqmodel_quantize(w, h, 4, 32, **their_options), w, h)
     assert abs(ours / theirs - 1) < 0.03
     if order in ("desc_act", "static+desc_act"):
         default = order_bench.gptqmodel_quantize(w, h, 4, 32, act_group_aware=True)
@@ -141,12 +143,11 @@ def test_pack_awq_bit_identical_to_autoawq():
     assert torch.equal(back.dequantize(), layer.dequantize())
 
 
-@pytest.mark.parametrize("method,options", [("gptq", {"group_size": 32, "act_order": False, "static_groups": False}),
-                                            ("gptq", {"group_size": 32, "static_groups": False}),      # permuted
+@pytest.mark.parametrize("method,options", [("gptq", {"group_size": 32, "order": "natural"}),
+                                            ("gptq", {"group_size": 32, "order": "act_order"}),      # permuted
                                             ("gptq", {"group_size": 32}),       # the default: static groups
-                                            ("gptq", {"group_size": 32, "act_order": False, "static_groups": False,
-                                                      "act_group_aware": True}),
-                                            ("gptq", {"group_size": 32, "order_search": True}),
+                                            ("gptq", {"group_size": 32, "order": "group_aware"}),
+                                            ("gptq", {"group_size": 32, "order": "search"}),
                                             ("awq", {"group_size": 32})])
 def test_transformers_loads_our_checkpoint(tiny_model, tmp_path, method, options):
     pytest.importorskip("gptqmodel")
@@ -173,8 +174,8 @@ def test_checkpoint_packed_by_gptqmodel_loads_in_engine(gptqmodel_packer, tiny_m
     import json
 
     from engine.safetensors_io import save_file
-    qcfg = gptq.quantize(tiny_model, torch.randint(0, 256, (4, 64)), group_size=32, act_order=act_order,
-                         static_groups=False)
+    qcfg = gptq.quantize(tiny_model, torch.randint(0, 256, (4, 64)), group_size=32,
+                         order="act_order" if act_order else "natural")
     tensors = {}
     for name, layer in quantized_linears(tiny_model).items():
         codes, scales, zeros, g_idx = affine.affine_parts(layer)

@@ -7,7 +7,7 @@ order and, after each column i, spreading its error over the columns not yet qua
 
     W[:, j] -= (W[:, i] - Q[:, i]) * U[i, j] / U[i, i]   for j > i,   U = upper Cholesky factor of H^-1,
 
-leaves the later columns to cancel what column i got wrong (Frantar et al., GPTQ). The quantizer is EntQuant's own
+leaves the later columns to cancel what column i got wrong (Frantar et al., GPTQ; the loop is obq.py's). The quantizer is EntQuant's own
 (E4M3 or int8 at the row's fixed scale 2^s), so the format, the storage and the decoder stay exactly the paper's;
 only which code each weight gets changes, and the entropy of the codes with it (the lambda search then meets the
 rate). To stay data-free, X is text the model writes itself (engine/formats/sensitivity.py's self_generated_ids):
@@ -22,6 +22,7 @@ import torch
 
 from .calibration import capture
 from .entropy_scales import quantize_codes
+from .obq import error_feedback, inverse_cholesky
 
 
 def parse_feedback(feedback):
@@ -58,35 +59,23 @@ def self_hessians(model, names, ids, batch_size=8):
 @torch.no_grad()
 def feedback_weight(weight, log_scale, hessian, fmt="float8", keep=None, damp=0.01, block=128):
     """weight [out, in], log2 scales [out], hessian [in, in] -> W_hat [out, in] float32, every entry a code value
-    times its row's 2^s (encode_weight(W_hat, log_scale) gives its codes exactly), chosen column by column with the
-    error feedback of the module docstring. keep (bool [out, in], Int8 super weights): stored exactly, so their
-    error is zero and their W_hat is 0 (the code beside the exact value). damp: added to H's diagonal, times its
-    mean (GPTQ's dampening). Columns are taken in blocks of `block`: within a block each error updates the block at
-    once, the columns after it in one matmul when the block is done."""
+    times its row's 2^s (encode_weight(W_hat, log_scale) gives its codes exactly), chosen column by column in
+    obq.error_feedback's loop (the module docstring's feedback). keep (bool [out, in], Int8 super weights): stored
+    exactly, so their error is zero and their W_hat is 0 (the code beside the exact value). damp: added to H's
+    diagonal, times its mean (GPTQ's dampening); block: the loop's lazy batch."""
     out_f, cols = weight.shape
     if hessian.shape != (cols, cols) or log_scale.shape != (out_f,):
         raise ValueError(f"hessian {tuple(hessian.shape)} and log_scale {tuple(log_scale.shape)} do not fit a "
                          f"weight of shape {tuple(weight.shape)}")
-    W, H = weight.detach().float().clone(), hessian.float().clone()
+    W, H = weight.detach().float(), hessian.float()
     dead = torch.diag(H) == 0                                 # inputs never active: their weights cannot matter
-    H[dead, dead] = 1
-    H += damp * torch.diag(H).mean() * torch.eye(cols, device=H.device)
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     step, inv = torch.exp2(log_scale.float()), torch.exp2(-log_scale.float())
     exact = torch.zeros_like(W, dtype=torch.bool) if keep is None else keep
-    original = weight.detach().float()
-    W_hat = torch.zeros_like(W)
-    for i1 in range(0, cols, block):
-        i2 = min(i1 + block, cols)
-        W1, errors = W[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1, device=W.device)
-        for i in range(i2 - i1):
-            col = i1 + i
-            q = quantize_codes(W1[:, i] * inv, fmt) * step
-            q = torch.where(dead[col] | exact[:, col], 0.0, q)
-            W_hat[:, col] = q
-            # a super weight's stored value is its original one: what remains of the feedback there is its error
-            err = W1[:, i] - torch.where(exact[:, col], original[:, col], q)
-            errors[:, i] = err / U[col, col]
-            W1[:, i:] -= errors[:, i:i + 1] * U[col, col:i2][None, :]
-        W[:, i2:] -= errors @ U[i1:i2, i2:]
-    return W_hat
+
+    def quantize(j, current):
+        q = torch.where(dead[j] | exact[:, j], 0.0, quantize_codes(current(j, j + 1)[:, 0] * inv, fmt) * step)
+        # a super weight's stored value is its original one: what remains of the feedback there is its error
+        return torch.where(exact[:, j], W[:, j], q)[:, None]
+
+    stored = error_feedback(W, inverse_cholesky(H, damp), quantize, block=block)
+    return torch.where(exact, 0.0, stored)

@@ -4,38 +4,37 @@ the columns not yet quantized, so that the layer's OUTPUT on calibration inputs 
     minimize ||X W_hat^T - X W^T||^2,   Hessian H = 2 X^T X / n   (the same for every output row)
     column i:  e = (w_i - quant(w_i)) / [H^-1]_ii,   w_j <- w_j - e [H^-1]_ij   for every later column j
 
-H^-1 comes once from a Cholesky factorization (damped by 1% of mean(diag H)); updates are applied lazily, one block
-of 128 columns at a time. Each group's grid (affine.find_params: f16 scale, integer zero) is chosen from the weights
-as corrected when the loop enters the group (columns beyond the current 128-column block have received the earlier
-blocks' corrections but not yet this block's: the lazy update lands when the block ends). That and the f16 scale
-are the only two differences from GPTQModel's loop in the same order: it reads a grid from the weights as they
-stood when the block began (as the reference code does), and rounds its scales to f16 only when it packs, so GPTQ
-never compensates the grid its file stores. Neither choice is lower on every layer; reference_grid=True takes
-GPTQModel's.
+The loop itself is engine/formats/obq.py's (H^-1's Cholesky factor damped by 1% of mean(diag H), updates applied
+lazily a block of 128 columns at a time); this file is GPTQ's quantizer for it: each group's grid
+(affine.find_params: f16 scale, integer zero) is chosen from the group's weights as corrected when the loop enters
+the group, then every column is rounded on its group's grid. The scale is rounded to f16 when it is chosen, so GPTQ
+compensates exactly the grid its file stores.
 
-The column order (the visit; names as in AutoGPTQ / GPTQModel configs), and what each costs the checkpoint:
+The column order, one name of ORDERS (as in AutoGPTQ / GPTQModel configs), and what each costs the checkpoint:
 
-    natural          0, 1, 2, ...                                  g_idx = i // G (sorted)     loads everywhere
-    act_order        by decreasing H_ii ("desc_act"); groups are   g_idx permuted, and a       vLLM refuses it
-                     ranges of the visit                           runtime permutation         (desc_act=True)
-    act_order +      the same visit, but each group is a range of  g_idx = i // G, no perm:    loads everywhere
-      static_groups  ORIGINAL columns whose grid is chosen from    the file is a plain one     (desc_act=False)
-                     the weights before the loop
-    act_group_aware  groups of original columns by decreasing     g_idx = i // G, no perm     loads everywhere
-                     max H_ii, each group's columns by decreasing  ("GAR", GPTQModel's default (desc_act=False)
-                     H_ii; the grid when the group is entered      since 2025); group_score="sum"
-                                                                   ranks the groups by total H_ii
-    order_search     per linear, the lowest tr(E H E^T) of         g_idx = i // G, no perm     loads everywhere
-                     act-order + static groups, group-aware by     (one GPTQ per candidate)    (desc_act=False)
-                     sum and GPTQModel's own (search_order)
+    natural                0, 1, 2, ...                              g_idx = i // G (sorted)   loads everywhere
+    act_order              by decreasing H_ii ("desc_act"); groups   g_idx permuted, and a     vLLM refuses it
+                           are ranges of the visit                   runtime permutation       (desc_act=True)
+    act_order_static       the same visit, but each group is a       g_idx = i // G, no perm   loads everywhere
+      (the default)        range of ORIGINAL columns whose grid is   (a plain file)
+                           chosen from the weights before the loop
+    group_aware            groups of original columns by decreasing  g_idx = i // G, no perm   loads everywhere
+                           max H_ii, each group's columns by         ("GAR")
+                           decreasing H_ii; the grid when the group
+                           is entered
+    group_aware_sum        the same, groups ranked by total H_ii     g_idx = i // G, no perm
+    group_aware_reference  group_aware with the reference code's     g_idx = i // G, no perm   GPTQModel's default
+                           grid: read from the weights as they stood                           since 2025
+                           when the 128-column block began, scales
+                           rounded to f16 only for the file
+    search                 per linear, the lowest tr(E H E^T) of     g_idx = i // G, no perm   one GPTQ per
+                           SEARCHED (search_order)                                             candidate
 
 Visiting the most activated columns first leaves the most freedom to compensate their errors. Plain act-order
 minimizes the layer error best but needs its permutation; act-order with static groups comes close, below the
-group-aware order on most layers (benchmarks/gptq_order.py), at no cost in the file: it is quantize_layer's
-default, while gptq_quantize keeps the paper's natural order. No single plain-file order is lowest on every layer,
-hence order_search. The config's desc_act is true only for the permuted layout (vLLM ignores g_idx when it is false;
-GPTQModel's act-order + static groups file says desc_act=true over a sorted g_idx); static_groups /
-act_group_aware / order_search record the other visits.
+group-aware order on most layers (benchmarks/gptq_order.py), at no cost in the file: the default. No single
+plain-file order is lowest on every layer, hence search. The config's desc_act is true only for the permuted layout
+(vLLM ignores g_idx when it is false); `order` records the visit.
 
 Checkpoint (AutoGPTQ, `checkpoint_format` "gptq" = v1, the default everywhere; "gptq_v2" = raw zeros):
 
@@ -53,6 +52,7 @@ At load, `to_runtime` sorts the input columns by g_idx once so that groups are c
 AffineQuantLinear permutes the activations (x[:, perm]) instead.
 """
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -60,10 +60,72 @@ from . import calibration
 from .affine import AffineQuantLinear, affine_parts, find_params, grouped, pack_int32, unpack_int32
 from .base import CheckpointMethod, config_field, scale_tensor
 from .calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
+from .obq import error_feedback, inverse_cholesky
 
 FORMATS = ("gptq", "gptq_v2")
 PACKABLE_BITS = (2, 4, 8)          # bit widths that tile an int32 word exactly (3-bit GPTQ uses a split layout)
-GROUP_SCORES = {"max": "amax", "sum": "sum"}
+
+
+# ---- the column orders ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Order:
+    """How GPTQ walks a layer: visit "natural", "act_order" (by decreasing H_ii) or "group_aware" (groups by their
+    score, then their columns by H_ii); static: grids from the weights before the loop, groups = ranges of the
+    original columns; score: the group-aware rank ("amax" or "sum" of H_ii); reference_grid: the reference code's
+    grid rule (module docstring)."""
+    visit: str = "natural"
+    static: bool = False
+    score: str = "amax"
+    reference_grid: bool = False
+
+    @property
+    def permuted(self):
+        """Whether the file needs a permuted g_idx (desc_act=true): groups are ranges of an act-order visit."""
+        return self.visit == "act_order" and not self.static
+
+
+ORDERS = {"natural": Order(),
+          "act_order": Order("act_order"),
+          "act_order_static": Order("act_order", static=True),
+          "group_aware": Order("group_aware"),
+          "group_aware_sum": Order("group_aware", score="sum"),
+          "group_aware_reference": Order("group_aware", reference_grid=True)}
+SEARCHED = ("act_order_static", "group_aware_sum", "group_aware_reference")   # all write a plain file
+SEARCH = "search"
+DEFAULTS = {"bits": 4, "group_size": 128, "order": "act_order_static", "damp": 0.01, "sym": False,
+            "checkpoint_format": "gptq"}
+
+
+def check_order(order):
+    """A name of ORDERS (or an Order itself, for a walk without a name) -> its Order; ValueError otherwise."""
+    if isinstance(order, Order):
+        return order
+    if not isinstance(order, str) or order not in ORDERS:
+        hint = " (the book's act_order=True is order='act_order')" if isinstance(order, bool) else ""
+        raise ValueError(f"order must be one of {tuple(ORDERS)}, got {order!r}{hint}")
+    return ORDERS[order]
+
+
+def visit_order(diag, group_size, order="natural"):
+    """diag [in] = diag(H) -> the permutation [in] in which GPTQ visits the columns.
+
+    natural: 0, 1, 2, ...;  act_order: by decreasing H_ii;  group_aware (GPTQModel's "GAR"): the groups of
+    consecutive columns by decreasing score (their max H_ii, or with group_aware_sum their total: a group of many
+    moderately active inputs can outrank one with a single outlier), and within each group its columns by
+    decreasing H_ii, so that a group is still visited as one contiguous run."""
+    spec = check_order(order)
+    cols = diag.shape[0]
+    if spec.visit == "act_order":
+        return torch.argsort(diag, descending=True, stable=True)
+    if spec.visit == "natural":
+        return torch.arange(cols, device=diag.device)
+    group = torch.arange(cols, device=diag.device) // group_size
+    score = torch.zeros(int(group[-1]) + 1, device=diag.device).scatter_reduce(0, group, diag, spec.score,
+                                                                              include_self=False)
+    rank = torch.argsort(torch.argsort(score, descending=True, stable=True))      # each group's place in the visit
+    within = torch.argsort(diag, descending=True, stable=True)
+    return within[torch.argsort(rank[group[within]], stable=True)]
 
 
 # ---- the algorithm ----------------------------------------------------------------------------------------------
@@ -84,103 +146,52 @@ def group_grid(w, bits, sym=False, min_zero=0, f16=True):
     return scale, zero
 
 
-def check_order(act_order, act_group_aware):
-    if act_order and act_group_aware:
-        raise ValueError("act_order and act_group_aware are two column orders: choose one (act_group_aware=True "
-                         "wants act_order=False; GPTQModel's rule too)")
-
-
-def visit_order(diag, group_size, act_order=False, act_group_aware=False, group_score="max"):
-    """diag [in] = diag(H) -> the order [in] in which GPTQ visits the columns (a permutation of the inputs).
-
-    natural: 0, 1, 2, ...;  act_order (desc_act): by decreasing H_ii;  act_group_aware (GPTQModel's default, "GAR"):
-    the groups of consecutive columns by decreasing score, and within each group its columns by decreasing H_ii,
-    so that a group is still visited as one contiguous run. The score is the group's max H_ii (GPTQModel's) or, with
-    group_score="sum", its total (GPTQModel's gar.compute_global_perm metric "sum": a group of many moderately
-    active inputs can outrank one with a single outlier)."""
-    check_order(act_order, act_group_aware)
-    if group_score not in GROUP_SCORES:
-        raise ValueError(f"group_score must be one of {tuple(GROUP_SCORES)}, got {group_score!r}")
-    cols = diag.shape[0]
-    if act_order:
-        return torch.argsort(diag, descending=True, stable=True)
-    if not act_group_aware:
-        return torch.arange(cols, device=diag.device)
-    group = torch.arange(cols, device=diag.device) // group_size
-    score = torch.zeros(int(group[-1]) + 1, device=diag.device).scatter_reduce(0, group, diag,
-                                                                              GROUP_SCORES[group_score],
-                                                                              include_self=False)
-    rank = torch.argsort(torch.argsort(score, descending=True, stable=True))      # each group's place in the visit
-    within = torch.argsort(diag, descending=True, stable=True)
-    return within[torch.argsort(rank[group[within]], stable=True)]
-
-
 @torch.no_grad()
-def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp=0.01, block=128, sym=False,
-                  min_zero=0, static_groups=False, act_group_aware=False, group_score="max", reference_grid=False):
+def gptq_quantize(weight, hessian, bits=4, group_size=128, order=DEFAULTS["order"], damp=0.01, block=128,
+                  sym=False, min_zero=0):
     """weight [out, in], hessian [in, in] = 2 X^T X / n -> (codes uint8 [out, in], scales [out, groups],
     zeros [out, groups], g_idx int32 [in]); W_hat[o, i] = scales[o, g_idx[i]] * (codes[o, i] - zeros[o, g_idx[i]]).
 
-    group_size -1 (or any value <= 0) means one group per row. min_zero=1 keeps every zero point storable in a v1
-    checkpoint. The column order is one of visit_order's (act_order, act_group_aware, group_score). static_groups:
-    every group is a range of original columns whose grid is chosen from the weights before the loop, so that
-    act-order can visit the columns in any order and g_idx still stays sorted. reference_grid=True chooses the grids
-    as the reference GPTQ code, AutoGPTQ and GPTQModel do: read from the weights as they stood when the block began,
-    with float32 scales rounded to f16 only for the returned (stored) scales; in any order it then reproduces
-    GPTQModel's checkpoint in that order.
-    Columns are processed in blocks of `block`; inside a block each column's error is pushed onto the block's
-    remaining columns at once, and onto the columns after the block in one matmul when the block is done.
-    """
+    order: a name of ORDERS (module docstring) or an Order. group_size -1 (or any value <= 0) means one group per row.
+    min_zero=1 keeps every zero point storable in a v1 checkpoint. block: the lazy batch of obq.error_feedback."""
+    spec = check_order(order)
     out_f, cols = weight.shape
     if hessian.shape != (cols, cols):
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({cols}, {cols})")
-    check_order(act_order, act_group_aware)
     group_size = cols if group_size <= 0 else group_size
-    W = weight.float().clone()
-    H = hessian.float().clone()
-    dead = torch.diag(H) == 0                              # inputs never active: their weights cannot matter
-    H[dead, dead] = 1
+    W, H = weight.float().clone(), hessian.float()
+    diag = torch.diag(H).clone()
+    dead = diag == 0                                       # inputs never active: their weights cannot matter
     W[:, dead] = 0
+    diag[dead] = 1                                         # as obq.inverse_cholesky (and the reference code) see it
     dev = W.device
     groups = -(-cols // group_size)
-    perm = visit_order(torch.diag(H), group_size, act_order, act_group_aware, group_score)
+    perm = visit_order(diag, group_size, order)
     # The group of each visited column: under plain act-order the ranges of the visit (g_idx then names each
     # column's), otherwise the ranges of the original columns (g_idx stays sorted).
-    label = torch.arange(cols, device=dev) // group_size if act_order and not static_groups else perm // group_size
-    f16 = not reference_grid
-    if static_groups:
+    label = torch.arange(cols, device=dev) // group_size if spec.permuted else perm // group_size
+    f16 = not spec.reference_grid
+    if spec.static:
         scales, zeros = (t.reshape(out_f, groups) for t in
                          group_grid(grouped(W, group_size).reshape(-1, group_size), bits, sym, min_zero, f16))
     else:
         scales, zeros = torch.zeros(out_f, groups, device=dev), torch.zeros(out_f, groups, device=dev)
     labels, sizes = label.tolist(), torch.bincount(label, minlength=groups).tolist()
-    W, H = W[:, perm], H[perm][:, perm]
-    H += damp * torch.diag(H).mean() * torch.eye(cols, device=dev)
-    # The upper Cholesky factor of H^-1 holds exactly the [H^-1]_ij / [H^-1]_ii rows OBQ needs, in the order
-    # the columns are eliminated (each row is the inverse Hessian of the columns still left).
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    codes = torch.zeros_like(W)
+    codes = torch.zeros(out_f, cols, device=dev)
     top = 2 ** bits - 1
-    for i1 in range(0, cols, block):
-        i2 = min(i1 + block, cols)
-        W1, Err = W[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1, device=dev)
-        H1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            g = labels[col]
-            if not static_groups and (col == 0 or labels[col - 1] != g):   # a new group: its grid from the
-                n = sizes[g]                                                # CURRENT weights of its n columns
-                ahead = (W[:, col:col + n] if reference_grid else
-                         torch.cat((W1[:, i:i + n], W[:, i2:i2 + n]), 1)[:, :n])
-                scales[:, g], zeros[:, g] = group_grid(ahead, bits, sym, min_zero, f16)
-            q = (W1[:, i] / scales[:, g] + zeros[:, g]).round().clamp(0, top)
-            codes[:, col] = q
-            error = (W1[:, i] - scales[:, g] * (q - zeros[:, g])) / H1[i, i]
-            W1[:, i:] -= error[:, None] * H1[i, i:][None, :]
-            Err[:, i] = error
-        W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
+
+    def quantize(j, current):
+        g = labels[j]
+        if not spec.static and (j == 0 or labels[j - 1] != g):     # a new group: its grid from its n columns now
+            ahead = current(j, j + sizes[g], as_of_block=spec.reference_grid)
+            scales[:, g], zeros[:, g] = group_grid(ahead, bits, sym, min_zero, f16)
+        q = (current(j, j + 1)[:, 0] / scales[:, g] + zeros[:, g]).round().clamp(0, top)
+        codes[:, j] = q
+        return (scales[:, g] * (q - zeros[:, g]))[:, None]
+
+    error_feedback(W[:, perm], inverse_cholesky(H[perm][:, perm], damp), quantize, block=block)
     inverse = torch.argsort(perm)
-    scales = scales.half().float() if reference_grid else scales
+    scales = scales.half().float() if spec.reference_grid else scales
     return codes[:, inverse].to(torch.uint8), scales, zeros, label[inverse].to(torch.int32)
 
 
@@ -197,32 +208,22 @@ def layer_error(w_hat, weight, hessian):
     return float((e @ hessian.double() * e).sum())
 
 
-# The column orders by name, as gptq_quantize options; SEARCHED: those order_search tries (all write a plain file).
-ORDERS = {"natural": {},
-          "act_order": {"act_order": True},
-          "act_order_static": {"act_order": True, "static_groups": True},
-          "group_aware": {"act_group_aware": True},
-          "group_aware_sum": {"act_group_aware": True, "group_score": "sum"},
-          "group_aware_reference": {"act_group_aware": True, "reference_grid": True}}
-SEARCHED = ("act_order_static", "group_aware_sum", "group_aware_reference")
-
-
 @torch.no_grad()
 def search_order(weight, hessian, bits=4, group_size=128, candidates=SEARCHED, **options):
     """weight [out, in], hessian [in, in] -> (gptq_quantize's four tensors, the order's name): GPTQ in each candidate
-    order of ORDERS, keeping the one with the lowest layer_error (ties: the first). Costs one GPTQ per candidate.
+    order, keeping the one with the lowest layer_error (ties: the first). Costs one GPTQ per candidate.
 
     No order wins everywhere: act-order with static groups usually does, but on a layer whose heavy inputs cluster
     in a few groups (attention's o_proj) a group-aware order can be lower, and max and sum as the group score each
     win on some layers. The default candidates all keep g_idx sorted (desc_act=false); one of them,
-    group_aware_reference, is GPTQModel's default (GAR with the reference grid), so the search is never above
-    GPTQModel's default on the same weight, Hessian and damping."""
+    group_aware_reference, is GPTQModel's default, so the search is never above GPTQModel's default on the same
+    weight, Hessian and damping."""
     unknown = [name for name in candidates if name not in ORDERS]
     if unknown or not candidates:
         raise ValueError(f"candidates must be a non-empty list of {tuple(ORDERS)}, got {list(candidates)}")
     best = None
     for name in candidates:
-        parts = gptq_quantize(weight, hessian, bits, group_size, **ORDERS[name], **options)
+        parts = gptq_quantize(weight, hessian, bits, group_size, name, **options)
         error = layer_error(dequantize_gptq(*parts), weight.float(), hessian)
         if best is None or error < best[0]:
             best = error, parts, name
@@ -321,36 +322,24 @@ def to_runtime(codes, scales, zeros, g_idx, group_size, bits=4, bias=None):
 
 # ---- whole model ------------------------------------------------------------------------------------------------
 
-def permuted_layout(act_order=True, static_groups=True, **_):
+def permuted(options):
     """Whether quantize_layer(**options) writes the permuted layout (g_idx permuted, desc_act=true)."""
-    return bool(act_order) and not static_groups
+    order = options.get("order", DEFAULTS["order"])
+    return order in ORDERS and ORDERS[order].permuted
 
 
 @torch.no_grad()
-def quantize_layer(layer, group_size=64, act_order=True, bits=4, sym=False, checkpoint_format="gptq", damp=0.01,
-                   static_groups=True, act_group_aware=False, order_search=False):
+def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size"], order=DEFAULTS["order"],
+                   damp=DEFAULTS["damp"], sym=DEFAULTS["sym"], checkpoint_format=DEFAULTS["checkpoint_format"]):
     """GPTQ one decoder layer (a calibration.LayerCalibration) in place, step by step in forward order (q/k/v, o,
     gate/up, down): each step's Hessians come from the layer's inputs passed through its already-quantized earlier
-    steps (GPTQModel's "true sequential"). For a v1 checkpoint (the default) every zero point is kept >= 1
-    (min_zero). The column order: act_order, static_groups, act_group_aware as in gptq_quantize, by default
-    act-order with static groups (a plain file: g_idx sorted); act_order=False, static_groups=False is the paper's
-    natural order, act_order=True, static_groups=False the permuted layout, act_group_aware=True with both False
-    GPTQModel's default. order_search=True (with the order flags left at their defaults) picks each linear's order
-    itself: search_order over SEARCHED (act-order with static groups, group-aware by total H_ii, and GPTQModel's
-    group-aware default), the lowest layer error of the three at three times the GPTQ work; the file stays plain.
-    The config's desc_act says whether g_idx is permuted, the only case that needs it. Returns the
-    quantization_config."""
-    check_order(act_order, act_group_aware)
-    if order_search and not (act_order and static_groups and not act_group_aware):
-        raise ValueError("order_search chooses each linear's column order itself: leave act_order, static_groups "
-                         "and act_group_aware at their defaults")
-    flags = (("static_groups", static_groups and not order_search), ("act_group_aware", act_group_aware),
-             ("order_search", order_search))
-    orders = {key: True for key, on in flags if on}
-    qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size,
-                     "desc_act": permuted_layout(act_order, static_groups), "sym": sym,
-                     "checkpoint_format": checkpoint_format,
-                     **orders})
+    steps (GPTQModel's "true sequential"). order: a name of ORDERS, or "search" (each linear's order chosen by
+    search_order, three GPTQs per linear; the file stays plain). For a v1 checkpoint (the default) every zero point
+    is kept >= 1 (min_zero). Returns the quantization_config: desc_act says whether g_idx is permuted (the only
+    case that needs it), order records the visit."""
+    qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
+                     "desc_act": permuted({"order": order}),
+                     "sym": sym, "checkpoint_format": checkpoint_format})
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
     for step in calibration.SEQUENTIAL_STEPS:
         hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
@@ -358,15 +347,15 @@ def quantize_layer(layer, group_size=64, act_order=True, bits=4, sym=False, chec
         def make(name, linear, hessians=hessians):
             group = linear.in_features if group_size == -1 else group_size          # -1: one group per row
             weight, options = linear.weight.detach(), dict(damp=damp, sym=sym, min_zero=min_zero)
-            if order_search:
+            if order == SEARCH:
                 parts, _ = search_order(weight, hessians[name], bits, group, **options)
             else:
-                parts = gptq_quantize(weight, hessians[name], bits, group, act_order, static_groups=static_groups,
-                                      act_group_aware=act_group_aware, **options)
+                parts = gptq_quantize(weight, hessians[name], bits, group, order, **options)
             return to_runtime(*parts, group, bits, linear.bias)
 
         layer.replace(make, names=hessians)
-    return {k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", *orders)}
+    return {k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
+                                 "order")}
 
 
 def quantize(model, calibration_ids, batch_size=8, **options):
@@ -379,13 +368,21 @@ def quantize(model, calibration_ids, batch_size=8, **options):
 # ---- the registry entry -----------------------------------------------------------------------------------------
 
 def validate(qcfg):
-    """A GPTQ quantization_config, checked once: bits, group_size (-1: one group per row), checkpoint_format, with
-    AutoGPTQ's defaults (4, 128, "gptq") filled in."""
-    bits = config_field(qcfg, "bits", 4, int, lambda b: b in PACKABLE_BITS, f"one of {PACKABLE_BITS}")
-    group_size = config_field(qcfg, "group_size", 128, int, lambda g: g == -1 or g >= 1, "-1 or a positive int")
-    fmt = config_field(qcfg, "checkpoint_format", "gptq", str, lambda f: f in FORMATS, f"one of {FORMATS}")
+    """A GPTQ quantization_config, checked once: bits, group_size (-1: one group per row), checkpoint_format and the
+    engine's order (absent in other tools' files), with DEFAULTS filled in; desc_act=true must go with a permuted
+    order. Checkpoints written before `order` existed recorded their visit as boolean flags, still accepted."""
+    bits = config_field(qcfg, "bits", DEFAULTS["bits"], int, lambda b: b in PACKABLE_BITS, f"one of {PACKABLE_BITS}")
+    group_size = config_field(qcfg, "group_size", DEFAULTS["group_size"], int, lambda g: g == -1 or g >= 1,
+                              "-1 or a positive int")
+    fmt = config_field(qcfg, "checkpoint_format", DEFAULTS["checkpoint_format"], str, lambda f: f in FORMATS,
+                       f"one of {FORMATS}")
+    names = (*ORDERS, SEARCH)
+    order = config_field(qcfg, "order", None, (str, type(None)), lambda o: o is None or o in names, f"one of {names}")
     for key in ("desc_act", "sym", "static_groups", "act_group_aware", "order_search"):
         config_field(qcfg, key, False, bool)
+    if order is not None and qcfg.get("desc_act", False) != (order in ORDERS and ORDERS[order].permuted):
+        raise ValueError(f"quantization_config: desc_act={qcfg.get('desc_act', False)} does not fit order "
+                         f"{order!r} (only 'act_order' permutes g_idx)")
     return {**qcfg, "bits": bits, "group_size": group_size, "checkpoint_format": fmt}
 
 

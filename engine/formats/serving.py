@@ -92,7 +92,7 @@ def checkpoint_kind(method, options=None, fmt="safetensors"):
     if method is None:
         return "dense"
     if method == "gptq":
-        return ("gptq act-order" if gptq.permuted_layout(**options) else "gptq sym" if options.get("sym")
+        return ("gptq act-order" if gptq.permuted(options) else "gptq sym" if options.get("sym")
                 else "gptq asym")
     if method == "compressed-tensors":
         kind = CT_FORMATS.get(options.get("format", "pack-quantized"))
@@ -113,7 +113,7 @@ def config_kind(config):
         return "dense"
     method = q.get("quant_method")
     if method == "gptq":
-        return checkpoint_kind("gptq", {"act_order": q.get("desc_act"), "static_groups": False, "sym": q.get("sym")})
+        return checkpoint_kind("gptq", {"order": "act_order" if q.get("desc_act") else "natural", "sym": q.get("sym")})
     if method == "compressed-tensors":
         fmt = q.get("format")
         weights = next(iter(q.get("config_groups", {}).values()), {}).get("weights", {})
@@ -129,7 +129,7 @@ def gguf_options(method, options):
     if method == "fp8" or (method == "compressed-tensors" and options.get("format") == "float-quantized"):
         raise ValueError("llama.cpp: GGML has no FP8 type (write the HF layout for llama.cpp's converter, which "
                          "dequantizes it)")
-    if method == "gptq" and gptq.permuted_layout(**options):
+    if method == "gptq" and gptq.permuted(options):
         raise ValueError("llama.cpp: GPTQ act-order permutes the input columns; GGML blocks store no permutation")
     if method == "gptq" and options.get("bits", 4) == 8 and not options.get("sym"):
         raise ValueError("llama.cpp: 8-bit GPTQ must be symmetric (sym=true) to be Q8_0; GGML has no 8-bit offset")

@@ -24,8 +24,9 @@ Integrity. Every bit pattern is a valid trellis path, so a flipped bit decodes t
 CRC32 of its codes, its scales and everything that fixes their meaning (L, K, code, tail_biting, tile, group, seed,
 shape), and a layer whose CRC does not match is refused (ValueError), never decoded into another model.
 
-BlockLDLQ (QTIP): GPTQ's error feedback where each block of tile-width columns is trellis-coded as a whole: with
-U = chol(H^-1) upper, W[:, rest] -= (W_B - Q_B) U_BB^-1 U_B,rest (the best linear correction of the later columns).
+BlockLDLQ (QTIP): GPTQ's error feedback (obq.py's loop) where each block of tile-width columns is trellis-coded as a
+whole: with U = chol(H^-1) upper, W[:, rest] -= (W_B - Q_B) U_BB^-1 U_B,rest (the best linear correction of the later
+columns).
 """
 import functools
 import json
@@ -37,6 +38,7 @@ from ..kernels import triton_formats
 from . import calibration, hadamard, viterbi
 from .affine import pack_bits
 from .base import CheckpointMethod, QuantLinear, config_field
+from .obq import error_feedback, inverse_cholesky
 
 CODES = ("1mad", "3inst")
 # Each code's hash constants (QTIP's): code_1mad / code_3inst below and the Triton kernel both take them from here.
@@ -273,42 +275,31 @@ def decode_trellis(codes, scales, L=8, K=2, code="1mad", tail_biting=False, tile
 # ---- BlockLDLQ ----------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def block_ldlq(weights, hessians, L=8, K=2, group=256, seed=0, code="1mad", tail_biting=False, tile=(16, 16),
-               damp=0.01):
-    """GPTQ's error feedback with trellis coding (QTIP's BlockLDLQ). weights: [out, in] or a list of them, hessians:
-    their [in, in] input Hessians (unrotated) -> (codes, scales, w_rot) as quantize_trellis (a list for a list).
+def block_ldlq(weight, hessian, L=8, K=2, group=256, seed=0, code="1mad", tail_biting=False, tile=(16, 16),
+               damp=0.01, block=128):
+    """GPTQ's error feedback with trellis coding (QTIP's BlockLDLQ): weight [out, in], hessian [in, in] (its inputs'
+    2 X^T X / n, unrotated) -> (codes, scales, w_rot) as quantize_trellis.
 
-    Works in the rotated basis (H_rot = R H R^T per group), codes one block of tw columns (all its tiles at once),
-    and corrects the later columns: W[:, rest] -= (W_B - Q_B) U_BB^-1 U_B,rest with U = chol(H_rot^-1) upper.
-    Several layers advance block by block in lockstep, so that one Viterbi call codes the block of all of them."""
+    obq.error_feedback in the rotated basis (H_rot = R H R^T, group by group; float64), one step being a block of tw
+    columns whose tiles the trellis codes all at once: W[:, later] -= (W_B - Q_B) U_BB^-1 U_B,later. Linears that
+    read the same input (q/k/v, gate/up) share H and can go as one weight, their rows stacked."""
     _check_code(L, K, code)
-    single = torch.is_tensor(weights)
-    weights, hessians = ([weights], [hessians]) if single else (list(weights), list(hessians))
     tile = tuple(tile)
-    tw = tile[1]
-    ws, us = [], []
-    for weight, hessian in zip(weights, hessians, strict=True):
-        _check_tile(weight.shape, tile)
-        in_f = weight.shape[1]
-        if hessian.shape != (in_f, in_f):
-            raise ValueError(f"hessian must be [{in_f}, {in_f}], got {tuple(hessian.shape)}")
-        h = rotate(rotate(hessian.double(), group, seed).T, group, seed).double()   # R H R^T, group by group
-        h = h + damp * h.diagonal().mean().clamp_min(1e-12) * torch.eye(in_f, dtype=h.dtype)
-        us.append(torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True))
-        ws.append(rotate(weight, group, seed).double())
-    parts = [([], [], []) for _ in ws]
-    for c0 in range(0, max(w.shape[1] for w in ws), tw):
-        blk = slice(c0, c0 + tw)
-        active = [i for i, w in enumerate(ws) if w.shape[1] > c0]
-        coded = _code_tiles([to_tiles(ws[i][:, blk], tile) for i in active], L, K, code, tail_biting)
-        for i, (cb, sb, rb) in zip(active, coded):
-            err = torch.linalg.solve_triangular(us[i][blk, blk], ws[i][:, blk] - from_tiles(rb, tile).double(),
-                                                upper=True, left=False)
-            ws[i][:, c0 + tw:] -= err @ us[i][blk, c0 + tw:]
-            for part, new in zip(parts[i], (cb, sb, rb)):
-                part.append(new)
-    out = [(torch.cat(c, 1), torch.cat(s, 1), from_tiles(torch.cat(r, 1), tile)) for c, s, r in parts]
-    return out[0] if single else out
+    _check_tile(weight.shape, tile)
+    in_f = weight.shape[1]
+    if hessian.shape != (in_f, in_f):
+        raise ValueError(f"hessian must be [{in_f}, {in_f}], got {tuple(hessian.shape)}")
+    h = rotate(rotate(hessian.double(), group, seed).T, group, seed).double()   # R H R^T, group by group
+    coded = []
+
+    def quantize(j, current):
+        [(codes, scales, recon)] = _code_tiles([to_tiles(current(j, j + tile[1]), tile)], L, K, code, tail_biting)
+        coded.append((codes, scales))
+        return from_tiles(recon, tile).double()
+
+    w_rot = error_feedback(rotate(weight, group, seed).double(), inverse_cholesky(h, damp), quantize, step=tile[1],
+                           block=block)
+    return torch.cat([c for c, _ in coded], 1), torch.cat([s for _, s in coded], 1), w_rot.float()
 
 
 # ---- the layer ----------------------------------------------------------------------------------------------------
@@ -390,18 +381,22 @@ def quantize_layer(layer, L=8, K=2, code="1mad", tail_biting=False, tile=None, g
     not see earlier layers' error). Returns the quantization_config."""
     _check_code(L, K, code)
     tile = tuple(tile) if tile is not None else ((16, 16) if ldlq else (1, group))
-    if ldlq:
-        hessians = {name: stats.hessian for name, stats in layer.capture().items()}
-        weights = [layer.module(n).weight.detach().float() for n in hessians]
-        coded = dict(zip(hessians, block_ldlq(weights, list(hessians.values()), L, K, group, seed, code,
-                                              tail_biting, tile)))
+    if ldlq:                              # the linears of one sequential step read one input: one stacked weight
+        stats, coded = layer.capture(), {}
+        for step in calibration.SEQUENTIAL_STEPS:
+            names = [layer.prefix + n for n in step]
+            weights = [layer.module(n).weight.detach().float() for n in names]
+            codes, scales, _ = block_ldlq(torch.cat(weights), stats[names[0]].hessian, L, K, group, seed, code,
+                                          tail_biting, tile)
+            rows = [w.shape[0] // tile[0] for w in weights]
+            coded.update({n: parts for n, parts in zip(names, zip(codes.split(rows), scales.split(rows)))})
     else:
         names = layer.linear_names()
         tiles = [to_tiles(rotate(layer.module(n).weight.detach().float(), group, seed), tile) for n in names]
-        coded = dict(zip(names, _code_tiles(tiles, L, K, code, tail_biting)))
+        coded = {n: parts[:2] for n, parts in zip(names, _code_tiles(tiles, L, K, code, tail_biting))}
 
     def make(name, linear):
-        codes, scales, _ = coded[name]
+        codes, scales = coded[name]
         return TrellisLinear(codes, scales, L, K, code, tail_biting, tile, group, seed, bias=linear.bias)
     layer.replace(make)
     return {"quant_method": "trellis", "L": L, "K": K, "code": code, "tail_biting": bool(tail_biting),

@@ -1,0 +1,106 @@
+"""The error-feedback loop (OBQ, GPTQ, LDLQ), written once: quantize a weight's columns in order and, after each
+step, move the columns not yet quantized so that the layer's output on the calibration inputs X changes least.
+
+    minimize tr(E H E^T),   E = W_hat - W,   H = 2 X^T X / n   (the same H for every output row)
+    U = upper Cholesky factor of H^-1: row j holds [H^-1]_jk / sqrt([H^-1]_jj) for the columns k >= j still left
+    for each step B (one column, or a block of columns coded together), in order:
+        W_hat_B  = quantize(B)                      any rounding: an integer grid, E4M3, a trellis path
+        E_B      = (W_B - W_hat_B) U_BB^-1          one column: (w_j - q_j) / U_jj
+        W_later -= E_B U_B,later                    the best linear correction of the columns after B
+
+GPTQ rounds one column at a time to its group's integer grid, EntQuant's feedback rounds to E4M3 at the row's
+scale, QTIP's BlockLDLQ trellis-codes 16 columns at a time: three callers of this loop, each with its own
+`quantize(j, current)`. The quantizer gets the step's first column j and `current(a, b)`, the columns a..b-1 as
+corrected so far (a >= j; GPTQ reads a whole group ahead to choose its grid), and returns W_hat of the step's
+columns [out, step].
+
+`error_feedback_reference` is the textbook loop: each correction lands on every later column at once, out * in^2
+work in rank-one updates. `error_feedback` is GPTQ's lazy batch: corrections land inside a block of 128 columns
+at once and on the columns after the block in one matrix product when it ends, the same arithmetic in another
+order (equal to float rounding, tests/test_ch39_obq.py), most of it in large matmuls.
+"""
+import torch
+
+
+def inverse_cholesky(hessian, damp=0.01):
+    """H [in, in] -> U [in, in]: the upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, in H's dtype.
+
+    An input that is never active (H_jj = 0) gets H_jj = 1 first, so H stays positive definite; its weight cannot
+    change the output, whatever the caller stores for it. damp (GPTQ's 1% by default) keeps the inverse stable
+    when inputs are nearly collinear."""
+    H = hessian.clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    H += damp * torch.diag(H).mean().clamp_min(1e-12) * torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+
+def _scaled_error(diff, U_BB):
+    """(W_B - W_hat_B) U_BB^-1 for a step's columns diff [out, step]; for one column a division by U_jj."""
+    if U_BB.shape[0] == 1:
+        return diff / U_BB[0, 0]
+    return torch.linalg.solve_triangular(U_BB, diff, upper=True, left=False)
+
+
+def _check(weight, U, step):
+    cols = weight.shape[1]
+    if U.shape != (cols, cols):
+        raise ValueError(f"U has shape {tuple(U.shape)}, expected ({cols}, {cols}) for a weight of {cols} columns")
+    if not isinstance(step, int) or step < 1 or cols % step:
+        raise ValueError(f"step must be a positive int that divides the {cols} columns, got {step!r}")
+
+
+@torch.no_grad()
+def error_feedback_reference(weight, U, quantize, step=1):
+    """The textbook loop. weight [out, in] (columns in the order they are visited), U [in, in] from
+    inverse_cholesky, quantize(j, current) -> W_hat[:, j:j+step] -> W_hat [out, in]."""
+    _check(weight, U, step)
+    W = weight.clone()
+    W_hat = torch.empty_like(W)
+
+    def current(a, b, as_of_block=False):
+        if as_of_block:
+            raise ValueError("as_of_block: the textbook loop has no blocks (error_feedback has)")
+        return W[:, a:b]
+
+    for j in range(0, W.shape[1], step):
+        B, later = slice(j, j + step), slice(j + step, None)
+        W_hat[:, B] = quantize(j, current)
+        E = _scaled_error(W[:, B] - W_hat[:, B], U[B, B])
+        W[:, later] -= E @ U[B, later]
+    return W_hat
+
+
+@torch.no_grad()
+def error_feedback(weight, U, quantize, step=1, block=128):
+    """The lazy-batch loop, the same result as error_feedback_reference to float rounding (arguments as there).
+    block: how many columns a batch holds, a multiple of step. current(a, b, as_of_block=True) gives the columns as
+    they stood when the block began instead (the reference GPTQ code's grid rule; the textbook loop has no blocks)."""
+    _check(weight, U, step)
+    if block % step:
+        raise ValueError(f"block ({block}) must be a multiple of step ({step})")
+    W = weight.clone()
+    out_f, cols = W.shape
+    W_hat = torch.empty_like(W)
+    for b0 in range(0, cols, block):
+        b1 = min(b0 + block, cols)
+        W1 = W[:, b0:b1].clone()                          # the block's columns, corrected as the block goes
+        errors = torch.zeros_like(W1)                     # E of the block's steps so far (zero for those to come)
+
+        def current(a, b, as_of_block=False):
+            if as_of_block:
+                return W[:, a:b]
+            inside = W1[:, a - b0:min(b, b1) - b0]
+            if b <= b1:
+                return inside
+            pending = W[:, b1:b] - errors @ U[b0:b1, b1:b]  # the columns past the block, their update brought forward
+            return torch.cat((inside, pending), 1)
+
+        for j in range(b0, b1, step):
+            B, local = slice(j, j + step), slice(j - b0, j - b0 + step)
+            W_hat[:, B] = quantize(j, current)
+            E = _scaled_error(W1[:, local] - W_hat[:, B], U[B, B])
+            errors[:, local] = E
+            W1[:, local.stop:] -= E @ U[B, j + step:b1]
+        W[:, b1:] -= errors @ U[b0:b1, b1:]
+    return W_hat

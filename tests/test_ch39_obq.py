@@ -1,0 +1,136 @@
+"""The error-feedback loop (engine/formats/obq.py): the lazy batch equals the textbook loop, on matrices wider than
+one block, for every caller (GPTQ, EntQuant's feedback, BlockLDLQ), and the feedback lowers the layer error."""
+import pytest
+import torch
+
+from engine.formats import entropy_feedback, gptq, obq, trellis
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def layer(out_f, in_f, seed, dtype=torch.float64):
+    """A weight and the upper Cholesky factor U of its damped inverse Hessian, from correlated inputs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4 * in_f, in_f, generator=g) @ (torch.randn(in_f, in_f, generator=g) * 0.3 + torch.eye(in_f))
+    h = (2 * x.T @ x / x.shape[0]).to(dtype)
+    return torch.randn(out_f, in_f, generator=g, dtype=dtype), h, obq.inverse_cholesky(h)
+
+
+def rounding(step_size=0.37):
+    """A quantizer of one column (or a block of columns) to a plain grid: what the loop feeds back does not care."""
+    return lambda j, current, width=1: (current(j, j + width) / step_size).round() * step_size
+
+
+def output_error(w_hat, w, h):
+    e = w_hat - w
+    return float((e @ h * e).sum())
+
+
+@pytest.mark.parametrize("step,block", [(1, 128), (1, 48), (4, 64), (4, 4)])
+def test_lazy_batch_equals_the_textbook_loop(step, block):
+    """300 columns: several blocks, so the update carried past each block (one matmul at its end) is exercised; a
+    sign or index error there (or in the in-block update) changes the result."""
+    w, _, U = layer(24, 300, 0)
+    quantize = lambda j, current: rounding()(j, current, step)           # noqa: E731
+    textbook = obq.error_feedback_reference(w, U, quantize, step)
+    assert torch.equal(obq.error_feedback(w, U, quantize, step, block), textbook)
+    assert not torch.equal(textbook, rounding()(0, lambda a, b: w[:, a:b], 300))    # the feedback moved codes
+
+
+def test_a_quantizer_reading_ahead_sees_every_correction_so_far():
+    """A group of 32 columns whose grid is chosen from its weights when the group is entered (GPTQ's rule), with
+    blocks of 48 that cut groups in two: current() brings the pending update of the columns past the block forward,
+    so the grids (and codes) are the textbook loop's."""
+    w, _, U = layer(16, 160, 1)
+    grids = {}
+
+    def quantize(j, current):
+        if j % 32 == 0:
+            grids[j // 32] = current(j, j + 32).abs().amax(1, keepdim=True) / 7
+        s = grids[j // 32]
+        return (current(j, j + 1) / s).round().clamp(-8, 7) * s
+
+    textbook = obq.error_feedback_reference(w, U, quantize)
+    first = dict(grids)
+    # the grids are continuous in the weights: float64 rounding of the two summation orders, nothing more
+    assert torch.allclose(obq.error_feedback(w, U, quantize, block=48), textbook, rtol=0, atol=1e-12)
+    assert all(torch.allclose(grids[g], first[g], rtol=0, atol=1e-12) for g in first)
+
+
+def test_as_of_block_reads_the_block_as_it_began():
+    """At column 40 of the block [32, 64), as_of_block gives columns 40..47 as they stood when column 32 was
+    reached (the textbook loop's current() there), not as columns 32..39 have corrected them since."""
+    w, _, U = layer(8, 64, 2)
+    seen = {}
+
+    def watch(at, key, **kw):
+        def quantize(j, current):
+            if j == at:
+                seen[key] = current(40, 48, **kw).clone()
+            return rounding()(j, current)
+        return quantize
+
+    obq.error_feedback(w, U, watch(40, "begun", as_of_block=True), block=32)
+    obq.error_feedback(w, U, watch(40, "now"), block=32)
+    obq.error_feedback_reference(w, U, watch(32, "at 32"))
+    assert torch.allclose(seen["begun"], seen["at 32"], rtol=0, atol=1e-12)
+    assert not torch.allclose(seen["begun"], seen["now"], rtol=0, atol=1e-6)
+
+
+def test_feedback_lowers_the_layer_error_and_step_must_divide():
+    w, h, U = layer(32, 128, 3)
+    fed = obq.error_feedback(w, U, rounding(0.5))
+    nearest = (w / 0.5).round() * 0.5
+    assert output_error(fed, w, h) < 0.7 * output_error(nearest, w, h)
+    with pytest.raises(ValueError, match="step must be a positive int that divides"):
+        obq.error_feedback(w, U, rounding(), step=3)
+    with pytest.raises(ValueError, match="block .* must be a multiple of step"):
+        obq.error_feedback(w, U, rounding(), step=4, block=30)
+    with pytest.raises(ValueError, match="U has shape"):
+        obq.error_feedback(w, U[:64, :64], rounding())
+
+
+def test_dead_inputs_do_not_break_the_factorization():
+    w, h, _ = layer(4, 16, 4)
+    h[3, :] = h[:, 3] = 0                                           # an input that was never active
+    U = obq.inverse_cholesky(h)
+    assert torch.isfinite(U).all() and U[3, 4:].abs().max() == 0    # its error moves no other column
+
+
+def _textbook(monkeypatch, module):
+    """Run `module`'s calls of the lazy loop through the textbook loop instead."""
+    monkeypatch.setattr(module, "error_feedback", lambda w, U, q, step=1, block=128:
+                        obq.error_feedback_reference(w, U, q, step))
+
+
+def test_gptq_wider_than_a_block_equals_the_textbook_loop(monkeypatch):
+    """GPTQ on 320 columns (three blocks) in an order whose groups straddle blocks: codes and grids as the textbook
+    loop's, up to float32 rounding (a code at a rounding tie may flip)."""
+    w, h, _ = layer(32, 320, 5, torch.float32)
+    lazy = gptq.gptq_quantize(w * 0.05, h, 4, 64, "group_aware")
+    _textbook(monkeypatch, gptq)
+    textbook = gptq.gptq_quantize(w * 0.05, h, 4, 64, "group_aware")
+    assert (lazy[0] != textbook[0]).float().mean() < 1e-3
+    assert gptq.layer_error(gptq.dequantize_gptq(*lazy), w * 0.05, h) == pytest.approx(
+        gptq.layer_error(gptq.dequantize_gptq(*textbook), w * 0.05, h), rel=1e-3)
+
+
+def test_entquant_feedback_wider_than_a_block_equals_the_textbook_loop(monkeypatch):
+    w, h, _ = layer(32, 300, 6, torch.float32)
+    w = w * 0.05
+    log_scale = torch.log2(w.abs().amax(1) / 448) + 3               # E4M3's range, 8x finer: many small codes
+    lazy = entropy_feedback.feedback_weight(w, log_scale, h)
+    _textbook(monkeypatch, entropy_feedback)
+    textbook = entropy_feedback.feedback_weight(w, log_scale, h)
+    assert (lazy != textbook).float().mean() < 1e-3
+    assert output_error(lazy.double(), w.double(), h.double()) == pytest.approx(
+        output_error(textbook.double(), w.double(), h.double()), rel=1e-3)
+
+
+def test_block_ldlq_wider_than_a_block_equals_the_textbook_loop(monkeypatch):
+    """BlockLDLQ on 256 columns (16 steps of 16, two lazy blocks): float64 inside, so the same codes exactly."""
+    w, h, _ = layer(16, 256, 7, torch.float32)
+    lazy = trellis.block_ldlq(w, h, L=8, K=2)
+    _textbook(monkeypatch, trellis)
+    textbook = trellis.block_ldlq(w, h, L=8, K=2)
+    assert all(torch.equal(a, b) for a, b in zip(lazy, textbook))
