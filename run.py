@@ -29,16 +29,17 @@ from pathlib import Path
 import torch
 
 from engine import tables
-from engine.data import Corpus, encode, export_tokenizer, load_corpus, load_tokenizer, token_bytes
+from engine.checkpoints.gguf_writer import write_gguf
+from engine.checkpoints.loaders import checkpoint_source, model_digest, read_config, save_dense
+from engine.checkpoints.registry import METHODS, load_model, load_quantized, save_quantized
+from engine.checkpoints.safe_writes import check_output
+from engine.checkpoints.serving import check_target, export_gguf, tp_degrees, vllm_serve_command
+from engine.checkpoints.streaming import quantize_checkpoint
+from engine.checkpoints.tokenizers import encode, export_tokenizer, load_tokenizer, token_bytes
+from engine.data import Corpus, load_corpus
 from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats, markdown_table, perplexity
 from engine.formats.base import impl, quantized_linears
-from engine.formats.checkpoints import METHODS, load_model, load_quantized, save_quantized
-from engine.formats.gguf_writer import write_gguf
-from engine.formats.serving import check_target, export_gguf, tp_degrees, vllm_serve_command
-from engine.formats.streaming import quantize_checkpoint
-from engine.loaders import checkpoint_source, model_digest, read_config, save_dense
 from engine.qwen3 import Qwen3Config
-from engine.safe_writes import check_output
 from engine.training import TrainConfig, trained_model
 
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)    # what GPTQModel's QuantizeConfig accepts

@@ -29,12 +29,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine.checkpoints.gguf_writer import bytes_to_unicode, write_gguf  # noqa: E402
+from engine.checkpoints.loaders import save_dense  # noqa: E402
+from engine.checkpoints.registry import METHODS, save_quantized  # noqa: E402
+from engine.checkpoints.serving import LOADS, config_kind, load_checkpoint  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
-from engine.formats.checkpoints import METHODS, save_quantized  # noqa: E402
-from engine.formats.gguf_writer import bytes_to_unicode, write_gguf  # noqa: E402
-from engine.formats.serving import LOADS, config_kind, load_checkpoint  # noqa: E402
-from engine.loaders import save_dense  # noqa: E402
 from engine.qwen3 import Qwen3Config  # noqa: E402
 from engine.training import TrainConfig, trained_model  # noqa: E402
 

@@ -17,11 +17,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.data import Corpus, load_corpus, load_tokenizer
+from engine.checkpoints.gguf import smollm2_path
+from engine.checkpoints.registry import load_model
+from engine.checkpoints.tokenizers import load_tokenizer
+from engine.data import Corpus, load_corpus
 from engine.evaluation import ReferenceLogits, compare_models
 from engine.formats import entropy
-from engine.formats.checkpoints import load_model
-from engine.formats.gguf import smollm2_path
 
 
 def main():

@@ -49,10 +49,10 @@ import torch
 
 from fuzz_checkpoints import TARGETS, build, checkpoint_cases, forward, load, mutate_checkpoint, pristine
 from fuzz_streams import STREAMS, corrupt_layer, corrupt_rans, pristine_streams, stream_cases
+from engine.checkpoints.loaders import load_dense
+from engine.checkpoints.registry import load_quantized
+from engine.checkpoints.safetensors_io import snapshot_tensors, tensor_digest
 from engine.formats.base import QuantLinear
-from engine.formats.checkpoints import load_quantized
-from engine.loaders import load_dense
-from engine.safetensors_io import snapshot_tensors, tensor_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTCOMES = ("ok-identical", "ValueError", "other", "hang", "memory", "non-finite", "overflow", "silent-different",

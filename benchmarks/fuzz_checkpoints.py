@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.formats import gguf  # noqa: E402
-from engine.formats.checkpoints import load_quantized, save_quantized  # noqa: E402
-from engine.loaders import dense_tensors, load_dense, save_dense  # noqa: E402
+from engine.checkpoints import gguf  # noqa: E402
+from engine.checkpoints.loaders import dense_tensors, load_dense, save_dense  # noqa: E402
+from engine.checkpoints.registry import load_quantized, save_quantized  # noqa: E402
+from engine.checkpoints.safetensors_io import INDEX, read_header, save_file, write_json  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
-from engine.safetensors_io import INDEX, read_header, save_file, write_json  # noqa: E402
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_hidden_layers=2)

@@ -2,7 +2,7 @@
 
     python benchmarks/gguf_smollm2.py [--out DIR] [--calibration 32] [--no-gptq] [--rewrite]
 
-1. Round trip: engine.formats.gguf.load_gguf, then gguf_writer.write_gguf with the file's own tokenizer: every Q4_1
+1. Round trip: engine.checkpoints.gguf.load_gguf, then gguf_writer.write_gguf with the file's own tokenizer: every Q4_1
    tensor comes back byte for byte; llama.cpp's log-probs and greedy answers on the original and the re-export.
 2. GPTQ in llama.cpp's own formats: the engine's GPTQ (sym g32 -> Q4_0, asym g32 -> Q4_1, calibrated on the book's
    corpus tokenized by SmolLM2's tokenizer) and the engine's round-to-nearest, against llama.cpp's own Q4_0 / Q4_1
@@ -25,10 +25,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from clients import VENV, client_python, compare, log, run_client  # noqa: E402
 
+from engine.checkpoints import gguf, gguf_tokenizer
+from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
-from engine.formats import affine, gguf, gguf_tokenizer, gptq  # noqa: E402
+from engine.formats import affine, gptq  # noqa: E402
 from engine.formats.base import quantized_linears  # noqa: E402
-from engine.formats.gguf_writer import write_gguf  # noqa: E402
 
 QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 

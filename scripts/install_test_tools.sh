@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Test-only reference tools (never runtime dependencies of engine). Pinned to torch 2.13.0 so nothing upgrades it;
-# tools that declare a newer torch than they need are installed with --no-deps (DESIGN.md, section 4), and their
-# import-time needs are listed by hand.
+# tools that declare a newer torch than they need are installed with --no-deps (their pins would pull a multi-GB
+# CUDA torch), and their import-time needs are listed by hand.
 set -euo pipefail
 pin=$(mktemp); echo "torch==2.13.0" > "$pin"
 pip install -q -c "$pin" transformers ml_dtypes gguf compressed-tensors constriction

@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from engine.formats import affine, base
-from engine.formats.base import quantized_linears
 from engine.formats.affine import (AffineQuantLinear, choose_clip, choose_clip_reference, fake_quantize, find_params,
                                    pack_bits, pack_int32, pack_nibbles, quantize_to_affine, unpack_bits, unpack_int32,
                                    unpack_nibbles)
+from engine.formats.base import quantized_linears
 
 
 def test_find_params_covers_the_range_and_rounds_scales_to_f16():

@@ -3,7 +3,8 @@ scaling pairs with the GQA skip, the AutoAWQ GEMM layout (output 1's code in bit
 import pytest
 import torch
 
-from engine.formats import affine, awq, calibration, checkpoints
+from engine.checkpoints import registry
+from engine.formats import affine, awq, calibration
 from helpers import rtn_baseline
 
 
@@ -118,9 +119,9 @@ def test_model_save_load_and_quality(tiny_model, tmp_path):
     calibration = torch.randint(0, 256, (4, 64))
     held_out = torch.randint(0, 256, (2, 48))
     reference, rtn_error = rtn_baseline(tiny_model, held_out)
-    qcfg = checkpoints.save_quantized(tiny_model, tmp_path, "awq", calibration, group_size=32)
+    qcfg = registry.save_quantized(tiny_model, tmp_path, "awq", calibration, group_size=32)
     assert qcfg == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
     with torch.no_grad():
         ours = tiny_model(held_out)
-        assert torch.equal(checkpoints.load_quantized(tmp_path)(held_out), ours)
+        assert torch.equal(registry.load_quantized(tmp_path)(held_out), ours)
     assert (ours - reference).pow(2).mean() < rtn_error

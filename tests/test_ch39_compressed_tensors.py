@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from engine.checkpoints import compressed_tensors as ct
 from engine.formats import base
-from engine.formats import compressed_tensors as ct
 from engine.formats import affine
 from engine.formats.affine import AffineQuantLinear, quantize_to_affine
 from engine.formats.base import quantized_linears
@@ -269,9 +269,9 @@ def test_config_for_model_sees_asymmetry():
 
 @pytest.fixture
 def registered(monkeypatch):
-    checkpoints = pytest.importorskip("engine.formats.checkpoints")
-    monkeypatch.setitem(checkpoints.METHODS, "compressed-tensors", ct.CHECKPOINT)
-    return checkpoints
+    registry = pytest.importorskip("engine.checkpoints.registry")
+    monkeypatch.setitem(registry.METHODS, "compressed-tensors", ct.CHECKPOINT)
+    return registry
 
 
 @pytest.mark.parametrize("fmt", ct.FORMATS)

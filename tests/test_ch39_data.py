@@ -4,7 +4,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from engine.data import Corpus, byte_tokenizer, default_corpus, load_corpus
+from engine.checkpoints.tokenizers import byte_tokenizer
+from engine.data import Corpus, default_corpus, load_corpus
 
 
 def _two_alphabet_corpus():

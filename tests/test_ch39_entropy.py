@@ -228,12 +228,12 @@ def test_weight_shape_must_be_two_positive_integers(written):
 
 
 def test_save_load_through_registry_gives_identical_logits(tiny_model, tmp_path):
-    from engine.formats import checkpoints
+    from engine.checkpoints import registry
     ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(2))
-    checkpoints.save_quantized(tiny_model, tmp_path / "ckpt", "entquant", lam=14.5, max_iter=20)
+    registry.save_quantized(tiny_model, tmp_path / "ckpt", "entquant", lam=14.5, max_iter=20)
     with torch.no_grad():
         logits = tiny_model(ids)
-        loaded = checkpoints.load_quantized(tmp_path / "ckpt")            # its finish hook re-attaches the decoder
+        loaded = registry.load_quantized(tmp_path / "ckpt")            # its finish hook re-attaches the decoder
         assert torch.equal(loaded(ids), logits)
     assert {m.stream.numel() > 0 for m in loaded.modules() if isinstance(m, E.EntQuantLinear)} == {True, False}
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
@@ -241,7 +241,7 @@ def test_save_load_through_registry_gives_identical_logits(tiny_model, tmp_path)
     edited["quantization_config"]["fmt"] = "int8"
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(edited))
     with pytest.raises(ValueError, match="not the one its tensors were written with"):
-        checkpoints.load_quantized(tmp_path / "ckpt")                   # the writer's record of the config
+        registry.load_quantized(tmp_path / "ckpt")                   # the writer's record of the config
     rewrite_tensors(tmp_path / "ckpt", lambda tensors: None)           # drop that record: the streams still know
     for field, value, match in [("fmt", "int8", "EntQuant block 0 .* checksum mismatch"),   # valid, but not these bits
                                 ("fmt", "float4", "field 'fmt' must be one of"),
@@ -250,7 +250,7 @@ def test_save_load_through_registry_gives_identical_logits(tiny_model, tmp_path)
         edited["quantization_config"][field] = value
         (tmp_path / "ckpt" / "config.json").write_text(json.dumps(edited))
         with pytest.raises(ValueError, match=match):
-            checkpoints.load_quantized(tmp_path / "ckpt")
+            registry.load_quantized(tmp_path / "ckpt")
 
 
 # ---- the Fisher-weighted loss (our addition; the estimate lives in engine/formats/sensitivity.py) -----------------

@@ -10,7 +10,8 @@ import struct
 import pytest
 import torch
 
-from engine.formats import base, gguf, gguf_quants, gguf_tokenizer, gguf_writer
+from engine.checkpoints import gguf, gguf_tokenizer, gguf_writer
+from engine.formats import base, ggml
 from engine.formats.affine import AffineQuantLinear
 from engine.formats.mx import MXFP4Linear
 from engine.qwen3 import Qwen3, Qwen3Config
@@ -45,7 +46,7 @@ def gguf_bytes(metadata=(), tensors=(), version=3, alignment=32):
     data = b""
     for name, type_name, shape, raw in tensors:
         out += encode(STR, name) + struct.pack(f"<I{len(shape)}QIQ", len(shape), *reversed(shape),
-                                               gguf_quants.GGML_TYPES[type_name][0], len(data))
+                                               ggml.GGML_TYPES[type_name][0], len(data))
         data += raw + bytes(-len(raw) % alignment)
     return out + bytes(-len(out) % alignment) + data
 
@@ -58,7 +59,7 @@ def write(tmp_path, content, name="model.gguf"):
 
 def random_blocks(type_name, rows, row_length, seed=0, scale=0.01):
     """Random bytes for a [rows, row_length] tensor of type_name, with finite f16 fields (and no NaN E8M0)."""
-    _, block, size = gguf_quants.GGML_TYPES[type_name]
+    _, block, size = ggml.GGML_TYPES[type_name]
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (rows * row_length // block, size), dtype=torch.uint8, generator=g)
     for at in F16_FIELDS[type_name]:
@@ -120,8 +121,8 @@ def test_every_value_type_and_tensor_round_trips(tmp_path, version, alignment):
         assert f.metadata == {**expected, "f32": 0.1}           # float32 0.1 reads back as the decimal 0.1
         assert [i.offset % alignment for i in f.tensors.values()] == [0, 0]
         assert f.tensors["a"].shape == (3, 5) and f.tensors["a"].type_name == "F32"
-        assert torch.equal(gguf_quants.dequantize(f.raw("a"), "F32", (3, 5)), a)
-        assert torch.equal(gguf_quants.dequantize(f.raw("b"), "F16", (7,)), b)
+        assert torch.equal(ggml.dequantize(f.raw("a"), "F32", (3, 5)), a)
+        assert torch.equal(ggml.dequantize(f.raw("b"), "F16", (7,)), b)
 
 
 def _tensor(name="w", n_dims=2, dims=(32, 2), type_id=0, offset=0):
@@ -183,7 +184,7 @@ def _small_file():
 def _read_everything(path):
     with gguf.GGUFFile(path) as f:
         for info in f.tensors.values():
-            gguf_quants.dequantize(f.raw(info.name), info.type_name, info.shape)
+            ggml.dequantize(f.raw(info.name), info.type_name, info.shape)
 
 
 def test_every_truncation_is_a_value_error(tmp_path):
@@ -226,7 +227,7 @@ def test_q4_0_keeps_element_j_low_and_j_plus_16_high():
     codes = torch.arange(32) % 16
     block = raw_of(torch.tensor([2.0]).half()) + bytes(
         (int(codes[j]) | int(codes[j + 16]) << 4) for j in range(16))
-    w = gguf_quants.dequantize(torch.tensor(list(block), dtype=torch.uint8), "Q4_0", (1, 32))
+    w = ggml.dequantize(torch.tensor(list(block), dtype=torch.uint8), "Q4_0", (1, 32))
     assert torch.equal(w[0], 2.0 * (codes.float() - 8))
 
 
@@ -234,17 +235,17 @@ def test_k_scales_of_the_upper_sub_blocks_take_the_high_bits():
     """Q4_K sub-block 5: scale = (byte 9 & 15) | (byte 1 >> 6) << 4, min = (byte 9 >> 4) | (byte 5 >> 6) << 4."""
     s = torch.zeros(1, 12, dtype=torch.uint8)
     s[0, 1], s[0, 5], s[0, 9] = 0b11_000001, 0b10_000010, 0x7B
-    sc, m = gguf_quants._k_scales(s)
+    sc, m = ggml._k_scales(s)
     assert sc[0, 1] == 1 and m[0, 1] == 2
     assert sc[0, 5] == 0xB | 3 << 4 and m[0, 5] == 0x7 | 2 << 4
 
 
-@pytest.mark.parametrize("type_name", [*gguf_quants.AFFINE, "MXFP4"])
+@pytest.mark.parametrize("type_name", [*ggml.AFFINE, "MXFP4"])
 def test_layer_holds_exactly_the_reference_weights(type_name):
-    _, block, _ = gguf_quants.GGML_TYPES[type_name]
+    _, block, _ = ggml.GGML_TYPES[type_name]
     raw = random_blocks(type_name, 4, 2 * block)
-    reference = gguf_quants.dequantize(raw, type_name, (4, 2 * block))
-    layer = gguf_quants.quantized_linear(raw, type_name, (4, 2 * block))
+    reference = ggml.dequantize(raw, type_name, (4, 2 * block))
+    layer = ggml.quantized_linear(raw, type_name, (4, 2 * block))
     assert isinstance(layer, MXFP4Linear if type_name == "MXFP4" else AffineQuantLinear)
     assert torch.equal(layer.dequantize(), reference)
     assert torch.isfinite(reference).all() and reference.abs().max() > 0
@@ -253,8 +254,8 @@ def test_layer_holds_exactly_the_reference_weights(type_name):
 @pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q6_K", "Q8_0", "MXFP4"])
 def test_kernel_equals_reference_on_gguf_layouts(type_name):
     """Group sizes 16 / 32 and 2-, 4- and 8-bit codes through the layer's Triton kernel."""
-    _, block, _ = gguf_quants.GGML_TYPES[type_name]
-    layer = gguf_quants.quantized_linear(random_blocks(type_name, 5, block), type_name, (5, block))
+    _, block, _ = ggml.GGML_TYPES[type_name]
+    layer = ggml.quantized_linear(random_blocks(type_name, 5, block), type_name, (5, block))
     x = torch.randn(3, block, generator=torch.Generator().manual_seed(0))
     with base.impl("engine"):
         y = layer(x)
@@ -263,9 +264,9 @@ def test_kernel_equals_reference_on_gguf_layouts(type_name):
 
 def test_unsupported_type_is_named():
     with pytest.raises(ValueError, match="GGML type IQ2_XXS is not supported"):
-        gguf_quants.dequantize(torch.zeros(66, dtype=torch.uint8), "IQ2_XXS", (1, 256))
+        ggml.dequantize(torch.zeros(66, dtype=torch.uint8), "IQ2_XXS", (1, 256))
     with pytest.raises(ValueError, match="do not hold a tensor"):
-        gguf_quants.dequantize(torch.zeros(17, dtype=torch.uint8), "Q4_0", (1, 32))
+        ggml.dequantize(torch.zeros(17, dtype=torch.uint8), "Q4_0", (1, 32))
 
 
 # ---- names, permutation, config ---------------------------------------------------------------------------------
@@ -341,7 +342,7 @@ def qwen3_tensors(model, linear_type=None, seed=0):
         if linear_type and kind in gguf.LINEARS:
             raw = random_blocks(linear_type, *p.shape, seed=seed + i, scale=0.002)
             tensors.append((gguf_name(name), linear_type, tuple(p.shape), raw_of(raw)))
-            state[name] = gguf_quants.dequantize(raw, linear_type, tuple(p.shape))
+            state[name] = ggml.dequantize(raw, linear_type, tuple(p.shape))
         else:
             tensors.append((gguf_name(name), "F32", tuple(p.shape), raw_of(p)))
             state[name] = p
@@ -357,7 +358,7 @@ def test_dense_qwen3_loads_with_identical_logits(tmp_path, tiny_model):
         assert torch.equal(loaded(ids), tiny_model(ids))
 
 
-@pytest.mark.parametrize("type_name", [*gguf_quants.AFFINE, "MXFP4"])
+@pytest.mark.parametrize("type_name", [*ggml.AFFINE, "MXFP4"])
 def test_quantized_qwen3_is_the_model_of_its_decoded_weights(tmp_path, type_name):
     torch.manual_seed(0)
     model = Qwen3(K_CFG).eval()

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.formats import affine, fp8, gguf, gguf_quants, gguf_tokenizer, gguf_writer, mx, nf4
+from engine.checkpoints import gguf, gguf_tokenizer, gguf_writer
+from engine.formats import affine, fp8, ggml, mx, nf4
 from engine.formats.affine import AffineQuantLinear
 from engine.formats.base import quantized_linears
 from engine.formats.mx import dequantize_nvfp4
@@ -77,7 +78,7 @@ def test_symmetric_int4_g32_is_q4_0_with_the_engines_codes(tmp_path):
     codes = layer.codes()[0, :32]
     assert torch.equal(first[:2].view(torch.float16).float(), layer.scales[0, :1])
     assert torch.equal(first[2:], codes[:16] | (codes[16:] << 4))
-    read = gguf_quants.quantized_linear(raw, "Q4_0", info.shape)
+    read = ggml.quantized_linear(raw, "Q4_0", info.shape)
     assert torch.equal(read.codes(), layer.codes()) and torch.equal(read.scales, layer.scales)
 
 
@@ -98,7 +99,7 @@ def test_llama_q_and_k_rows_are_permuted_into_ggml_pairs(tmp_path):
         gguf_writer.write_gguf(model, tmp_path / f"{model_type}.gguf")
         with gguf.GGUFFile(tmp_path / f"{model_type}.gguf") as f:
             for part, heads in (("q", 4), ("k", 2)):
-                stored = gguf_quants.dequantize(f.raw(f"blk.0.attn_{part}.weight"), "F32", (heads * 16, 64))
+                stored = ggml.dequantize(f.raw(f"blk.0.attn_{part}.weight"), "F32", (heads * 16, 64))
                 hf = model.get_submodule(f"model.layers.0.self_attn.{part}_proj").weight
                 assert torch.equal(stored, gguf_writer.permute_rows(hf, heads) if permuted else hf)
     rows = torch.arange(48).reshape(24, 2)
@@ -132,7 +133,7 @@ def test_what_ggml_cannot_hold_is_refused_naming_why(tmp_path, quantize, match):
 def test_fallback_is_asked_for_and_logged(tmp_path, caplog):
     model = small_model()
     fp8.quantize(model, block=32)
-    with caplog.at_level(logging.WARNING, logger="engine.formats.gguf_writer"):
+    with caplog.at_level(logging.WARNING, logger="engine.checkpoints.gguf_writer"):
         report = gguf_writer.write_gguf(model, tmp_path / "m.gguf", fallback="F32")
     assert report["types"] == {"F32": 14} and len(report["fallbacks"]) == 14
     assert "FP8BlockLinear" in caplog.text and "written dequantized as F32" in caplog.text

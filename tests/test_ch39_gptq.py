@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine.formats import affine, base, calibration, checkpoints, gptq
+from engine.checkpoints import registry
+from engine.formats import affine, base, calibration, gptq
 from helpers import rtn_baseline
 
 
@@ -315,13 +316,13 @@ def test_model_save_load_and_quality(tiny_model, tmp_path, order):
     held_out = torch.randint(0, 256, (2, 48))
     reference, rtn_error = rtn_baseline(tiny_model, held_out)
     options = {} if order == "default" else {"order": order}
-    qcfg = checkpoints.save_quantized(tiny_model, tmp_path, "gptq", calibration, group_size=32, **options)
+    qcfg = registry.save_quantized(tiny_model, tmp_path, "gptq", calibration, group_size=32, **options)
     permuted = order == "act_order"
     assert qcfg == {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": permuted, "sym": False,
                     "checkpoint_format": "gptq", "order": options.get("order", "act_order_static")}
     with torch.no_grad():
         ours = tiny_model(held_out)
-        loaded = checkpoints.load_quantized(tmp_path)
+        loaded = registry.load_quantized(tmp_path)
         assert torch.equal(loaded(held_out), ours)
     assert (ours - reference).pow(2).mean() < rtn_error
     layers = [m for m in loaded.modules() if isinstance(m, affine.AffineQuantLinear)]

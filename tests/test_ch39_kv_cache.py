@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.coding import rice
-from engine.formats import gguf_quants, kv_baselines, kv_cache
+from engine.formats import ggml, kv_baselines, kv_cache
 from engine.formats.lattice import LATTICES
 from engine.qwen3 import KVCache, Qwen3, Qwen3Config, apply_rope, rope_tables
 
@@ -126,7 +126,7 @@ def test_ggml_blocks_are_llama_cpps(name, encode, reference):
     blocks = encode(x)
     assert np.array_equal(blocks.numpy(), np.stack([reference(row.tolist()) for row in x]))
     kv = kv_baselines.GGMLKV(name.lower())
-    assert torch.equal(kv.quantize(x), gguf_quants.dequantize(blocks.reshape(-1), name, x.shape))
+    assert torch.equal(kv.quantize(x), ggml.dequantize(blocks.reshape(-1), name, x.shape))
     gg = pytest.importorskip("gguf")
     theirs = gg.quants.quantize(x.numpy(), gg.GGMLQuantizationType[name])
     assert np.array_equal(blocks.numpy().reshape(-1), theirs.reshape(-1))

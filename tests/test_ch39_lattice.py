@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from engine.formats import base
-from engine.formats import checkpoints
-from engine.formats import lattice as L
+from engine.checkpoints import registry
 from engine.coding import rice
+from engine.formats import base
+from engine.formats import lattice as L
 from engine.formats.base import quantized_linears
 from engine.kernels import stream_decoders
 
@@ -166,8 +166,8 @@ def test_quantize_model_rate_and_checkpoint(tiny_model, tmp_path):
     with torch.no_grad():
         out = tiny_model(ids)
     assert float((out - ref).pow(2).mean() / ref.pow(2).mean()) < 0.1
-    checkpoints.save_quantized(tiny_model, tmp_path / "ckpt", "lattice", quantization_config=config)
-    loaded = checkpoints.load_quantized(tmp_path / "ckpt")
+    registry.save_quantized(tiny_model, tmp_path / "ckpt", "lattice", quantization_config=config)
+    loaded = registry.load_quantized(tmp_path / "ckpt")
     with torch.no_grad():
         assert torch.equal(loaded(ids), out)
     # Any field of the quantization_config in config.json changed, or one removed: refused.
@@ -180,7 +180,7 @@ def test_quantize_model_rate_and_checkpoint(tiny_model, tmp_path):
     for qcfg in edits + [{key: v for key, v in config.items() if key != "lattice"}]:
         path.write_text(json.dumps({**raw, "quantization_config": qcfg}))
         with pytest.raises(ValueError, match="is not the one its tensors were written with"):
-            checkpoints.load_quantized(tmp_path / "ckpt")
+            registry.load_quantized(tmp_path / "ckpt")
 
 
 CORRUPT = ("stream checksum mismatch|offsets are corrupt|must start at bit 0|bits above|does not match a payload|"

@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-from engine.formats import checkpoints, gptq
-from engine.formats.checkpoints import load_quantized, save_quantized
-from engine.formats.streaming import quantize_checkpoint
-from engine.loaders import model_digest, save_dense
+from engine.checkpoints import registry
+from engine.checkpoints.loaders import model_digest, save_dense
+from engine.checkpoints.registry import load_quantized, save_quantized
+from engine.checkpoints.safetensors_io import INDEX, checkpoint_records, snapshot_tensors
+from engine.checkpoints.streaming import quantize_checkpoint
+from engine.formats import gptq
 from engine.qwen3 import Qwen3, Qwen3Config
-from engine.safetensors_io import INDEX, checkpoint_records, snapshot_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,7 +110,7 @@ def _watched_gptq(monkeypatch, seen, dies_at=None):
         if layer.index == dies_at:
             raise _Killed
         return real.quantize_layer(layer, **options)
-    monkeypatch.setitem(checkpoints.METHODS, "gptq", dataclasses.replace(real, quantize_layer=quantize_layer))
+    monkeypatch.setitem(registry.METHODS, "gptq", dataclasses.replace(real, quantize_layer=quantize_layer))
 
 
 def test_a_killed_conversion_resumes_and_gives_the_same_checkpoint(source, ids, tmp_path, monkeypatch):

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from engine import training
 from engine.data import Corpus, default_corpus
 from engine.qwen3 import RMSNorm, Qwen3, Qwen3Config
-from engine import training
 from engine.training import TrainConfig, train, trained_model
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from engine.formats.checkpoints import METHODS, load_quantized, save_quantized
+from engine.checkpoints.registry import METHODS, load_quantized, save_quantized
 from helpers import rewrite_tensors
 
 

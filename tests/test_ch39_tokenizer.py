@@ -6,10 +6,12 @@ import os
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from engine.data import (BYTE_CHARS, Corpus, bos_id, byte_tokenizer, copy_tokenizer_files, encode, export_tokenizer,
-                         is_byte_tokenizer, load_tokenizer, token_bytes, write_tokenizer_files)
+from engine.checkpoints.safetensors_io import write_json
+from engine.checkpoints.tokenizers import (BYTE_CHARS, bos_id, byte_tokenizer, copy_tokenizer_files, encode,
+                                           export_tokenizer, is_byte_tokenizer, load_tokenizer, token_bytes,
+                                           write_tokenizer_files)
+from engine.data import Corpus
 from engine.qwen3 import Qwen3Config
-from engine.safetensors_io import write_json
 from test_ch39_gguf import ARR, BOOL, I32, STR, gguf_bytes, write
 
 TEXT = "".join(map(chr, range(256))) + "Plain ASCII, Ünïcödé, \u6771\u4eac, \t tabs\r\n and \U0001F600 \x00\x7f\u0080\u00ad\u00ff\u0100 " * 3

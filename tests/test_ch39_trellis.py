@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from engine.checkpoints import registry
 from engine.formats import base
-from engine.formats import checkpoints, trellis, viterbi
+from engine.formats import trellis, viterbi
 from engine.formats.base import quantized_linears
 from engine.kernels import triton_formats
 
@@ -312,8 +313,8 @@ def test_model_quantize_engine_and_checkpoint_round_trip(tiny_model, tmp_path):
         with base.impl("engine"):
             engine = tiny_model(ids)
     assert torch.allclose(engine, ref, rtol=1e-3, atol=1e-3)
-    checkpoints.save_quantized(tiny_model, tmp_path / "ckpt", "trellis", quantization_config=config)
-    loaded = checkpoints.load_quantized(tmp_path / "ckpt")
+    registry.save_quantized(tiny_model, tmp_path / "ckpt", "trellis", quantization_config=config)
+    loaded = registry.load_quantized(tmp_path / "ckpt")
     with torch.no_grad():
         assert torch.equal(loaded(ids), ref)
 

@@ -48,7 +48,7 @@ def test_bad_arguments_are_clear_errors(tmp_path):
 def test_quantformats_on_a_model_reports_a_refused_row_and_goes_on(tmp_path, tiny_model):
     """A format that cannot hold this model's shapes (trellis' 256-wide rotation, hidden 64) is a row saying why;
     the rows after it are still measured."""
-    from engine.loaders import save_dense
+    from engine.checkpoints.loaders import save_dense
     save_dense(tiny_model, tmp_path / "dense")
     out = run("quantformats", "--model", str(tmp_path / "dense"), "--ctx", "32", "--chunks", "2",
               "--calib-samples", "2", "--calib-len", "32", "--rows", "L=8, K=3", "RTN int2",

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine.formats import gguf
+from engine.checkpoints import gguf
 from test_cli import ROOT, run
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.formats import compressed_tensors as ct
+from engine.checkpoints import compressed_tensors as ct
 from engine.formats.affine import AffineQuantLinear, pack_int32, quantize_to_affine
 from engine.formats.base import quantized_linears
 from engine.formats.fp8 import FP8BlockLinear
@@ -184,10 +184,10 @@ def _tolerance(fmt):
 
 @pytest.mark.parametrize("fmt,sym", [(f, True) for f in FORMATS] + [("pack-quantized", False)])
 def test_model_compressor_checkpoint_loads_in_engine(tmp_path, monkeypatch, fmt, sym):
-    checkpoints = pytest.importorskip("engine.formats.checkpoints")
-    monkeypatch.setitem(checkpoints.METHODS, "compressed-tensors", ct.CHECKPOINT)
+    registry = pytest.importorskip("engine.checkpoints.registry")
+    monkeypatch.setitem(registry.METHODS, "compressed-tensors", ct.CHECKPOINT)
     _ct_write(tmp_path, ct.quantization_config(fmt, group_size=64, symmetric=sym))
-    ours = checkpoints.load_quantized(tmp_path)
+    ours = registry.load_quantized(tmp_path)
     reference = _transformers_load(tmp_path)
     layers = quantized_linears(ours)
     assert len(layers) == 7
@@ -198,12 +198,12 @@ def test_model_compressor_checkpoint_loads_in_engine(tmp_path, monkeypatch, fmt,
 
 @pytest.mark.parametrize("fmt,sym", [(f, True) for f in FORMATS] + [("pack-quantized", False)])
 def test_engine_checkpoint_loads_in_transformers(tmp_path, monkeypatch, fmt, sym):
-    checkpoints = pytest.importorskip("engine.formats.checkpoints")
+    registry = pytest.importorskip("engine.checkpoints.registry")
     from engine.qwen3 import Qwen3, Qwen3Config
-    monkeypatch.setitem(checkpoints.METHODS, "compressed-tensors", ct.CHECKPOINT)
+    monkeypatch.setitem(registry.METHODS, "compressed-tensors", ct.CHECKPOINT)
     torch.manual_seed(0)
     model = Qwen3(Qwen3Config.from_hf(_tiny_hf_config().to_dict())).eval()
-    checkpoints.save_quantized(model, tmp_path, "compressed-tensors", format=fmt, group_size=64, symmetric=sym)
+    registry.save_quantized(model, tmp_path, "compressed-tensors", format=fmt, group_size=64, symmetric=sym)
     reference = _transformers_load(tmp_path)
     for name, layer in quantized_linears(model).items():
         torch.testing.assert_close(reference.get_submodule(name).weight.float(), layer.dequantize(),

@@ -101,13 +101,13 @@ def test_nvfp4_equals_torchao_and_compressed_tensors():
 
 def test_fp8_checkpoint_loads_in_transformers(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
-    checkpoints = pytest.importorskip("engine.formats.checkpoints")
+    registry = pytest.importorskip("engine.checkpoints.registry")
     from engine.qwen3 import Qwen3, Qwen3Config
-    monkeypatch.setitem(checkpoints.METHODS, "fp8", fp8.CHECKPOINT)     # whether or not the lead registered it
+    monkeypatch.setitem(registry.METHODS, "fp8", fp8.CHECKPOINT)     # whether or not the lead registered it
     torch.manual_seed(3)
     model = Qwen3(Qwen3Config(hidden_size=128, intermediate_size=384, num_hidden_layers=1, num_attention_heads=2,
                               num_key_value_heads=1)).eval()
-    checkpoints.save_quantized(model, tmp_path, "fp8")
+    registry.save_quantized(model, tmp_path, "fp8")
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()   # CPU: dequantizes
     ours = {f"model.{name}.weight": layer.dequantize() for name, layer in model.model.named_modules()
             if isinstance(layer, fp8.FP8BlockLinear)}
@@ -118,6 +118,6 @@ def test_fp8_checkpoint_loads_in_transformers(tmp_path, monkeypatch):
     ids = torch.randint(0, 256, (1, 16))
     with torch.no_grad():
         assert torch.allclose(hf(ids).logits, model(ids), atol=1e-4)
-    back = checkpoints.load_quantized(tmp_path)
+    back = registry.load_quantized(tmp_path)
     assert all(torch.equal(back.get_submodule(n.rpartition(".")[0]).dequantize(), w)
                for n, w in ours.items())

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.formats import gguf, gguf_quants, gguf_tokenizer
+from engine.checkpoints import gguf, gguf_tokenizer
+from engine.checkpoints.loaders import load_dense, save_dense
+from engine.checkpoints.safetensors_io import snapshot_tensors
+from engine.formats import ggml
 from engine.formats.affine import AffineQuantLinear
 from engine.formats.base import QuantLinear
-from engine.loaders import load_dense, save_dense
 from engine.qwen3 import Qwen3, Qwen3Config
-from engine.safetensors_io import snapshot_tensors
 from test_ch39_gguf import K_CFG, _has_llama, _tokenizer, bpe_metadata, gguf_name, needs_smollm2, random_blocks
 
 pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("one_thread")]
@@ -43,16 +44,16 @@ def converter_permute(weights, n_head, n_head_kv):
 
 @pytest.mark.parametrize("type_name", QUANTIZABLE + K_QUANTS)
 def test_decoder_equals_gguf_dequantize(type_name):
-    _, block, _ = gguf_quants.GGML_TYPES[type_name]
+    _, block, _ = ggml.GGML_TYPES[type_name]
     shape = (6, 3 * block)
     raw = random_blocks(type_name, *shape)
-    ours = gguf_quants.dequantize(raw, type_name, shape)
+    ours = ggml.dequantize(raw, type_name, shape)
     assert torch.equal(ours, their_dequantize(raw, type_name, shape))       # == (so -0 and +0 are the same)
     if type_name in QUANTIZABLE:                                             # and on what their quantizer writes
         w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
         raw = torch.from_numpy(gg.quants.quantize(w, gg.GGMLQuantizationType[type_name]).reshape(-1))
-        assert torch.equal(gguf_quants.dequantize(raw, type_name, shape), their_dequantize(raw, type_name, shape))
-        assert torch.equal(gguf_quants.quantized_linear(raw, type_name, shape).dequantize(),
+        assert torch.equal(ggml.dequantize(raw, type_name, shape), their_dequantize(raw, type_name, shape))
+        assert torch.equal(ggml.quantized_linear(raw, type_name, shape).dequantize(),
                            their_dequantize(raw, type_name, shape))
 
 

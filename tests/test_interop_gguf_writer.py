@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.formats import gguf, gguf_quants, gguf_writer
+from engine.checkpoints import gguf, gguf_writer
+from engine.checkpoints.registry import load_quantized, save_quantized
+from engine.formats import ggml
 from engine.formats.base import quantized_linears
-from engine.formats.checkpoints import load_quantized, save_quantized
 from engine.formats.mx import dequantize_nvfp4
 from engine.qwen3 import Qwen3
 from test_ch39_gguf_writer import QUANTIZERS, SMALL, logits, small_model, with_f16_offsets
@@ -142,8 +143,8 @@ def test_llama_cpp_converter_reads_the_engines_checkpoints_as_the_engine_does(tm
                 info = f.tensors[key]
                 if name == "ct-nvfp4":
                     assert info.type_name == "NVFP4" and torch.equal(f.raw(key), ours[key]), key
-                    scale = gguf_quants.dequantize(f.raw(key.replace("weight", "scale")), "F32", (1,))
+                    scale = ggml.dequantize(f.raw(key.replace("weight", "scale")), "F32", (1,))
                     assert torch.equal(scale, layer.tensor_scale.reshape(1)), key
                 else:
                     assert info.type_name == "F32", key
-                    assert torch.equal(gguf_quants.dequantize(f.raw(key), "F32", info.shape), layer.dequantize()), key
+                    assert torch.equal(ggml.dequantize(f.raw(key), "F32", info.shape), layer.dequantize()), key

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.formats import affine, awq, checkpoints, gptq
+from engine.checkpoints import registry
+from engine.formats import affine, awq, gptq
 from engine.formats.base import quantized_linears
 
 pytestmark = pytest.mark.interop
@@ -155,7 +156,7 @@ def test_transformers_loads_our_checkpoint(tiny_model, tmp_path, method, options
         pytest.importorskip("optimum")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(2)
-    checkpoints.save_quantized(tiny_model, tmp_path, method, torch.randint(0, 256, (4, 64)), **options)
+    registry.save_quantized(tiny_model, tmp_path, method, torch.randint(0, 256, (4, 64)), **options)
     config = (transformers.GPTQConfig(bits=4, backend="torch") if method == "gptq"
               else transformers.AwqConfig(bits=4, backend="torch_awq"))
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, quantization_config=config,
@@ -173,7 +174,7 @@ def test_checkpoint_packed_by_gptqmodel_loads_in_engine(gptqmodel_packer, tiny_m
     engine and reproduces the model those codes came from, logit for logit."""
     import json
 
-    from engine.safetensors_io import save_file
+    from engine.checkpoints.safetensors_io import save_file
     qcfg = gptq.quantize(tiny_model, torch.randint(0, 256, (4, 64)), group_size=32,
                          order="act_order" if act_order else "natural")
     tensors = {}
@@ -188,4 +189,4 @@ def test_checkpoint_packed_by_gptqmodel_loads_in_engine(gptqmodel_packer, tiny_m
     save_file(tensors, tmp_path / "model.safetensors")
     ids = torch.randint(0, 256, (2, 40))
     with torch.no_grad():
-        assert torch.equal(checkpoints.load_quantized(tmp_path)(ids), tiny_model(ids))
+        assert torch.equal(registry.load_quantized(tmp_path)(ids), tiny_model(ids))

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from engine.loaders import load_dense, save_dense
+from engine.checkpoints.loaders import load_dense, save_dense
 from engine.qwen3 import Qwen3, Qwen3Config
 
 transformers = pytest.importorskip("transformers")

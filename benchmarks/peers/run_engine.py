@@ -1,7 +1,7 @@
 """The engine's side of benchmarks/layerwise.py, one process per call (run in the engine's venv):
 
     python run_engine.py quantize METHOD SOURCE OUT [CALIB.pt] [KEY=VALUE ...]
-        engine.formats.streaming.quantize_checkpoint, the converter behind `run.py quantize --model`, given the
+        engine.checkpoints.streaming.quantize_checkpoint, the converter behind `run.py quantize --model`, given the
         calibration token ids [n, T] (a torch.save'd LongTensor) instead of text; options as run.py's --option
     python run_engine.py read SOURCE
         every tensor of SOURCE read once (safetensors_io.TensorReader) and summed: the floor a data-free conversion
@@ -18,10 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from engine.checkpoints.registry import METHODS, load_model  # noqa: E402
+from engine.checkpoints.safetensors_io import TensorReader  # noqa: E402
+from engine.checkpoints.streaming import quantize_checkpoint  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models  # noqa: E402
-from engine.formats.checkpoints import METHODS, load_model  # noqa: E402
-from engine.formats.streaming import quantize_checkpoint  # noqa: E402
-from engine.safetensors_io import TensorReader  # noqa: E402
 from run import method_options, model_bits, parse_value  # noqa: E402
 
 

@@ -310,7 +310,7 @@ def whole_model(model):
 def by_layer(model, quantize_layer, calibration_ids=None, inputs_from=None, batch_size=8, method="this method",
              **options):
     """Quantize `model` in place, one decoder layer at a time: quantize_layer(LayerCalibration, **options) on each
-    (the same function the streaming converter, engine.formats.checkpoints.quantize_checkpoint, calls on layers read
+    (the same function the streaming converter, engine.checkpoints.streaming.quantize_checkpoint, calls on layers read
     from disk). Returns the quantization_config quantize_layer describes its work with."""
     layers = decoder_layers(model, calibration_ids, batch_size, method, inputs_from)
     bar = tqdm(layers, total=model.cfg.num_hidden_layers, desc=f"{method} layers", unit="layer", leave=False,

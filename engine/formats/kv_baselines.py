@@ -14,7 +14,7 @@ FP8: x_hat = E4M3(x / s) s with s = amax / 448. vLLM takes s from the checkpoint
 choice, slightly optimistic (no clipping ever happens), and in generate each step's tokens get their own scale.
 
 q8_0 / q4_0 are llama.cpp's reference encoders (quantize_row_q8_0_ref / q4_0_ref, in float32, which its CUDA copy
-kernels match) writing GGML blocks, decoded by engine/formats/gguf_quants.py, so the grid is GGUF's bit for bit:
+kernels match) writing GGML blocks, decoded by engine/formats/ggml.py, so the grid is GGUF's bit for bit:
     q8_0: d = amax / 127, q = roundf(x / d) (halves away from 0)
     q4_0: d = m / -8 (m the value of largest |x|), q = min(15, trunc(x / d + 8.5))
 (llama.cpp quantizes V this way only with flash attention; without it V stays f16.)
@@ -26,7 +26,7 @@ window (>= G - 1 tokens), where KIVI's own residual fills up to R tokens and is 
 """
 import torch
 
-from .gguf_quants import dequantize
+from .ggml import dequantize
 from .kv_cache import RESIDUAL_WINDOW, KVHook, install
 from .minifloats import E4M3_MAX, round_e4m3
 

@@ -15,7 +15,7 @@ import re
 import torch
 from torch import nn
 
-from .qwen3 import Qwen3, Qwen3Config
+from ..qwen3 import Qwen3, Qwen3Config
 from .safe_writes import atomic_directory, recover_interrupted_swap
 from .safetensors_io import (checkpoint_records, read_json, save_file, snapshot_tensors, float_digest, tensor_specs,
                              write_json)
@@ -92,7 +92,7 @@ def place(model, name, value, dtype, device):
 def install_layer(model, name, layer, device="cpu"):
     """Put a quantized layer (a QuantLinear built from a format's tensors) in place of the model's nn.Linear `name`,
     which must exist and have the layer's shape."""
-    from .formats.base import QuantLinear
+    from ..formats.base import QuantLinear
     linear = dict(model.named_modules()).get(name)
     if not isinstance(layer, QuantLinear) or not isinstance(linear, nn.Linear):
         raise ValueError(f"{name}: a {type(layer).__name__} cannot replace {type(linear).__name__} (not a linear of "
@@ -150,7 +150,7 @@ def model_digest(model):
     """SHA-256 of the weights a model computes with, as float32 (so that a lossless bf16 / f16 -> f32 load gives the
     same digest, and a quantized layer counts as its dequantized weight): the provenance a quantized checkpoint
     records, and `run.py eval` checks."""
-    from .formats.base import QuantLinear
+    from ..formats.base import QuantLinear
     tensors = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
@@ -186,7 +186,7 @@ def dense_tensors(model, dtype=None):
 
 
 def save_dense(model, directory, dtype=None, force=False, side_files=None):
-    """Write config.json + model.safetensors atomically (engine.safe_writes.atomic_directory: a failed or killed
+    """Write config.json + model.safetensors atomically (engine.checkpoints.safe_writes.atomic_directory: a failed or killed
     save leaves the old checkpoint or nothing; a folder holding other files is refused unless force=True).
     side_files(folder), if given, writes the rest of the checkpoint (tokenizer files) into the same atomic folder."""
     raw = model.cfg.to_hf()

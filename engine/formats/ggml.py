@@ -35,7 +35,7 @@ are 8 planes of 32; NVFP4 runs of 8 bytes cover each sub-block of 16. Q5_0's u32
 element i.
 
 The writer's side (`encode`) is the inverse for the types the engine's layers map onto exactly: Q4_0, Q4_1, Q8_0,
-MXFP4, NVFP4 (engine/formats/gguf_writer.py decides which layer goes where).
+MXFP4, NVFP4 (engine/checkpoints/gguf_writer.py decides which layer goes where).
 """
 import torch
 

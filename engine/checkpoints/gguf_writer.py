@@ -1,5 +1,5 @@
 """GGUF writer: the engine's model, with its quantized layers kept as they are where GGML has their type, in the
-single file llama.cpp runs (the container is described in gguf.py, the blocks in gguf_quants.py).
+single file llama.cpp runs (the container is described in gguf.py, the blocks in engine/formats/ggml.py).
 
 Which layer becomes which GGML type, and how exactly:
 
@@ -38,13 +38,13 @@ from types import SimpleNamespace
 import torch
 from tokenizers import Tokenizer
 
-from ..safetensors_io import atomic_file
-from .affine import AffineQuantLinear, unpack_nibbles
-from .base import QuantLinear
+from ..formats.affine import AffineQuantLinear, unpack_nibbles
+from ..formats.base import QuantLinear
+from ..formats.ggml import DENSE, GGML_TYPES, encode
+from ..formats.mx import MXFP4Linear, NVFP4Linear
 from .gguf import ARCHITECTURES, GLOBAL_NAMES, LINEARS, TENSOR_NAMES, GGUFFile
-from .gguf_quants import DENSE, GGML_TYPES, encode
 from .gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer, gpt2_pre_tokenizer
-from .mx import MXFP4Linear, NVFP4Linear
+from .safetensors_io import atomic_file
 
 log = logging.getLogger(__name__)
 ALIGNMENT, VERSION = 32, 3
@@ -356,7 +356,7 @@ def _value(key, value):
 
 def write_container(path, metadata, tensors, force=False):
     """metadata {key: value}, tensors [(name, GGML type, torch shape, raw uint8)] -> a GGUF v3 file at `path`,
-    written atomically (engine.safetensors_io.atomic_file)."""
+    written atomically (engine.checkpoints.safetensors_io.atomic_file)."""
     path = Path(path)
     if path.is_dir() or (path.exists() and not force):
         raise ValueError(f"output {path} exists; choose another path or pass force=True (--force)")

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from ..loaders import (check_complete, default_dtype, install_layer, load_dense, load_tensors, model_digest, place,
+from ..formats import awq, entropy, fp8, gptq, lattice, trellis
+from ..formats.base import linear_names, quantized_linears
+from . import compressed_tensors, gguf
+from .loaders import (check_complete, default_dtype, install_layer, load_dense, load_tensors, model_digest, place,
                        prepare, read_config)
-from ..safe_writes import atomic_directory, check_output
-from ..safetensors_io import checkpoint_records, save_file, write_json
-from . import awq, compressed_tensors, entropy, fp8, gguf, gptq, lattice, trellis
-from .base import linear_names, quantized_linears
+from .safe_writes import atomic_directory, check_output
+from .safetensors_io import checkpoint_records, save_file, write_json
 
 METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
                                trellis.CHECKPOINT, entropy.CHECKPOINT, lattice.CHECKPOINT)}
@@ -33,7 +34,7 @@ def config_digest(quantization_config):
 def method_for(quantization_config):
     if not isinstance(quantization_config, dict):
         raise ValueError("config.json has no quantization_config object: not a quantized checkpoint "
-                         "(use engine.loaders.load_dense for dense checkpoints)")
+                         "(use engine.checkpoints.loaders.load_dense for dense checkpoints)")
     name = quantization_config.get("quant_method")
     if not isinstance(name, str) or name not in METHODS:
         raise ValueError(f"unsupported quant_method {name!r}; this engine reads {sorted(METHODS)}")
@@ -91,7 +92,7 @@ class LayerAssembler:
 
 @torch.no_grad()
 def load_quantized(directory, dtype=None, device="cpu", verify=True):
-    """A Qwen3 from a quantized checkpoint folder: the dense loader's checks and loop (engine.loaders.prepare,
+    """A Qwen3 from a quantized checkpoint folder: the dense loader's checks and loop (engine.checkpoints.loaders.prepare,
     load_tensors), with the method's LayerAssembler claiming the quantized linears' tensors. The
     quantization_config is validated once, before anything is allocated. Unquantized tensors keep their stored
     dtype (or `dtype`); quantized layers keep their own."""
@@ -122,11 +123,11 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
 
     A dense model is first quantized IN PLACE with the method's own quantizer (options such as group_size,
     act_order go to it; calibration_ids [batch, tokens] for methods that need data); the digest of the dense model
-    is recorded in the checkpoint (engine.loaders.model_digest), so an evaluation can tell which model it came from. A model that is already
+    is recorded in the checkpoint (engine.checkpoints.loaders.model_digest), so an evaluation can tell which model it came from. A model that is already
     quantized (e.g. RTN or GPTQ layers written as compressed-tensors) is written as it is, with
     `quantization_config` or the one recorded when it was quantized.
     The save is atomic and refuses a folder that holds anything but an engine checkpoint unless force=True
-    (engine.safe_writes.atomic_directory); side_files(folder), if given, adds the tokenizer files to it. Returns
+    (engine.checkpoints.safe_writes.atomic_directory); side_files(folder), if given, adds the tokenizer files to it. Returns
     the quantization_config written.
     """
     if method not in METHODS:
@@ -169,7 +170,7 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
 
 
 def load_model(path, dtype=None, device="cpu", dense=False):
-    """Any model the engine reads: a .gguf file (formats/gguf.py), a quantized checkpoint folder (config.json with a
+    """Any model the engine reads: a .gguf file (gguf.py), a quantized checkpoint folder (config.json with a
     quantization_config) or a dense one. dense=True turns every quantized layer into an nn.Linear holding its
     dequantized weight (float32): the reference a GGUF model's own quantization defines."""
     path = Path(path)

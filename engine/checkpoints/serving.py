@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from ..loaders import load_dense, read_config
+from ..formats import gptq
 from ..qwen3 import Qwen3Config
-from . import gptq
-from .checkpoints import load_quantized
 from .gguf import load_gguf
 from .gguf_writer import write_gguf
+from .loaders import load_dense, read_config
+from .registry import load_quantized
 
 TARGETS = ("transformers", "vllm", "llama.cpp", "onnx")
 VLLM_GROUPS = (-1, 32, 64, 128)

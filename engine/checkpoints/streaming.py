@@ -17,7 +17,7 @@ config.json with the quantization_config, and the source's tokenizer and generat
 A killed conversion resumes: the output is built in DIR's sibling .DIR.partial, with progress.json recording what
 was done and with which source, method, options and calibration; a re-run with the same arguments skips the layers
 already written (replaying them to rebuild the hidden states it needs) and goes on. The finished folder is swapped
-into DIR atomically (engine.safe_writes.commit_directory).
+into DIR atomically (engine.checkpoints.safe_writes.commit_directory).
 """
 import ctypes
 import gc
@@ -28,16 +28,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..data import export_tokenizer
-from ..loaders import check_layer_count, check_shapes, digest_of, place, read_config, skeleton
+from ..formats.base import QuantLinear
+from ..formats.calibration import LayerCalibration, check_ids, first_layer_batches, layer_weights, merged_config
 from ..qwen3 import DecoderLayer, Qwen3Config
-from ..safe_writes import check_output, commit_directory, recover_interrupted_swap, resumable_directory
-from ..safetensors_io import (INDEX, TensorReader, save_file, float_digest, tensor_digest, tensor_specs,
-                              write_json)
 from . import gguf
-from .base import QuantLinear
-from .calibration import LayerCalibration, check_ids, first_layer_batches, layer_weights, merged_config
-from .checkpoints import METHODS, config_digest
+from .loaders import check_layer_count, check_shapes, digest_of, place, read_config, skeleton
+from .registry import METHODS, config_digest
+from .safe_writes import check_output, commit_directory, recover_interrupted_swap, resumable_directory
+from .safetensors_io import (INDEX, TensorReader, save_file, float_digest, tensor_digest, tensor_specs,
+                              write_json)
+from .tokenizers import export_tokenizer
 
 PROGRESS = "progress.json"
 try:
@@ -126,7 +126,7 @@ def _layer_tensors(layer, prefix, entry, spec, stored):
 
 def _read_back(model, i, folder, entry, spec, dtype):
     """Rebuild quantized layer i from its written shard (a resumed run replays it to get the next inputs)."""
-    from .checkpoints import LayerAssembler
+    from .registry import LayerAssembler
     assembler = LayerAssembler(model, entry, spec, "cpu")
     reader = TensorReader(folder / f"layer-{i:05d}.safetensors")
     for name in reader.names():
