@@ -20,7 +20,7 @@ def test_find_params_covers_the_range_and_rounds_scales_to_f16():
 
 def test_rtn_error_is_at_most_half_a_step():
     w = torch.randn(8, 128, generator=torch.Generator().manual_seed(0))
-    codes, scales, offsets = quantize_to_affine(w, 4, 32)
+    codes, scales, zeros = quantize_to_affine(w, 4, 32)
     step = scales.repeat_interleave(32, 1)
     assert ((fake_quantize(w, 4, 32) - w).abs() <= step / 2 + 1e-6).all()
     assert codes.max() <= 15 and codes.dtype == torch.uint8
@@ -56,16 +56,16 @@ def test_pack_int32_order_and_sign():
 def test_layer_equals_fake_quantized_matmul(bits, group):
     g = torch.Generator().manual_seed(1)
     w, x, b = torch.randn(40, 120, generator=g), torch.randn(5, 120, generator=g), torch.randn(40, generator=g)
-    layer = AffineQuantLinear.from_codes(*quantize_to_affine(w, bits, group), group, bits, bias=b)
+    layer = AffineQuantLinear.from_weight(w, bits, group, bias=b)
     expected = x @ fake_quantize(w, bits, group).T + b
     assert torch.allclose(layer(x), expected, atol=1e-5)
 
 
 def test_bits_per_weight_counts_the_metadata():
     w = torch.randn(64, 256)
-    layer = AffineQuantLinear.from_codes(*quantize_to_affine(w, 4, 64), 64, 4)
+    layer = AffineQuantLinear.from_weight(w, 4, 64)
     assert layer.bits_per_weight == 4.5
-    assert AffineQuantLinear.from_codes(*quantize_to_affine(w, 2, 64), 64, 2).bits_per_weight == 2.5
+    assert AffineQuantLinear.from_weight(w, 2, 64).bits_per_weight == 2.5
 
 
 def test_input_permutation_is_undone():
@@ -73,7 +73,7 @@ def test_input_permutation_is_undone():
     w, x = torch.randn(16, 64, generator=g), torch.randn(3, 64, generator=g)
     perm = torch.randperm(64, generator=g)
     stored = w[:, perm]                                          # columns kept in the order perm
-    layer = AffineQuantLinear.from_codes(*quantize_to_affine(stored, 4, 16), 16, 4, perm=perm)
+    layer = AffineQuantLinear.from_weight(stored, 4, 16, perm=perm)
     assert torch.allclose(layer.dequantize()[:, perm], fake_quantize(stored, 4, 16))
     with base.impl("engine"):
         y = layer(x)
@@ -85,7 +85,7 @@ def test_input_permutation_is_undone():
 def test_triton_kernel_equals_torch_on_odd_shapes(bits, m, n, k, group):
     g = torch.Generator().manual_seed(m + n)
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
-    layer = AffineQuantLinear.from_codes(*quantize_to_affine(w, bits, group), group, bits)
+    layer = AffineQuantLinear.from_weight(w, bits, group)
     reference = layer(x)
     with base.impl("engine"):
         out = layer(x)
@@ -107,7 +107,8 @@ def test_fake_quantize_is_exactly_the_stored_layer(in_features, group, clipped):
     g = torch.Generator().manual_seed(in_features)
     w = torch.randn(24, in_features, generator=g) * 3
     clip = torch.rand(24, -(-in_features // group), generator=g) * 0.5 + 0.5 if clipped else None
-    stored = affine.dequantize_affine(*quantize_to_affine(w, 4, group, clip), group)
+    codes, scales, zeros = quantize_to_affine(w, 4, group, clip)
+    stored = affine.dequantize_affine(codes, scales, -zeros * scales, group)
     assert torch.equal(fake_quantize(w, 4, group, clip), stored)
 
 
@@ -135,12 +136,27 @@ def test_impl_switch_rejects_unknown_names():
         base.set_impl("cuda")
 
 
+def test_a_free_offset_is_never_rounded_onto_an_integer_zero_point():
+    """The two grids hold what they were given: integer zero points come back as stored (no division by the scale),
+    and offsets just off that grid (-2.0005 steps, a GGUF Q4_1 min) are refused by a writer of integer zero points
+    rather than rounded to 2, while the layer computes with them exactly."""
+    layer = AffineQuantLinear.from_weight(torch.randn(8, 64, generator=torch.Generator().manual_seed(3)), 4, 32)
+    assert layer.zeros.dtype == torch.uint8 and torch.equal(affine.affine_parts(layer)[2], layer.zeros.float())
+    offsets = -(layer.zeros.float() + 5e-4) * layer.scales
+    free = AffineQuantLinear(layer.packed, layer.scales, 32, 4, offsets=offsets, in_features=64)
+    assert free.zeros is None and torch.equal(free.offsets, offsets)
+    with pytest.raises(ValueError, match="free offsets"):
+        affine.affine_parts(free)
+
+
 def test_non_finite_bias_and_grids_that_overflow_are_refused():
-    codes, scales, offsets = quantize_to_affine(torch.randn(4, 64), 4, 32)
+    codes, scales, zeros = quantize_to_affine(torch.randn(4, 64), 4, 32)
     with pytest.raises(ValueError, match="bias holds NaN or infinite values"):
-        AffineQuantLinear.from_codes(codes, scales, offsets, 32, 4, bias=torch.full((4,), float("inf")))
+        AffineQuantLinear.from_codes(codes, scales, 32, 4, zeros=zeros, bias=torch.full((4,), float("inf")))
     with pytest.raises(ValueError, match="and so must the weights they decode to"):        # 1e38 * 15: inf
-        AffineQuantLinear.from_codes(codes, torch.full_like(scales, 1e38), offsets, 32, 4)
+        AffineQuantLinear.from_codes(codes, torch.full_like(scales, 1e38), 32, 4, zeros=zeros)
+    with pytest.raises(ValueError, match="and so must the weights they decode to"):
+        AffineQuantLinear.from_codes(codes, scales, 32, 4, offsets=torch.full_like(scales, float("nan")))
 
 
 def test_bad_inputs_are_clear_errors():
@@ -151,13 +167,13 @@ def test_bad_inputs_are_clear_errors():
         quantize_to_affine(torch.full((4, 64), float("nan")), 4, 32)
     with pytest.raises(ValueError, match="bits"):
         pack_bits(torch.zeros(2, 8, dtype=torch.uint8), 3)
-    layer = AffineQuantLinear.from_codes(*quantize_to_affine(w, 4, 32), 32, 4)
+    layer = AffineQuantLinear.from_weight(w, 4, 32)
     with pytest.raises(ValueError, match="input has 32 features, the layer expects 64"):
         layer(torch.zeros(2, 32))
 
 
 def test_a_tiny_range_still_gets_a_usable_scale():
     w = torch.tensor([[1e-9, -2e-9, 0.0, 3e-9]])
-    codes, scales, offsets = quantize_to_affine(w, 4, 4)
-    assert (scales > 0).all() and torch.isfinite(offsets).all()
+    codes, scales, zeros = quantize_to_affine(w, 4, 4)
+    assert (scales > 0).all() and torch.isfinite(-zeros * scales).all()
     assert (fake_quantize(w, 4, 4) - w).abs().max() < 1e-7

@@ -69,16 +69,18 @@ def test_search_never_worse_than_rtn_without_outliers():
 def test_checkpoint_round_trip_and_refusals():
     torch.manual_seed(5)
     w = torch.randn(16, 64)
-    layer = affine.AffineQuantLinear.from_codes(*affine.quantize_to_affine(w, 4, 32), 32, 4)
+    layer = affine.AffineQuantLinear.from_weight(w, 4, 32)
     t = awq.to_checkpoint(layer)
     assert t["qweight"].shape == (64, 2) and t["qzeros"].shape == (2, 2) and t["scales"].shape == (2, 16)
     assert t["scales"].dtype == torch.float16
     back = awq.from_checkpoint(t["qweight"], t["qzeros"], t["scales"], 32)
     assert torch.equal(back.dequantize(), layer.dequantize())
-    # The book rounds -offset / scale to a zero point and would silently write a different layer; we refuse.
-    layer.offsets.add_(0.3 * layer.scales)
-    with pytest.raises(ValueError, match="integer zero"):
-        awq.to_checkpoint(layer)
+    # The book rounds -offset / scale to a zero point and would silently write a different layer; a layer of free
+    # offsets (a GGUF Q4_1 one) has no integer zero points, and is refused.
+    free = affine.AffineQuantLinear(layer.packed, layer.scales, 32, 4, offsets=layer.offsets + 0.3 * layer.scales,
+                                    in_features=64)
+    with pytest.raises(ValueError, match=r"free offsets \(a GGUF Q4_1 / K-quant min\), not integer zero points"):
+        awq.to_checkpoint(free)
     with pytest.raises(ValueError, match="qzeros"):
         awq.from_checkpoint(t["qweight"], t["qzeros"][:1], t["scales"], 32)
     with pytest.raises(ValueError, match="AWQ scales must be a 16- or 32-bit float tensor, got torch.int64"):

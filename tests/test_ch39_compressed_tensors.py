@@ -8,7 +8,7 @@ from torch import nn
 from engine.checkpoints import compressed_tensors as ct
 from engine.formats import base
 from engine.formats import affine
-from engine.formats.affine import AffineQuantLinear, quantize_to_affine
+from engine.formats.affine import AffineQuantLinear
 from engine.formats.base import quantized_linears
 from engine.formats.fp8 import FP8BlockLinear
 from engine.formats.mx import MXFP4Linear, NVFP4Linear
@@ -17,7 +17,7 @@ from engine.qwen3 import Qwen3
 
 def _affine(out_f=36, in_f=200, group=64, sym=True, seed=0):
     w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
-    return AffineQuantLinear.from_codes(*quantize_to_affine(w, 4, group, sym=sym), group, 4)
+    return AffineQuantLinear.from_weight(w, 4, group, sym=sym)
 
 
 def _linear(out_f, in_f, seed=0):
@@ -37,7 +37,7 @@ def test_pack_quantized_layout_by_hand():
     """Element j of a run of 8 sits in bits 4j..4j+3 as q + 8 (= our code), low bits first; scales [out, groups]."""
     codes = torch.tensor([[3, 15, 0, 7, 8, 1, 9, 12, 5, 5, 2, 14, 6, 0, 11, 4]], dtype=torch.uint8)
     scales = torch.tensor([[0.5, 0.25]])
-    layer = AffineQuantLinear.from_codes(codes, scales, -8 * scales, 8, 4)
+    layer = AffineQuantLinear.from_codes(codes, scales, 8, 4, zeros=torch.full_like(scales, 8))
     t = ct.write(layer, ct.quantization_config("pack-quantized", group_size=8))
     expected = [sum(int(c) << (4 * j) for j, c in enumerate(row)) for row in codes[0].reshape(2, 8).tolist()]
     expected = [e - 2 ** 32 if e >= 2 ** 31 else e for e in expected]
@@ -53,7 +53,7 @@ def test_asymmetric_zero_points_packed_along_outputs():
     t = ct.write(layer, ct.quantization_config("pack-quantized", group_size=32, symmetric=False))
     zp = t["weight_zero_point"]
     assert zp.dtype == torch.int32 and tuple(zp.shape) == (2, 2)
-    zeros = (-layer.offsets / layer.scales).round().long()
+    zeros = layer.zeros.long()
     for o in range(12):
         for g in range(2):
             assert (int(zp[o // 8, g]) >> (4 * (o % 8))) & 0xF == zeros[o, g]
@@ -71,9 +71,9 @@ def test_pack_quantized_round_trip_ragged(sym):
     assert torch.equal(back.dequantize(), layer.dequantize())
 
 
-def test_symmetric_read_has_offset_minus_eight_scales():
+def test_symmetric_read_has_zero_point_eight():
     layer = _round_trip(_affine(), ct.quantization_config("pack-quantized", group_size=64))
-    assert torch.equal(layer.offsets, -8 * layer.scales)
+    assert bool((layer.zeros == 8).all()) and torch.equal(layer.offsets, -8 * layer.scales)
 
 
 def test_asymmetric_layer_refused_as_symmetric_and_symmetric_fits_asymmetric():
@@ -90,11 +90,13 @@ def test_write_refuses_what_the_format_cannot_hold():
     layer = _affine()
     with pytest.raises(ValueError, match="group"):
         ct.write(layer, ct.quantization_config("pack-quantized", group_size=32))
-    permuted = AffineQuantLinear(layer.packed, layer.scales, layer.offsets, 64, 4, 200, perm=torch.randperm(200))
+    permuted = AffineQuantLinear(layer.packed, layer.scales, 64, 4, zeros=layer.zeros, in_features=200,
+                                 perm=torch.randperm(200))
     with pytest.raises(ValueError, match="act-order"):
         ct.write(permuted, config)
-    fractional = AffineQuantLinear(layer.packed, layer.scales, layer.offsets + 0.3 * layer.scales, 64, 4, 200)
-    with pytest.raises(ValueError, match="zero"):
+    fractional = AffineQuantLinear(layer.packed, layer.scales, 64, 4, offsets=layer.offsets + 0.3 * layer.scales,
+                                   in_features=200)
+    with pytest.raises(ValueError, match="free offsets"):
         ct.write(fractional, ct.quantization_config("pack-quantized", group_size=64, symmetric=False))
     with pytest.raises(ValueError, match="AffineQuantLinear"):
         ct.write(FP8BlockLinear.from_linear(_linear(8, 64)), config)

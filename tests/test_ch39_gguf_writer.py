@@ -50,9 +50,13 @@ def logits(model, seed=0):
 
 
 def with_f16_offsets(model):
-    """What a Q4_1 file holds: the model with each offset rounded to float16."""
-    for layer in quantized_linears(model).values():
-        layer.offsets.copy_(layer.offsets.half().float())
+    """What a Q4_1 file holds: the model with each offset rounded to float16 (a free offset, no longer an integer
+    zero point)."""
+    for name, layer in quantized_linears(model).items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, AffineQuantLinear(
+            layer.packed, layer.scales, layer.group_size, layer.bits, offsets=layer.offsets.half().float(),
+            in_features=layer.in_features, bias=layer.bias))
     return model
 
 
@@ -110,7 +114,7 @@ def test_llama_q_and_k_rows_are_permuted_into_ggml_pairs(tmp_path):
 def _act_order(model):
     affine.quantize(model, bits=4, group_size=32, sym=True)
     layer = model.model.layers[0].mlp.up_proj
-    model.model.layers[0].mlp.up_proj = AffineQuantLinear(layer.packed, layer.scales, layer.offsets, 32, 4,
+    model.model.layers[0].mlp.up_proj = AffineQuantLinear(layer.packed, layer.scales, 32, 4, zeros=layer.zeros,
                                                           perm=torch.randperm(64))
 
 

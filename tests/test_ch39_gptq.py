@@ -268,8 +268,8 @@ def test_v1_zero_point_zero():
     assert weighted_error(layer.dequantize(), w, h) < weighted_error(affine.fake_quantize(w, 4, 32), w, h)
 
     # A layer quantized elsewhere (RTN) with zero-0 groups: the v1 writer re-fits them instead of wrapping.
-    rtn_layer = affine.AffineQuantLinear.from_codes(*affine.quantize_to_affine(w, 4, 32), 32, 4)
-    assert (rtn_layer.offsets == 0).any()
+    rtn_layer = affine.AffineQuantLinear.from_weight(w, 4, 32)
+    assert (rtn_layer.zeros == 0).any()
     with pytest.warns(UserWarning, match="zero point 0"):
         tensors = gptq.CHECKPOINT.write(rtn_layer, qcfg)
     back = gptq.CHECKPOINT.read(tensors, qcfg)
@@ -279,14 +279,18 @@ def test_v1_zero_point_zero():
 
 
 def test_writer_refuses_what_it_cannot_store():
-    layer = affine.AffineQuantLinear.from_codes(torch.zeros(8, 32, dtype=torch.uint8), torch.full((8, 1), 0.1),
-                                                torch.full((8, 1), -0.3), 32, 4)        # zero 2.4: not an integer
-    qcfg = gptq.validate({"quant_method": "gptq", "bits": 4, "group_size": 32})
+    codes, qcfg = torch.zeros(8, 32, dtype=torch.uint8), gptq.validate({"quant_method": "gptq", "group_size": 32})
+    layer = affine.AffineQuantLinear.from_codes(codes, torch.full((8, 1), 0.1), 32, 4, zeros=torch.full((8, 1), 3))
     with pytest.raises(ValueError, match="float16"):
         gptq.CHECKPOINT.write(layer, qcfg)                   # 0.1 is not an f16 value
-    layer.scales.fill_(0.125)
-    with pytest.raises(ValueError, match="integer zero"):
-        gptq.CHECKPOINT.write(layer, qcfg)
+    free = affine.AffineQuantLinear.from_codes(codes, torch.full((8, 1), 0.125), 32, 4,
+                                               offsets=torch.full((8, 1), -0.3))
+    with pytest.raises(ValueError, match=r"free offsets \(a GGUF Q4_1 / K-quant min\), not integer zero points"):
+        gptq.CHECKPOINT.write(free, qcfg)                    # -0.3 / 0.125 = -2.4: no integer zero point
+    with pytest.raises(ValueError, match="either integer zero points .* or free offsets"):
+        affine.AffineQuantLinear.from_codes(codes, torch.full((8, 1), 0.125), 32, 4)
+    with pytest.raises(ValueError, match=r"zero points must be integers in \[0, 15\]"):
+        affine.AffineQuantLinear.from_codes(codes, torch.full((8, 1), 0.125), 32, 4, zeros=torch.full((8, 1), 2.4))
 
 
 def test_reader_validates():
@@ -327,61 +331,3 @@ def test_model_save_load_and_quality(tiny_model, tmp_path, order):
     assert (ours - reference).pow(2).mean() < rtn_error
     layers = [m for m in loaded.modules() if isinstance(m, affine.AffineQuantLinear)]
     assert len(layers) == 14 and all((m.perm is not None) == permuted for m in layers)
-
-
-def _attention_runs(monkeypatch):
-    """A counter of the attention's runs (each call of _attend, one per batch and forward through a layer)."""
-    from engine import qwen3
-    runs, attend = [], qwen3.Attention._attend
-    monkeypatch.setattr(qwen3.Attention, "_attend", lambda self, *a, **k: runs.append(1) or attend(self, *a, **k))
-    return runs
-
-
-def test_true_sequential_walk_computes_the_attention_once_and_the_same_bits(tiny_model, monkeypatch):
-    """GPTQ's four steps and the layer's outputs resume where the step before stopped (the kept context of o_proj,
-    then the residual after attention): the attention runs once per batch and layer, not four times, and every
-    code, scale and output is the one that re-running the whole layer for each step gives."""
-    import copy
-    ids = torch.randint(0, 256, (6, 32), generator=torch.Generator().manual_seed(3))
-    runs = _attention_runs(monkeypatch)
-    resumed = copy.deepcopy(tiny_model)
-    gptq.quantize(resumed, ids, batch_size=2, group_size=32)
-    layers, batches = tiny_model.cfg.num_hidden_layers, 3
-    assert len(runs) == layers * batches
-    runs.clear()
-    monkeypatch.setattr(calibration.LayerCalibration, "_run", lambda self, b, args, watched=(): self.layer(*args))
-    whole = copy.deepcopy(tiny_model)
-    gptq.quantize(whole, ids, batch_size=2, group_size=32)
-    assert len(runs) == 4 * layers * batches
-    a, b = resumed.state_dict(), whole.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_a_kept_part_is_not_used_once_a_module_it_came_from_changes(tiny_model):
-    """A kept context or residual is dropped when a linear before it is replaced, and not used (nor trusted) when a
-    weight before it is edited in place: each capture equals a fresh walk's."""
-    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(4))
-    batches = calibration.first_layer_batches(tiny_model, ids, 2)
-    layer = calibration.LayerCalibration(tiny_model.model.layers[0], 0, batches)
-
-    def fresh_gram(names):
-        return calibration.LayerCalibration(layer.layer, 0, batches).capture(names)[layer.prefix + names[0]].gram
-
-    layer.capture(["mlp.down_proj"])                                 # runs the whole layer: keeps the residual
-    assert all(kept.keys() == {"residual"} for kept in layer.kept)
-    assert torch.equal(layer.capture(["self_attn.q_proj"])["model.layers.0.self_attn.q_proj"].gram,
-                       fresh_gram(["self_attn.q_proj"]))              # watched before the residual: not skipped
-    with torch.no_grad():
-        layer.layer.self_attn.o_proj.weight.mul_(1.5)                # in place: the residual is stale
-    assert torch.equal(layer.capture(["mlp.gate_proj"])["model.layers.0.mlp.gate_proj"].gram,
-                       fresh_gram(["mlp.gate_proj"]))
-    layer.capture(["self_attn.o_proj"])                             # keeps o_proj's input, the context
-    layer.replace(lambda name, linear: torch.nn.Linear(linear.in_features, linear.out_features),
-                  names=["model.layers.0.self_attn.v_proj"])
-    assert all("context" not in kept for kept in layer.kept)
-    assert torch.equal(layer.capture(["self_attn.o_proj"])["model.layers.0.self_attn.o_proj"].gram,
-                       fresh_gram(["self_attn.o_proj"]))
-    outputs = layer.outputs()
-    assert all(kept == {} for kept in layer.kept)
-    with torch.no_grad():
-        assert all(torch.equal(out[0], layer.layer(*args)) for out, args in zip(outputs, batches))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.checkpoints import compressed_tensors as ct
-from engine.formats.affine import AffineQuantLinear, pack_int32, quantize_to_affine
+from engine.formats.affine import AffineQuantLinear, pack_int32
 from engine.formats.base import quantized_linears
 from engine.formats.fp8 import FP8BlockLinear
 from engine.formats.mx import E2M1, MXFP4Linear, NVFP4Linear
@@ -58,7 +58,7 @@ def test_pack_to_int32_bit_for_bit(bits, packed_dim):
 
 
 def test_unpack_from_int32_reads_our_weight_packed():
-    layer = AffineQuantLinear.from_codes(*quantize_to_affine(_weight(20, 72), 4, 32, sym=True), 32, 4)
+    layer = AffineQuantLinear.from_weight(_weight(20, 72), 4, 32, sym=True)
     t = ct.write(layer, ct.quantization_config("pack-quantized", group_size=32))
     assert torch.equal(unpack_from_int32(t["weight_packed"], 4, (20, 72)).int(), layer.codes().int() - 8)
 
@@ -77,7 +77,7 @@ def test_pack_fp4_to_uint8_bit_for_bit(cls):
 def _layer(fmt, sym=True):
     w = _weight(48, 256)
     if fmt == "pack-quantized":
-        return AffineQuantLinear.from_codes(*quantize_to_affine(w, 4, 64, sym=sym), 64, 4)
+        return AffineQuantLinear.from_weight(w, 4, 64, sym=sym)
     linear = nn.Linear(256, 48, bias=False)
     linear.weight.data.copy_(w)
     return {"float-quantized": FP8BlockLinear, "nvfp4-pack-quantized": NVFP4Linear,
@@ -89,7 +89,7 @@ def _their_state(layer, fmt, ours):
     state = {"weight": layer.dequantize()}
     if fmt == "pack-quantized":
         state["weight_scale"] = layer.scales
-        state["weight_zero_point"] = ((-layer.offsets / layer.scales).round() - 8).to(torch.int8)
+        state["weight_zero_point"] = (layer.zeros.float() - 8).to(torch.int8)
     elif fmt == "float-quantized":
         state["weight_scale"] = ours["weight_scale"]
     elif fmt == "nvfp4-pack-quantized":

@@ -130,11 +130,11 @@ def test_pack_awq_bit_identical_to_autoawq():
     from awq.utils.packing_utils import dequantize_gemm
     torch.manual_seed(0)
     w = torch.randn(96, 256) * 0.02                             # AutoAWQ's packer needs out % 32 == 0
-    layer = affine.AffineQuantLinear.from_codes(*affine.quantize_to_affine(w, 4, 64), 64, 4)
+    layer = affine.AffineQuantLinear.from_weight(w, 4, 64)
     ours = awq.to_checkpoint(layer)
     linear = torch.nn.Linear(256, 96, bias=False)
     linear.weight.data = layer.dequantize()
-    zeros = -layer.offsets / layer.scales
+    zeros = layer.zeros.float()
     ref = WQLinear_GEMM.from_linear(linear, 4, 64, scales=layer.scales.T.contiguous(), zeros=zeros.T.contiguous())
     for key in ("qweight", "qzeros", "scales"):
         assert torch.equal(getattr(ref, key), ours[key]), key

@@ -187,7 +187,7 @@ def _read_packed_int(p, weights):
     else:
         _expect("weight_zero_point", p["weight_zero_point"], torch.int32, (-(-out_f // per), groups))
         zeros = unpack_int32(p["weight_zero_point"].T, bits)[:, :out_f].T.float()
-    return AffineQuantLinear.from_codes(codes, scales, -zeros * scales, group_size, bits, bias=p.get("bias"))
+    return AffineQuantLinear.from_codes(codes, scales, group_size, bits, zeros=zeros, bias=p.get("bias"))
 
 
 def _read(p, spec):
@@ -233,10 +233,10 @@ def _write_packed_int(layer, weights):
         raise ValueError("act-order layer (perm): compressed-tensors has no g_idx, store it without act-order")
     if (layer.scales <= 0).any():
         raise ValueError("pack-quantized needs positive scales")
-    # our zero point is offset / -scale; it must be a whole code for the layer to be stored as (q - zp) * scale
-    zeros = (-layer.offsets / layer.scales).round()
-    if not torch.equal(-zeros * layer.scales, layer.offsets) or zeros.min() < 0 or zeros.max() > 2 ** bits - 1:
-        raise ValueError("offsets are not -zero * scale for integer zeros in range: not an integer-zero-point layer")
+    if layer.zeros is None:
+        raise ValueError("this layer's grid has free offsets (a GGUF Q4_1 / K-quant min), not the integer zero "
+                         "points pack-quantized stores")
+    zeros = layer.zeros.float()
     middle = 2 ** (bits - 1)
     codes = torch.nn.functional.pad(layer.codes(), (0, -layer.in_features % per))
     tensors = {"weight_packed": pack_int32(codes, bits), "weight_scale": layer.scales.float(),
@@ -304,7 +304,8 @@ def config_for_model(model):
         kinds = {(type(layer), getattr(layer, "bits", None), getattr(layer, "group_size", None)) for layer in layers}
         if len(kinds) > 1:
             raise ValueError(f"layers differ ({len(kinds)} kinds): mixed precision is not supported")
-        symmetric = all(torch.equal(layer.offsets, -(2 ** (layer.bits - 1)) * layer.scales) for layer in layers)
+        symmetric = all(layer.zeros is not None and bool((layer.zeros == 2 ** (layer.bits - 1)).all())
+                        for layer in layers)
         return quantization_config("pack-quantized", first.bits, first.group_size, symmetric)
     fmt = {FP8BlockLinear: "float-quantized", NVFP4Linear: "nvfp4-pack-quantized",
            MXFP4Linear: "mxfp4-pack-quantized"}.get(type(first))

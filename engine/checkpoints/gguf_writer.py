@@ -104,7 +104,7 @@ def ggml_blocks(layer):
         scales, offsets = layer.scales, layer.offsets
         if not _f16_values(scales) or bool((scales < 0).any()):
             raise ValueError("scales are not non-negative float16 values, which GGML's blocks store")
-        symmetric = torch.equal(offsets, -(2 ** (layer.bits - 1)) * scales)
+        symmetric = layer.zeros is not None and bool((layer.zeros == 2 ** (layer.bits - 1)).all())
         if layer.bits == 4:
             kind = "Q4_0" if symmetric else "Q4_1"
             if kind == "Q4_1" and not bool(torch.isfinite(offsets.half()).all()):

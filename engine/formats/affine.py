@@ -4,11 +4,17 @@ integer layer that RTN, GPTQ and AWQ all load into.
 For a group g of `group_size` consecutive inputs of one output row, with b bits and top = 2^b - 1:
 
     scale = (max(w_g, 0) - min(w_g, 0)) / top        zero = round(-min(w_g, 0) / scale)
-    q     = clamp(round(w / scale) + zero, 0, top)     w_hat = q * scale + offset,  offset = -zero * scale
+    q     = clamp(round(w / scale) + zero, 0, top)     w_hat = (q - zero) * scale
 
 Scales are rounded to float16 when they are chosen, so that what a checkpoint stores (f16) is exactly what was used
-while quantizing. Storage per weight: b bits of code + (16-bit scale + 16-bit offset) / group_size, e.g. 4-bit
-g64 = 4.5 bits.
+while quantizing. Storage per weight: b bits of code + (16-bit scale + 16-bit zero or offset) / group_size, e.g.
+4-bit g64 = 4.5 bits.
+
+Two kinds of grid share one layer. GPTQ, AWQ, compressed-tensors and GGML's Q4_0 / Q8_0 / Q6_K store an integer
+zero point per group (w = (q - zero) * scale); GGML's Q4_1 and the K-quants' mins store a free float offset
+(w = q * scale + offset). AffineQuantLinear keeps whichever it was given, exactly, so a writer of integer zero
+points reads them back as they were (never by dividing an offset by a scale), and a free offset is never forced
+onto an integer grid; both compute as q * scale + offset (offset = -zero * scale).
 
 Codes are packed little-end first: `pack_bits` puts 8 / b codes in a byte (our runtime layout), `pack_int32` puts
 32 / b codes in an int32 word in any nibble order (the GPTQ, AWQ and compressed-tensors checkpoint layouts).
@@ -56,7 +62,7 @@ def grouped(weight, group_size):
 
 
 def quantize_to_affine(weight, bits=4, group_size=64, clip=None, sym=False):
-    """weight [out, in] -> (codes uint8 [out, in], scales [out, groups], offsets [out, groups]).
+    """weight [out, in] -> (codes uint8 [out, in], scales [out, groups], zeros [out, groups]: integers).
 
     clip [out, groups] (optional, from choose_clip) shrinks each group's range before the grid is chosen."""
     out_f, in_f = weight.shape
@@ -66,11 +72,12 @@ def quantize_to_affine(weight, bits=4, group_size=64, clip=None, sym=False):
     scale, zero = scale.reshape(out_f, -1), zero.reshape(out_f, -1)
     q = (g / scale[..., None]).round().add(zero[..., None]).clamp(0, 2 ** bits - 1)
     codes = q.reshape(out_f, -1)[:, :in_f].to(torch.uint8)
-    return codes, scale, -zero * scale
+    return codes, scale, zero
 
 
 def dequantize_affine(codes, scales, offsets, group_size):
-    """codes [out, in] + per-group scales / offsets [out, groups] -> weight [out, in] float32."""
+    """codes [out, in] + per-group scales / offsets [out, groups] -> weight [out, in] float32 (offset = -zero *
+    scale for an integer zero point)."""
     in_f = codes.shape[1]
     s = scales.float().repeat_interleave(group_size, 1)[:, :in_f]
     o = offsets.float().repeat_interleave(group_size, 1)[:, :in_f]
@@ -198,24 +205,37 @@ def unpack_int32(packed, bits=4, order=None):
 # ---- the layer --------------------------------------------------------------------------------------------------
 
 class AffineQuantLinear(QuantLinear):
-    """Packed integer codes with a scale and an offset per group of inputs.
+    """Packed integer codes with a scale and an integer zero point, or a free offset, per group of inputs.
 
-    packed uint8 [out, ceil(in * bits / 8)], scales / offsets [out, groups] -> y = x @ W^T with
-    W[o, i] = q[o, i] * scales[o, i // G] + offsets[o, i // G].
+    packed uint8 [out, ceil(in * bits / 8)], scales [out, groups] and exactly one of
+        zeros   [out, groups], integers in [0, 2^bits - 1]:   W[o, i] = (q[o, i] - zeros[o, g]) * scales[o, g]
+        offsets [out, groups], any finite floats:           W[o, i] = q[o, i] * scales[o, g] + offsets[o, g]
+    with g = i // G -> y = x @ W^T. `zeros` is None for a layer of free offsets; `offsets` (= -zeros * scales for
+    an integer grid) is what the kernels compute with, for both.
 
     perm (optional, int [in]): the columns were stored in the order perm (GPTQ act-order checkpoints sorted by g_idx
     so that groups are contiguous); the layer then multiplies x[:, perm] with the stored weight. dequantize() always
     returns the weight in the original column order.
     """
 
-    def __init__(self, packed, scales, offsets, group_size, bits=4, in_features=None, perm=None, bias=None):
+    def __init__(self, packed, scales, group_size, bits=4, *, zeros=None, offsets=None, in_features=None, perm=None,
+                 bias=None):
         out_f, groups = scales.shape
         in_f = in_features if in_features is not None else packed.shape[1] * (8 // bits)
-        if packed.shape != (out_f, -(-in_f * bits // 8)) or offsets.shape != scales.shape:
+        if (zeros is None) == (offsets is None):
+            raise ValueError("give an affine layer either integer zero points (zeros) or free offsets, not both")
+        grid = zeros if zeros is not None else offsets
+        if packed.shape != (out_f, -(-in_f * bits // 8)) or grid.shape != scales.shape:
             raise ValueError(f"inconsistent shapes: packed {tuple(packed.shape)}, scales {tuple(scales.shape)}, "
-                             f"offsets {tuple(offsets.shape)} for in={in_f}, {bits} bits")
+                             f"{'zeros' if zeros is not None else 'offsets'} {tuple(grid.shape)} for in={in_f}, "
+                             f"{bits} bits")
         if groups != -(-in_f // group_size):
             raise ValueError(f"{groups} scale groups do not fit in_features={in_f} with group_size={group_size}")
+        if zeros is not None:
+            zeros = zeros.float()
+            if not bool(((zeros == zeros.round()) & (zeros >= 0) & (zeros <= 2 ** bits - 1)).all()):
+                raise ValueError(f"zero points must be integers in [0, {2 ** bits - 1}]")
+            offsets = -zeros * scales.float()
         # finite, and so is every weight they decode to: |scale| * (2^bits - 1) + |offset|
         if not torch.isfinite(scales.float().abs() * (2 ** bits - 1) + offsets.float().abs()).all():
             raise ValueError("scales and offsets must be finite, and so must the weights they decode to (a NaN or "
@@ -224,6 +244,7 @@ class AffineQuantLinear(QuantLinear):
         self.group_size, self.bits = group_size, bits
         self.register_buffer("packed", packed.to(torch.uint8).contiguous())
         self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("zeros", None if zeros is None else zeros.to(torch.uint8).contiguous())
         self.register_buffer("offsets", offsets.float().contiguous())
         if perm is not None:
             perm = torch.as_tensor(perm, dtype=torch.long)
@@ -232,14 +253,21 @@ class AffineQuantLinear(QuantLinear):
         self.register_buffer("perm", perm)
 
     @classmethod
-    def from_codes(cls, codes, scales, offsets, group_size, bits=4, perm=None, bias=None):
-        return cls(pack_bits(codes, bits), scales, offsets, group_size, bits, codes.shape[1], perm, bias)
+    def from_codes(cls, codes, scales, group_size, bits=4, *, zeros=None, offsets=None, perm=None, bias=None):
+        """codes [out, in] (0 <= q < 2^bits) -> the layer, packed; grid as in the class docstring."""
+        return cls(pack_bits(codes, bits), scales, group_size, bits, zeros=zeros, offsets=offsets,
+                   in_features=codes.shape[1], perm=perm, bias=bias)
+
+    @classmethod
+    def from_weight(cls, weight, bits=4, group_size=64, sym=False, clip=None, perm=None, bias=None):
+        """Round-to-nearest of a weight [out, in] (clip [out, groups]: optional range shrink from choose_clip)."""
+        codes, scales, zeros = quantize_to_affine(weight.detach(), bits, group_size, clip, sym)
+        return cls.from_codes(codes, scales, group_size, bits, zeros=zeros, perm=perm, bias=bias)
 
     @classmethod
     def from_linear(cls, linear, bits=4, group_size=64, sym=False, clip=None):
-        """Round-to-nearest of an nn.Linear (clip [out, groups]: optional range shrink from choose_clip)."""
-        codes, scales, offsets = quantize_to_affine(linear.weight.detach(), bits, group_size, clip, sym)
-        return cls.from_codes(codes, scales, offsets, group_size, bits, bias=linear.bias)
+        """Round-to-nearest of an nn.Linear."""
+        return cls.from_weight(linear.weight, bits, group_size, sym, clip, bias=linear.bias)
 
     def codes(self):
         """The stored codes [out, in] (in stored column order)."""
@@ -262,22 +290,19 @@ class AffineQuantLinear(QuantLinear):
 
 
 def affine_parts(layer):
-    """AffineQuantLinear -> (codes [out, in] in ORIGINAL column order, scales, zeros [out, groups], g_idx [in]).
-
-    Zero points are recovered from offsets = -zero * scale, which is exact for layers built here (f16 scales times
-    small integers are exact in float32); a layer whose offsets are not such multiples, or whose scales are not
-    float16 values, cannot be written to an integer-zero f16 checkpoint without changing it, so it is refused."""
+    """AffineQuantLinear -> (codes [out, in] in ORIGINAL column order, scales, zeros [out, groups], g_idx [in]): what
+    an integer-zero-point checkpoint (GPTQ, AWQ, compressed-tensors) stores. A layer of free offsets has no integer
+    zero points, and a layer whose scales are not float16 values would change in an f16 file: both are refused."""
     if not isinstance(layer, AffineQuantLinear):
         raise TypeError(f"expected an AffineQuantLinear, got {type(layer).__name__}")
+    if layer.zeros is None:
+        raise ValueError("this layer's grid has free offsets (a GGUF Q4_1 / K-quant min), not integer zero points: "
+                         "GPTQ, AWQ and compressed-tensors files cannot store it exactly")
     scales = layer.scales
     if not torch.equal(scales.half().float(), scales):
         raise ValueError("scales are not float16 values; writing them as f16 would change the model")
-    zeros = -layer.offsets / scales
-    if (zeros - zeros.round()).abs().max() > 1e-3 or zeros.min() < 0 or zeros.max() > 2 ** layer.bits - 1:
-        raise ValueError("offsets are not -zero * scale with integer zero points")
-    zeros = zeros.round()
     group_of_stored = torch.arange(layer.in_features) // layer.group_size
-    codes = layer.codes()
+    codes, zeros = layer.codes(), layer.zeros.float()
     if layer.perm is None:
         return codes, scales, zeros, group_of_stored.to(torch.int32)
     inverse = torch.argsort(layer.perm)

@@ -151,7 +151,7 @@ def to_checkpoint(layer):
 
 
 def from_checkpoint(qweight, qzeros, scales, group_size, bias=None):
-    """AutoAWQ GEMM tensors -> AffineQuantLinear (offsets = -zeros * scales)."""
+    """AutoAWQ GEMM tensors -> AffineQuantLinear (its integer zero points as stored)."""
     if any(t.dtype != torch.int32 or t.dim() != 2 for t in (qweight, qzeros)):
         raise ValueError("AWQ qweight / qzeros must be 2-D int32")
     in_f, out_f = qweight.shape[0], qweight.shape[1] * 8
@@ -165,7 +165,7 @@ def from_checkpoint(qweight, qzeros, scales, group_size, bias=None):
     codes = unpack_awq(qweight).T                                               # [out, in]
     zeros = unpack_awq(qzeros).T.float()                                        # [out, groups]
     s = scales.T.float()
-    return AffineQuantLinear.from_codes(codes, s, -zeros * s, group_size, 4, bias=bias)
+    return AffineQuantLinear.from_codes(codes, s, group_size, 4, zeros=zeros, bias=bias)
 
 
 # ---- the registry entry -----------------------------------------------------------------------------------------

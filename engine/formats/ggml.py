@@ -144,10 +144,11 @@ def _q6_k(b):
     return codes, scale, -32 * scale
 
 
-# name -> (decoder, group size, bits the codes are packed with)
-AFFINE = {"Q4_0": (_q4_0, 32, 4), "Q4_1": (_q4_1, 32, 4), "Q5_0": (_q5_0, 32, 8), "Q5_1": (_q5_1, 32, 8),
-          "Q8_0": (_q8_0, 32, 8), "Q2_K": (_q2_k, 16, 2), "Q3_K": (_q3_k, 16, 4), "Q4_K": (_q4_k, 32, 4),
-          "Q5_K": (_q5_k, 32, 8), "Q6_K": (_q6_k, 16, 8)}
+# name -> (decoder, group size, bits the codes are packed with, the integer zero point; None: a free offset)
+AFFINE = {"Q4_0": (_q4_0, 32, 4, 8), "Q4_1": (_q4_1, 32, 4, None), "Q5_0": (_q5_0, 32, 8, 16),
+          "Q5_1": (_q5_1, 32, 8, None), "Q8_0": (_q8_0, 32, 8, 128), "Q2_K": (_q2_k, 16, 2, None),
+          "Q3_K": (_q3_k, 16, 4, 4), "Q4_K": (_q4_k, 32, 4, None), "Q5_K": (_q5_k, 32, 8, None),
+          "Q6_K": (_q6_k, 16, 8, 32)}
 DECODED = (*DENSE, *AFFINE, "MXFP4", "NVFP4")
 
 
@@ -173,7 +174,7 @@ def dequantize(raw, type_name, shape):
     if type_name == "NVFP4":
         codes = _fields(blocks[:, 4:], 4, 8).long().reshape(-1, 4, 16)
         return (E2M1[codes] * _nvfp4_scales(blocks).float()[..., None]).reshape(shape)
-    decode, group, _ = AFFINE[type_name]
+    decode, group, _, _ = AFFINE[type_name]
     codes, scale, offset = decode(blocks)
     w = codes.float().reshape(len(blocks), -1, group) * scale[..., None] + offset[..., None]
     return w.reshape(shape)
@@ -196,10 +197,11 @@ def quantized_linear(raw, type_name, shape, bias=None, tensor_scale=None):
     if type_name == "MXFP4":
         codes = _fields(blocks[:, 1:], 4, 16)                # split layout -> element order -> interleaved
         return MXFP4Linear(pack_nibbles(codes).reshape(out_f, -1, 16), blocks[:, 0].reshape(out_f, -1), bias)
-    decode, group, bits = AFFINE[type_name]
+    decode, group, bits, zero = AFFINE[type_name]
     codes, scale, offset = decode(blocks)
-    return AffineQuantLinear.from_codes(codes.reshape(out_f, in_f), scale.reshape(out_f, -1),
-                                        offset.reshape(out_f, -1), group, bits, bias=bias)
+    scale = scale.reshape(out_f, -1)
+    grid = {"zeros": torch.full_like(scale, zero)} if zero is not None else {"offsets": offset.reshape(out_f, -1)}
+    return AffineQuantLinear.from_codes(codes.reshape(out_f, in_f), scale, group, bits, bias=bias, **grid)
 
 
 # ---- the writer's side: engine codes -> GGML blocks --------------------------------------------------------------

@@ -299,7 +299,7 @@ def to_runtime(codes, scales, zeros, g_idx, group_size, bits=4, bias=None):
     """GPTQ tensors (original column order + g_idx) -> AffineQuantLinear.
 
     Columns are sorted by g_idx once so that each group is contiguous; the layer then applies x[:, perm]. Without
-    act-order g_idx is already sorted and no permutation is stored. offsets = -zeros * scales."""
+    act-order g_idx is already sorted and no permutation is stored."""
     out_f, in_f = codes.shape
     groups = scales.shape[1]
     g = g_idx.long()
@@ -316,8 +316,7 @@ def to_runtime(codes, scales, zeros, g_idx, group_size, bits=4, bias=None):
         perm = None
     stored = codes if perm is None else codes[:, perm]
     scales = scales.float()
-    return AffineQuantLinear.from_codes(stored, scales, -zeros.float() * scales, group_size, bits, perm=perm,
-                                        bias=bias)
+    return AffineQuantLinear.from_codes(stored, scales, group_size, bits, zeros=zeros, perm=perm, bias=bias)
 
 
 # ---- whole model ------------------------------------------------------------------------------------------------
