@@ -17,20 +17,15 @@ its quantized linears (GPTQ: later layers correct the error of earlier ones) or,
 the float layer (AWQ and BlockLDLQ, as AutoAWQ does). The work is one pass of one layer per step, so it grows
 linearly with depth, not as layers^2 as re-running the model from the embedding for every step would.
 
-Within a layer, a step's run resumes where the step before it stopped, when the modules in between are unchanged:
-o_proj's input (the attention's context) is kept from the run that reached it, and the residual after attention
-from the run that made it, so GPTQ's four steps and the outputs compute each part of the layer once, not the
-attention four times and gate/up twice. A kept tensor is valid while the modules it came from are the same objects
-with the same tensors, none edited in place (torch counts a tensor's in-place edits in its _version); at most one
-is kept per batch (the residual replaces the context), one activation buffer of the calibration set beside the
-layer's inputs.
+Within a layer, a step's run may resume where the step before stopped instead of starting from the layer's input
+(the attention computed once, not once per GPTQ step): engine/formats/layer_runs.py, a speed-up with the same
+results, kept apart so that this file reads as the walk itself.
 """
-import weakref
-
 import torch
 from tqdm import tqdm
 
 from .base import QuantLinear, linear_names, replace_linears
+from .layer_runs import ResumingRuns
 
 # The linears of a decoder layer, in forward order, grouped into the steps whose members read the same input.
 SEQUENTIAL_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
@@ -125,26 +120,6 @@ def capture(modules, batches, run):
     return stats
 
 
-class _Kept:
-    """A tensor a run computed and the modules it came from, by weak reference (a replaced module is not kept
-    alive by it): valid(modules) while they are the same objects holding the same, unedited tensors."""
-
-    def __init__(self, value, modules):
-        self.value, self.key = value, [(weakref.ref(t), _version(t)) for t in _state(modules)]
-
-    def valid(self, modules):
-        state = _state(modules)
-        return len(state) == len(self.key) and all(r() is t and v == _version(t) for (r, v), t in zip(self.key, state))
-
-
-def _state(modules):
-    return [t for m in modules for t in (m, *m.parameters(), *m.buffers())]
-
-
-def _version(t):
-    return (t._version, t.data_ptr()) if torch.is_tensor(t) else None
-
-
 class LayerCalibration:
     """Decoder layer `index` of a model and the calibration batches that reach it: each batch is the tuple of
     arguments the model passes the layer (hidden states [b, T, hidden] first, then the RoPE tables); batches is
@@ -153,54 +128,19 @@ class LayerCalibration:
     def __init__(self, layer, index, batches=None, method="this method", prefix=None):
         self.layer, self.index, self.batches, self.method = layer, index, batches, method
         self.prefix = f"model.layers.{index}." if prefix is None else prefix
-        self.kept = [{} for _ in batches or ()]          # per batch: "context" or "residual" -> _Kept (docstring)
+        self.runs = ResumingRuns(layer, len(batches or ()))
 
     def replace(self, make, names=None):
         """Replace the layer's linears (all, or the full names in `names`) by make(full name, linear), in place."""
         names = None if names is None else {n.removeprefix(self.prefix) for n in names}
         replaced = replace_linears(self.layer, lambda name, linear: make(self.prefix + name, linear), names)
-        for kept in self.kept:                          # what the replaced linears made is freed now
-            for part in [p for p, k in kept.items() if not k.valid(self._sources(p))]:
-                del kept[part]
+        self.runs.drop_stale()                          # what the replaced linears made is freed now
         return replaced
 
-    def _sources(self, part):
-        """The modules a kept part is computed from: the attention's context from the input norm and everything of
-        the attention but o_proj; the residual after it from those and o_proj."""
-        attn = self.layer.self_attn
-        before = [self.layer.input_layernorm, *(m for name, m in attn.named_children() if name != "o_proj")]
-        return before if part == "context" else [*before, attn.o_proj]
-
     def _run(self, b, args, watched=()):
-        """What self.layer(*args) returns for batch b, resumed from its kept context or residual where they are
-        valid and no watched module lies before them; a run that computes them keeps them."""
-        layer, kept = self.layer, self.kept[b] if self.kept else None
-        resumable = (kept is not None and hasattr(layer, "attention_residual") and len(args) in (3, 4)
-                     and (len(args) == 3 or args[3] is None)                                # no KV cache
-                     and not layer._forward_pre_hooks and not layer._forward_hooks       # e.g. EntQuant's decoder
-                     and layer.self_attn.kv_transform is None and layer.self_attn.kv_window is None)
-        if not resumable:
-            return layer(*args)
-        attn_modules = {id(m) for m in layer.input_layernorm.modules()} | {id(m) for m in layer.self_attn.modules()}
-        inside = {id(m) for m in watched} & attn_modules
-        residual = kept.get("residual")
-        if not inside and residual is not None and residual.valid(self._sources("residual")):
-            return layer.mlp_residual(residual.value)
-        context = kept.get("context")
-        o_proj = layer.self_attn.o_proj
-        if not inside - {id(o_proj)} and context is not None and context.valid(self._sources("context")):
-            h = layer.attention_residual(*args[:3], context=context.value)    # o_proj's hooks see the kept input
-        else:
-            def keep(module, inputs):
-                kept["context"] = _Kept(inputs[0], self._sources("context"))
-            handle = o_proj.register_forward_pre_hook(keep, prepend=True)     # before a capture hook stops the run
-            try:
-                h = layer.attention_residual(*args[:3])
-            finally:
-                handle.remove()
-        kept["residual"] = _Kept(h, self._sources("residual"))
-        kept.pop("context", None)
-        return layer.mlp_residual(h)
+        """What self.layer(*args) returns for batch b (resumed where an earlier run of the batch stopped, when that
+        gives the same result: ResumingRuns); `watched`: the modules whose inputs the caller captures."""
+        return self.runs.run(b, args, watched)
 
     def linears(self, names=None):
         """{full name: module} of the layer's linears (`names`: relative names such as "self_attn.q_proj"; all of
@@ -236,8 +176,7 @@ class LayerCalibration:
         outputs = []
         for b, args in enumerate(self.batches):
             outputs.append((self._run(b, args), *args[1:]))
-            if self.kept:
-                self.kept[b] = {}
+            self.runs.forget(b)
         return outputs
 
 
