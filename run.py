@@ -35,7 +35,7 @@ from engine.checkpoints.registry import METHODS, load_model, load_quantized, sav
 from engine.checkpoints.safe_writes import check_output
 from engine.checkpoints.serving import check_target, export_gguf, tp_degrees, vllm_serve_command
 from engine.checkpoints.streaming import quantize_checkpoint
-from engine.checkpoints.tokenizers import encode, export_tokenizer, load_tokenizer, token_bytes
+from engine.checkpoints.tokenizer import encode, export_tokenizer, load_tokenizer, token_bytes
 from engine.data import Corpus, load_corpus
 from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats, markdown_table, perplexity
 from engine.formats.base import impl, quantized_linears

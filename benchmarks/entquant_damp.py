@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoints.gguf import smollm2_path
 from engine.checkpoints.registry import load_model
-from engine.checkpoints.tokenizers import load_tokenizer
+from engine.checkpoints.tokenizer import load_tokenizer
 from engine.data import Corpus, load_corpus
 from engine.evaluation import ReferenceLogits, compare_models
 from engine.formats import entropy

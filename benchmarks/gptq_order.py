@@ -138,7 +138,7 @@ def tiny_layers():
 
 def smollm2_layers(layers):
     from engine.data import Corpus, load_corpus
-    from engine.checkpoints.tokenizers import load_tokenizer
+    from engine.checkpoints.tokenizer import load_tokenizer
     from engine.checkpoints.registry import load_model
     from engine.checkpoints.gguf import smollm2_path
     path = smollm2_path()

@@ -119,7 +119,7 @@ def checkpoint(name):
 def model_view(source, work):
     """WORK/model: hard links to the source's config and weights (a copy where links cannot be made) plus a byte-level
     tokenizer with a pad token (GPTQModel's tokenizer check wants one). Every tool reads this same folder."""
-    from engine.checkpoints.tokenizers import BYTE_CHARS, byte_tokenizer, write_tokenizer_files
+    from engine.checkpoints.tokenizer import BYTE_CHARS, byte_tokenizer, write_tokenizer_files
     view = work / "model"
     if view.exists():
         shutil.rmtree(view)

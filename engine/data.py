@@ -1,7 +1,7 @@
 """Text -> token ids: the byte corpus and real tokenizers, split into training and held-out parts.
 
 The tiny model reads bytes (vocabulary 256, id = byte value); real models bring their own tokenizer
-(engine/checkpoints/tokenizers.py).
+(engine/checkpoints/tokenizer.py).
 
 The built-in default text needs no download: the English reference text that ships with Python itself
 (`pydoc_data.topics`, the language reference's topic pages, ~460 KB). `--text PATH` reads any file instead (the book
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints.tokenizers import bos_id, encode, is_byte_tokenizer
+from .checkpoints.tokenizer import bos_id, encode, is_byte_tokenizer
 
 
 def default_corpus() -> bytes:

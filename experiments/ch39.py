@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoints.registry import load_model  # noqa: E402
-from engine.checkpoints.tokenizers import load_tokenizer  # noqa: E402
+from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, markdown_table  # noqa: E402
 from engine.formats import affine, awq, calibration, gptq, mx  # noqa: E402

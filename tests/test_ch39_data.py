@@ -4,7 +4,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from engine.checkpoints.tokenizers import byte_tokenizer
+from engine.checkpoints.tokenizer import byte_tokenizer
 from engine.data import Corpus, default_corpus, load_corpus
 
 

@@ -10,7 +10,7 @@ import torch
 
 from engine.checkpoints.loaders import save_dense
 from engine.checkpoints.safetensors_io import save_file
-from engine.checkpoints.tokenizers import byte_tokenizer, write_tokenizer_files
+from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from engine.checkpoints.safetensors_io import write_json
-from engine.checkpoints.tokenizers import (BYTE_CHARS, bos_id, byte_tokenizer, copy_tokenizer_files, encode,
+from engine.checkpoints.tokenizer import (BYTE_CHARS, bos_id, byte_tokenizer, copy_tokenizer_files, encode,
                                            export_tokenizer, is_byte_tokenizer, load_tokenizer, token_bytes,
                                            write_tokenizer_files)
 from engine.data import Corpus

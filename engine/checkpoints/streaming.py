@@ -37,7 +37,7 @@ from .registry import METHODS, config_digest
 from .safe_writes import check_output, commit_directory, recover_interrupted_swap, resumable_directory
 from .safetensors_io import (INDEX, TensorReader, save_file, float_digest, tensor_digest, tensor_specs,
                               write_json)
-from .tokenizers import export_tokenizer
+from .tokenizer import export_tokenizer
 
 PROGRESS = "progress.json"
 try:

@@ -1,1 +1,2 @@
-"""One file per quantization format; `checkpoints.py` is the registry that reads and writes them."""
+"""The book's quantization methods, one file each, and the numerics they share (base, affine, obq, calibration,
+minifloats, hadamard, ggml); engine/checkpoints/ reads and writes them."""
