@@ -399,8 +399,10 @@ def _read(parts, qcfg):
         if tuple(parts[k].shape) != shape:
             raise ValueError(f"GPTQ {k} has shape {tuple(parts[k].shape)}, expected {shape} for qweight "
                              f"{tuple(qweight.shape)}, group_size {group_size}")
-    if not bool((scale_tensor(scales, "GPTQ scales").float() >= 0).all()):
-        raise ValueError("GPTQ scales must be non-negative and finite")
+    # A negative scale is a real tool's grid (AutoRound's symmetric one puts the largest-magnitude weight, negative,
+    # on code 0), so only NaN / infinity is refused.
+    if not bool(torch.isfinite(scale_tensor(scales, "GPTQ scales").float()).all()):
+        raise ValueError("GPTQ scales must be finite")
     codes, scales, zeros, g_idx = unpack_gptq(qweight, qzeros, scales, g_idx, bits, fmt)
     return to_runtime(codes, scales, zeros, g_idx, group_size, bits, parts.get("bias"))
 
