@@ -540,7 +540,12 @@ def cmd_generate(args):
     with impl(args.impl), decoded_weights(model, progress=lambda it: bar(it, desc="decoding weights",
                                                                             unit="layer", leave=False)) as kept:
         decoded = time.time()
-        model.generate(ids, args.max_new_tokens, args.temperature, generator, on_token=show)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)        # one token's matmuls are too small to split: threads only add waiting
+        try:                            # (on a loaded 2-core machine, 10x slower with two)
+            model.generate(ids, args.max_new_tokens, args.temperature, generator, on_token=show)
+        finally:
+            torch.set_num_threads(threads)
     sys.stdout.buffer.write(b"\n")
     sys.stdout.buffer.flush()
     done = time.time()

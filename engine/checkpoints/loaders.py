@@ -30,10 +30,22 @@ def read_config(directory):
     return read_json(directory, "config.json")
 
 
+INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "zeros_")
+
+
 def skeleton(cfg):
-    """The model on the meta device: every parameter's shape, no memory, no initialisation."""
-    with torch.device("meta"):
-        return Qwen3(cfg)
+    """The model on the meta device: every parameter's shape, no memory, no initialisation (the init functions are
+    skipped while it is built: on meta tensors they compute nothing, but the first call imports torch's compiler,
+    seconds of a model load)."""
+    saved = {name: getattr(nn.init, name) for name in INIT_FUNCTIONS}
+    try:
+        for name in INIT_FUNCTIONS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            return Qwen3(cfg)
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
 
 
 def check_layer_count(cfg, specs, directory):
