@@ -98,12 +98,14 @@ def _is_byte_model(folder):
     return (Path(folder) / "config.json").exists() and read_json(folder, "config.json").get("vocab_size") == 256
 
 
-def check_vocabulary(tok, vocab_size, where):
+def check_vocabulary(tok, vocab_size, where, declared=None):
     """Every id tok can produce (its vocabulary and added tokens) must be a row of the model's embedding: an id past
-    vocab_size would be an IndexError in the first forward pass, so it is refused when the tokenizer loads."""
+    vocab_size would be an IndexError in the first forward pass, so it is refused when the tokenizer loads.
+    declared: {token: id} as tokenizer.json states its added tokens (the library renumbers an id it finds out of
+    place; the file's own number is the one to name)."""
     if type(vocab_size) is not int:
         return tok
-    ids = tok.get_vocab(with_added_tokens=True)
+    ids = {**tok.get_vocab(with_added_tokens=True), **(declared or {})}
     name, top = max(ids.items(), key=lambda item: item[1], default=(None, -1))
     if top >= vocab_size:
         raise ValueError(f"{where}: token {name!r} has id {top}, beyond the model's vocabulary of {vocab_size} "
@@ -122,7 +124,10 @@ def load_tokenizer(path=None):
         if (path / "tokenizer.json").exists() or (path / "tokenizer.json").is_symlink():
             tok = _from_json_file(checked_file(path, "tokenizer.json", MAX_JSON_BYTES), path / "tokenizer.json")
             vocab = read_json(path, "config.json").get("vocab_size") if (path / "config.json").exists() else None
-            return check_vocabulary(tok, vocab, path / "tokenizer.json")
+            added = read_json(path, "tokenizer.json").get("added_tokens")
+            declared = {t["content"]: t["id"] for t in added if isinstance(t, dict) and type(t.get("id")) is int
+                        and isinstance(t.get("content"), str)} if isinstance(added, list) else {}
+            return check_vocabulary(tok, vocab, path / "tokenizer.json", declared)
         if _is_byte_model(path):
             return byte_tokenizer()
         raise ValueError(f"no tokenizer.json in {path} (a SentencePiece-only tokenizer.model is not read)")
