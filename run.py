@@ -50,6 +50,7 @@ GPTQ_ORDERS = {
 TARGETS = ("vllm", "transformers", "llama.cpp", "onnx")
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)    # what GPTQModel's QuantizeConfig accepts
 BPW_RANGE = (1.5, 6.0)                                  # EntQuant's lambda search, from the shipped table
+SMALL_MODEL = 2 << 30                                   # bytes on disk: generate runs a smaller model on one thread
 
 
 def log(msg):
@@ -510,12 +511,19 @@ def cmd_generate(args):
     if args.model is not None:
         check_model_path(args.model)
     import torch
-    from engine.checkpoints.tokenizer import encode, load_tokenizer, token_bytes
+    from engine.checkpoints.tokenizer import encode, load_tokenizer
     from engine.formats.base import decoded_weights, impl
     started = time.time()
+    # A small model's ops (and at batch 1 any model's steps are small) are too small to share between threads:
+    # they only wait on each other, 4-10x slower on a loaded 2-core machine (measured); a big model's weights need
+    # every core's memory bandwidth. Small: under SMALL_MODEL bytes on disk.
+    threads = torch.get_num_threads()
+    if args.model is not None and model_bytes(args.model) < SMALL_MODEL:
+        torch.set_num_threads(1)
     if args.model is None:
-        _, model = tiny_setup(args)
+        _, model = tiny_setup(args)                       # (training, when not cached, on every thread)
         tokenizer = load_tokenizer(None)                  # bytes
+        torch.set_num_threads(1)
     else:
         from engine.checkpoints.registry import load_model
         tokenizer = load_tokenizer(args.model)
@@ -537,15 +545,13 @@ def cmd_generate(args):
         sys.stdout.buffer.flush()
         state["shown"] = len(text)
 
-    with impl(args.impl), decoded_weights(model, progress=lambda it: bar(it, desc="decoding weights",
-                                                                            unit="layer", leave=False)) as kept:
-        decoded = time.time()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)        # one token's matmuls are too small to split: threads only add waiting
-        try:                            # (on a loaded 2-core machine, 10x slower with two)
+    try:
+        with impl(args.impl), decoded_weights(model, progress=lambda it: bar(it, desc="decoding weights",
+                                                                                unit="layer", leave=False)) as kept:
+            decoded = time.time()
             model.generate(ids, args.max_new_tokens, args.temperature, generator, on_token=show)
-        finally:
-            torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
     sys.stdout.buffer.write(b"\n")
     sys.stdout.buffer.flush()
     done = time.time()
@@ -553,6 +559,11 @@ def cmd_generate(args):
     log(f"load {loaded - started:.1f} s, " + (f"decode weights {decoded - loaded:.1f} s, " if kept else "")
         + f"first token {state['first'] - decoded:.2f} s after that, {n} tokens in {done - decoded:.1f} s "
         f"({n / max(done - decoded, 1e-9):.1f} tokens/s)")
+
+
+def model_bytes(path):
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
 def spell(tokenizer, ids):

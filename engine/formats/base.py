@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 IMPLS = ("torch", "engine")
 _impl = "torch"
@@ -163,9 +164,9 @@ def replace_linears(model, make_layer, names=None):
     (tied) lm_head stay dense.
     """
     replaced = {}
-    for name in linear_names(model):
-        if names is not None and name not in names:
-            continue
+    chosen = [name for name in linear_names(model) if names is None or name in names]
+    # a bar only where it takes long (delay) and only on a terminal (disable=None): trellis and lattice rows
+    for name in tqdm(chosen, desc="linears", unit="linear", leave=False, delay=2, disable=None):
         linear = model.get_submodule(name)
         layer = make_layer(name, linear)
         parent, _, child = name.rpartition(".")
