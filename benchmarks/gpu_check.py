@@ -339,10 +339,10 @@ def check_decoders(report, torch, device, timer):
 def quantformats(torch, impl, device, rows):
     """run.py quantformats --impl IMPL for these rows, its evaluation on `device`: {label: raw KL stats}."""
     import run
-    from engine import evaluation
+    from engine import evaluation, quantformats
     from engine.formats.base import impl as use_impl
     recorded = []
-    evaluate, kl_stats = run.evaluate, evaluation.kl_stats
+    evaluate, kl_stats = quantformats.evaluate, quantformats.kl_stats
 
     def on_device(model, windows, impl_name):
         with use_impl(impl_name):
@@ -351,12 +351,12 @@ def quantformats(torch, impl, device, rows):
     def keep(ref, logits):
         recorded.append(kl_stats(ref, logits))
         return recorded[-1]
-    run.evaluate, evaluation.kl_stats = on_device, keep          # run.py imports kl_stats when the command runs
+    quantformats.evaluate, quantformats.kl_stats = on_device, keep
     try:
         with contextlib.redirect_stdout(io.StringIO()) as out:
             run.main(["quantformats", "--impl", impl, "--steps", str(ARGS.table_steps), "--rows", *rows])
     finally:
-        run.evaluate, evaluation.kl_stats = evaluate, kl_stats
+        quantformats.evaluate, quantformats.kl_stats = evaluate, kl_stats
     labels = [json.loads(line)["format"] for line in out.getvalue().splitlines() if line.startswith("{")][1:]
     return dict(zip(labels, recorded))
 

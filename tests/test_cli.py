@@ -150,14 +150,15 @@ def test_the_default_table_is_the_books_then_the_seeds():
 def test_rows_show_progress_and_an_interrupted_table_keeps_what_it_has(capsys, monkeypatch):
     """'row k of N' with an ETA before each row; Ctrl-C during the second row prints the markdown table of the
     first, one line saying so, and exits 130 without a traceback."""
+    from engine import quantformats
     run_cli = cli()
-    real = run_cli.quantize_row
+    real = quantformats.quantize_row
 
     def second_row_interrupted(row, model, calibration):
         if "int2" in row.label:
             raise KeyboardInterrupt
         return real(row, model, calibration)
-    monkeypatch.setattr(run_cli, "quantize_row", second_row_interrupted)
+    monkeypatch.setattr(quantformats, "quantize_row", second_row_interrupted)
     with pytest.raises(SystemExit) as exit_info:
         run_cli.main(["quantformats", "--steps", "2", "--rows", "RTN int4, g64", "RTN int2"])
     out, err = capsys.readouterr()
@@ -169,8 +170,9 @@ def test_rows_show_progress_and_an_interrupted_table_keeps_what_it_has(capsys, m
 
 
 def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, capsys, monkeypatch):
+    from engine import cli as commands
     run_cli = cli()
-    monkeypatch.setattr(run_cli, "cmd_quantize", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(commands, "cmd_quantize", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(SystemExit) as exit_info:
         run_cli.main(["quantize", "--model", str(tmp_path), "--method", "fp8", "--out", str(tmp_path / "out")])
     lines = capsys.readouterr().err.strip().splitlines()
