@@ -105,9 +105,9 @@ def cmd_quantformats(args):
     if args.model is not None:
         check_model_path(args.model)
         check_text(args.calib, "--calib")
-        from engine import quantformats
-        return quantformats.real_table(args, selected)
     from engine import quantformats
+    if args.model is not None:
+        return quantformats.real_table(args, selected)
     quantformats.tiny_table(args, selected, book, len(rows))
 
 

@@ -51,10 +51,6 @@ class RowProgress:
         log(f"row {k + 1} of {len(self.rows)}: {self.rows[k].label} (elapsed {clock(elapsed)}{eta})")
 
 
-def reference_copy(model):
-    return copy.deepcopy(model)
-
-
 def tiny_table(args, selected, book, n_all):
     """The table on the tiny byte model: KL per held-out byte against the trained model, one JSON line per row as it
     finishes, then the markdown table (also when interrupted: the rows finished so far)."""
@@ -75,7 +71,7 @@ def tiny_table(args, selected, book, n_all):
         for k, row in enumerate(selected):
             progress.begin(k)
             start = time.time()
-            model = reference_copy(reference)
+            model = copy.deepcopy(reference)
             kv = quantize_row(row, model, calibration)
             stats = kl_stats(ref_logits, evaluate(model, windows, args.impl))
             bits = kv.report()["total_bps"] if row.kv_cache else model_bits(model)
@@ -112,7 +108,7 @@ def real_table(args, selected):
             progress.begin(k)
             with tables.MemoryWatch() as memory:
                 start = time.time()
-                model = reference_copy(reference)
+                model = copy.deepcopy(reference)
                 try:
                     kv = quantize_row(row, model, calibration)
                 except ValueError as e:             # this model's shapes do not fit the format: say so, go on
