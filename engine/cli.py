@@ -325,8 +325,8 @@ def eval_real(args):
     log(f"loading {q_path} ...")
     quantized = load_model(q_path)
     bits = model_bits(quantized)
-    from engine.formats.base import decoded_weights
-    with decoded_weights(quantized):
+    from engine.formats.base import decoded_weights, impl
+    with impl(args.impl), decoded_weights(quantized):
         stats = compare_models(reference, quantized, chunks, impl=args.impl,
                                progress=lambda it: bar(it, desc="evaluating", unit="chunk"))
     result = {"reference": str(ref_path), "quantized": str(q_path), "bits": bits and round(bits, 3), **stats}

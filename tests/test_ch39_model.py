@@ -195,3 +195,11 @@ def test_decoded_weights_are_reused_and_redone_when_the_layer_changes(tiny_model
         assert calls == [1, 1, 1]
         with decoded_weights(tiny_model, max_bytes=0) as kept:     # too big for the budget: nothing kept
             assert not kept and torch.equal(tiny_model(ids), changed)
+
+
+def test_decoded_weights_keep_nothing_under_the_engine_implementation(tiny_model):
+    from engine.formats import affine
+    from engine.formats.base import decoded_weights, impl
+    affine.quantize(tiny_model, bits=4, group_size=32)
+    with impl("engine"), decoded_weights(tiny_model) as kept:
+        assert not kept

@@ -128,14 +128,15 @@ def available_memory():
 def decoded_weights(model, max_bytes=None, progress=None):
     """`with decoded_weights(model) as kept:` every quantized layer of the model decodes its weight once (now, one
     layer after another: progress, e.g. tqdm, wraps that loop) and its torch path reuses it until the block ends.
-    Only when the float32 copies fit in max_bytes (default: half the memory available now); `kept` says whether
-    they were made. The engine path (Triton kernels) is unchanged: it decodes inside the kernel."""
+    Only under the torch implementation (the engine's kernels decode inside the kernel: nothing to keep; enter this
+    inside `impl(...)`) and when the float32 copies fit in max_bytes (default: half the memory available now);
+    `kept` says whether they were made."""
     layers = list(quantized_linears(model).values())
     need = sum(4 * m.in_features * m.out_features for m in layers)
     if max_bytes is None:
         available = available_memory()
         max_bytes = float("inf") if available is None else available // 2
-    kept = bool(layers) and need <= max_bytes
+    kept = bool(layers) and need <= max_bytes and get_impl() == "torch"
     try:
         if kept:
             for layer in progress(layers) if progress else layers:
