@@ -119,6 +119,8 @@ class Worker:
         except Exception as e:                          # noqa: BLE001
             raise FuzzerError(f"the mutation itself failed: {first_line(e)}") from e
         model = load(target, folder)
+        if case["category"] == "tokenizer":
+            return tokenizer_case(model, folder), where
         logits = forward(model)
         if not torch.isfinite(logits).all():
             return ("non-finite" if not weights_finite(model) else "overflow"), where
@@ -130,6 +132,16 @@ class Worker:
         same, where = (corrupt_rans(self.streams[kind], case["op"], rng) if kind == "rans"
                        else corrupt_layer(kind, self.streams[kind], case["op"], rng))
         return ("ok-identical" if same else "silent-different"), where
+
+
+def tokenizer_case(model, folder):
+    """A folder whose tokenizer.json has an added token beyond the vocabulary: its tokenizer loads (ValueError
+    expected) and a prompt holding that token runs through the model, as `run.py generate` would."""
+    from engine.checkpoints.tokenizer import encode, load_tokenizer
+    ids = encode(load_tokenizer(folder), "The <|fuzz|> is")[None]
+    with torch.no_grad():
+        logits = model(ids)
+    return "ok-identical" if torch.isfinite(logits).all() else "overflow"
 
 
 def worker_main(conn, root, memory_gib):

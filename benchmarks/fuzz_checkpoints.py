@@ -235,6 +235,7 @@ def candidates(root, target):
                       for op in TENSOR_OPS],
            "header": [dict(file=f, op=op) for f in shards for op in HEADER_OPS],
            "flip": [dict(file=f, op=op) for f in files for op in ("bit", "byte")]}
+    out.update(declared_input_candidates(folder, shards))
     return {k: v for k, v in out.items() if v}
 
 
@@ -530,6 +531,8 @@ def mutate_checkpoint(folder, case, outside, dense_model=None):
         write_gguf(folder / "model.gguf", dense_model, metadata={case["key"]: entry})
     elif category == "gguf-tensor":
         write_gguf(folder / "model.gguf", dense_model, tensors=gguf_tensor_change(dense_model, case["name"], op))
+    elif category in DECLARED_INPUT_CATEGORIES:
+        mutate_declared_input(folder, case)
     else:
         raise KeyError(category)
     return ""
@@ -557,3 +560,49 @@ def gguf_tensor_change(model, name, op):
         return {name: (w.astype(np.float16), None)}
     w2 = w.reshape(-1, w.shape[-1])
     return {name: (gg.quants.quantize(w2, gg.GGMLQuantizationType.Q8_0).reshape(*w.shape[:-1], -1), "Q8_0")}
+
+
+# ---- inputs whose header or tokenizer declares what the model cannot hold (issue 25) ------------------------------
+# A stray tensor declared huge must be refused from its header, before a byte is read (the file is sparse: the
+# declared size costs no disk); a tokenizer.json whose added token has an id beyond the model's vocabulary must be
+# refused when it loads (fuzz.py's worker loads the folder's tokenizer for these cases).
+
+DECLARED_INPUT_CATEGORIES = ("stray-huge", "tokenizer")
+STRAY_SIZES = {"1GiB": 1 << 30, "1TiB": 1 << 40}
+TOKEN_IDS = {"vocab": 256, "1e6": 1_000_000, "2^31": 2 ** 31 - 1}
+
+
+def declared_input_candidates(folder, shards):
+    return {"stray-huge": [dict(file=f, op=op, name=name) for f in shards for op in STRAY_SIZES
+                           for name in ("model.stray_huge", "model.layers.0.self_attn.q_proj.stray_huge")],
+            "tokenizer": [dict(op=op) for op in TOKEN_IDS]}
+
+
+def append_sparse_tensor(path, name, nbytes):
+    """Declare one more F32 tensor `name` of nbytes at the end of a safetensors file's data, the file extended to
+    match by a sparse truncate (its header and size are consistent: only reading it would cost nbytes)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    end = len(data) - 8 - n
+    header[name] = {"dtype": "F32", "shape": [nbytes // 4], "data_offsets": [end, end + nbytes]}
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + n:])
+    os.truncate(path, 8 + len(new) + end + nbytes)
+
+
+def tokenizer_with_added_token(folder, token_id):
+    """The byte tokenizer written into folder, plus one added token "<|fuzz|>" with id token_id."""
+    from engine.checkpoints.tokenizer import byte_tokenizer
+    spec = json.loads(byte_tokenizer().to_str())
+    spec["added_tokens"] = [{"id": token_id, "content": "<|fuzz|>", "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": False, "special": True}]
+    (Path(folder) / "tokenizer.json").write_text(json.dumps(spec))
+
+
+def mutate_declared_input(folder, case):
+    if case["category"] == "stray-huge":
+        append_sparse_tensor(folder / case["file"], case["name"], STRAY_SIZES[case["op"]])
+    else:
+        tokenizer_with_added_token(folder, TOKEN_IDS[case["op"]])

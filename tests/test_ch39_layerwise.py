@@ -158,3 +158,16 @@ def test_bad_input_is_refused_before_any_work(source, tmp_path):
     with pytest.raises(ValueError, match="not an engine checkpoint"):
         quantize_checkpoint(source, mine, "fp8", progress=False)
     assert (mine / "notes.txt").read_text() == "keep" and not (tmp_path / ".mine.partial").exists()
+
+
+def test_a_resumed_conversion_says_where_it_resumes_and_its_bar_starts_there(source, ids, tmp_path, monkeypatch,
+                                                                             capsys):
+    _watched_gptq(monkeypatch, [], dies_at=2)
+    with pytest.raises(_Killed):
+        quantize_checkpoint(source, tmp_path / "out", "gptq", ids, progress=False, group_size=32)
+    _watched_gptq(monkeypatch, [])
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
+    quantize_checkpoint(source, tmp_path / "out", "gptq", ids, progress=True, group_size=32)
+    err = capsys.readouterr().err
+    assert f"resuming {tmp_path / 'out'}: layers 0-1 of 3 were written by an earlier run" in err
+    assert "2/3" in err and "0/3" not in err                  # the bar starts at the layers already done

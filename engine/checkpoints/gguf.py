@@ -323,16 +323,18 @@ def _tensor_scale(f, stem):
     return dequantize(f.raw(scale.name), "F32", (1,))[0]
 
 
-def load_gguf(path, dtype=torch.float32, device="cpu"):
+def load_gguf(path, dtype=torch.float32, device="cpu", progress=None):
     """The engine model of a GGUF file: dense tensors in `dtype`, quantized linears as the engine's layers. The
-    model is built on the meta device once the block count is checked against the tensors the file holds."""
+    model is built on the meta device once the block count is checked against the tensors the file holds.
+    progress(iterable, total), e.g. tqdm, wraps the tensors as they load."""
     with GGUFFile(path) as f:
         cfg = Qwen3Config.from_hf(hf_config(f))
         check_layer_count(cfg, {hf_name(name)[0]: None for name in f.tensors}, path)
         model = skeleton(cfg)
         params = dict(model.named_parameters())
         loaded, built = set(), set()
-        for name, value in hf_tensors(f):
+        tensors = hf_tensors(f)
+        for name, value in progress(tensors, len(f.tensors)) if progress else tensors:
             if isinstance(value, QuantLinear):
                 install_layer(model, name, value, device)
                 built.add(name)

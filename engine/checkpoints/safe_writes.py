@@ -39,9 +39,10 @@ def is_engine_checkpoint(directory):
         return False
 
 
-def check_output(directory, force=False):
+def check_output(directory, force=False, override="force=True"):
     """ValueError unless `directory` may be written: absent, an empty folder, or an engine checkpoint (which a new
-    save replaces). force=True allows replacing any folder; a file is never replaced."""
+    save replaces). force=True allows replacing any folder; a file is never replaced. override: how the refusal
+    names that permission to its reader (the CLI's "--force")."""
     directory = Path(directory)
     if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
         raise ValueError(f"output {directory} exists and is not a folder; choose another path")
@@ -49,8 +50,7 @@ def check_output(directory, force=False):
         return
     held = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
     raise ValueError(f"output {directory} holds files that are not an engine checkpoint ({', '.join(held[:5])}"
-                     f"{' ...' if len(held) > 5 else ''}); choose another folder or pass force=True (--force) to "
-                     "replace it")
+                     f"{' ...' if len(held) > 5 else ''}); choose another folder or pass {override} to replace it")
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -23,6 +23,7 @@ import ctypes
 import gc
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -168,8 +169,15 @@ def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, 
             batches = [(h.to(dtype), *rope) for h, *rope in first_layer_batches(model, ids, batch_size)]
             model.model.embed_tokens.to_empty(device="meta")
         layer_dtype = dtype if mode else None      # data-free methods read each weight as stored (half the memory)
-        for i in tqdm(range(cfg.num_hidden_layers), desc=f"{method} layers", disable=not progress, unit="layer"):
+        done, n = state["done"], cfg.num_hidden_layers
+        if done and progress:                       # the bar starts where the killed run stopped
+            tqdm.write(f"resuming {out}: layers 0-{done - 1} of {n} were written by an earlier run (kept in "
+                       f"{folder}){'; replaying them for the calibration inputs' if mode else ''}", file=sys.stderr)
+        bar = tqdm(total=n, initial=done, desc=f"{method} layers", disable=not progress, unit="layer")
+        for i in range(n):
             batches = _convert_layer(model, i, src, entry, mode, batches, folder, state, layer_dtype, options)
+            bar.update(i >= done)
+        bar.close()
         rest = (lambda n: not n.startswith("model.layers.") and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
         # one at a time (an 8B's embedding is 1.2 GB), and no enumerate(): its cached result tuple would keep the
         # previous tensor alive while the next one is read

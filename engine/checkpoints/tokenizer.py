@@ -98,21 +98,43 @@ def _is_byte_model(folder):
     return (Path(folder) / "config.json").exists() and read_json(folder, "config.json").get("vocab_size") == 256
 
 
+def check_vocabulary(tok, vocab_size, where, declared=None):
+    """Every id tok can produce (its vocabulary and added tokens) must be a row of the model's embedding: an id past
+    vocab_size would be an IndexError in the first forward pass, so it is refused when the tokenizer loads.
+    declared: {token: id} as tokenizer.json states its added tokens (the library renumbers an id it finds out of
+    place; the file's own number is the one to name)."""
+    if type(vocab_size) is not int:
+        return tok
+    ids = {**tok.get_vocab(with_added_tokens=True), **(declared or {})}
+    name, top = max(ids.items(), key=lambda item: item[1], default=(None, -1))
+    if top >= vocab_size:
+        raise ValueError(f"{where}: token {name!r} has id {top}, beyond the model's vocabulary of {vocab_size} "
+                         "(vocab_size): the tokenizer does not belong to this model")
+    return tok
+
+
 def load_tokenizer(path=None):
     """A tokenizers.Tokenizer: None -> the byte tokenizer; a folder -> its tokenizer.json (a folder of the byte model
-    written before tokenizer files were: the byte tokenizer); a file -> a GGUF file's vocabulary."""
+    written before tokenizer files were: the byte tokenizer); a file -> a GGUF file's vocabulary. A tokenizer with
+    ids beyond the model's vocabulary (config.json's vocab_size, the GGUF embedding's rows) is refused."""
     if path is None:
         return byte_tokenizer()
     path = Path(path)
     if path.is_dir():
         if (path / "tokenizer.json").exists() or (path / "tokenizer.json").is_symlink():
-            return _from_json_file(checked_file(path, "tokenizer.json", MAX_JSON_BYTES), path / "tokenizer.json")
+            tok = _from_json_file(checked_file(path, "tokenizer.json", MAX_JSON_BYTES), path / "tokenizer.json")
+            vocab = read_json(path, "config.json").get("vocab_size") if (path / "config.json").exists() else None
+            added = read_json(path, "tokenizer.json").get("added_tokens")
+            declared = {t["content"]: t["id"] for t in added if isinstance(t, dict) and type(t.get("id")) is int
+                        and isinstance(t.get("content"), str)} if isinstance(added, list) else {}
+            return check_vocabulary(tok, vocab, path / "tokenizer.json", declared)
         if _is_byte_model(path):
             return byte_tokenizer()
         raise ValueError(f"no tokenizer.json in {path} (a SentencePiece-only tokenizer.model is not read)")
     if path.is_file():
         with GGUFFile(path) as f:
-            return gguf_tokenizer(f)[0]
+            embedding = f.tensors.get("token_embd.weight")
+            return check_vocabulary(gguf_tokenizer(f)[0], embedding and embedding.shape[0], path)
     raise ValueError(f"{path}: no such tokenizer folder or GGUF file")
 
 

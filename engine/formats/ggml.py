@@ -83,6 +83,19 @@ def _k_scales(s):
     return sc.float(), m.float()
 
 
+def _pack(codes, bits):
+    """codes uint8 [n, k] (each < 2^bits) -> the AffineQuantLinear's packed bytes uint8 [n, k * bits / 8] (code j at
+    bit (j % (8 / bits)) * bits of byte j // (8 / bits), affine.pack_bits' layout) with uint8 shifts: no int32 copy
+    of a whole tensor, which is most of what loading a GGUF file's linears would otherwise cost."""
+    if bits == 8:
+        return codes
+    fields = codes.reshape(len(codes), -1, 8 // bits)
+    packed = fields[..., 0].clone()
+    for j in range(1, 8 // bits):
+        packed |= fields[..., j] << (j * bits)
+    return packed
+
+
 # Each decoder: blocks uint8 [n, bytes] -> (codes uint8 [n, B], scale [n, B / group], offset [n, B / group]).
 
 def _nvfp4_scales(b):
@@ -201,7 +214,8 @@ def quantized_linear(raw, type_name, shape, bias=None, tensor_scale=None):
     codes, scale, offset = decode(blocks)
     scale = scale.reshape(out_f, -1)
     grid = {"zeros": torch.full_like(scale, zero)} if zero is not None else {"offsets": offset.reshape(out_f, -1)}
-    return AffineQuantLinear.from_codes(codes.reshape(out_f, in_f), scale, group, bits, bias=bias, **grid)
+    return AffineQuantLinear(_pack(codes.reshape(out_f, in_f), bits), scale, group, bits, in_features=in_f,
+                             bias=bias, **grid)
 
 
 # ---- the writer's side: engine codes -> GGML blocks --------------------------------------------------------------
