@@ -44,9 +44,10 @@ GPTQ_ORDERS = {
                  "permuted; vLLM refuses it)",
     "act_order_static": "the same visit, each group a range of original columns fixed before the loop: a plain "
                         "file (the default)",
-    "group_aware": "groups by decreasing Hessian diagonal, columns in order inside (GPTQModel's GAR)",
+    "group_aware": "groups by their largest Hessian diagonal, each group's columns by decreasing diagonal "
+                   "(GPTQModel's GAR visit)",
     "group_aware_sum": "the same, groups ranked by their total Hessian diagonal",
-    "group_aware_reference": "GPTQModel's default reproduced exactly",
+    "group_aware_reference": "GPTQModel's default reproduced exactly (its visit and its grid rule)",
 }
 TARGETS = ("vllm", "transformers", "llama.cpp", "onnx")
 
