@@ -1,0 +1,42 @@
+"""HQQ (half-quadratic quantization), data-free, on every decoder linear of a dense HF folder. Runs in its own venv
+(benchmarks/frontier_peers.py builds it).
+
+    python run_hqq.py MODEL_DIR OUT.safetensors NBITS GROUP
+
+hqq.core.quantize.Quantizer.quantize with HQQLinear's settings (hqq_base_quant_config: axis=1 = groups along the
+input, optimize=True = its proximal solver for scale and zero, round_zero for 4 bits, bit-packed codes), scale and
+zero kept in float16 as HQQLinear keeps them (compute_dtype float16), dequantized back. OUT holds each module's W_hat
+(float32) and, in its metadata, the bits of what HQQ stores: the packed W_q tensor (3-bit codes pack 10 to an int32)
+plus the f16 scale and zero.
+"""
+import json
+import sys
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def main(model_dir, out, nbits, group):
+    from hqq.core.quantize import Quantizer, hqq_base_quant_config
+    params = hqq_base_quant_config(nbits=int(nbits), group_size=int(group))["weight_quant_params"]
+    weights, bits = {}, {}
+    with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
+        for name in f.keys():
+            if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
+                continue
+            w = f.get_tensor(name).float()
+            w_q, meta = Quantizer.quantize(w, device="cpu", compute_dtype=torch.float16, **params)
+            meta["scale"], meta["zero"] = meta["scale"].half(), meta["zero"].half()
+            bits[name.removesuffix(".weight")] = 8 * sum(t.numel() * t.element_size()
+                                                         for t in (w_q, meta["scale"], meta["zero"]))
+            meta["scale"], meta["zero"], meta["compute_dtype"] = meta["scale"].float(), meta["zero"].float(), \
+                torch.float32
+            weights[name.removesuffix(".weight")] = Quantizer.dequantize(w_q, meta).float().contiguous()
+    save_file(weights, out, metadata={"bits": json.dumps(bits)})
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 5:
+        raise SystemExit(__doc__)
+    main(*sys.argv[1:])
