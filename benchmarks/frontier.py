@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import frontier_peers as peers  # noqa: E402
 import frontier_reference as reference  # noqa: E402
 from engine.checkpoints.gguf_writer import gguf_name  # noqa: E402
-from engine.evaluation import ReferenceLogits, compare_models  # noqa: E402
+from engine.evaluation import ReferenceLogits, compare_models, kl_per_position  # noqa: E402
 from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, nf4, trellis  # noqa: E402
 from engine.formats.base import quantized_linears  # noqa: E402
 
@@ -216,7 +216,36 @@ def run_reference(name, args):
         if not result.get("error", "").startswith("Unavailable"):      # an absent tool is asked again next run
             path.write_text(json.dumps(result, indent=1))
         results.append(result)
+    if "llama.cpp" in args.tools:
+        info["cross_check"] = cross_check(ctx, texts, run=not args.render)
     return info, results
+
+
+def cross_check(ctx, texts, kind="Q4_K_M", run=True):
+    """llama.cpp's own run of its `kind` file against the engine's f32 forward of the same dequantized weights, on the
+    first text's first 2 chunks: the KL llama.cpp's runtime adds (its 8-bit activations), which this scorer leaves
+    out. Cached in cross_check.json; None when llama.cpp or the file is missing."""
+    path = ctx.folder / "cross_check.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    python, missing = peers.venv_python("llamacpp", install=False) if run else (None, "not asked")
+    gguf_file = ctx.files / f"llama-{kind}.gguf"
+    if missing or not gguf_file.exists():
+        return None
+    import numpy as np
+    ids = next(iter(texts.values()))[:2]
+    np.save(ctx.files / "cross_check_ids.npy", ids.numpy())
+    out = ctx.files / "cross_check_logprobs.npy"
+    peers.run(python, peers.clients.RUNNERS, "llamacpp", ctx.files / "cross_check_ids.npy", out, gguf_file)
+    model = with_weights(ctx.model, peers.gguf_linears(gguf_file)[0])
+    with torch.no_grad():
+        ours = model(ids)
+    first = ids.shape[1] // 2
+    theirs = torch.from_numpy(np.load(out))[:, first:-1]
+    kl_ = kl_per_position(ours[:, first:-1], theirs.double())
+    result = {"file": f"llama.cpp {kind}", "positions": kl_.numel(), "kl_engine_vs_llama.cpp": float(kl_.mean())}
+    path.write_text(json.dumps(result))
+    return result
 
 
 # ---- the report -------------------------------------------------------------------------------------------------
@@ -320,6 +349,10 @@ def main(argv=None):
         if "perturbation_kl" in info:
             print(f"\nKL of this reference to the original SmolLM2: " + ", ".join(
                 f"{t} {v:.2e}" for t, v in info["perturbation_kl"].items()))
+        if info.get("cross_check"):
+            c = info["cross_check"]
+            print(f"\nllama.cpp's own run of its {c['file']} file against this scorer's forward of the same weights: "
+                  f"KL {c['kl_engine_vs_llama.cpp']:.2e} over {c['positions']} positions (its 8-bit activations)")
         print(f"\nfrontier on {texts[0]} ({info['reference']}):\n")
         print(frontier_table(results, texts[0]))
     plot(reports, texts[0], args.plot or args.out / "frontier.png")
