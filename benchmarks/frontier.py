@@ -196,15 +196,16 @@ def measure(row, ctx, refs, texts, install):
 
 def run_reference(name, args):
     model, info, folder = reference.build(name, args.out)
-    texts = torch.load(folder / "texts.pt")
+    texts = {t: ids for t, ids in torch.load(folder / "texts.pt").items() if t in args.texts}
     ctx = Context(folder, model, torch.load(folder / "calibration.pt"), reference.SETTINGS[name])
     (folder / "rows").mkdir(exist_ok=True)
     refs, results = None, []
     for row in all_rows(args.tools, args.rows):
         path = folder / "rows" / f"{slug(row[0], row[1])}.json"
         rerun = args.rerun and any(s.lower() in f"{row[0]} {row[1]}".lower() for s in args.rerun)
-        if path.exists() and not rerun:
-            results.append(json.loads(path.read_text()))
+        cached = json.loads(path.read_text()) if path.exists() and not rerun else None
+        if cached and ("error" in cached or set(texts) <= set(cached["texts"])):
+            results.append(cached)
             continue
         if args.render:
             continue
@@ -299,6 +300,20 @@ def frontier_table(results, text):
     return "\n".join(lines)
 
 
+def reference_report(info, results, texts):
+    """The table, the reference's notes (its KL to the original, llama.cpp's cross-check) and the frontier."""
+    parts = [table(info, results, texts)]
+    if "perturbation_kl" in info:
+        parts.append("KL of this reference to the original SmolLM2: " + ", ".join(
+            f"{t} {v:.2e}" for t, v in info["perturbation_kl"].items()))
+    if info.get("cross_check"):
+        c = info["cross_check"]
+        parts.append(f"llama.cpp's own run of its {c['file']} file against this scorer's forward of the same weights: "
+                     f"KL {c['kl_engine_vs_llama.cpp']:.2e} over {c['positions']} positions (its 8-bit activations)")
+    parts += [f"frontier on {texts[0]} ({info['reference']}):", frontier_table(results, texts[0])]
+    return "\n\n".join(parts)
+
+
 MARKERS = {"engine": "o", "llama.cpp": "^", "HQQ": "s", "bitsandbytes": "D", "GPTQModel": "v",
            "llm-compressor": "P", "AutoRound": "X"}
 
@@ -333,6 +348,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--references", nargs="+", default=["smollm2", "tiny"], choices=list(reference.SETTINGS))
     parser.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS)
+    parser.add_argument("--texts", nargs="+", default=["gpl3"], choices=reference.TEXTS,
+                        help="held-out texts to score (default gpl3: the domain the calibration never saw)")
     parser.add_argument("--rows", nargs="*", help="only rows whose 'tool label' contains one of these substrings")
     parser.add_argument("--rerun", nargs="*", help="recompute the cached rows matching these substrings")
     parser.add_argument("--out", type=Path, default=OUT, help=f"cache and outputs (default {OUT})")
@@ -342,22 +359,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)      # on a shared 2-core machine a second thread made the forward 8x slower (spinning)
     reports = [run_reference(name, args) for name in args.references]
-    texts = list(reference.TEXTS)
-    for info, results in reports:
-        print()
-        print(table(info, results, texts))
-        if "perturbation_kl" in info:
-            print(f"\nKL of this reference to the original SmolLM2: " + ", ".join(
-                f"{t} {v:.2e}" for t, v in info["perturbation_kl"].items()))
-        if info.get("cross_check"):
-            c = info["cross_check"]
-            print(f"\nllama.cpp's own run of its {c['file']} file against this scorer's forward of the same weights: "
-                  f"KL {c['kl_engine_vs_llama.cpp']:.2e} over {c['positions']} positions (its 8-bit activations)")
-        print(f"\nfrontier on {texts[0]} ({info['reference']}):\n")
-        print(frontier_table(results, texts[0]))
-    plot(reports, texts[0], args.plot or args.out / "frontier.png")
-    log(f"wrote {args.plot or args.out / 'frontier.png'}")
-
+    report = "\n\n".join(reference_report(info, results, args.texts) for info, results in reports)
+    print("\n" + report)
+    (args.out / "frontier.md").write_text(report + "\n")
+    plot(reports, args.texts[0], args.plot or args.out / "frontier.png")
+    log(f"wrote {args.out / 'frontier.md'} and {args.plot or args.out / 'frontier.png'}")
 
 if __name__ == "__main__":
     main()

@@ -98,7 +98,7 @@ def test_tiny_run_writes_rows_table_and_plot_resumes_and_names_absent_peers(tmp_
     monkeypatch.setattr(frontier_reference, "trained_model", lambda *a, **k: tiny_model)
     monkeypatch.setattr(frontier_peers.clients, "CACHE", tmp_path / "no-venvs")
     args = ["--references", "tiny", "--tools", "engine", "HQQ", "--rows", "RTN int4, g128", "FP8", "HQQ int4 g64",
-            "--out", str(tmp_path), "--no-install"]
+            "--out", str(tmp_path), "--no-install", "--texts", "gpl3", "pydoc"]
     frontier.main(args)
     out = capsys.readouterr().out
     lines = [json.loads(s) for s in out.splitlines() if s.startswith("{")]
