@@ -57,9 +57,11 @@ def log(msg):
 
 def venv_python(name, install=True):
     """(python, None) of a peer's venv, installing it on first use; (None, why) when it cannot be had."""
-    if name == "llamacpp":
-        return clients.client_python("llamacpp", install)
-    if name == "peers":
+    if name == "llamacpp":          # a venv that exists but does not import is never rebuilt over (a build running)
+        if not (clients.CACHE / "llamacpp" / "venv" / "bin" / "python").exists():
+            return clients.client_python("llamacpp", install)
+        python = clients.CACHE / "llamacpp" / "venv" / "bin" / "python"
+    elif name == "peers":
         python = layerwise.PEERS_VENV / "bin" / "python"
         if not python.exists() and not install:
             return None, f"not installed ({layerwise.PEERS_VENV}; run without --no-install)"
