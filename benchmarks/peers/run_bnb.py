@@ -9,29 +9,23 @@ module's W_hat (float32) and, in its metadata, the bits its serialized form take
 of QuantState.as_dict(packed=True) (absmax, the 16-entry code, and with double quantization the 8-bit absmax's own
 absmax, code and offset), i.e. what transformers writes for a Linear4bit.
 """
-import json
 import sys
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+
+from linears import decoder_linears, save, stored_bits
 
 
 def main(model_dir, out, kind, blocksize, double):
     import bitsandbytes.functional as F
     weights, bits = {}, {}
-    with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
-        for name in f.keys():
-            if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
-                continue
-            w = f.get_tensor(name).float()
-            packed, state = F.quantize_4bit(w, blocksize=int(blocksize), compress_statistics=bool(int(double)),
-                                            quant_type=kind)
-            module = name.removesuffix(".weight")
-            weights[module] = F.dequantize_4bit(packed, state).float().reshape(w.shape).contiguous()
-            stored = [packed] + [t for t in state.as_dict(packed=True).values() if isinstance(t, torch.Tensor)]
-            bits[module] = 8 * sum(t.numel() * t.element_size() for t in stored)
-    save_file(weights, out, metadata={"bits": json.dumps(bits)})
+    for module, w in decoder_linears(model_dir):
+        packed, state = F.quantize_4bit(w, blocksize=int(blocksize), compress_statistics=bool(int(double)),
+                                        quant_type=kind)
+        weights[module] = F.dequantize_4bit(packed, state).reshape(w.shape)
+        bits[module] = stored_bits([packed] + [t for t in state.as_dict(packed=True).values()
+                                               if isinstance(t, torch.Tensor)])
+    save(out, weights, bits)
 
 
 if __name__ == "__main__":

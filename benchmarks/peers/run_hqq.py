@@ -9,31 +9,24 @@ zero kept in float16 as HQQLinear keeps them (compute_dtype float16), dequantize
 (float32) and, in its metadata, the bits of what HQQ stores: the packed W_q tensor (3-bit codes pack 10 to an int32)
 plus the f16 scale and zero.
 """
-import json
 import sys
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+
+from linears import decoder_linears, save, stored_bits
 
 
 def main(model_dir, out, nbits, group):
     from hqq.core.quantize import Quantizer, hqq_base_quant_config
     params = hqq_base_quant_config(nbits=int(nbits), group_size=int(group))["weight_quant_params"]
     weights, bits = {}, {}
-    with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
-        for name in f.keys():
-            if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
-                continue
-            w = f.get_tensor(name).float()
-            w_q, meta = Quantizer.quantize(w, device="cpu", compute_dtype=torch.float16, **params)
-            meta["scale"], meta["zero"] = meta["scale"].half(), meta["zero"].half()
-            bits[name.removesuffix(".weight")] = 8 * sum(t.numel() * t.element_size()
-                                                         for t in (w_q, meta["scale"], meta["zero"]))
-            meta["scale"], meta["zero"], meta["compute_dtype"] = meta["scale"].float(), meta["zero"].float(), \
-                torch.float32
-            weights[name.removesuffix(".weight")] = Quantizer.dequantize(w_q, meta).float().contiguous()
-    save_file(weights, out, metadata={"bits": json.dumps(bits)})
+    for module, w in decoder_linears(model_dir):
+        w_q, meta = Quantizer.quantize(w, device="cpu", compute_dtype=torch.float16, **params)
+        meta["scale"], meta["zero"] = meta["scale"].half(), meta["zero"].half()
+        bits[module] = stored_bits((w_q, meta["scale"], meta["zero"]))
+        meta["scale"], meta["zero"], meta["compute_dtype"] = meta["scale"].float(), meta["zero"].float(), torch.float32
+        weights[module] = Quantizer.dequantize(w_q, meta)
+    save(out, weights, bits)
 
 
 if __name__ == "__main__":
