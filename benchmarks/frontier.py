@@ -161,7 +161,7 @@ def engine_row(model, calibration, quantize, options):
     layers = quantized_linears(model).values()
     bits = sum(layer.storage_bits() for layer in layers) / sum(layer.in_features * layer.out_features
                                                                 for layer in layers)
-    return model, bits, "storage_bits of the engine's layers (codes, scales, offsets, indices, stream headers)"
+    return model, bits, "its layers' storage_bits"
 
 
 def all_rows(tools, substrings):
@@ -265,8 +265,8 @@ def table(info, results, texts):
     for r in ok:
         s = r["texts"]
         lines.append("| " + " | ".join([r["tool"], r["row"], f"{r['bits']:.3f}"] + [
-            f"{s[t]['kl_nats']:.4f} ± {s[t]['kl_stderr']:.4f}" for t in texts] + [
-            f"{s[texts[0]]['kl_p99']:.3f}", f"{s[texts[0]]['same_top_pct']:.1f}", r["bits_counted"]]) + " |")
+            f"{s[t]['kl_nats']:.3g} ± {s[t]['kl_stderr']:.2g}" for t in texts] + [
+            f"{s[texts[0]]['kl_p99']:.3g}", f"{s[texts[0]]['same_top_pct']:.1f}", r["bits_counted"]]) + " |")
     for r in (r for r in results if "error" in r):
         lines.append(f"| {r['tool']} | {r['row']} | - | cannot run: {r['error'].replace('|', '/')} |" +
                      " |" * (len(head) - 4))
@@ -293,9 +293,9 @@ def frontier_table(results, text):
     lines = ["| rate | best peer row (bits, KL) | engine's best at or below its bits (bits, KL) | engine / peer |",
              "|---:|---|---|---:|"]
     for rate, peer, ours in frontier(results, text):
-        mine = f"{ours['row']} ({ours['bits']:.2f}, {kl(ours, text):.4f})" if ours else "none"
+        mine = f"{ours['row']} ({ours['bits']:.2f}, {kl(ours, text):.3g})" if ours else "none"
         ratio = f"{kl(ours, text) / kl(peer, text):.2f}x" if ours and kl(peer, text) > 0 else "-"
-        lines.append(f"| ~{rate} | {peer['tool']} {peer['row']} ({peer['bits']:.2f}, {kl(peer, text):.4f}) | "
+        lines.append(f"| ~{rate} | {peer['tool']} {peer['row']} ({peer['bits']:.2f}, {kl(peer, text):.3g}) | "
                      f"{mine} | {ratio} |")
     return "\n".join(lines)
 

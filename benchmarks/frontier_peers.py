@@ -182,21 +182,21 @@ def llama(c, kind, imatrix):
     weights, bits, types = gguf_linears(out)
     total = sum(types.values())
     mix = ", ".join(f"{t} {100 * n / total:.0f}%" for t, n in sorted(types.items(), key=lambda x: -x[1]))
-    return weights, bits, f"GGUF types of the linears: {mix}"
+    return weights, bits, f"GGUF types: {mix}"
 
 
 def hqq(c, bits, group):
     out = c.files / f"hqq-int{bits}-g{group}.safetensors"
     if not out.exists():
         run(c.python, HERE / "peers" / "run_hqq.py", c.folder / "reference", out, bits, group)
-    return *dequantized_file(out), "W_q packed + f16 scale and zero per group (HQQ's defaults), from its tensors"
+    return *dequantized_file(out), "bytes of W_q (packed) + f16 scale, zero"
 
 
 def bnb(c, kind, group, double):
     out = c.files / f"bnb-{kind}-g{group}{'-dq' if double else ''}.safetensors"
     if not out.exists():
         run(c.python, HERE / "peers" / "run_bnb.py", c.folder / "reference", out, kind, group, int(double))
-    return *dequantized_file(out), "packed codes + absmax (+ its 8-bit code and scales with double-quant), bytes"
+    return *dequantized_file(out), "bytes of the codes + QuantState.as_dict"
 
 
 def gptqmodel(c):
@@ -224,5 +224,5 @@ def autoround(c, fmt, bits, group):
     path = Path(json.loads(done.read_text())["path"])
     if path.suffix == ".gguf":
         weights, bits_, types = gguf_linears(path)
-        return weights, bits_, f"GGUF types of the linears: {', '.join(sorted(types))}"
+        return weights, bits_, f"GGUF types: {', '.join(sorted(types))}"
     return *folder_linears(path), "bytes of qweight, qzeros, scales, g_idx"
