@@ -300,6 +300,15 @@ def frontier_table(results, text):
     return "\n".join(lines)
 
 
+def pareto(rows, text):
+    """The rows no other row beats with fewer or as many bits, by bits."""
+    front = []
+    for r in sorted(rows, key=lambda r: (r["bits"], kl(r, text))):
+        if not front or kl(r, text) < kl(front[-1], text):
+            front.append(r)
+    return front
+
+
 def reference_report(info, results, texts):
     """The table, the reference's notes (its KL to the original, llama.cpp's cross-check) and the frontier."""
     parts = [table(info, results, texts)]
@@ -335,6 +344,13 @@ def plot(reports, text, path):
             for r in pts:
                 ax.annotate(r["row"].split(" (")[0], (r["bits"], kl(r, text)), fontsize=5, alpha=0.8,
                             xytext=(3, 2), textcoords="offset points")
+        ok = [r for r in results if "error" not in r and kl(r, text) > 0]
+        for name, pts, style in (("engine's frontier", [r for r in ok if r["tool"] == "engine"], "C0-"),
+                                 ("peers' frontier", [r for r in ok if r["tool"] != "engine"], "k--")):
+            front = pareto(pts, text)
+            if front:
+                ax.step([r["bits"] for r in front], [kl(r, text) for r in front], style, where="post", lw=1,
+                        alpha=0.6, label=name)
         ax.set(yscale="log", xlabel="bits per weight of the decoder linears (every scale and offset counted)",
                ylabel=f"KL(reference || row), nats per token, held-out {text}", title=info["reference"])
         ax.grid(True, which="both", alpha=0.3)
