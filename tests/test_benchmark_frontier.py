@@ -110,3 +110,26 @@ def test_tiny_run_writes_rows_table_and_plot_resumes_and_names_absent_peers(tmp_
     monkeypatch.setattr(frontier, "engine_row", lambda *a: pytest.fail("a cached row was recomputed"))
     frontier.main(args)                                               # the absent peer is asked again
     assert [json.loads(s)["row"] for s in capsys.readouterr().out.splitlines() if s.startswith("{")] == ["int4 g64"]
+
+
+LLAMA_PYTHON = frontier_peers.clients.CACHE / "llamacpp" / "venv" / "bin" / "python"
+
+
+@pytest.mark.skipif(not LLAMA_PYTHON.exists(), reason="llama.cpp's venv (benchmarks/clients.py builds it) is absent")
+def test_llama_cpp_quantizes_iq2_only_with_our_imatrix_file(tmp_path):
+    import subprocess
+    from engine.checkpoints.gguf import GGUFFile
+    model = llama_model()
+    write_gguf(model, tmp_path / "f32.gguf")
+    calibration = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    frontier.write_imatrix(frontier.importance(model, calibration), tmp_path / "imatrix.gguf", 4, 32)
+
+    def quantize(out, *extra):
+        return subprocess.run([str(LLAMA_PYTHON), str(frontier_peers.clients.RUNNERS), "quantize",
+                               str(tmp_path / "f32.gguf"), str(out), "IQ2_XXS", *extra], capture_output=True, text=True)
+    assert quantize(tmp_path / "plain.gguf").returncode != 0              # llama.cpp refuses IQ2 without one
+    done = quantize(tmp_path / "iq2.gguf", "--imatrix", str(tmp_path / "imatrix.gguf"))
+    assert done.returncode == 0, done.stderr[-500:]
+    assert json.loads(done.stdout.splitlines()[-1])["imatrix_entries"] == 7
+    with GGUFFile(tmp_path / "iq2.gguf") as f:
+        assert {i.type_name for n, i in f.tensors.items() if n.startswith("blk.0.ffn_up")} == {"IQ2_XXS"}
