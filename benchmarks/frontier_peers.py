@@ -19,6 +19,7 @@ and compressed-tensors by tests/test_interop_*).
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -91,8 +92,9 @@ def run(python, script, *args, env=None):
     done = subprocess.run([str(python), str(script), *map(str, args)], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     if done.returncode:
-        tail = [s for s in (done.stderr + done.stdout).splitlines() if s.strip()] or [f"exit {done.returncode}"]
-        raise RuntimeError(f"{Path(script).name} failed: {tail[-1].strip()[:300]}")
+        lines = [s.strip() for s in (done.stdout + done.stderr).splitlines() if s.strip()] or [f"exit {done.returncode}"]
+        errors = [s for s in lines if re.match(r"[\w.]*(Error|Exception)\b.*:", s)]    # a traceback's last line
+        raise RuntimeError(f"{Path(script).name} failed: {(errors or lines)[-1][:300]}")
     return time.perf_counter() - t0
 
 

@@ -33,7 +33,8 @@ from engine.checkpoints.gguf import smollm2_path
 from engine.checkpoints.gguf_writer import write_gguf
 from engine.checkpoints.loaders import load_dense, save_dense
 from engine.checkpoints.registry import load_model
-from engine.checkpoints.tokenizers import export_tokenizer, load_tokenizer
+from engine.checkpoints.tokenizers import (BYTE_CHARS, byte_tokenizer, export_tokenizer, load_tokenizer,
+                                           write_tokenizer_files)
 from engine.data import Corpus, default_corpus
 from engine.evaluation import compare_models
 from engine.qwen3 import Qwen3Config
@@ -101,6 +102,14 @@ def perturb(model, seed=0, noise=0.03, spread=0.25):
     return model
 
 
+def tokenizer_files(source, folder):
+    """The reference folder's tokenizer: the GGUF's (engine export), or for the byte model the byte tokenizer with a
+    pad token (GPTQModel refuses a tokenizer without one; benchmarks/layerwise.py does the same)."""
+    if source is not None:
+        return export_tokenizer(source, folder)
+    return write_tokenizer_files(byte_tokenizer(), folder, {"pad_token": BYTE_CHARS[0], "eos_token": BYTE_CHARS[0]})
+
+
 def build(name, root, seed=0):
     """The reference `name` in root/<name>/ (built once): reference/ (HF folder with tokenizer files),
     reference.gguf (F32, for llama.cpp), texts.pt {text: chunks}, calibration.pt, info.json. Returns
@@ -131,7 +140,7 @@ def build(name, root, seed=0):
         del original
     torch.save(texts, folder / "texts.pt")
     torch.save(corpus.calibration(seq_len=s["calib_len"], n=s["calib_samples"]), folder / "calibration.pt")
-    save_dense(model, folder / "reference", force=True, side_files=lambda d: export_tokenizer(source, d))
+    save_dense(model, folder / "reference", force=True, side_files=lambda d: tokenizer_files(source, d))
     write_gguf(model, folder / "reference.gguf", tokenizer=source, force=True)
     info["sha256"] = hashlib.sha256((folder / "reference" / "model.safetensors").read_bytes()).hexdigest()
     info_path.write_text(json.dumps(info, indent=1))
