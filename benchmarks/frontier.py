@@ -273,6 +273,12 @@ def table(info, results, texts):
     return "\n".join(lines)
 
 
+def nearest_rate(bits):
+    """The rate of RATES a row's bits belong to: the nearest, 0.05 bit of metadata forgiven (a 4-bit g128 row with
+    its 4.25 or 4.27 bits is a ~4-bit row, Q4_K_S's 4.54 a ~4.5-bit one)."""
+    return min(RATES, key=lambda rate: abs(rate - (bits - 0.05)))
+
+
 def frontier(results, text):
     """Per target rate: the best peer row among those nearest that rate, and the engine's best row at or below the
     peer row's bits -> [(rate, peer result, engine result or None)]."""
@@ -280,7 +286,7 @@ def frontier(results, text):
     engine = [r for r in ok if r["tool"] == "engine"]
     out = []
     for rate in RATES:
-        near = [r for r in ok if r["tool"] != "engine" and min(RATES, key=lambda x: abs(x - r["bits"])) == rate]
+        near = [r for r in ok if r["tool"] != "engine" and nearest_rate(r["bits"]) == rate]
         if not near:
             continue
         peer = min(near, key=lambda r: kl(r, text))
