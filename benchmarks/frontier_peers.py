@@ -29,8 +29,10 @@ import numpy as np
 import torch
 
 from engine.checkpoints.gguf import GGUFFile, LINEARS, hf_config, hf_name, unpermute_rows
+from engine.checkpoints.loaders import read_config
 from engine.checkpoints.registry import load_model
-from engine.checkpoints.safetensors_io import DTYPE_BYTES, tensor_specs
+from engine.checkpoints.safetensors_io import DTYPE_BYTES, snapshot_tensors, tensor_specs
+from engine.formats import gptq
 from engine.formats.base import quantized_linears
 from engine.formats.ggml import GGML_TYPES
 
@@ -126,9 +128,24 @@ def gguf_linears(path):
 
 
 def folder_linears(path):
-    """A quantized HF folder (GPTQ, AWQ, compressed-tensors) -> ({module: W_hat}, {module: bits of its tensors})."""
-    model = load_model(path)
-    weights = {name: layer.dequantize().float() for name, layer in quantized_linears(model).items()}
+    """A quantized HF folder (GPTQ, compressed-tensors) -> ({module: W_hat}, {module: bits of its tensors}). GPTQ
+    folders are unpacked by the engine's unpack_gptq / dequantize_gptq directly, without its loader's checks:
+    AutoRound's symmetric export stores negative scales (W = s (q - z) holds for either sign; the engine's loader
+    refuses them)."""
+    config = read_config(path)["quantization_config"]
+    if config["quant_method"] == "gptq":
+        tensors = snapshot_tensors(path, verify=False)
+        parts = {}
+        for name, value in tensors:
+            module, _, kind = name.rpartition(".")
+            parts.setdefault(module, {})[kind] = value
+        fmt = config.get("checkpoint_format", "gptq")
+        weights = {m: gptq.dequantize_gptq(*gptq.unpack_gptq(p["qweight"], p["qzeros"], p["scales"], p["g_idx"],
+                                                                config["bits"], fmt)) for m, p in parts.items()
+                   if "qweight" in p}
+    else:
+        model = load_model(path)
+        weights = {name: layer.dequantize().float() for name, layer in quantized_linears(model).items()}
     bits = {name: 0 for name in weights}
     for tensor, (dtype, shape) in tensor_specs(path).items():
         module = tensor.rpartition(".")[0]
