@@ -167,8 +167,13 @@ def engine_row(model, calibration, quantize, options):
 def all_rows(tools, substrings):
     rows = [("engine", label, None, (fn, options)) for label, fn, options in ENGINE_ROWS]
     rows += [(tool, label, venv, produce) for tool, label, venv, produce in peers.peer_rows()]
-    return [r for r in rows if r[0] in tools and (not substrings or any(
-        s.lower() in f"{r[0]} {r[1]}".lower() for s in substrings))]
+    return [r for r in rows if r[0] in tools and (not substrings or any(matches(s, r) for s in substrings))]
+
+
+def matches(pattern, row):
+    """--rows / --rerun: a substring of "tool label" (case-insensitive), or "=tool label" for that row alone."""
+    name = f"{row[0]} {row[1]}".lower()
+    return name == pattern[1:].lower() if pattern.startswith("=") else pattern.lower() in name
 
 
 def measure(row, ctx, refs, texts, install):
@@ -202,7 +207,7 @@ def run_reference(name, args):
     refs, results = None, []
     for row in all_rows(args.tools, args.rows):
         path = folder / "rows" / f"{slug(row[0], row[1])}.json"
-        rerun = args.rerun and any(s.lower() in f"{row[0]} {row[1]}".lower() for s in args.rerun)
+        rerun = args.rerun and any(matches(s, row) for s in args.rerun)
         cached = json.loads(path.read_text()) if path.exists() and not rerun else None
         if cached and ("error" in cached or set(texts) <= set(cached["texts"])):
             results.append(cached)
@@ -372,7 +377,8 @@ def main(argv=None):
     parser.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS)
     parser.add_argument("--texts", nargs="+", default=["gpl3"], choices=reference.TEXTS,
                         help="held-out texts to score (default gpl3: the domain the calibration never saw)")
-    parser.add_argument("--rows", nargs="*", help="only rows whose 'tool label' contains one of these substrings")
+    parser.add_argument("--rows", nargs="*", help="only rows whose 'tool label' contains one of these substrings "
+                        "(or is '=tool label')")
     parser.add_argument("--rerun", nargs="*", help="recompute the cached rows matching these substrings")
     parser.add_argument("--out", type=Path, default=OUT, help=f"cache and outputs (default {OUT})")
     parser.add_argument("--no-install", action="store_true", help="a missing peer venv is a row's reason, not built")
