@@ -88,11 +88,12 @@ def venv_python(name, install=True):
     return python, None
 
 
-def run(python, script, *args, env=None):
-    """Run a runner script in a peer's venv; the last line of its stderr is the reason when it fails."""
+def run(python, script, *args, env=None, cwd=None):
+    """Run a runner script in a peer's venv (in cwd: GPTQModel writes a logs/ folder there); the last line of its
+    traceback is the reason when it fails."""
     t0 = time.perf_counter()
     done = subprocess.run([str(python), str(script), *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=cwd)
     if done.returncode:
         lines = [s.strip() for s in (done.stdout + done.stderr).splitlines() if s.strip()] or [f"exit {done.returncode}"]
         errors = [s for s in lines if re.match(r"[\w.]*(Error|Exception)\b.*:", s)]    # a traceback's last line
@@ -222,7 +223,7 @@ def gptqmodel(c):
     out = c.files / "gptqmodel-gptq"
     if not (out / "config.json").exists():
         run(c.python, HERE / "peers" / "run_gptqmodel.py", "gptq", c.folder / "reference", out,
-            c.folder / "calibration.pt", env={"GPTQMODEL_CPU_WORKERS": "2"})
+            c.folder / "calibration.pt", env={"GPTQMODEL_CPU_WORKERS": "2"}, cwd=c.files)
     return *folder_linears(out), "bytes of qweight, qzeros, scales, g_idx"
 
 
