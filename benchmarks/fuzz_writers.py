@@ -360,6 +360,7 @@ def disk_driver(scratch, spec):
 def faults_campaign(kinds=KINDS, seed=0, writer_trials=6, user_trials=8, scratch=None, log=print):
     """Run the fault kinds; returns the counts (every kind's tallies and the totals that must be 0)."""
     scratch = Path(scratch or tempfile.mkdtemp(prefix="fuzz-writers-"))
+    scratch.mkdir(parents=True, exist_ok=True)
     try:
         campaign = Campaign(scratch, seed, log)
         for totals in ("mixed or incomplete checkpoints accepted", "user files lost", "tracebacks",
