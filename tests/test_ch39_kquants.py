@@ -5,6 +5,7 @@ error), the GGUF file and checkpoint folder round trips, and llama.cpp's fallbac
 (llama.cpp running the files: tests/test_interop_kquants.py.)"""
 import ctypes
 import dataclasses
+import itertools
 import os
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 
 from engine.checkpoints import gguf, gguf_writer, serving
 from engine.checkpoints.registry import load_quantized, save_quantized
-from engine.formats import ggml, ggml_quants, gptq, gptq_ggml
+from engine.formats import bit_plan, ggml, ggml_quants, gptq, gptq_ggml
 from engine.formats.base import quantized_linears
 from engine.qwen3 import Qwen3, Qwen3Config
 
@@ -223,3 +224,50 @@ def test_bad_ggml_requests_are_refused_before_any_work():
         serving.check_target("llama.cpp", "gptq", {"ggml_type": "Q9_K"})
     with pytest.raises(ValueError, match="'ggml_type' must name types of"):
         gptq.validate({"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": "Q4_X"})
+
+
+# ---- a bits budget: the mix of types ----------------------------------------------------------------------------
+
+def test_choose_spends_the_budget_where_the_error_falls_most():
+    # "a" loses much error per extra bit, "b" little: the budget buys a's upgrade first
+    table = {"a": {"lo": (100, 50.0), "mid": (200, 10.0), "hi": (300, 9.0)},
+             "b": {"lo": (100, 5.0), "mid": (200, 3.0), "hi": (300, 2.5)},
+             "c": {"lo": (100, 1.0), "worse": (200, 2.0)}}                  # more bits, more error: never taken
+    assert bit_plan.choose(table, 300) == {"a": "lo", "b": "lo", "c": "lo"}
+    assert bit_plan.choose(table, 400) == {"a": "mid", "b": "lo", "c": "lo"}
+    assert bit_plan.choose(table, 500) == {"a": "mid", "b": "mid", "c": "lo"}
+    with pytest.raises(ValueError, match="below the cheapest choice"):
+        bit_plan.choose(table, 299)
+
+
+def test_choose_is_never_worse_than_any_choice_it_could_afford_on_small_tables():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        table = {n: {o: (int(b), float(c)) for o, b, c in zip("xyz", torch.randint(1, 9, (3,), generator=g) * 50,
+                                                               torch.rand(3, generator=g))} for n in "abc"}
+        budget = float(torch.randint(150, 1200, (), generator=g))
+        combos = [dict(zip("abc", c)) for c in itertools.product("xyz", repeat=3)]
+        fits = [c for c in combos if sum(table[n][o][0] for n, o in c.items()) <= budget]
+        if not fits:
+            continue
+        chosen = bit_plan.choose(table, budget)
+        cost = lambda c: sum(table[n][o][1] for n, o in c.items())                  # noqa: E731
+        assert sum(table[n][o][0] for n, o in chosen.items()) <= budget
+        # uniform choices (one option everywhere) that fit are never better
+        assert all(cost(chosen) <= cost(c) + 1e-12 for c in fits if len(set(c.values())) == 1)
+
+
+def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
+    torch.manual_seed(0)
+    model = Qwen3(K_CFG).eval()
+    qcfg = gptq.quantize(model, calibration_ids(), ggml_type="mix", bpw=4.0)
+    assert qcfg["bpw"] == 4.0 and len(set(qcfg["ggml_types"].values())) > 1           # a mix, not one type
+    gguf_writer.write_gguf(model, tmp_path / "m.gguf")
+    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+        linears = [info for key, info in f.tensors.items() if key.split(".")[-2] in gguf.LINEARS]
+        bits = sum(f.raw(key).numel() * 8 for key in f.tensors if key.split(".")[-2] in gguf.LINEARS)
+    assert bits <= 4.0 * sum(int(np.prod(info.shape)) for info in linears)
+    with pytest.raises(ValueError, match="below the cheapest choice"):
+        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix", bpw=2.5)
+    with pytest.raises(ValueError, match="needs a bits budget"):
+        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix")

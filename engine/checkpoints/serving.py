@@ -131,9 +131,12 @@ def gguf_options(method, options):
                          "dequantizes it)")
     if method == "gptq" and gptq.permuted(options):
         raise ValueError("llama.cpp: GPTQ act-order permutes the input columns; GGML blocks store no permutation")
+    if method == "gptq" and options.get("bpw") is not None:              # a K-quant mix that meets the budget
+        options.setdefault("ggml_type", gptq_ggml.MIX)
     if method == "gptq" and options.get("ggml_type") is not None:        # llama.cpp's own grids: any group size
         types = options["ggml_type"]
-        bad = [t for t in (types.values() if isinstance(types, dict) else [types]) if t not in gptq_ggml.TYPES]
+        named = types.values() if isinstance(types, dict) else [] if types == gptq_ggml.MIX else [types]
+        bad = [t for t in named if t not in gptq_ggml.TYPES]
         if bad:
             raise ValueError(f"llama.cpp: ggml_type {bad[0]!r} is not one of {gptq_ggml.TYPES}")
         return options

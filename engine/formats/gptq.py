@@ -331,7 +331,7 @@ def permuted(options):
 @torch.no_grad()
 def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size"], order=DEFAULTS["order"],
                    damp=DEFAULTS["damp"], sym=DEFAULTS["sym"], checkpoint_format=DEFAULTS["checkpoint_format"],
-                   ggml_type=None):
+                   ggml_type=None, bpw=None):
     """GPTQ one decoder layer (a calibration.LayerCalibration) in place, step by step in forward order (q/k/v, o,
     gate/up, down): each step's Hessians come from the layer's inputs passed through its already-quantized earlier
     steps (GPTQModel's "true sequential"). order: a name of ORDERS, or "search" (each linear's order chosen by
@@ -341,9 +341,11 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
 
     ggml_type (a GGML type such as "Q4_K", or {relative linear name: type}): GPTQ's codes on llama.cpp's grid of
     that type instead (gptq_ggml.py; bits, group_size, sym and checkpoint_format do not apply), held as GGML blocks
-    for a GGUF file; the config records the type each linear got (`ggml_types`, fallbacks included)."""
-    if ggml_type is not None:
-        return _quantize_layer_ggml(layer, ggml_type, order, damp)
+    for a GGUF file; the config records the type each linear got (`ggml_types`, fallbacks included).
+    ggml_type="mix" with bpw=B: each linear's type chosen so that every layer meets B bits per weight with the
+    lowest measured error (gptq_ggml.plan_mix)."""
+    if ggml_type is not None or bpw is not None:
+        return _quantize_layer_ggml(layer, ggml_type, order, damp, bpw)
     qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
                      "desc_act": permuted({"order": order}),
                      "sym": sym, "checkpoint_format": checkpoint_format})
@@ -365,14 +367,18 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
                                  "order")}
 
 
-def _quantize_layer_ggml(layer, ggml_type, order, damp):
+def _quantize_layer_ggml(layer, ggml_type, order, damp, bpw):
+    if ggml_type is None:
+        raise ValueError(f"bpw={bpw}: a bits budget for GPTQ picks a GGML type per linear (ggml_type='mix', what "
+                         "--target llama.cpp --bpw B asks for)")
     spec = check_order(order) if order != SEARCH else None
     if spec is None or spec.permuted:
         raise ValueError(f"order {order!r}: GGML blocks store no column permutation and one grid per block; use a "
                          "plain-file order (act_order_static, natural, group_aware...)")
-    plan = gptq_ggml.quantize_layer(layer, ggml_type, lambda diag, group: visit_order(diag, group, order), damp)
+    plan = gptq_ggml.quantize_layer(layer, ggml_type, lambda diag, group: visit_order(diag, group, order), damp,
+                                    bpw)
     return validate({"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
-                     "desc_act": False, "ggml_types": plan})
+                     "desc_act": False, "ggml_types": plan, **({"bpw": bpw} if bpw is not None else {})})
 
 
 def quantize(model, calibration_ids, batch_size=8, **options):
@@ -395,9 +401,11 @@ def validate(qcfg):
                        lambda f: f in (*FORMATS, GGML), f"one of {(*FORMATS, GGML)}")
     if fmt == GGML:
         types = config_field(qcfg, "ggml_type", None, (str, dict), expected=f"one of {gptq_ggml.TYPES} or a dict")
-        if any(t not in gptq_ggml.TYPES for t in (types.values() if isinstance(types, dict) else [types])):
-            raise ValueError(f"quantization_config field 'ggml_type' must name types of {gptq_ggml.TYPES}, "
-                             f"got {types!r}")
+        named = types.values() if isinstance(types, dict) else [] if types == gptq_ggml.MIX else [types]
+        if any(t not in gptq_ggml.TYPES for t in named):
+            raise ValueError(f"quantization_config field 'ggml_type' must name types of {gptq_ggml.TYPES} (or be "
+                             f"{gptq_ggml.MIX!r}), got {types!r}")
+        return {**qcfg, "checkpoint_format": fmt}                     # bits, group_size and sym do not apply
     names = (*ORDERS, SEARCH)
     order = config_field(qcfg, "order", None, (str, type(None)), lambda o: o is None or o in names, f"one of {names}")
     for key in ("desc_act", "sym", "static_groups", "act_group_aware", "order_search"):

@@ -21,7 +21,7 @@ Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0), and so does `ggml_type_for`.
 """
 import torch
 
-from . import calibration, ggml, ggml_quants
+from . import bit_plan, calibration, ggml, ggml_quants
 from .obq import error_feedback, inverse_cholesky
 
 # codes per type: 2^bits (Q8_0 stores int8, codes 0..255 meaning -128..127)
@@ -85,14 +85,48 @@ def ggml_layer(raw, type_name, in_features, bias=None):
     return ggml.quantized_linear(raw.reshape(-1), type_name, (raw.shape[0], in_features), bias)
 
 
+MIX = "mix"                        # ggml_type="mix": a type per linear (Q2_K ... Q6_K) chosen to meet a bpw budget
+
+
+def bits_per_weight(type_name):
+    _, block, size = ggml.GGML_TYPES[type_name]
+    return size * 8 / block
+
+
+def plan_mix(layer, names, bpw, max_batches=2):
+    """{relative name: type}: the K-quant (or its fallback) of each linear that meets `bpw` over the layer's linears
+    with the lowest added error at the layer's output (bit_plan.py), errors measured with llama.cpp's RTN."""
+    candidates = {}
+    for name in names:
+        linear = layer.module(layer.prefix + name)
+        kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in ggml_quants.K_TYPES)
+        candidates[layer.prefix + name] = {
+            kind: (linear.weight.numel() * bits_per_weight(kind),
+                   lambda lin, kind=kind: ggml_layer(rtn_ggml(lin.weight, kind), kind, lin.in_features, lin.bias))
+            for kind in kinds}
+    table = bit_plan.output_costs(layer, candidates, max_batches)
+    weights = sum(layer.module(layer.prefix + n).weight.numel() for n in names)
+    try:
+        chosen = bit_plan.choose(table, bpw * weights)
+    except ValueError as e:
+        raise ValueError(f"--bpw {bpw} for layer {layer.index}: {e}") from None
+    return {name.removeprefix(layer.prefix): kind for name, kind in chosen.items()}
+
+
 @torch.no_grad()
-def quantize_layer(layer, ggml_type, visit, damp=0.01):
+def quantize_layer(layer, ggml_type, visit, damp=0.01, bpw=None):
     """GPTQ one decoder layer (a calibration.LayerCalibration) onto GGML blocks, in place, step by step in forward
     order as gptq.quantize_layer does. ggml_type: one type for every linear (each falling back as llama.cpp does),
-    or {relative linear name: type}; visit(diag, group_size) -> the column permutation. Returns
-    {relative name: the type written} (the layer's plan)."""
+    {relative linear name: type}, or MIX: the types plan_mix picks for `bpw` bits per weight over the layer (so every
+    layer, and the model, meets it). visit(diag, group_size) -> the column permutation. Returns {relative name: the
+    type written} (the layer's plan)."""
     names = [n for step in calibration.SEQUENTIAL_STEPS for n in step]
-    wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
+    if (ggml_type == MIX) != (bpw is not None):
+        raise ValueError(f"ggml_type={MIX!r} needs a bits budget (bpw), and a bpw budget needs ggml_type={MIX!r}")
+    if ggml_type == MIX:
+        wanted = plan_mix(layer, names, bpw)
+    else:
+        wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
     plan = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
     for step in calibration.SEQUENTIAL_STEPS:
         hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
