@@ -5,7 +5,8 @@ log P(next | ids[:t+1]); it prints one JSON line per model, {"model", ...timings
     llamacpp     IDS OUT MODEL.gguf [--kv f32|f16] [--greedy N PROMPTS.npy TOKENS_OUT.npy]
     convert      HF_DIR OUT.gguf TOKENIZER_DIR          llama.cpp's own convert_hf_to_gguf.py (a second reader)
     quantize     IN.gguf OUT.gguf TYPE                  llama.cpp's own quantizer (llama_model_quantize), the
-                                                        embedding and output kept in F32 like the engine's files
+                                                        embedding and output kept in F32 like the engine's files;
+                                                        Q5_0 / Q5_1 / K-quants pure (no _M mix)
     vllm         IDS [--dtype float16] [--tp 1] MODEL OUT [MODEL OUT ...]     all models in one process
     ortgenai     IDS MODEL OUT WORK_DIR TOKENIZER_DIR [--patch-lm-head]
     transformers IDS MODEL OUT [MODEL OUT ...]          an HF folder, or a .gguf file (gguf_file=)
@@ -142,7 +143,10 @@ def quantize(args):
     import llama_cpp
     source, out, kind = args
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}[kind]
+    # llama_ftype: the K-quants as their pure _S files (params.pure: every linear in the type, or its fallback)
+    params.ftype = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11, "Q4_K": 14,
+                    "Q5_K": 16, "Q6_K": 18}[kind]
+    params.pure = kind not in ("Q4_0", "Q4_1", "Q8_0")
     params.token_embedding_type = params.output_tensor_type = 0    # F32, as the engine's exports keep them
     params.nthread = 2
     t0 = time.perf_counter()

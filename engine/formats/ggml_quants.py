@@ -33,10 +33,11 @@ K_TYPES = tuple(name for name in TYPES if GGML_TYPES[name][1] == QK_K)
 # ---- C's float32 arithmetic ----------------------------------------------------------------------------------
 
 def _sum(t):
-    """t [..., n] -> [...]: sum over the last dim in C's order, (((0 + t0) + t1) + ...), in float32."""
+    """t [..., n] -> [...]: sum over the last dim in C's order, (((0 + t0) + t1) + ...), in float32. (Stack several
+    sums into one t: the loop is the cost.)"""
     acc = torch.zeros(t.shape[:-1])
-    for i in range(t.shape[-1]):
-        acc = acc + t[..., i]
+    for column in t.movedim(-1, 0).contiguous():
+        acc += column
     return acc
 
 
@@ -97,7 +98,7 @@ def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad):
     ranges (rmin + rdelta * is + nmax steps across [min, max]), each refit by weighted least squares."""
     lo, hi = _first(x, torch.argmin), _first(x, torch.argmax)
     lo = _where(lo > 0, torch.zeros(()), lo)
-    sum_w, sum_x = _sum(w), _sum(w * x)
+    sum_w, sum_x = _sum(torch.stack([w, w * x]))
     flat = hi == lo
 
     def codes(iscale, low):
@@ -114,7 +115,8 @@ def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad):
     for step in range(nstep + 1):
         # as in C, each trial spans [the best min so far, max]: min moves when a trial wins
         Laux = codes(_rdiv(F32(rmin) + F32(rdelta) * F32(step) + F32(nmax), hi - low)[:, None], low)
-        sum_l, sum_l2, sum_xl = _sum(w * Laux), _sum(w * Laux * Laux), _sum(w * Laux * x)
+        wl = w * Laux
+        sum_l, sum_l2, sum_xl = _sum(torch.stack([wl, wl * Laux, wl * x]))
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
@@ -138,7 +140,7 @@ def make_qx_quants(x, nmax):
 
     def trial(iscale):
         l = (iscale[:, None] * x).round().clamp(-nmax, nmax - 1)
-        return l, _sum(w * x * l), _sum(w * l * l)
+        return l, *_sum(torch.stack([w * x * l, w * l * l]))
 
     l, sumlx, suml2 = trial(_rdiv(-nmax, vmax))
     L = l + nmax
@@ -160,7 +162,7 @@ def make_q3_quants(x, nmax):
     amax, vmax = _signed_absmax(x)
     L = (_rdiv(-nmax, vmax)[:, None] * x).round().clamp(-nmax, nmax - 1)
     w = x * x
-    sumlx, suml2 = _sum(w * x * L), _sum(w * L * L)
+    sumlx, suml2 = _sum(torch.stack([w * x * L, w * L * L]))
     for _ in range(5):                                 # a pass that changes nothing leaves the next one nothing to do
         for i in range(x.shape[1]):
             xi, wi, li = x[:, i], w[:, i], L[:, i]
