@@ -65,23 +65,35 @@ def choose(table, budget_bits):
 
 
 @torch.no_grad()
-def output_costs(layer, candidates, max_batches=2):
+def output_costs(layer, candidates, max_sequences=4):
     """layer: a calibration.LayerCalibration; candidates {full linear name: {option: (bits, make)}}, make(linear) ->
     the quantized replacement -> {name: {option: (bits, cost)}} (cost as in the module docstring, on the first
-    max_batches calibration batches). Every linear is put back as it was."""
-    batches = layer.batches[:max_batches]
-    reference = [layer.layer(*args) for args in batches]
-    table = {}
+    max_sequences calibration sequences). An MLP linear reruns only the MLP, from the attention's kept output. Every
+    linear is put back as it was."""
+    decoder, samples, left = layer.layer, [], max_sequences
+    for args in layer.batches:
+        if left > 0:
+            samples.append((args[0][:left], *args[1:]))
+            left -= len(samples[-1][0])
+    split = hasattr(decoder, "attention_residual")               # the engine's decoder layer: attention, then MLP
+    kept = [decoder.attention_residual(*args[:3]) for args in samples] if split else None
+
+    def run(name):
+        if split and name.startswith("mlp."):
+            return [decoder.mlp_residual(h) for h in kept]
+        return [decoder(*args) for args in samples]
+
+    reference, table = run(""), {}
     for name, options in candidates.items():
-        parent, _, child = name.removeprefix(layer.prefix).rpartition(".")
-        owner = layer.layer.get_submodule(parent)
+        relative = name.removeprefix(layer.prefix)
+        parent, _, child = relative.rpartition(".")
+        owner = decoder.get_submodule(parent)
         original = getattr(owner, child)
         table[name] = {}
         try:
             for option, (bits, make) in options.items():
                 setattr(owner, child, make(original))
-                cost = sum(float((layer.layer(*args) - ref).double().pow(2).sum())
-                           for args, ref in zip(batches, reference))
+                cost = sum(float((out - ref).double().pow(2).sum()) for out, ref in zip(run(relative), reference))
                 table[name][option] = (bits, cost)
         finally:
             setattr(owner, child, original)

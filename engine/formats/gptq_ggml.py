@@ -93,7 +93,7 @@ def bits_per_weight(type_name):
     return size * 8 / block
 
 
-def plan_mix(layer, names, bpw, max_batches=2):
+def plan_mix(layer, names, bpw, max_sequences=4):
     """{relative name: type}: the K-quant (or its fallback) of each linear that meets `bpw` over the layer's linears
     with the lowest added error at the layer's output (bit_plan.py), errors measured with llama.cpp's RTN."""
     candidates = {}
@@ -104,7 +104,7 @@ def plan_mix(layer, names, bpw, max_batches=2):
             kind: (linear.weight.numel() * bits_per_weight(kind),
                    lambda lin, kind=kind: ggml_layer(rtn_ggml(lin.weight, kind), kind, lin.in_features, lin.bias))
             for kind in kinds}
-    table = bit_plan.output_costs(layer, candidates, max_batches)
+    table = bit_plan.output_costs(layer, candidates, max_sequences)
     weights = sum(layer.module(layer.prefix + n).weight.numel() for n in names)
     try:
         chosen = bit_plan.choose(table, bpw * weights)
