@@ -230,25 +230,26 @@ def _q5_k(x):
     return _k_asym(x, 32, 31, 6, -0.5, 0.1, 15, _av_plus_abs)
 
 
-def _q3_k(x):
-    n = len(x)
-    scales, L = make_q3_quants(x.reshape(-1, 16), 4)
-    scales = scales.reshape(n, 16)
+def _k_sym(x, search, nmax, top):
+    """Q3_K / Q6_K: sub-blocks of 16 with symmetric scales from `search`, and the super-block's inverse step
+    iscale = -top / (the sub-block scale of largest magnitude) -> (scales [n, 16], L, amax, iscale)."""
+    scales, L = search(x.reshape(-1, 16), nmax)
+    scales = scales.reshape(len(x), 16)
     amax, max_scale = _signed_absmax(scales)
-    iscale = _rdiv(-32, max_scale)
+    return scales, L, amax, _rdiv(-top, max_scale)
+
+
+def _q3_k(x):
+    scales, L, amax, iscale = _k_sym(x, make_q3_quants, 4, 32)
     sc = _int8((iscale[:, None] * scales).round()).clamp(-32, 31) + 32
-    nonzero = max_scale != 0
+    nonzero = amax != 0
     sc = _where(nonzero[:, None], sc, torch.zeros(()))      # C leaves the scale bytes 0: sc - 32 = -32, d = 0
     d = _where(nonzero, _f16(_rdiv(1, iscale)), torch.zeros(()))
     return _round_codes(x, d[:, None] * (sc - 32), L, -4, 3), dict(d=d, sc=sc)
 
 
 def _q6_k(x):
-    n = len(x)
-    scales, L = make_qx_quants(x.reshape(-1, 16), 32)
-    scales = scales.reshape(n, 16)
-    amax, max_scale = _signed_absmax(scales)
-    iscale = _rdiv(-128, max_scale)
+    scales, L, amax, iscale = _k_sym(x, make_qx_quants, 32, 128)
     sc = _int8((iscale[:, None] * scales).round().clamp(max=127))
     d = _f16(_rdiv(1, iscale))
     codes = _round_codes(x, d[:, None] * sc, L, -32, 31)
