@@ -36,7 +36,7 @@ from engine.checkpoints.gguf_writer import gguf_name, write_gguf  # noqa: E402
 from engine.checkpoints.registry import load_model  # noqa: E402
 from engine.checkpoints.tokenizers import load_tokenizer  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
-from engine.evaluation import compare_models, held_out_logits, kl_stats  # noqa: E402
+from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats  # noqa: E402
 from engine.formats import gptq, gptq_ggml  # noqa: E402
 from engine.formats.base import linear_names, quantized_linears  # noqa: E402
 from engine.qwen3 import Qwen3Config  # noqa: E402
@@ -60,7 +60,9 @@ def setup(args):
     corpus = Corpus.from_text(load_corpus(args.text), load_tokenizer(args.model))
     chunks = corpus.eval_chunks(args.ctx, args.chunks)
     calibration = corpus.calibration(seq_len=args.calib_len, n=args.calib_samples)
-    return model, calibration, lambda m: compare_models(model, m, chunks), chunks[:args.llama_windows], args.model
+    reference = ReferenceLogits(model, chunks)                           # the reference runs once
+    return model, calibration, lambda m: compare_models(reference, m, chunks), chunks[:args.llama_windows], \
+        args.model
 
 
 def rtn(model, kind):

@@ -271,3 +271,19 @@ def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
         gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix", bpw=2.5)
     with pytest.raises(ValueError, match="needs a bits budget"):
         gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix")
+
+
+@pytest.mark.slow
+def test_cli_writes_a_k_quant_mix_for_llama_cpp_within_the_budget(tmp_path):
+    from test_cli import run
+    out = run("quantize", "--method", "gptq", "--target", "llama.cpp", "--bpw", "4.25", "--steps", "2",
+              "--out", str(tmp_path / "mix.gguf"))
+    assert out.returncode == 0, out.stderr
+    with gguf.GGUFFile(tmp_path / "mix.gguf") as f:
+        keys = [k for k in f.tensors if k.split(".")[-2] in gguf.LINEARS]
+        types = {f.tensors[k].type_name for k in keys}
+        bits = sum(f.raw(k).numel() * 8 for k in keys) / sum(int(np.prod(f.tensors[k].shape)) for k in keys)
+    assert bits <= 4.25 and len(types) > 1 and types <= set(K)
+    out = run("quantize", "--method", "gptq", "--target", "llama.cpp", "--option", "ggml_type=Q4_Z",
+              "--out", str(tmp_path / "bad.gguf"))
+    assert out.returncode == 1 and out.stderr.startswith("error: llama.cpp: ggml_type 'Q4_Z' is not one of")

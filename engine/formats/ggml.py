@@ -25,8 +25,8 @@ holds 256 weights in sub-blocks of 16 or 32 with their own scales. Every integer
 (Q3_K's stored bit is "not 4": q = low 2 bits + 4 * high bit, minus 4. NVFP4's per-tensor factor t is not in the
 blocks: llama.cpp keeps it in a separate F32 [1] tensor `<name>.scale` and multiplies the matmul's output by it.) Products of an f16 and a small integer are
 exact in float32, so q * scale + offset gives exactly ggml's float32 values (as numbers: ggml's d * (q - 8) is -0
-where this is +0). Codes of 5 and 6 bits are held one per byte (the engine packs 1, 2, 4 or 8 bits); scales and
-offsets are float32 in memory, so storage_bits counts 32 bits per group, not the super-block's packed 6-bit scales.
+where this is +0). Codes of 5 and 6 bits are held one per byte in memory (the engine packs 1, 2, 4 or 8 bits), scales
+and offsets as float32; what a layer costs (storage_bits) is its blocks' size, super-block scales packed as stored.
 
 Bit order: ggml never interleaves neighbours. In a run of S bytes, bits [f*b, f*b + b) of byte j hold element
 f * S + j (`_fields`): Q4_0 nibbles are element j low, j + 16 high (S = 16, the "split" layout of mx.py); Q4_K / Q5_K
