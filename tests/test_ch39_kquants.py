@@ -222,7 +222,7 @@ def test_bad_ggml_requests_are_refused_before_any_work():
         serving.check_target("vllm", "gptq", {"ggml_type": "Q4_K"})
     with pytest.raises(ValueError, match="ggml_type 'Q9_K' is not one of"):
         serving.check_target("llama.cpp", "gptq", {"ggml_type": "Q9_K"})
-    with pytest.raises(ValueError, match="'ggml_type' must name types of"):
+    with pytest.raises(ValueError, match="ggml_type 'Q4_X' is not one of"):
         gptq.validate({"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": "Q4_X"})
 
 

@@ -368,9 +368,6 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
 
 
 def _quantize_layer_ggml(layer, ggml_type, order, damp, bpw):
-    if ggml_type is None:
-        raise ValueError(f"bpw={bpw}: a bits budget for GPTQ picks a GGML type per linear (ggml_type='mix', what "
-                         "--target llama.cpp --bpw B asks for)")
     spec = check_order(order) if order != SEARCH else None
     if spec is None or spec.permuted:
         raise ValueError(f"order {order!r}: GGML blocks store no column permutation and one grid per block; use a "
@@ -400,11 +397,7 @@ def validate(qcfg):
     fmt = config_field(qcfg, "checkpoint_format", DEFAULTS["checkpoint_format"], str,
                        lambda f: f in (*FORMATS, GGML), f"one of {(*FORMATS, GGML)}")
     if fmt == GGML:
-        types = config_field(qcfg, "ggml_type", None, (str, dict), expected=f"one of {gptq_ggml.TYPES} or a dict")
-        named = types.values() if isinstance(types, dict) else [] if types == gptq_ggml.MIX else [types]
-        if any(t not in gptq_ggml.TYPES for t in named):
-            raise ValueError(f"quantization_config field 'ggml_type' must name types of {gptq_ggml.TYPES} (or be "
-                             f"{gptq_ggml.MIX!r}), got {types!r}")
+        gptq_ggml.check_request(qcfg.get("ggml_type"))
         return {**qcfg, "checkpoint_format": fmt}                     # bits, group_size and sym do not apply
     names = (*ORDERS, SEARCH)
     order = config_field(qcfg, "order", None, (str, type(None)), lambda o: o is None or o in names, f"one of {names}")

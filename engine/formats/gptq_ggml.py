@@ -88,6 +88,16 @@ def ggml_layer(raw, type_name, in_features, bias=None):
 MIX = "mix"                        # ggml_type="mix": a type per linear (Q2_K ... Q6_K) chosen to meet a bpw budget
 
 
+def check_request(ggml_type):
+    """ValueError unless ggml_type is a type of TYPES, MIX, or {linear name: type of TYPES}."""
+    named = ggml_type.values() if isinstance(ggml_type, dict) else [] if ggml_type == MIX else [ggml_type]
+    bad = [t for t in named if t not in LEVELS]
+    if bad or not isinstance(ggml_type, (str, dict)):
+        raise ValueError(f"ggml_type {(bad or [ggml_type])[0]!r} is not one of {TYPES} (or {MIX!r} with a bpw "
+                         "budget, or a dict of linear name -> type)")
+    return ggml_type
+
+
 def bits_per_weight(type_name):
     _, block, size = ggml.GGML_TYPES[type_name]
     return size * 8 / block
@@ -122,7 +132,8 @@ def quantize_layer(layer, ggml_type, visit, damp=0.01, bpw=None):
     type written} (the layer's plan)."""
     names = [n for step in calibration.SEQUENTIAL_STEPS for n in step]
     if (ggml_type == MIX) != (bpw is not None):
-        raise ValueError(f"ggml_type={MIX!r} needs a bits budget (bpw), and a bpw budget needs ggml_type={MIX!r}")
+        raise ValueError(f"ggml_type={MIX!r} needs a bits budget (bpw), and a GPTQ bits budget picks GGML types: "
+                         f"ggml_type={MIX!r} (what --target llama.cpp --bpw B asks for)")
     if ggml_type == MIX:
         wanted = plan_mix(layer, names, bpw)
     else:
