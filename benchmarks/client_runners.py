@@ -4,9 +4,11 @@ log P(next | ids[:t+1]); it prints one JSON line per model, {"model", ...timings
 
     llamacpp     IDS OUT MODEL.gguf [--kv f32|f16] [--greedy N PROMPTS.npy TOKENS_OUT.npy]
     convert      HF_DIR OUT.gguf TOKENIZER_DIR          llama.cpp's own convert_hf_to_gguf.py (a second reader)
-    quantize     IN.gguf OUT.gguf TYPE                  llama.cpp's own quantizer (llama_model_quantize), the
+    quantize     IN.gguf OUT.gguf TYPE [--imatrix F] [--pure]
+                                                        llama.cpp's own quantizer (llama_model_quantize), the
                                                         embedding and output kept in F32 like the engine's files;
-                                                        Q5_0 / Q5_1 / K-quants pure (no _M mix)
+                                                        F: an importance matrix (llama.cpp's GGUF imatrix file);
+                                                        --pure: every linear in TYPE or its fallback, no _M mix
     vllm         IDS [--dtype float16] [--tp 1] MODEL OUT [MODEL OUT ...]     all models in one process
     ortgenai     IDS MODEL OUT WORK_DIR TOKENIZER_DIR [--patch-lm-head]
     transformers IDS MODEL OUT [MODEL OUT ...]          an HF folder, or a .gguf file (gguf_file=)
@@ -140,19 +142,48 @@ def convert(args):
 
 
 def quantize(args):
+    """llama_model_quantize to TYPE (any LLAMA_FTYPE_MOSTLY_<TYPE>: Q4_K_M, IQ2_XXS, ...; or a bare Q3_K / Q4_K /
+    Q5_K); embedding and output kept in F32. --pure: every linear in TYPE (or llama.cpp's fallback type), no mix.
+    --imatrix FILE: an importance matrix in llama.cpp's GGUF imatrix format, read and normalized exactly as
+    llama-quantize's load_imatrix does (in_sum2 / counts per tensor) and passed as params.imatrix."""
     import llama_cpp
-    source, out, kind = args
+    source, out, kind = args[:3]
     params = llama_cpp.llama_model_quantize_default_params()
-    # llama_ftype: the K-quants as their pure _S files (params.pure: every linear in the type, or its fallback)
-    params.ftype = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11, "Q4_K": 14,
-                    "Q5_K": 16, "Q6_K": 18}[kind]
-    params.pure = kind not in ("Q4_0", "Q4_1", "Q8_0")
+    # a bare K-quant name (Q4_K) is its _S ftype, which with --pure (params.pure) is every linear in that type
+    name = kind if hasattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}") else f"{kind}_S"
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
+    params.pure = "--pure" in args
     params.token_embedding_type = params.output_tensor_type = 0    # F32, as the engine's exports keep them
     params.nthread = 2
+    keep = []                                    # the arrays params.imatrix points into must outlive the call
+    if "--imatrix" in args:
+        keep = imatrix_entries(args[args.index("--imatrix") + 1])
+        array = (llama_cpp.llama_model_imatrix_data * (len(keep) + 1))()
+        for i, (name, values) in enumerate(keep):
+            array[i].name, array[i].size = name, len(values)
+            array[i].data = values.ctypes.data_as(llama_cpp.ctypes.POINTER(llama_cpp.ctypes.c_float))
+        array[len(keep)].name = None                               # the terminator
+        params.imatrix = llama_cpp.ctypes.cast(array, llama_cpp.ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     t0 = time.perf_counter()
     status = llama_cpp.llama_model_quantize(source.encode(), out.encode(), params)
-    say(model=out, type=kind, status=status, seconds=round(time.perf_counter() - t0, 2))
+    say(model=out, type=kind, status=status, imatrix_entries=len(keep), seconds=round(time.perf_counter() - t0, 2))
     return 0 if status == 0 else 2
+
+
+def imatrix_entries(path):
+    """[(tensor name as bytes, float32 values)] from a GGUF imatrix file: `<name>.in_sum2` / `<name>.counts` per
+    tensor (a count of 0 gives ones, as llama-quantize does)."""
+    from gguf import GGUFReader
+    tensors = {t.name: np.asarray(t.data, np.float32) for t in GGUFReader(path).tensors}
+    entries = []
+    for key in sorted(tensors):
+        if key.endswith(".in_sum2"):
+            name = key.removesuffix(".in_sum2")
+            sums, counts = tensors[key].reshape(len(tensors[name + ".counts"].reshape(-1)), -1), \
+                tensors[name + ".counts"].reshape(-1, 1)
+            values = np.where(counts > 0, sums / np.maximum(counts, 1), 1).astype(np.float32).reshape(-1)
+            entries.append((name.encode(), np.ascontiguousarray(values)))
+    return entries
 
 
 # ---- vLLM -------------------------------------------------------------------------------------------------------

@@ -339,30 +339,32 @@ def check_decoders(report, torch, device, timer):
 def quantformats(torch, impl, device, rows):
     """run.py quantformats --impl IMPL for these rows, its evaluation on `device`: {label: raw KL stats}."""
     import run
+    from engine import evaluation, quantformats
+    from engine.formats.base import impl as use_impl
     recorded = []
-    evaluate, kl_stats = run.evaluate, run.kl_stats
+    evaluate, kl_stats = quantformats.evaluate, quantformats.kl_stats
 
     def on_device(model, windows, impl_name):
-        with run.impl(impl_name):
-            return run.held_out_logits(model.to(device), windows.to(device)).float().cpu()
+        with use_impl(impl_name):
+            return evaluation.held_out_logits(model.to(device), windows.to(device)).float().cpu()
 
     def keep(ref, logits):
         recorded.append(kl_stats(ref, logits))
         return recorded[-1]
-    run.evaluate, run.kl_stats = on_device, keep
+    quantformats.evaluate, quantformats.kl_stats = on_device, keep
     try:
         with contextlib.redirect_stdout(io.StringIO()) as out:
             run.main(["quantformats", "--impl", impl, "--steps", str(ARGS.table_steps), "--rows", *rows])
     finally:
-        run.evaluate, run.kl_stats = evaluate, kl_stats
+        quantformats.evaluate, quantformats.kl_stats = evaluate, kl_stats
     labels = [json.loads(line)["format"] for line in out.getvalue().splitlines() if line.startswith("{")][1:]
     return dict(zip(labels, recorded))
 
 
 def check_table(report, torch, device):
-    import run
+    from engine import tables
     rows = ARGS.table_rows or (QUICK_ROWS if ARGS.quick else
-                               [r.label for r in run.rows() if not r.label.startswith("KV cache")])
+                               [r.label for r in tables.rows() if not r.label.startswith("KV cache")])
     tables = {}
     for impl, dev in (("torch", "cpu"), ("engine", device)):
         step(report, "table_runs", {"impl": impl, "device": dev, "rows": len(rows)},

@@ -143,7 +143,7 @@ def main(argv=None):
             row.update(llama_checks(python, path, loaded, ids, args.out, greedy))
             if label.startswith("RTN"):                     # llama.cpp's own quantizer: the same bytes?
                 theirs = args.out / f"llama-{kind}.gguf"
-                done = run_client(python, "quantize", f32, theirs, kind)[-1]
+                done = run_client(python, "quantize", f32, theirs, kind, "--pure")[-1]
                 if "refused" in done or done.get("status"):
                     row["llama_quantize"] = done.get("refused", done)
                 else:

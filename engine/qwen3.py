@@ -248,17 +248,25 @@ class Qwen3(nn.Module):
             layer.self_attn.kv_transform, layer.self_attn.kv_window = fn, None if fn is None else window
 
     @torch.no_grad()
-    def generate(self, ids, max_new_tokens, temperature=0.0, generator=None):
-        """Greedy (temperature 0) or sampled continuation with a KV cache: ids [B, T] -> [B, T + max_new_tokens]."""
+    def generate(self, ids, max_new_tokens, temperature=0.0, generator=None, on_token=None):
+        """Greedy (temperature 0) or sampled continuation with a KV cache: ids [B, T] -> [B, T + max_new_tokens].
+        on_token(ids [B, 1]) is called with each new token as soon as it is chosen (to stream it). Logits that are
+        not finite (a forward pass that overflowed float32) are a ValueError, not a token picked from NaNs."""
         cache = KVCache(self.cfg.num_hidden_layers)
         logits = self(ids, cache)[:, -1]
         out = [ids]
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
+            if not bool(torch.isfinite(logits).all()):
+                raise ValueError(f"the model's logits are not finite at new token {step}: its forward pass "
+                                 "overflowed float32 or computed with a NaN; nothing is generated from them")
             if temperature > 0:
                 probs = (logits.float() / temperature).softmax(-1)
                 nxt = torch.multinomial(probs, 1, generator=generator)
             else:
                 nxt = logits.argmax(-1, keepdim=True)
             out.append(nxt)
-            logits = self(nxt, cache)[:, -1]
+            if on_token is not None:
+                on_token(nxt)
+            if step + 1 < max_new_tokens:                 # the last token needs no logits after it
+                logits = self(nxt, cache)[:, -1]
         return torch.cat(out, 1)

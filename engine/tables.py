@@ -4,9 +4,10 @@ A row is a plain (label, quantize, options): `quantize(model, calibration_ids, *
 (engine/formats/<method>.py); a KV-cache row's quantize installs a quantizer on the model's K/V hook instead and
 leaves the weights dense, and its bits are the cache's total_bps (engine/formats/kv_cache.py): codes, every scale
 and zero, and the positions a window (the last R tokens) or the first keys keep exact at bf16's 16 bits, averaged
-over the cache at the evaluated length (128 tokens on the tiny model, --ctx on a real one). `rows()` is the book's
-table on the tiny byte model; `real_model_rows()` is every method at about 2, 3 and 4 bits for a real model, at the
-group sizes real checkpoints use.
+over the cache at the evaluated length (128 tokens on the tiny model, --ctx on a real one). `book_rows()` is what
+`run.py quantformats` prints by default: the book's table (its rows in its order) and one row for each idea the
+seeds add; `rows()` is every row on the tiny byte model (`--rows all`); `real_model_rows()` is every method at about
+2, 3 and 4 bits for a real model, at the group sizes real checkpoints use.
 """
 import importlib.util
 import threading
@@ -68,6 +69,35 @@ def rows():
           for b in (2.0, 3.0) for rot in ("none", "signs", "qjl") for dither in (False, True)],
         *kv_rows(),
     ]
+
+
+BOOK = ("RTN int4, g64", "GPTQ int4, g64, natural order", "GPTQ int4, g64, act-order", "AWQ int4, g64",
+        "FP8 E4M3, 128x128 blocks", "MXFP4", "NVFP4", "trellis (QTIP-style), L=8", "trellis (QTIP-style), L=8, K=3",
+        "RTN int2, g64 (for comparison)")
+SEEDS = ("EntQuant Float8+ANS, ~2.1 bpw",                                   # the paper's EntQuant at ~2 bits
+         "EntQuant Float8+ANS + self-Hessian feedback, ~2.1 bpw",           # with GPTQ's error feedback
+         "lattice E8, 2.0 bps",                                             # HyperQuant's weights at ~2 bits
+         "KV cache E8, 3.0 bps, rotation qjl, window 8 bf16")               # and its KV cache
+
+
+def book_rows():
+    """The book's table (seed 000's "Run it": its 10 rows in its order), then the seeds' rows: EntQuant at ~2.1
+    bits without and with error feedback, the E8 lattice at 2 bits, the lattice KV cache with its window."""
+    by_label = {r.label: r for r in rows()}
+    return [by_label[label] for label in BOOK + SEEDS]
+
+
+# Seconds a row takes on two idle cores (the tiny model, --impl torch), by label fragment, first match: the weights
+# of run.py's ETA (the pace of the run so far times the rows still to come). From the default table's row times at
+# load 11-15 (RTN 4 s, GPTQ 39-60, AWQ 92, EntQuant 72, with self-Hessian feedback 298, trellis L=8 27-29) scaled to
+# README's idle figures (L=16 trellis 35 s, BlockLDLQ L=16 69 s, all 57 rows 2.5 minutes). Other rows: about 1 s.
+EXPECTED_SECONDS = (("BlockLDLQ (QTIP-style), L=16", 70), ("L=16", 35), ("BlockLDLQ", 20), ("self-Hessian", 35),
+                    ("self-Fisher", 20), ("EntQuant", 9), ("order search", 15), ("AWQ", 11), ("GPTQ", 6),
+                    ("trellis", 3.5), ("lattice", 3), ("FP4", 1.6))
+
+
+def expected_seconds(row):
+    return next((seconds for fragment, seconds in EXPECTED_SECONDS if fragment in row.label), 1)
 
 
 def kv_rows():

@@ -4,10 +4,11 @@
       RTN, GPTQ (with and without act-order) and AWQ at 4 bits, g128: llama.cpp's KL statistics against the model
   python experiments/ch39.py sensitivity --model PATH [--method rtn|gptq] [--bits 4] [--group-size 128] [--by layer|linear]
       which layers suffer most: the KL when only one decoder layer (or one kind of linear, in every layer) is quantized
-  python experiments/ch39.py gpt-oss     [--shard FILE.safetensors]
+  python experiments/ch39.py gpt-oss     [--model PATH]
       gpt-oss's MXFP4 expert tensors (*_blocks, *_scales) through engine.formats.mx.dequantize_mxfp4 against
-      transformers' own converter (the one that made Hugging Face's published BF16 weights); without a shard, random
-      tensors in gpt-oss-20b's layout
+      transformers' own converter (the one that made Hugging Face's published BF16 weights); PATH is a gpt-oss
+      checkpoint folder or one of its .safetensors shards (--shard FILE is the same); without it, random tensors in
+      gpt-oss-20b's layout
 
 The book asks for 128 calibration sequences of 2,048 tokens; on a CPU a smaller set (--calib-samples 32
 --calib-len 512) gives the same ranking in minutes. Held-out text is the last tenth of --text (default: Python's
@@ -109,9 +110,11 @@ def gpt_oss(args):
     [experts, out, in / 32] E8M0; transformers returns [experts, in, out] in bfloat16)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     pairs = []
-    if args.shard:
+    if args.model:
         from engine.checkpoints.safetensors_io import TensorReader
-        reader = TensorReader(args.shard)
+        if not Path(args.model).exists():
+            raise ValueError(f"--model {args.model}: no such gpt-oss folder or .safetensors shard")
+        reader = TensorReader(args.model)
         for name in reader.names():
             if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in reader.names():
                 pairs.append((name.removesuffix("_blocks"), reader.read(name), reader.read(name[:-7] + "_scales")))
@@ -148,7 +151,8 @@ def main(argv=None):
             p.add_argument("--group-size", type=int, default=128)
             p.add_argument("--by", choices=["layer", "linear"], default="layer")
     o = sub.add_parser("gpt-oss")
-    o.add_argument("--shard", help="a gpt-oss safetensors shard holding *_blocks / *_scales tensors")
+    o.add_argument("--model", "--shard", dest="model", metavar="PATH",
+                   help="a gpt-oss checkpoint folder, or one .safetensors shard, holding *_blocks / *_scales tensors")
     args = parser.parse_args(argv)
     try:
         {"methods": methods, "sensitivity": sensitivity, "gpt-oss": gpt_oss}[args.command](args)

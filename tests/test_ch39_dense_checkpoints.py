@@ -148,3 +148,16 @@ def test_a_corrupted_digest_map_is_refused(saved):
     path.write_bytes(len(new).to_bytes(8, "little") + new + data[8 + n:])
     with pytest.raises(ValueError, match="engine.sha256 metadata is not a map of tensor names to digests"):
         load_dense(saved)
+
+
+def test_a_stray_tensor_declared_a_terabyte_is_refused_from_its_header(saved):
+    """The tensor is sparse on disk (1 TiB declared, nothing stored): refused before it is read, so no MemoryError
+    and no time spent; red when the loader reads every tensor first and refuses names afterwards."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fuzz_checkpoints import append_sparse_tensor
+    append_sparse_tensor(saved / "model.safetensors", "model.stray_huge", 1 << 40)
+    assert (saved / "model.safetensors").stat().st_size > 1 << 40
+    with pytest.raises(ValueError, match=r"unexpected tensor model.stray_huge \(F32 \[274877906944\]\)"):
+        load_dense(saved)

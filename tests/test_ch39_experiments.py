@@ -28,11 +28,13 @@ def test_gpt_oss_expert_tensors_decode_as_transformers_converter_does(tmp_path):
                                                                                dtype=torch.uint8),
                "model.layers.0.mlp.experts.gate_up_proj_scales": torch.randint(110, 135, (2, 64, 3), generator=g,
                                                                                dtype=torch.uint8)}
-    save_file(tensors, tmp_path / "shard.safetensors")
-    out = run("gpt-oss", "--shard", str(tmp_path / "shard.safetensors"))
-    assert out.returncode == 0, out.stderr
-    [row] = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert row["equal_in_bf16"] and row["shape"] == [2, 64, 96]
+    (tmp_path / "gpt-oss").mkdir()
+    save_file(tensors, tmp_path / "gpt-oss" / "model.safetensors")
+    for flag, path in (("--model", tmp_path / "gpt-oss"), ("--shard", tmp_path / "gpt-oss" / "model.safetensors")):
+        out = run("gpt-oss", flag, str(path))                      # README's `gpt-oss --model PATH`, and a shard
+        assert out.returncode == 0, out.stderr
+        [row] = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        assert row["equal_in_bf16"] and row["shape"] == [2, 64, 96]
 
 
 @pytest.mark.slow

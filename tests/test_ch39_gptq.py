@@ -293,6 +293,18 @@ def test_writer_refuses_what_it_cannot_store():
         affine.AffineQuantLinear.from_codes(codes, torch.full((8, 1), 0.125), 32, 4, zeros=torch.full((8, 1), 2.4))
 
 
+def test_negative_scales_from_other_tools_load():
+    """AutoRound's symmetric grid stores negative scales (its largest-magnitude weight, when negative, sits on code 0):
+    a real file, read as W = scale * (q - zero); only a NaN or infinite scale is refused."""
+    qcfg = gptq.validate({"quant_method": "gptq", "bits": 4, "group_size": 16, "sym": True})
+    codes = torch.randint(0, 16, (8, 32), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    scales, zeros, g_idx = -torch.full((8, 2), 0.25), torch.full((8, 2), 8.0), torch.arange(32, dtype=torch.int32) // 16
+    layer = gptq.CHECKPOINT.read(gptq.pack_gptq(codes, scales, zeros, g_idx), qcfg)
+    assert torch.equal(layer.dequantize(), -0.25 * (codes.float() - 8))
+    with pytest.raises(ValueError, match="GPTQ scales must be finite"):
+        gptq.CHECKPOINT.read(gptq.pack_gptq(codes, scales * float("nan"), zeros, g_idx), qcfg)
+
+
 def test_reader_validates():
     qcfg = gptq.validate({"quant_method": "gptq", "bits": 4, "group_size": 16, "checkpoint_format": "gptq"})
     t = gptq.pack_gptq(torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2), torch.ones(8, 2),

@@ -153,3 +153,53 @@ def test_a_model_cached_by_older_training_code_is_not_reused(tiny_cfg, tmp_path,
     assert lines[0].startswith("training") and len(list(tmp_path.iterdir())) == 2
 
 
+
+
+def test_generate_refuses_logits_that_are_not_finite(tiny_model):
+    """A norm weight of 3e38 is a finite weight, but the forward pass overflows: red when generate picked tokens
+    from NaN logits."""
+    with torch.no_grad():
+        tiny_model.model.norm.weight.fill_(3e38)
+    with pytest.raises(ValueError, match="logits are not finite at new token 0"):
+        tiny_model.generate(torch.tensor([[1, 2, 3]]), 4)
+
+
+def test_generate_streams_each_token_as_it_is_chosen(tiny_model):
+    seen = []
+    out = tiny_model.generate(torch.tensor([[5, 6, 7]]), 5, on_token=lambda t: seen.append(int(t)))
+    assert seen == out[0, 3:].tolist()
+
+
+def test_decoded_weights_are_reused_and_redone_when_the_layer_changes(tiny_model):
+    """Inside decoded_weights each quantized layer decodes once; a layer whose buffers change in place decodes
+    again; outside, nothing is kept. Outputs equal the undecoded path's."""
+    from engine.formats import affine
+    from engine.formats.base import decoded_weights, quantized_linears
+    affine.quantize(tiny_model, bits=4, group_size=32)
+    layer = quantized_linears(tiny_model)["model.layers.0.mlp.up_proj"]
+    calls = []
+    original = type(layer).dequantize
+    layer.dequantize = lambda: calls.append(1) or original(layer)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        plain = tiny_model(ids)
+        calls.clear()
+        with decoded_weights(tiny_model) as kept:
+            assert kept and calls == [1]
+            assert torch.equal(tiny_model(ids), plain) and torch.equal(tiny_model(ids), plain) and calls == [1]
+            layer.scales.mul_(2)                                    # in place: its version counter moves
+            changed = tiny_model(ids)
+            assert calls == [1, 1] and not torch.equal(changed, plain)
+        assert layer._decoded is None
+        tiny_model(ids)
+        assert calls == [1, 1, 1]
+        with decoded_weights(tiny_model, max_bytes=0) as kept:     # too big for the budget: nothing kept
+            assert not kept and torch.equal(tiny_model(ids), changed)
+
+
+def test_decoded_weights_keep_nothing_under_the_engine_implementation(tiny_model):
+    from engine.formats import affine
+    from engine.formats.base import decoded_weights, impl
+    affine.quantize(tiny_model, bits=4, group_size=32)
+    with impl("engine"), decoded_weights(tiny_model) as kept:
+        assert not kept

@@ -39,3 +39,31 @@ def test_mismatched_shapes_are_refused():
     layer = nf4.NF4Linear.from_weight(torch.randn(8, 64))
     with pytest.raises(ValueError, match="NF4 shapes do not fit"):
         nf4.NF4Linear(layer.packed, layer.absmax, in_features=130)
+
+
+def test_bitsandbytes_layout_round_trips_the_codes_and_absmax(tiny_model, tmp_path):
+    """save_quantized(..., "bitsandbytes") writes bitsandbytes' tensors (first element in the HIGH nibble, float32
+    absmax per flattened block, the JSON quant state) and loads back to the same model."""
+    import json
+    from engine.checkpoints.registry import load_model, save_quantized
+    from engine.checkpoints.safetensors_io import TensorReader
+    save_quantized(tiny_model, tmp_path / "nf4", "nf4", group_size=32)
+    layer = base.quantized_linears(tiny_model)["model.layers.0.self_attn.q_proj"]
+    reader = TensorReader(tmp_path / "nf4")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    packed, absmax = reader.read(name), reader.read(name + ".absmax")
+    state = json.loads(bytes(reader.read(name + ".quant_state.bitsandbytes__nf4").tolist()))
+    codes = nf4.unpack_bits(layer.packed, 4, layer.in_features).reshape(-1)
+    assert torch.equal(packed.reshape(-1), (codes[0::2] << 4) | codes[1::2])
+    assert torch.equal(absmax, layer.absmax.float().reshape(-1)) and absmax.dtype == torch.float32
+    assert state == {"quant_type": "nf4", "blocksize": 32, "dtype": "float32", "shape": [64, 64]}
+    assert json.loads((tmp_path / "nf4" / "config.json").read_text())["quantization_config"]["quant_method"] == \
+        "bitsandbytes"
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        assert torch.equal(load_model(tmp_path / "nf4")(ids), tiny_model(ids))
+
+
+def test_bitsandbytes_blocks_must_not_straddle_rows(tiny_model):
+    with pytest.raises(ValueError, match="blocksize 48 must be one of"):
+        nf4.bnb_quantize(tiny_model, group_size=48)

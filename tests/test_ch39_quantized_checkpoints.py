@@ -29,7 +29,8 @@ def _edit_config(directory, change):
 # Cheap options for every registered method; a method added to the registry must be added here too.
 CHEAP_OPTIONS = {"gptq": dict(group_size=32), "awq": dict(group_size=32), "fp8": dict(block=32),
                  "compressed-tensors": dict(group_size=32), "trellis": dict(L=6, K=2, group=64),
-                 "entquant": dict(lam=14.5, max_iter=5), "lattice": dict(bps=3.0)}
+                 "entquant": dict(lam=14.5, max_iter=5), "lattice": dict(bps=3.0),
+                 "bitsandbytes": dict(group_size=32)}
 
 
 def test_the_registry_holds_every_method():

@@ -141,3 +141,17 @@ def test_transformers_reads_the_written_tokenizer(tmp_path):
     assert bytes_to_unicode() == dict(enumerate(BYTE_CHARS))
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert hf(TEXT)["input_ids"] == list(TEXT.encode("utf-8")) and hf.decode(list(b"caf\xc3\xa9")) == "café"
+
+
+@pytest.mark.parametrize("token_id", [256, 1_000_000])
+def test_an_added_token_beyond_the_vocabulary_is_refused_when_the_tokenizer_loads(tmp_path, tiny_model, token_id):
+    """red before: the tokenizer loaded, and generate's first forward pass died with an IndexError"""
+    import sys
+    from pathlib import Path
+    from engine.checkpoints.loaders import save_dense
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fuzz_checkpoints import tokenizer_with_added_token
+    save_dense(tiny_model, tmp_path / "ck")
+    tokenizer_with_added_token(tmp_path / "ck", token_id)
+    with pytest.raises(ValueError, match=f"'<\\|fuzz\\|>' has id {token_id}, beyond the model's vocabulary of 256"):
+        load_tokenizer(tmp_path / "ck")

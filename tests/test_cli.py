@@ -58,3 +58,162 @@ def test_quantformats_on_a_model_reports_a_refused_row_and_goes_on(tmp_path, tin
     assert [r["format"] for r in rows] == ["trellis (QTIP-style), L=8, K=3", "RTN int2, g64"]
     assert "rotation tile" in rows[0]["error"] and rows[1]["kl_nats"] > 0
     assert "refused: " in out.stdout and (tmp_path / "kl.png").stat().st_size > 0    # the plot skips refused rows
+
+
+# ---- the newcomer's path: help, every format as a method, the book's table, interrupts, errors ------------------
+
+def cli():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("run_cli", ROOT / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help_imports_no_torch_and_explains_every_flag():
+    """Every subcommand's help is built without importing torch (so it is instant), and every flag has a help
+    text; the flags a command does not use are not offered."""
+    code = ("import sys, argparse; sys.argv = ['run.py']; import importlib.util as u; "
+            f"s = u.spec_from_file_location('r', {str(ROOT / 'run.py')!r}); m = u.module_from_spec(s); "
+            "s.loader.exec_module(m); p = m.build_parser(); "
+            "subs = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices; "
+            "[sp.format_help() for sp in subs.values()]; "
+            "missing = [(n, a.dest) for n, sp in subs.items() for a in sp._actions if not a.help]; "
+            "print(missing, 'torch' in sys.modules, {n: sorted(a.dest for a in sp._actions) for n, sp in subs.items()})")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    missing, torch_loaded, dests = out.stdout.split(" ", 2)[0], out.stdout.split(" ", 2)[1], out.stdout.split(" ", 2)[2]
+    assert missing == "[]" and torch_loaded == "False", out.stdout
+    flags = eval(dests)
+    assert "model" not in flags["train"] and "impl" not in flags["train"]
+    assert "steps" not in flags["export"] and "order" in flags["quantize"] and "model" in flags["generate"]
+
+
+def test_method_and_order_names_are_the_registry_names():
+    from engine.checkpoints.registry import ALIASES, METHODS
+    from engine.formats import gptq
+    run_cli = cli()
+    assert set(run_cli.METHODS) == set(METHODS) | set(ALIASES)
+    assert tuple(run_cli.GPTQ_ORDERS) == tuple(gptq.ORDERS)
+
+
+# cheap settings per method on the book's tiny model (2 training steps); the checkpoint's quant_method (and format)
+CLI_METHODS = {"rtn": ([], "compressed-tensors", "pack-quantized"),
+               "gptq": (["--group-size", "64"], "gptq", None), "awq": (["--group-size", "64"], "awq", None),
+               "fp8": ([], "fp8", None), "mxfp4": ([], "compressed-tensors", "mxfp4-pack-quantized"),
+               "nvfp4": ([], "compressed-tensors", "nvfp4-pack-quantized"), "nf4": ([], "bitsandbytes", None),
+               "bitsandbytes": ([], "bitsandbytes", None),
+               "compressed-tensors": (["--option", "format=float-quantized"], "compressed-tensors", "float-quantized"),
+               "trellis": (["--option", "L=6"], "trellis", None),
+               "entquant": (["--option", "lam=14.5", "--option", "max_iter=5"], "entquant", None),
+               "lattice": (["--option", "bps=3.0"], "lattice", None)}
+
+
+def test_every_cli_method_has_a_test():
+    assert set(CLI_METHODS) == set(cli().METHODS)
+
+
+@pytest.mark.parametrize("method", sorted(CLI_METHODS))
+def test_quantize_writes_every_method_from_the_command_line(method, tmp_path, capsys):
+    from engine.checkpoints.registry import load_model
+    from engine.formats.base import quantized_linears
+    flags, quant_method, fmt = CLI_METHODS[method]
+    cli().main(["quantize", "--method", method, "--steps", "2", "--out", str(tmp_path / "ck"), *flags])
+    qcfg = json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == quant_method and qcfg.get("format") == fmt
+    assert len(quantized_linears(load_model(tmp_path / "ck"))) == 14
+    summary = [line for line in capsys.readouterr().err.splitlines() if line.startswith("summary: ")]
+    assert len(summary) == 1 and "bits per quantized weight" in summary[0] and " MB in " in summary[0]
+
+
+def test_rtn_int2_is_two_bits(tmp_path, capsys):
+    cli().main(["quantize", "--method", "rtn", "--bits", "2", "--steps", "2", "--out", str(tmp_path / "ck")])
+    qcfg = json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]
+    assert qcfg["config_groups"]["group_0"]["weights"]["num_bits"] == 2
+    assert "summary: 2.5" in capsys.readouterr().err
+
+
+def test_a_flag_a_method_does_not_take_is_refused_before_training(tmp_path):
+    out = run("quantize", "--method", "mxfp4", "--group-size", "64", "--out", str(tmp_path / "ck"))
+    assert out.returncode == 1 and "--group-size does not apply to --method mxfp4" in out.stderr
+    assert "training" not in out.stderr and not (tmp_path / "ck").exists()
+
+
+def test_the_default_table_is_the_books_then_the_seeds():
+    from engine import tables
+    labels = [r.label for r in tables.book_rows()]
+    assert labels[:10] == list(tables.BOOK) and len(labels) == 14
+    assert {r.label for r in tables.rows()} >= set(labels) and len(tables.rows()) > 50
+    assert any(label.startswith("EntQuant") for label in labels) and any("KV cache" in label for label in labels)
+
+
+def test_rows_show_progress_and_an_interrupted_table_keeps_what_it_has(capsys, monkeypatch):
+    """'row k of N' with an ETA before each row; Ctrl-C during the second row prints the markdown table of the
+    first, one line saying so, and exits 130 without a traceback."""
+    from engine import quantformats
+    run_cli = cli()
+    real = quantformats.quantize_row
+
+    def second_row_interrupted(row, model, calibration):
+        if "int2" in row.label:
+            raise KeyboardInterrupt
+        return real(row, model, calibration)
+    monkeypatch.setattr(quantformats, "quantize_row", second_row_interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli.main(["quantformats", "--steps", "2", "--rows", "RTN int4, g64", "RTN int2"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 130
+    assert "row 1 of 2: RTN int4, g64 (elapsed 0:00, ETA ~0:0" in err and "row 2 of 2: RTN int2" in err
+    assert "| RTN int4, g64 | 4.5 |" in out and "(interrupted: 1 of 2 rows)" in out
+    assert err.strip().splitlines()[-1].startswith("interrupted: the rows measured so far are above")
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, capsys, monkeypatch):
+    from engine import cli as commands
+    run_cli = cli()
+    monkeypatch.setattr(commands, "cmd_quantize", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli.main(["quantize", "--model", str(tmp_path), "--method", "fp8", "--out", str(tmp_path / "out")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 130 and len(lines) == 1
+    assert f"kept in {tmp_path / '.out.partial'}; run the same command again to resume" in lines[0]
+
+
+def test_errors_name_what_is_actually_wrong(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    cases = [(["eval", "--model", str(tmp_path / "nope"), "--quantized", str(tmp_path / "empty")],
+              f"--model {tmp_path / 'nope'}: no such file or folder"),
+             (["eval", "--model", str(tmp_path / "empty"), "--quantized", str(tmp_path / "empty")],
+              "the folder has no config.json"),
+             (["train", "--text", str(tmp_path)], f"--text {tmp_path} is a folder; give a text file"),
+             (["train", "--out", str(tmp_path / "taken")], "choose another folder or pass --force to replace it"),
+             (["export", str(tmp_path / "empty"), "--gguf", str(tmp_path)], "has no config.json"),
+             (["export", str(ROOT / "README.md"), "--gguf", str(tmp_path / "x.gguf")], "a file must be a .gguf"),
+             (["generate", "--prompt", ""], "--prompt is empty")]
+    for argv, message in cases:
+        out = run(*argv)
+        assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, (argv, out.stderr)
+        assert "force=True" not in out.stderr and "training" not in out.stderr
+
+
+def test_export_refuses_a_folder_as_gguf_before_loading(tmp_path, tiny_model):
+    from engine.checkpoints.loaders import save_dense
+    save_dense(tiny_model, tmp_path / "dense")
+    out = run("export", str(tmp_path / "dense"), "--gguf", str(tmp_path))
+    assert out.returncode == 1 and "is a folder; a GGUF output is one file" in out.stderr
+    assert "loading" not in out.stderr
+
+
+@pytest.mark.slow
+def test_readme_gguf_commands_work_as_written(tmp_path):
+    """README: `quantize --method gptq --option sym=true --format gguf --out tiny-q4_0.gguf`, then
+    `eval tiny-q4_0.gguf` (a tiny-model checkpoint may be a .gguf file)."""
+    out = run("quantize", "--method", "gptq", "--option", "sym=true", "--format", "gguf", "--steps", "2",
+              "--out", str(tmp_path / "tiny-q4_0.gguf"))
+    assert out.returncode == 0, out.stderr
+    out = run("eval", str(tmp_path / "tiny-q4_0.gguf"), "--steps", "2")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["kl_nats"] > 0 and "summary: KL" in out.stderr

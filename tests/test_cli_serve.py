@@ -1,7 +1,6 @@
 """run.py's serving commands: `quantize --target` refuses what the target cannot load before any work, `--format
 gguf` / `--target llama.cpp` write one GGUF file, `export` turns a checkpoint folder into one with identical logits."""
 import argparse
-import importlib.util
 import json
 
 import pytest
@@ -35,9 +34,7 @@ def test_quantize_writes_gguf_and_export_rewrites_it(tmp_path):
 
 def test_boolean_options_parse_as_json_booleans():
     """`--option sym=True` must reach the quantizer (and config.json) as true, not the string "True"."""
-    spec = importlib.util.spec_from_file_location("run_cli", ROOT / "run.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    from engine import cli
     for text in ("True", "true", "1", "yes"):
         args = argparse.Namespace(method="gptq", option=[f"sym={text}"], group_size=None, order=None, bpw=None)
         assert cli.quantize_options(args) == {"sym": True}

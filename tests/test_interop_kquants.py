@@ -45,7 +45,7 @@ def test_llama_cpp_quantizer_writes_the_engines_round_to_nearest(tmp_path):
     gguf_writer.write_gguf(dense, tmp_path / "f32.gguf")
     for kind in ggml_quants.TYPES:
         out = tmp_path / f"{kind}.gguf"
-        done = run_client(PYTHON, "quantize", tmp_path / "f32.gguf", out, kind)[-1]
+        done = run_client(PYTHON, "quantize", tmp_path / "f32.gguf", out, kind, "--pure")[-1]
         assert done.get("status") == 0, done
         with gguf.GGUFFile(out) as f:
             for name in linear_names(dense):

@@ -143,3 +143,17 @@ def test_keys_a_config_leaves_out_take_transformers_defaults(model_type):
            (head_dim, hf.num_key_value_heads, hf.tie_word_embeddings)
     assert (ours.bos_token_id, ours.eos_token_id, ours.max_position_embeddings, ours.rope_theta) == \
            (hf.bos_token_id, hf.eos_token_id, hf.max_position_embeddings, hf.rope_parameters["rope_theta"])
+
+
+def test_transformers_loads_the_nf4_checkpoint_with_bitsandbytes(tiny_model, tmp_path):
+    """`--method nf4` writes bitsandbytes' layout: transformers' own loader builds bitsandbytes Linear4bit layers
+    from it and computes the engine's logits (the same NF4 values; float32 rounding in the matmul only)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from engine.checkpoints.registry import load_model, save_quantized
+    save_quantized(copy.deepcopy(tiny_model), tmp_path / "nf4", "nf4", group_size=32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "nf4", dtype=torch.float32)
+    assert isinstance(theirs.model.layers[0].mlp.down_proj, bnb.nn.Linear4bit)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, logits = load_model(tmp_path / "nf4")(ids), theirs(ids).logits
+    assert (ours - logits).abs().max() < 1e-4 * ours.abs().max()

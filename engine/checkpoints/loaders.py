@@ -15,10 +15,11 @@ import re
 import torch
 from torch import nn
 
+from ..formats.base import linear_names
 from ..qwen3 import Qwen3, Qwen3Config
 from .safe_writes import atomic_directory, recover_interrupted_swap
-from .safetensors_io import (checkpoint_records, read_json, save_file, snapshot_tensors, float_digest, tensor_specs,
-                             write_json)
+from .safetensors_io import (checkpoint_records, float_digest, nbytes, read_json, save_file, snapshot_tensors,
+                             tensor_specs, write_json)
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -29,10 +30,22 @@ def read_config(directory):
     return read_json(directory, "config.json")
 
 
+INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "zeros_")
+
+
 def skeleton(cfg):
-    """The model on the meta device: every parameter's shape, no memory, no initialisation."""
-    with torch.device("meta"):
-        return Qwen3(cfg)
+    """The model on the meta device: every parameter's shape, no memory, no initialisation (the init functions are
+    skipped while it is built: on meta tensors they compute nothing, but the first call imports torch's compiler,
+    seconds of a model load)."""
+    saved = {name: getattr(nn.init, name) for name in INIT_FUNCTIONS}
+    try:
+        for name in INIT_FUNCTIONS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            return Qwen3(cfg)
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
 
 
 def check_layer_count(cfg, specs, directory):
@@ -47,13 +60,37 @@ def check_layer_count(cfg, specs, directory):
                          f"{f'; missing {missing}' if missing else ''}{f'; unexpected {extra}' if extra else ''})")
 
 
-def check_shapes(model, specs, directory):
-    """Every stored tensor that is one of the model's parameters has that parameter's shape."""
+def split_part(name, linears):
+    """'model.layers.0.mlp.up_proj.weight.absmax' -> ('model.layers.0.mlp.up_proj', 'weight.absmax'): the linear
+    (a name in `linears`) a tensor belongs to and its part, which may itself hold dots (bitsandbytes' do); (name
+    without its last part, that part) when no linear owns it."""
+    module, part = name, ""
+    while "." in module:
+        module, _, tail = module.rpartition(".")
+        part = f"{tail}.{part}" if part else tail
+        if module in linears:
+            return module, part
+    return name.rpartition(".")[0], name.rpartition(".")[2]
+
+
+def check_shapes(model, specs, directory, parts=()):
+    """From the headers alone, before a byte of weights is read: every stored tensor is one of the model's
+    parameters, with that parameter's shape, or one of `parts` (the tensors a quantized format stores under a
+    linear's name, e.g. "qweight", "weight.absmax"; its reader checks their shapes). Anything else, say a tensor
+    the model does not have declared a terabyte long, is refused here rather than read and then refused."""
     params = dict(model.named_parameters())
+    linears = set(linear_names(model))
     for name, (dtype, shape) in specs.items():
-        if name in params and tuple(params[name].shape) != shape:
-            raise ValueError(f"{name}: checkpoint shape {shape} != model shape {tuple(params[name].shape)} "
-                             f"(config.json of {directory})")
+        module, part = split_part(name, linears)
+        owned = module in linears and part in parts
+        packed = owned and not dtype.startswith(("F", "BF"))      # e.g. bitsandbytes' uint8 `weight`: its own shape
+        if name in params and not packed:
+            if tuple(params[name].shape) != shape:
+                raise ValueError(f"{name}: checkpoint shape {shape} != model shape {tuple(params[name].shape)} "
+                                 f"(config.json of {directory})")
+        elif not owned and not (name == "lm_head.weight" and model.cfg.tie_word_embeddings):   # tied: stored anyway
+            raise ValueError(f"unexpected tensor {name} ({dtype} {list(shape)}) in {directory}: this "
+                             f"{model.cfg.model_type} model has no such parameter")
 
 
 def default_dtype(specs):
@@ -62,15 +99,15 @@ def default_dtype(specs):
     return TORCH_DTYPES.get(dtype, torch.float32)
 
 
-def prepare(directory):
+def prepare(directory, parts=()):
     """(config dict, Qwen3Config, meta skeleton, {name: (dtype, shape)}): everything checked that can be checked
-    from config.json and the headers alone."""
+    from config.json and the headers alone (parts: what a quantized format stores per linear, see check_shapes)."""
     raw = read_config(directory)
     cfg = Qwen3Config.from_hf(raw)
     specs = tensor_specs(directory)
     check_layer_count(cfg, specs, directory)
     model = skeleton(cfg)
-    check_shapes(model, specs, directory)
+    check_shapes(model, specs, directory, parts)
     return raw, cfg, model, specs
 
 
@@ -93,7 +130,10 @@ def install_layer(model, name, layer, device="cpu"):
     """Put a quantized layer (a QuantLinear built from a format's tensors) in place of the model's nn.Linear `name`,
     which must exist and have the layer's shape."""
     from ..formats.base import QuantLinear
-    linear = dict(model.named_modules()).get(name)
+    try:
+        linear = model.get_submodule(name)           # (not a dict of every module: that per layer is quadratic)
+    except AttributeError:
+        linear = None
     if not isinstance(layer, QuantLinear) or not isinstance(linear, nn.Linear):
         raise ValueError(f"{name}: a {type(layer).__name__} cannot replace {type(linear).__name__} (not a linear of "
                          "this model)")
@@ -192,9 +232,10 @@ def save_dense(model, directory, dtype=None, force=False, side_files=None):
     raw = model.cfg.to_hf()
     if dtype is not None:
         raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
-    with atomic_directory(directory, force) as tmp:
+    tensors = dense_tensors(model, dtype)
+    with atomic_directory(directory, force, needed=nbytes(tensors)) as tmp:
         write_json(tmp / "config.json", raw)
-        save_file(dense_tensors(model, dtype), tmp / "model.safetensors")
+        save_file(tensors, tmp / "model.safetensors")
         if side_files is not None:
             side_files(tmp)
 

@@ -8,21 +8,53 @@ A method is a `CheckpointMethod` (engine.formats.base) defined in its own file; 
 line in `METHODS` below.
 """
 import hashlib
+import inspect
 import json
+import math
 from pathlib import Path
 
 import torch
 
-from ..formats import awq, entropy, fp8, gptq, lattice, trellis
-from ..formats.base import linear_names, quantized_linears
+from ..formats import awq, entropy, fp8, gptq, lattice, nf4, trellis
+from ..formats.base import QuantLinear, linear_names, quantized_linears
 from . import compressed_tensors, gguf
+from ..qwen3 import Qwen3Config
 from .loaders import (check_complete, default_dtype, install_layer, load_dense, load_tensors, model_digest, place,
-                       prepare, read_config)
+                       prepare, read_config, skeleton, split_part)
 from .safe_writes import atomic_directory, check_output
-from .safetensors_io import checkpoint_records, save_file, write_json
+from .safetensors_io import DTYPE_BYTES, checkpoint_records, nbytes, save_file, tensor_specs, write_json
 
 METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
-                               trellis.CHECKPOINT, entropy.CHECKPOINT, lattice.CHECKPOINT)}
+                               trellis.CHECKPOINT, entropy.CHECKPOINT, lattice.CHECKPOINT, nf4.CHECKPOINT)}
+
+# Formats whose files are another method's layout: name -> (method, options fixed, {option: default} a user sets).
+# `--method rtn` writes compressed-tensors pack-quantized (what llm-compressor writes and vLLM serves), mxfp4 / nvfp4
+# its FP4 layouts, nf4 bitsandbytes' (what transformers reads).
+ALIASES = {"rtn": ("compressed-tensors", {"format": "pack-quantized"},
+                   {"bits": 4, "group_size": 64, "symmetric": False}),
+           "mxfp4": ("compressed-tensors", {"format": "mxfp4-pack-quantized"}, {}),
+           "nvfp4": ("compressed-tensors", {"format": "nvfp4-pack-quantized"}, {}),
+           "nf4": ("bitsandbytes", {}, {"group_size": 64})}
+
+
+def method_options(method):
+    """{keyword: default} a method (or alias) takes: those of its quantize_layer (or quantize) but the calibration."""
+    if method in ALIASES:
+        return dict(ALIASES[method][2])
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {sorted({*METHODS, *ALIASES})}")
+    entry = METHODS[method]
+    params = list(inspect.signature(entry.quantize_layer or entry.quantize).parameters.values())[1:]
+    return {p.name: p.default for p in params if p.name != "calibration_ids" and p.kind is p.POSITIONAL_OR_KEYWORD}
+
+
+def resolve(method, options):
+    """(registry method, its options) for a method name or alias and the options a user gave."""
+    if method not in ALIASES:
+        method_options(method)                          # an unknown name is a ValueError
+        return method, dict(options)
+    target, fixed, defaults = ALIASES[method]
+    return target, {**defaults, **options, **fixed}
 
 
 def config_digest(quantization_config):
@@ -54,7 +86,7 @@ class LayerAssembler:
         self.pending, self.built = {}, set()
 
     def claim(self, name, value):
-        module, _, part = name.rpartition(".")
+        module, part = split_part(name, self.linears)
         linear = self.linears.get(module)
         if linear is None or module in self.built:
             return False
@@ -96,13 +128,14 @@ def load_quantized(directory, dtype=None, device="cpu", verify=True):
     load_tensors), with the method's LayerAssembler claiming the quantized linears' tensors. The
     quantization_config is validated once, before anything is allocated. Unquantized tensors keep their stored
     dtype (or `dtype`); quantized layers keep their own."""
-    raw, _, model, specs = prepare(directory)
+    raw = read_config(directory)
     method = method_for(raw.get("quantization_config"))
     recorded = checkpoint_records(directory).get("engine.quantization_config_sha256")
     if recorded is not None and recorded != config_digest(raw["quantization_config"]):
         raise ValueError(f"the quantization_config in {directory}/config.json is not the one its tensors were written "
                          "with (its digest differs): its fields change what the stored bits mean, so it is refused")
     qcfg = method.validate(raw["quantization_config"]) if method.validate else raw["quantization_config"]
+    raw, _, model, specs = prepare(directory, {*method.parts(qcfg), "bias"})
     dtype = dtype or default_dtype(specs)
     assembler = LayerAssembler(model, method, qcfg, device)
     loaded = load_tensors(model, directory, dtype, device, assembler.claim, verify)
@@ -114,6 +147,27 @@ def load_quantized(directory, dtype=None, device="cpu", verify=True):
     if method.finish is not None:
         method.finish(model, qcfg)
     return model.eval()
+
+
+def checkpoint_tensors(module, method, spec, prefix="", stored=None):
+    """{checkpoint name: tensor} of a quantized model or decoder layer `module` (its names prefixed by `prefix`):
+    each QuantLinear's parts (method.write with the validated quantization_config `spec`) and bias, every other
+    parameter (norms, embeddings, linears left dense) as it is, or in the dtype `stored` {name: dtype} says it was
+    read in. A tied lm_head is the embedding's parameter and is not written twice. The one builder of a checkpoint's
+    tensors: save_quantized runs it on the model, the streaming converter on each decoder layer."""
+    stored, tensors, quantized = stored or {}, {}, set()
+    for name, layer in module.named_modules():
+        if isinstance(layer, QuantLinear):
+            quantized.add(name)
+            for part, value in method.write(layer, spec).items():
+                tensors[f"{prefix}{name}.{part}"] = value
+            if layer.bias is not None:
+                tensors[f"{prefix}{name}.bias"] = layer.bias.detach().to(stored.get(f"{prefix}{name}.bias",
+                                                                                    layer.bias.dtype))
+    for name, p in module.named_parameters():              # each shared (tied) parameter once, by its first name
+        if name.rpartition(".")[0] not in quantized:
+            tensors[prefix + name] = p.detach().to(stored.get(prefix + name, p.dtype))
+    return tensors
 
 
 @torch.no_grad()
@@ -130,8 +184,7 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
     (engine.checkpoints.safe_writes.atomic_directory); side_files(folder), if given, adds the tokenizer files to it. Returns
     the quantization_config written.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+    method, options = resolve(method, options) if not quantized_linears(model) else (method, options)
     entry = METHODS[method]
     check_output(directory, force)                       # before minutes of quantization are spent
     layers = quantized_linears(model)
@@ -145,21 +198,11 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
     if not quantization_config or quantization_config.get("quant_method") != method:
         raise ValueError(f"model is quantized but no {method} quantization_config was given")
     spec = entry.validate(quantization_config) if entry.validate else quantization_config
-    tensors = {}
-    for name, layer in layers.items():
-        for part, value in entry.write(layer, spec).items():
-            tensors[f"{name}.{part}"] = value
-        if layer.bias is not None:
-            tensors[f"{name}.bias"] = layer.bias.detach()
-    for name, p in model.state_dict().items():
-        module = name.rpartition(".")[0]
-        if module in layers or (name == "lm_head.weight" and model.cfg.tie_word_embeddings):
-            continue
-        tensors[name] = p.detach()
+    tensors = checkpoint_tensors(model, entry, spec)
     raw = model.cfg.to_hf()
     raw["quantization_config"] = quantization_config
     model.quantization_config = quantization_config
-    with atomic_directory(directory, force) as tmp:
+    with atomic_directory(directory, force, needed=nbytes(tensors)) as tmp:
         write_json(tmp / "config.json", raw)
         meta = {"engine.quantization_config_sha256": config_digest(quantization_config)}
         source = getattr(model, "source_digest", None)
@@ -169,13 +212,33 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
     return quantization_config
 
 
-def load_model(path, dtype=None, device="cpu", dense=False):
+def checkpoint_bits(directory):
+    """Bits per weight of a quantized checkpoint's quantized linears, from its headers alone: every stored byte of
+    their parts (codes, scales, zero points, streams; biases and linears left dense excluded) over their weights.
+    None for a dense checkpoint."""
+    raw = read_config(directory)
+    if not isinstance(raw.get("quantization_config"), dict):
+        return None
+    model = skeleton(Qwen3Config.from_hf(raw))
+    linears = {name: model.get_submodule(name) for name in linear_names(model)}
+    stored, owners = 0, set()
+    for name, (dtype, shape) in tensor_specs(directory).items():
+        module, part = split_part(name, linears)
+        if module in linears and part != "bias" and not (part == "weight" and dtype in ("F32", "F16", "BF16")):
+            stored += DTYPE_BYTES[dtype] * math.prod(shape)
+            owners.add(module)
+    weights = sum(linears[m].in_features * linears[m].out_features for m in owners)
+    return 8 * stored / weights if weights else None
+
+
+def load_model(path, dtype=None, device="cpu", dense=False, progress=None):
     """Any model the engine reads: a .gguf file (gguf.py), a quantized checkpoint folder (config.json with a
     quantization_config) or a dense one. dense=True turns every quantized layer into an nn.Linear holding its
-    dequantized weight (float32): the reference a GGUF model's own quantization defines."""
+    dequantized weight (float32): the reference a GGUF model's own quantization defines. progress(iterable, total),
+    e.g. tqdm, wraps a GGUF file's tensors as they load."""
     path = Path(path)
     if path.suffix == ".gguf":
-        model = gguf.load_gguf(path, dtype or torch.float32, device)
+        model = gguf.load_gguf(path, dtype or torch.float32, device, progress)
     elif isinstance(read_config(path).get("quantization_config"), dict):
         model = load_quantized(path, dtype, device)
     else:

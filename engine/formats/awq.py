@@ -160,8 +160,8 @@ def from_checkpoint(qweight, qzeros, scales, group_size, bias=None):
     if tuple(qzeros.shape) != (groups, out_f // 8) or tuple(scales.shape) != (groups, out_f):
         raise ValueError(f"AWQ qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not fit qweight "
                          f"{tuple(qweight.shape)} with group_size {group_size}")
-    if not bool((scale_tensor(scales, "AWQ scales").float() >= 0).all()):
-        raise ValueError("AWQ scales must be non-negative and finite")
+    if not bool(torch.isfinite(scale_tensor(scales, "AWQ scales").float()).all()):
+        raise ValueError("AWQ scales must be finite")
     codes = unpack_awq(qweight).T                                               # [out, in]
     zeros = unpack_awq(qzeros).T.float()                                        # [out, groups]
     s = scales.T.float()

@@ -7,8 +7,15 @@ for (`dequantize()`, [out, in] float32). Its forward pass has two implementation
   torch   y = x @ dequantize().T            (plain PyTorch, the reference)
   engine  y = self.kernel_matmul(x)         (the layer's Triton kernel, decoding on the fly)
 
-Both must agree to float32 rounding; the tests pin that for every format. `run.py --impl` turns the switch. Each layer also reports its storage
-cost in bits per weight, metadata (scales, offsets, tables) included, because that is what a user pays.
+Both must agree to float32 rounding; the tests pin that for every format. `run.py --impl` turns the switch. Each
+layer also reports its storage cost in bits per weight, metadata (scales, offsets, tables) included, because that is
+what a user pays.
+
+Decoding a layer costs far more than multiplying by it at batch 1, so generation (one token per forward pass) and
+evaluation can keep each layer's decoded weight: `with decoded_weights(model):` makes the torch path decode every
+layer once and reuse it (4 bytes per weight, turned on only when that fits in memory), keyed on the layer's own
+buffers (their storage and version counters), so a layer whose buffers change, in place or replaced, is decoded
+again; the copies are dropped when the block ends.
 """
 import contextlib
 from dataclasses import dataclass
@@ -16,6 +23,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 IMPLS = ("torch", "engine")
 _impl = "torch"
@@ -73,6 +81,17 @@ class QuantLinear(nn.Module):
     def bits_per_weight(self) -> float:
         return self.storage_bits() / (self.in_features * self.out_features)
 
+    def cached_weight(self):
+        """dequantize(), or inside `decoded_weights` the weight decoded once and kept (float32 [out, in])."""
+        if not getattr(self, "_keep_decoded", False):
+            return self.dequantize()
+        key = tuple((t.data_ptr(), t._version) for t in (*self._buffers.values(), self.bias) if t is not None)
+        kept = getattr(self, "_decoded", None)
+        if kept is None or kept[0] != key:
+            self._decoded = None                         # the old copy goes before the new one is made
+            self._decoded = (key, self.dequantize())
+        return self._decoded[1]
+
     def _apply(self, fn, recurse=True):
         """model.to(torch.bfloat16) must not re-round what is stored (fp8 codes, f32 scales): a quantized layer only
         follows the device. Its forward computes in float32 and returns the activation's dtype anyway."""
@@ -86,13 +105,47 @@ class QuantLinear(nn.Module):
         if get_impl() == "engine":
             y = self.kernel_matmul(x2d)
         else:
-            y = x2d @ self.dequantize().T
+            y = x2d @ self.cached_weight().T
         if self.bias is not None:
             y = y + self.bias
         return y.to(dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits_per_weight:.3f}"
+
+
+def available_memory():
+    """Bytes of memory the system can still give (Linux /proc/meminfo's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def decoded_weights(model, max_bytes=None, progress=None):
+    """`with decoded_weights(model) as kept:` every quantized layer of the model decodes its weight once (now, one
+    layer after another: progress, e.g. tqdm, wraps that loop) and its torch path reuses it until the block ends.
+    Only under the torch implementation (the engine's kernels decode inside the kernel: nothing to keep; enter this
+    inside `impl(...)`) and when the float32 copies fit in max_bytes (default: half the memory available now);
+    `kept` says whether they were made."""
+    layers = list(quantized_linears(model).values())
+    need = sum(4 * m.in_features * m.out_features for m in layers)
+    if max_bytes is None:
+        available = available_memory()
+        max_bytes = float("inf") if available is None else available // 2
+    kept = bool(layers) and need <= max_bytes and get_impl() == "torch"
+    try:
+        if kept:
+            for layer in progress(layers) if progress else layers:
+                layer._keep_decoded = True
+                layer.cached_weight()
+        yield kept
+    finally:
+        for layer in layers:
+            layer._keep_decoded, layer._decoded = False, None
 
 
 def quantized_linears(model):
@@ -112,9 +165,9 @@ def replace_linears(model, make_layer, names=None):
     (tied) lm_head stay dense.
     """
     replaced = {}
-    for name in linear_names(model):
-        if names is not None and name not in names:
-            continue
+    chosen = [name for name in linear_names(model) if names is None or name in names]
+    # a bar only where it takes long (delay) and only on a terminal (disable=None): trellis and lattice rows
+    for name in tqdm(chosen, desc="linears", unit="linear", leave=False, delay=2, disable=None):
         linear = model.get_submodule(name)
         layer = make_layer(name, linear)
         parent, _, child = name.rpartition(".")

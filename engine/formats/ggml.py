@@ -90,6 +90,19 @@ def _k_scales(s):
     return sc.float(), m.float()
 
 
+def _pack(codes, bits):
+    """codes uint8 [n, k] (each < 2^bits) -> the AffineQuantLinear's packed bytes uint8 [n, k * bits / 8] (code j at
+    bit (j % (8 / bits)) * bits of byte j // (8 / bits), affine.pack_bits' layout) with uint8 shifts: no int32 copy
+    of a whole tensor, which is most of what loading a GGUF file's linears would otherwise cost."""
+    if bits == 8:
+        return codes
+    fields = codes.reshape(len(codes), -1, 8 // bits)
+    packed = fields[..., 0].clone()
+    for j in range(1, 8 // bits):
+        packed |= fields[..., j] << (j * bits)
+    return packed
+
+
 # Each decoder: blocks uint8 [n, bytes] -> (codes uint8 [n, B], scale [n, B / group], offset [n, B / group]).
 
 def _nvfp4_scales(b):
@@ -193,7 +206,7 @@ class GGMLLinear(AffineQuantLinear):
     its size is the blocks' size."""
 
     def __init__(self, raw, ggml_type, codes, scales, group_size, bits, bias=None, *, zeros=None, offsets=None):
-        super().__init__(pack_bits(codes, bits), scales, group_size, bits, zeros=zeros, offsets=offsets,
+        super().__init__(_pack(codes, bits), scales, group_size, bits, zeros=zeros, offsets=offsets,
                          in_features=codes.shape[1], bias=bias)
         self.ggml_type = ggml_type
         self.register_buffer("raw", raw.to(torch.uint8).contiguous())

@@ -342,7 +342,7 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
     ggml_type (a GGML type such as "Q4_K", or {relative linear name: type}): GPTQ's codes on llama.cpp's grid of
     that type instead (gptq_ggml.py; bits, group_size, sym and checkpoint_format do not apply), held as GGML blocks
     for a GGUF file; the config records the type each linear got (`ggml_types`, fallbacks included).
-    ggml_type="mix" with bpw=B: each linear's type chosen so that every layer meets B bits per weight with the
+    bpw=B (ggml_type "mix" or None): each linear's type chosen so that every layer meets B bits per weight with the
     lowest measured error (gptq_ggml.plan_mix)."""
     if ggml_type is not None or bpw is not None:
         return _quantize_layer_ggml(layer, ggml_type, order, damp, bpw)
@@ -368,6 +368,7 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
 
 
 def _quantize_layer_ggml(layer, ggml_type, order, damp, bpw):
+    ggml_type = gptq_ggml.MIX if ggml_type is None else ggml_type          # a bits budget alone asks for a mix
     spec = check_order(order) if order != SEARCH else None
     if spec is None or spec.permuted:
         raise ValueError(f"order {order!r}: GGML blocks store no column permutation and one grid per block; use a "
@@ -425,8 +426,10 @@ def _read(parts, qcfg):
         if tuple(parts[k].shape) != shape:
             raise ValueError(f"GPTQ {k} has shape {tuple(parts[k].shape)}, expected {shape} for qweight "
                              f"{tuple(qweight.shape)}, group_size {group_size}")
-    if not bool((scale_tensor(scales, "GPTQ scales").float() >= 0).all()):
-        raise ValueError("GPTQ scales must be non-negative and finite")
+    # A negative scale is a real tool's grid (AutoRound's symmetric one puts the largest-magnitude weight, negative,
+    # on code 0), so only NaN / infinity is refused.
+    if not bool(torch.isfinite(scale_tensor(scales, "GPTQ scales").float()).all()):
+        raise ValueError("GPTQ scales must be finite")
     codes, scales, zeros, g_idx = unpack_gptq(qweight, qzeros, scales, g_idx, bits, fmt)
     return to_runtime(codes, scales, zeros, g_idx, group_size, bits, parts.get("bias"))
 

@@ -5,13 +5,29 @@ of 64 weights stored in float16:
 
     q = argmin_k |W / absmax - NF4[k]|,    W_hat = NF4[q] * absmax,    4 + 16 / 64 = 4.25 bits per weight
 
-Two codes per byte, element 2j in the low nibble. No checkpoint format of its own here: it is a row of the table.
+Two codes per byte, element 2j in the low nibble (in memory).
+
+Checkpoints are written in bitsandbytes' layout, what transformers reads with BitsAndBytesConfig(load_in_4bit=True,
+bnb_4bit_quant_type="nf4") (config.json: quant_method "bitsandbytes"). bitsandbytes quantizes the weight [out, in]
+flattened, in blocks of `blocksize` consecutive weights, so its blocks are this layer's groups when in % G == 0
+(required here). Per linear:
+
+    weight                                  uint8 [out * in / 2, 1]   element 2k in the HIGH nibble of byte k
+    weight.absmax                           float32 [out * in / G]    one absmax per block (ours: f16 values, exact)
+    weight.quant_map                        float32 [16]              NF4_TABLE
+    weight.quant_state.bitsandbytes__nf4    uint8 [n]                 UTF-8 JSON {"quant_type": "nf4", "blocksize": G,
+                                                                        "dtype": "float32", "shape": [out, in]}
+
+so 4 + 32 / G bits per weight on disk (4.5 at G = 64). Double quantization (nested_absmax: bitsandbytes'
+bnb_4bit_use_double_quant) is not read.
 """
+import json
+
 import torch
 
 from ..kernels import triton_formats
 from .affine import grouped, pack_bits, unpack_bits
-from .base import QuantLinear
+from .base import CheckpointMethod, QuantLinear, linear_names
 from .calibration import whole_model
 
 NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -42,7 +58,11 @@ class NF4Linear(QuantLinear):
         super().__init__(in_features, out_f, bias)
         self.group_size = group_size
         self.register_buffer("packed", packed.to(torch.uint8).contiguous())
-        self.register_buffer("absmax", absmax.half().contiguous())
+        if absmax.dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"absmax must be float16 or float32, got {absmax.dtype}")
+        if not bool(torch.isfinite(absmax).all()) or bool((absmax < 0).any()):
+            raise ValueError("absmax must hold finite values >= 0")
+        self.register_buffer("absmax", absmax.contiguous())        # f16 when quantized here, f32 when read
 
     @classmethod
     def from_weight(cls, weight, group_size=64, bias=None):
@@ -59,7 +79,7 @@ class NF4Linear(QuantLinear):
                                          self.group_size)
 
     def storage_bits(self):
-        return 8 * self.packed.numel() + 16 * self.absmax.numel()
+        return 8 * self.packed.numel() + 8 * self.absmax.element_size() * self.absmax.numel()
 
 
 
@@ -75,3 +95,93 @@ def quantize_layer(layer, group_size=64):
 def quantize(model, calibration_ids=None, **options):
     """NF4 every linear but lm_head, in place (data-free: calibration_ids is ignored)."""
     return quantize_layer(whole_model(model), **options)
+
+
+# ---- bitsandbytes' checkpoint layout (module docstring) ---------------------------------------------------------
+
+BNB_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+BNB_STATE = "weight.quant_state.bitsandbytes__nf4"
+BNB_CONFIG = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+              "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False, "bnb_4bit_compute_dtype": "float32",
+              "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": ["lm_head"], "llm_int8_threshold": 6.0,
+              "llm_int8_has_fp16_weight": False, "llm_int8_enable_fp32_cpu_offload": False}
+
+
+def bnb_validate(config):
+    """A bitsandbytes quantization_config this reader holds: 4-bit NF4, no double quantization."""
+    if config.get("load_in_4bit") is not True or config.get("bnb_4bit_quant_type", "fp4") != "nf4":
+        raise ValueError("bitsandbytes checkpoint: only 4-bit NF4 is read (load_in_4bit true, bnb_4bit_quant_type "
+                         f"'nf4'), got load_in_4bit={config.get('load_in_4bit')!r}, "
+                         f"bnb_4bit_quant_type={config.get('bnb_4bit_quant_type')!r}")
+    if config.get("bnb_4bit_use_double_quant", False) is not False:
+        raise ValueError("bitsandbytes checkpoint: double quantization (bnb_4bit_use_double_quant) is not read")
+    return config
+
+
+def bnb_parts(config):
+    return ("weight", "weight.absmax", "weight.quant_map", BNB_STATE)
+
+
+def _check_blocksize(group_size, in_features):
+    if group_size not in BNB_BLOCKSIZES or in_features % group_size:
+        raise ValueError(f"bitsandbytes NF4: blocksize {group_size!r} must be one of {BNB_BLOCKSIZES} and divide "
+                         f"in_features {in_features} (its blocks run over the flattened weight)")
+
+
+def bnb_read(p, config):
+    """{part: tensor} of one linear -> NF4Linear (codes and absmax exactly as stored)."""
+    state = p[BNB_STATE]
+    if state.dtype != torch.uint8 or state.dim() != 1 or state.numel() > 4096:
+        raise ValueError(f"{BNB_STATE} must be a short uint8 [n] JSON string, got {state.dtype} {tuple(state.shape)}")
+    try:
+        info = json.loads(bytes(state.tolist()).decode("utf-8"))
+        shape, blocksize = [int(v) for v in info["shape"]], info["blocksize"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise ValueError(f"{BNB_STATE} is not bitsandbytes' quant-state JSON") from None
+    if info.get("quant_type") != "nf4" or len(shape) != 2 or min(shape) < 1 or type(blocksize) is not int:
+        raise ValueError(f"{BNB_STATE}: want quant_type nf4, a 2-D shape and an int blocksize, got {info}"[:300])
+    out_f, in_f = shape
+    _check_blocksize(blocksize, in_f)
+    weight, absmax, quant_map = p["weight"], p["weight.absmax"], p["weight.quant_map"]
+    if weight.dtype != torch.uint8 or weight.numel() != out_f * in_f // 2:
+        raise ValueError(f"weight must be uint8 with {out_f * in_f // 2} bytes, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if absmax.dtype != torch.float32 or tuple(absmax.shape) != (out_f * in_f // blocksize,):
+        raise ValueError(f"weight.absmax must be float32 [{out_f * in_f // blocksize}], got {absmax.dtype} "
+                         f"{tuple(absmax.shape)}")
+    if quant_map.dtype != torch.float32 or not torch.equal(quant_map.reshape(-1), NF4_TABLE):
+        raise ValueError("weight.quant_map is not the NF4 table")
+    b = weight.reshape(out_f, in_f // 2)
+    packed = ((b & 15) << 4) | (b >> 4)                       # high-nibble-first -> low-nibble-first
+    return NF4Linear(packed, absmax.reshape(out_f, -1), in_f, blocksize, p.get("bias"))
+
+
+def bnb_write(layer, config):
+    """NF4Linear -> {part: tensor} in bitsandbytes' layout."""
+    if not isinstance(layer, NF4Linear):
+        raise ValueError(f"bitsandbytes NF4 holds NF4Linear layers, got {type(layer).__name__}")
+    _check_blocksize(layer.group_size, layer.in_features)
+    state = {"quant_type": "nf4", "blocksize": layer.group_size, "dtype": "float32",
+             "shape": [layer.out_features, layer.in_features]}
+    b = layer.packed
+    return {"weight": (((b & 15) << 4) | (b >> 4)).reshape(-1, 1),
+            "weight.absmax": layer.absmax.float().reshape(-1), "weight.quant_map": NF4_TABLE.clone(),
+            BNB_STATE: torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)}
+
+
+def bnb_quantize_layer(layer, group_size=64):
+    """NF4 on the layer's linears (a calibration.LayerCalibration), blocks bitsandbytes can store; returns its
+    quantization_config."""
+    for name in linear_names(layer.layer):
+        _check_blocksize(group_size, layer.layer.get_submodule(name).in_features)
+    quantize_layer(layer, group_size)
+    return dict(BNB_CONFIG)
+
+
+def bnb_quantize(model, calibration_ids=None, **options):
+    """NF4 every linear but lm_head in bitsandbytes' blocks, in place (data-free)."""
+    return bnb_quantize_layer(whole_model(model), **options)
+
+
+CHECKPOINT = CheckpointMethod(name="bitsandbytes", parts=bnb_parts, read=bnb_read, write=bnb_write,
+                              quantize=bnb_quantize, validate=bnb_validate, quantize_layer=bnb_quantize_layer)

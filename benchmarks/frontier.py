@@ -1,0 +1,397 @@
+"""The quality frontier on a real model: the engine's rows and the peers' rows (llama.cpp, HQQ, bitsandbytes,
+AutoRound, GPTQModel, llm-compressor), every one scored the same way, in one table and one plot.
+
+    python benchmarks/frontier.py [--references smollm2 tiny] [--tools engine llama.cpp HQQ ...] [--rows SUBSTR ...]
+                                  [--out DIR] [--no-install] [--rerun SUBSTR ...] [--render]
+
+Fair by construction:
+- one reference per run, off every tool's grid (benchmarks/frontier_reference.py: SmolLM2-135M moved off its Q4_1
+  grid by a function-preserving channel rescaling plus noise of 0.03 of a step, and the book's float tiny model),
+  handed to every tool as the same files (an HF folder with its tokenizer, an F32 GGUF of the same weights);
+- one calibration (ids from the first 90% of Python's pydoc topics) for every data-aware tool; llama.cpp's
+  importance matrix is computed from the same ids (the reference's f32 forward, sum of x^2 per input column of each
+  linear, written in llama.cpp's GGUF imatrix format and handed to llama_model_quantize as llama-quantize does);
+- one scorer: each row's decoder linears (dequantized from the tool's own file) are put into the reference model and
+  run by the engine's float32 forward, so no tool's runtime (llama.cpp rounds activations to 8 bits) enters, and
+  llama.cpp's `perplexity --kl-divergence` statistics (engine.evaluation.compare_models) are taken against the
+  reference on the same chunks of held-out text (gpl3, pydoc: never calibrated on), the same scored positions;
+- one bit count: every bit the file stores for the decoder linears over their weights (frontier_peers docstring);
+  the engine's rows count their layers' storage_bits, the same rule (codes, every scale, offset and index).
+
+Each row is cached in OUT/<reference>/rows/<row>.json (a killed run resumes; --rerun recomputes matching rows); each
+prints one JSON line. At the end: a markdown table per reference sorted by bits (rows that could not run say why),
+the frontier at about 2.5, 3, 3.5, 4, 4.5, 5, 6.5 and 8 bits (the best peer row against the engine's best row at or
+below its bits), and OUT/frontier.png (KL on a log axis against bits, every tool's points). It is long on 2 cores
+(an hour or more for SmolLM2): run it under `nice -n 10`.
+"""
+import argparse
+import copy
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import frontier_peers as peers  # noqa: E402
+import frontier_reference as reference  # noqa: E402
+from engine.checkpoints.gguf_writer import gguf_name  # noqa: E402
+from engine.evaluation import ReferenceLogits, compare_models, kl_per_position  # noqa: E402
+from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, nf4, trellis  # noqa: E402
+from engine.formats.base import quantized_linears  # noqa: E402
+
+OUT = Path(os.environ.get("ENGINE_FRONTIER", Path.home() / ".cache" / "engine" / "frontier"))
+RATES = (2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.5, 8.0)
+ENGINE_ROWS = [   # (label, quantize(model, calibration, **options), options): cheap rows first
+    ("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
+    ("RTN int8, g128", affine.quantize, dict(bits=8, group_size=128)),
+    ("RTN int4, g128", affine.quantize, dict(bits=4, group_size=128)),
+    ("RTN int4, g32", affine.quantize, dict(bits=4, group_size=32)),
+    ("MXFP4", mx.quantize, dict(format="mxfp4")),
+    ("NVFP4", mx.quantize, dict(format="nvfp4")),
+    ("NF4, g64", nf4.quantize, dict(group_size=64)),
+    ("GPTQ int8, g128", gptq.quantize, dict(bits=8, group_size=128)),
+    ("GPTQ int4, g128", gptq.quantize, dict(group_size=128)),
+    ("GPTQ int4, g32", gptq.quantize, dict(group_size=32)),
+    ("AWQ int4, g128", awq.quantize, dict(group_size=128)),
+    ("AWQ int4, g32", awq.quantize, dict(group_size=32)),
+    ("GPTQ int2, g32", gptq.quantize, dict(bits=2, group_size=32)),
+    *[(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (4.0, 3.0, 2.0)],
+    *[(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.05)) for b in (4.0, 3.0, 2.1)],
+    *[(f"EntQuant + calibration-Hessian feedback, ~{b} bpw", entropy.quantize,
+       dict(bpw=b, tol=0.05, feedback="calibration")) for b in (3.0, 2.1)],
+    ("trellis BlockLDLQ, L=8, K=3", trellis.quantize, dict(L=8, K=3, ldlq=True)),
+    ("trellis BlockLDLQ, L=8, K=2", trellis.quantize, dict(L=8, K=2, ldlq=True)),
+]
+TOOLS = ("engine", "llama.cpp", "HQQ", "bitsandbytes", "GPTQModel", "llm-compressor", "AutoRound")
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Unavailable(RuntimeError):
+    """The tool's venv is missing or broken: the row says why and is not cached."""
+
+
+def slug(tool, label):
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{tool}-{label}").strip("_")
+
+
+class Context:
+    """What a row needs: the reference's folder and files, the peer's python, the importance matrix (made once)."""
+
+    def __init__(self, folder, model, calibration, settings):
+        self.folder, self.model, self.calibration, self.settings = folder, model, calibration, settings
+        self.files, self.python = folder / "files", None
+        self.files.mkdir(exist_ok=True)
+
+    def imatrix(self):
+        path = self.folder / "imatrix.gguf"
+        if not path.exists():
+            write_imatrix(importance(self.model, self.calibration), path, len(self.calibration),
+                          self.calibration.shape[1])
+        return path
+
+
+@torch.no_grad()
+def importance(model, calibration):
+    """{module: (sum over calibration tokens of x^2 per input column [in], tokens)} for every decoder linear: what
+    llama-imatrix accumulates (tools/imatrix/imatrix.cpp: acc[j] += x[j] * x[j], counts += rows), on the reference's
+    float32 forward."""
+    sums, hooks = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
+            def hook(mod, args, out, name=name):
+                x = args[0].reshape(-1, args[0].shape[-1]).double()
+                s, n = sums.get(name, (0, 0))
+                sums[name] = (s + x.square().sum(0), n + x.shape[0])
+            hooks.append(module.register_forward_hook(hook))
+    try:
+        for row in calibration:
+            model(row[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return sums
+
+
+def write_imatrix(sums, path, chunks, chunk_size):
+    """llama.cpp's GGUF imatrix file (common/imatrix-loader.cpp reads it): general.type "imatrix", imatrix.datasets,
+    imatrix.chunk_count, imatrix.chunk_size, and per weight `<gguf name>.in_sum2` F32 [in] and `.counts` F32 [1]."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch="imatrix")
+    w.add_string("general.type", "imatrix")
+    w.add_array("imatrix.datasets", ["pydoc_data.topics (first 90%)"])
+    w.add_uint32("imatrix.chunk_count", chunks)
+    w.add_uint32("imatrix.chunk_size", chunk_size)
+    for name, (s, n) in sorted(sums.items()):
+        stem = gguf_name(name + ".weight").removesuffix(".weight")
+        w.add_tensor(f"{stem}.weight.in_sum2", s.float().numpy()[None])
+        w.add_tensor(f"{stem}.weight.counts", torch.tensor([[float(n)]]).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def with_weights(model, weights):
+    """A copy of the dense reference with its decoder linears' weights replaced by `weights` {module: [out, in]}."""
+    model = copy.deepcopy(model)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.")}
+    if set(weights) != set(linears):
+        missing, extra = sorted(set(linears) - set(weights))[:3], sorted(set(weights) - set(linears))[:3]
+        raise ValueError(f"the file's linears do not match the model's (missing {missing}, unexpected {extra})")
+    for name, w in weights.items():
+        if tuple(w.shape) != tuple(linears[name].weight.shape):
+            raise ValueError(f"{name}: {tuple(w.shape)} in the file, {tuple(linears[name].weight.shape)} in the model")
+        linears[name].weight.data = w.float().contiguous()
+    return model
+
+
+def engine_row(model, calibration, quantize, options):
+    """Quantize a copy of the reference with the engine; -> (model, bits, how)."""
+    model = copy.deepcopy(model)
+    quantize(model, calibration, **options)
+    layers = quantized_linears(model).values()
+    bits = sum(layer.storage_bits() for layer in layers) / sum(layer.in_features * layer.out_features
+                                                                for layer in layers)
+    return model, bits, "its layers' storage_bits"
+
+
+def all_rows(tools, substrings):
+    rows = [("engine", label, None, (fn, options)) for label, fn, options in ENGINE_ROWS]
+    rows += [(tool, label, venv, produce) for tool, label, venv, produce in peers.peer_rows()]
+    return [r for r in rows if r[0] in tools and (not substrings or any(matches(s, r) for s in substrings))]
+
+
+def matches(pattern, row):
+    """--rows / --rerun: a substring of "tool label" (case-insensitive), or "=tool label" for that row alone."""
+    name = f"{row[0]} {row[1]}".lower()
+    return name == pattern[1:].lower() if pattern.startswith("=") else pattern.lower() in name
+
+
+def measure(row, ctx, refs, texts, install):
+    """One row -> its result dict (an "error" with the reason when the tool cannot run it)."""
+    tool, label, venv, work = row
+    result = {"tool": tool, "row": label}
+    t0 = time.perf_counter()
+    try:
+        if tool == "engine":
+            model, bits, how = engine_row(ctx.model, ctx.calibration, *work)
+        else:
+            ctx.python, missing = peers.venv_python(venv, install)
+            if missing:
+                raise Unavailable(f"{tool}: {missing}")
+            weights, per_module, how = work(ctx)
+            model = with_weights(ctx.model, weights)
+            weights_n = sum(w.numel() for w in weights.values())
+            bits = sum(per_module.values()) / weights_n
+        result.update(bits=round(bits, 4), bits_counted=how, seconds=round(time.perf_counter() - t0, 1))
+        result["texts"] = {t: compare_models(refs[t], model, texts[t]) for t in texts}
+    except (RuntimeError, ValueError, OSError, KeyError) as e:
+        result["error"] = f"{type(e).__name__}: {e}"[:400]
+    return result
+
+
+def run_reference(name, args):
+    model, info, folder = reference.build(name, args.out)
+    texts = {t: ids for t, ids in torch.load(folder / "texts.pt").items() if t in args.texts}
+    ctx = Context(folder, model, torch.load(folder / "calibration.pt"), reference.SETTINGS[name])
+    (folder / "rows").mkdir(exist_ok=True)
+    refs, results = None, []
+    for row in all_rows(args.tools, args.rows):
+        path = folder / "rows" / f"{slug(row[0], row[1])}.json"
+        rerun = args.rerun and any(matches(s, row) for s in args.rerun)
+        cached = json.loads(path.read_text()) if path.exists() and not rerun else None
+        if cached and ("error" in cached or set(texts) <= set(cached["texts"])):
+            results.append(cached)
+            continue
+        if args.render:
+            continue
+        if refs is None:
+            refs = {t: ReferenceLogits(model, ids) for t, ids in texts.items()}
+        log(f"{name}: {row[0]} {row[1]}")
+        result = {"reference": name, **measure(row, ctx, refs, texts, not args.no_install)}
+        print(json.dumps(result), flush=True)
+        if not result.get("error", "").startswith("Unavailable"):      # an absent tool is asked again next run
+            path.write_text(json.dumps(result, indent=1))
+        results.append(result)
+    if "llama.cpp" in args.tools:
+        info["cross_check"] = cross_check(ctx, texts, run=not args.render)
+    return info, results
+
+
+def cross_check(ctx, texts, kind="Q4_K_M", run=True):
+    """llama.cpp's own run of its `kind` file against the engine's f32 forward of the same dequantized weights, on the
+    first text's first 2 chunks: the KL llama.cpp's runtime adds (its 8-bit activations), which this scorer leaves
+    out. Cached in cross_check.json; None when llama.cpp or the file is missing."""
+    path = ctx.folder / "cross_check.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    python, missing = peers.venv_python("llamacpp", install=False) if run else (None, "not asked")
+    gguf_file = ctx.files / f"llama-{kind}.gguf"
+    if missing or not gguf_file.exists():
+        return None
+    import numpy as np
+    ids = next(iter(texts.values()))[:2]
+    np.save(ctx.files / "cross_check_ids.npy", ids.numpy())
+    out = ctx.files / "cross_check_logprobs.npy"
+    peers.run(python, peers.clients.RUNNERS, "llamacpp", ctx.files / "cross_check_ids.npy", out, gguf_file)
+    model = with_weights(ctx.model, peers.gguf_linears(gguf_file)[0])
+    with torch.no_grad():
+        ours = model(ids)
+    first = ids.shape[1] // 2
+    theirs = torch.from_numpy(np.load(out))[:, first:-1]
+    kl_ = kl_per_position(ours[:, first:-1], theirs.double())
+    result = {"file": f"llama.cpp {kind}", "positions": kl_.numel(), "kl_engine_vs_llama.cpp": float(kl_.mean())}
+    path.write_text(json.dumps(result))
+    return result
+
+
+# ---- the report -------------------------------------------------------------------------------------------------
+
+def kl(r, text):
+    return r["texts"][text]["kl_nats"]
+
+
+def table(info, results, texts):
+    """Markdown: one line per row sorted by bits, then the rows that could not run and why."""
+    ok = sorted((r for r in results if "error" not in r), key=lambda r: (r["bits"], kl(r, texts[0])))
+    head = ["tool", "row", "bits"] + [f"KL {t}" for t in texts] + [f"KL p99 {texts[0]}", f"same top % {texts[0]}",
+                                                                  "bits counted from"]
+    lines = [f"**{info['reference']}**: {info['model']}", "", "| " + " | ".join(head) + " |",
+             "|---|---|" + "---:|" * (len(head) - 3) + "---|"]
+    for r in ok:
+        s = r["texts"]
+        lines.append("| " + " | ".join([r["tool"], r["row"], f"{r['bits']:.3f}"] + [
+            f"{s[t]['kl_nats']:.3g} ± {s[t]['kl_stderr']:.2g}" for t in texts] + [
+            f"{s[texts[0]]['kl_p99']:.3g}", f"{s[texts[0]]['same_top_pct']:.1f}", r["bits_counted"]]) + " |")
+    for r in (r for r in results if "error" in r):
+        lines.append(f"| {r['tool']} | {r['row']} | - | cannot run: {r['error'].replace('|', '/')} |" +
+                     " |" * (len(head) - 4))
+    return "\n".join(lines)
+
+
+def nearest_rate(bits):
+    """The rate of RATES a row's bits belong to: the nearest, 0.05 bit of metadata forgiven (a 4-bit g128 row with
+    its 4.25 or 4.27 bits is a ~4-bit row, Q4_K_S's 4.54 a ~4.5-bit one)."""
+    return min(RATES, key=lambda rate: abs(rate - (bits - 0.05)))
+
+
+def frontier(results, text):
+    """Per target rate: the best peer row among those nearest that rate, and the engine's best row at or below the
+    peer row's bits -> [(rate, peer result, engine result or None)]."""
+    ok = [r for r in results if "error" not in r]
+    engine = [r for r in ok if r["tool"] == "engine"]
+    out = []
+    for rate in RATES:
+        near = [r for r in ok if r["tool"] != "engine" and nearest_rate(r["bits"]) == rate]
+        if not near:
+            continue
+        peer = min(near, key=lambda r: kl(r, text))
+        below = [r for r in engine if r["bits"] <= peer["bits"] + 1e-9]
+        out.append((rate, peer, min(below, key=lambda r: kl(r, text)) if below else None))
+    return out
+
+
+def frontier_table(results, text):
+    lines = ["| rate | best peer row (bits, KL) | engine's best at or below its bits (bits, KL) | engine / peer |",
+             "|---:|---|---|---:|"]
+    for rate, peer, ours in frontier(results, text):
+        mine = f"{ours['row']} ({ours['bits']:.2f}, {kl(ours, text):.3g})" if ours else "none"
+        ratio = f"{kl(ours, text) / kl(peer, text):.2f}x" if ours and kl(peer, text) > 0 else "-"
+        lines.append(f"| ~{rate} | {peer['tool']} {peer['row']} ({peer['bits']:.2f}, {kl(peer, text):.3g}) | "
+                     f"{mine} | {ratio} |")
+    return "\n".join(lines)
+
+
+def pareto(rows, text):
+    """The rows no other row beats with fewer or as many bits, by bits."""
+    front = []
+    for r in sorted(rows, key=lambda r: (r["bits"], kl(r, text))):
+        if not front or kl(r, text) < kl(front[-1], text):
+            front.append(r)
+    return front
+
+
+def reference_report(info, results, texts):
+    """The table, the reference's notes (its KL to the original, llama.cpp's cross-check) and the frontier."""
+    parts = [table(info, results, texts)]
+    if "perturbation_kl" in info:
+        parts.append("KL of this reference to the original SmolLM2: " + ", ".join(
+            f"{t} {v:.2e}" for t, v in info["perturbation_kl"].items()))
+    if info.get("cross_check"):
+        c = info["cross_check"]
+        parts.append(f"llama.cpp's own run of its {c['file']} file against this scorer's forward of the same weights: "
+                     f"KL {c['kl_engine_vs_llama.cpp']:.2e} over {c['positions']} positions (its 8-bit activations)")
+    parts += [f"frontier on {texts[0]} ({info['reference']}):", frontier_table(results, texts[0])]
+    return "\n\n".join(parts)
+
+
+MARKERS = {"engine": "o", "llama.cpp": "^", "HQQ": "s", "bitsandbytes": "D", "GPTQModel": "v",
+           "llm-compressor": "P", "AutoRound": "X"}
+
+
+def plot(reports, text, path):
+    """KL (log) against bits, a panel per reference, every tool's points (engine filled, peers open)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(reports), figsize=(9 * len(reports), 7), squeeze=False)
+    for ax, (info, results) in zip(axes[0], reports):
+        for tool, marker in MARKERS.items():
+            pts = [r for r in results if r["tool"] == tool and "error" not in r and kl(r, text) > 0]
+            if not pts:
+                continue
+            ax.scatter([r["bits"] for r in pts], [kl(r, text) for r in pts], marker=marker, s=55, label=tool,
+                       facecolors=None if tool == "engine" else "none", edgecolors=f"C{list(MARKERS).index(tool)}",
+                       color=f"C{list(MARKERS).index(tool)}")
+            for r in pts:
+                ax.annotate(r["row"].split(" (")[0], (r["bits"], kl(r, text)), fontsize=5, alpha=0.8,
+                            xytext=(3, 2), textcoords="offset points")
+        ok = [r for r in results if "error" not in r and kl(r, text) > 0]
+        for name, pts, style in (("engine's frontier", [r for r in ok if r["tool"] == "engine"], "C0-"),
+                                 ("peers' frontier", [r for r in ok if r["tool"] != "engine"], "k--")):
+            front = pareto(pts, text)
+            if front:
+                ax.step([r["bits"] for r in front], [kl(r, text) for r in front], style, where="post", lw=1,
+                        alpha=0.6, label=name)
+        ax.set(yscale="log", xlabel="bits per weight of the decoder linears (every scale and offset counted)",
+               ylabel=f"KL(reference || row), nats per token, held-out {text}", title=info["reference"])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--references", nargs="+", default=["smollm2", "tiny"], choices=list(reference.SETTINGS))
+    parser.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS)
+    parser.add_argument("--texts", nargs="+", default=["gpl3"], choices=reference.TEXTS,
+                        help="held-out texts to score (default gpl3: the domain the calibration never saw)")
+    parser.add_argument("--rows", nargs="*", help="only rows whose 'tool label' contains one of these substrings "
+                        "(or is '=tool label')")
+    parser.add_argument("--rerun", nargs="*", help="recompute the cached rows matching these substrings")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"cache and outputs (default {OUT})")
+    parser.add_argument("--no-install", action="store_true", help="a missing peer venv is a row's reason, not built")
+    parser.add_argument("--render", action="store_true", help="only the tables and plot of the cached rows")
+    parser.add_argument("--plot", type=Path, help="the plot's path (default OUT/frontier.png)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)      # on a shared 2-core machine a second thread made the forward 8x slower (spinning)
+    reports = [run_reference(name, args) for name in args.references]
+    report = "\n\n".join(reference_report(info, results, args.texts) for info, results in reports)
+    print("\n" + report)
+    (args.out / "frontier.md").write_text(report + "\n")
+    plot(reports, args.texts[0], args.plot or args.out / "frontier.png")
+    log(f"wrote {args.out / 'frontier.md'} and {args.plot or args.out / 'frontier.png'}")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,428 @@
+"""What `run.py`'s commands do (run.py itself only parses and dispatches): the cheap checks that run before any model
+loads, then train, quantize, eval, export, generate, and the quantformats table's selection (engine/quantformats.py
+measures it). Nothing heavy is imported at module level: each command imports what it runs, so that `run.py --help`
+and an argument error never wait for torch.
+"""
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)    # what GPTQModel's QuantizeConfig accepts
+# --bpw: EntQuant's lambda search (from the shipped table); GPTQ's GGML mix, Q2_K (2.625) to Q8_0 (8.5)
+BPW_RANGE = {"entquant": (1.5, 6.0), "gptq": (2.625, 8.5)}
+SMALL_MODEL = 2 << 30                                   # bytes on disk: generate runs a smaller model on one thread
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def bar(iterable=None, **kwargs):
+    """A tqdm progress bar on stderr (on a terminal; silent when stderr is a file)."""
+    from tqdm import tqdm
+    return tqdm(iterable, disable=None, dynamic_ncols=True, **kwargs)
+
+
+def clock(seconds):
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def model_bits(model):
+    from engine.formats.base import quantized_linears
+    layers = quantized_linears(model).values()
+    weights = sum(layer.in_features * layer.out_features for layer in layers)
+    return sum(layer.storage_bits() for layer in layers) / weights if weights else None
+
+
+def tiny_setup(args):
+    """The byte corpus and the tiny Qwen3 trained on it (cached)."""
+    from engine.data import Corpus, load_corpus
+    from engine.qwen3 import Qwen3Config
+    from engine.training import TrainConfig, trained_model
+    corpus = Corpus.from_bytes(load_corpus(args.text))
+    return corpus, trained_model(Qwen3Config(), corpus, TrainConfig(steps=args.steps, seed=args.seed))
+
+
+# ---- cheap checks, before anything is loaded ----------------------------------------------------------------------
+
+def check_model_path(path, flag="--model"):
+    """A model the engine can read: a folder holding config.json, or a .gguf file; says which part is missing."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{flag} {path}: no such file or folder")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{flag} {path}: a file must be a .gguf model; a Hugging Face model is a folder "
+                             "(config.json + safetensors)")
+        return path
+    if not path.is_dir():
+        raise ValueError(f"{flag} {path}: not a regular file or folder")
+    if not (path / "config.json").exists():
+        raise ValueError(f"{flag} {path}: the folder has no config.json (not a Hugging Face model folder)")
+    from engine.checkpoints.loaders import read_config
+    read_config(path)
+    return path
+
+
+def check_text(path, flag="--text"):
+    if path is not None:
+        p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"{flag} {p} is a folder; give a text file")
+        if not p.is_file():
+            raise ValueError(f"{flag} {p}: no such file")
+
+
+def check_output(out, force):
+    from engine.checkpoints.safe_writes import check_output as check
+    check(out, force, override="--force")
+
+
+def check_file_output(path, force, flag="--out"):
+    """One output file (GGUF): not a folder, not an existing file unless --force, in a folder that exists."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; a GGUF output is one file ({flag} FILE.gguf)")
+    if path.exists() and not force:
+        raise ValueError(f"{flag} {path} exists; choose another path or pass --force")
+    if not path.resolve().parent.is_dir():
+        raise ValueError(f"{flag} {path}: no folder {path.resolve().parent} to write it into")
+
+
+# ---- quantformats -----------------------------------------------------------------------------------------------
+
+def cmd_quantformats(args):
+    from engine import tables
+    rows = tables.rows() if args.model is None else tables.real_model_rows()
+    book = args.rows is None and args.model is None
+    selected = tables.book_rows() if book else rows if args.rows in (None, ["all"]) else tables.select(rows, args.rows)
+    if args.plot:
+        tables.check_plot(args.plot)
+    check_text(args.text)
+    if args.model is not None:
+        check_model_path(args.model)
+        check_text(args.calib, "--calib")
+    from engine import quantformats
+    if args.model is not None:
+        return quantformats.real_table(args, selected)
+    quantformats.tiny_table(args, selected, book, len(rows))
+
+
+# ---- train ------------------------------------------------------------------------------------------------------
+
+def cmd_train(args):
+    check_text(args.text)
+    if args.out:
+        check_output(args.out, args.force)
+    _, model = tiny_setup(args)
+    if args.out:
+        from engine.checkpoints.loaders import save_dense
+        from engine.checkpoints.tokenizer import export_tokenizer
+        save_dense(model, args.out, force=args.force, side_files=lambda folder: export_tokenizer(None, folder))
+        log(f"saved {args.out}")
+
+
+# ---- quantize ---------------------------------------------------------------------------------------------------
+
+def quantize_options(args):
+    """--option KEY=VALUE and the named flags -> {keyword: value} for the method, each value parsed by the type of
+    that keyword's default; unknown keywords and values of the wrong type are errors."""
+    from engine.checkpoints.registry import method_options
+    accepted = method_options(args.method)
+    options = {}
+    for text in args.option or []:
+        key, sep, value = text.partition("=")
+        key = key.replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"--option wants KEY=VALUE, got {text!r}")
+        if key not in accepted:
+            raise ValueError(f"--method {args.method} takes no option {key!r}; it takes {list(accepted)}")
+        options[key] = parse_value(key, value, accepted[key])
+    flags = (("bits", getattr(args, "bits", None)), ("group_size", args.group_size), ("order", args.order),
+             ("bpw", args.bpw))
+    for key, value in flags:
+        if value is not None:
+            if key not in accepted:
+                flag = f"--{key.replace('_', '-')}"
+                raise ValueError(f"{flag} does not apply to --method {args.method}; it takes "
+                                 f"{list(accepted) or 'no options'}")
+            options[key] = value
+    return options
+
+
+def parse_value(key, text, default):
+    """A command-line value read as the type of the keyword's default: true/false/1/0/yes/no for a bool, a number
+    for an int or a float, text for a str; JSON (numbers, lists, true/false) where the default is None."""
+    if isinstance(default, bool):
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"option {key} wants true or false, got {text!r}")
+        return text.lower() in ("true", "1", "yes")
+    try:
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+    except ValueError:
+        raise ValueError(f"option {key} wants {type(default).__name__}, got {text!r}") from None
+    if isinstance(default, str):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def check_quantize_args(args):
+    """Everything about `quantize` that can be checked without loading a model: (registry method, options)."""
+    check_text(args.text)
+    if args.model is not None:
+        check_model_path(args.model)
+        check_text(args.calib, "--calib")
+    from engine.checkpoints.registry import resolve
+    options = quantize_options(args)
+    group = options.get("group_size")
+    if args.method in ("gptq", "awq", "compressed-tensors", "rtn") and group is not None and group not in GROUP_SIZES:
+        raise ValueError(f"--group-size {group}: GPTQModel, AutoAWQ and vLLM accept {list(GROUP_SIZES)}")
+    if args.method == "rtn" and group == -1:
+        raise ValueError("--group-size -1: rtn takes a positive group size (compressed-tensors' per-row "
+                         "strategy is --method compressed-tensors)")
+    bpw = options.get("bpw")
+    if bpw is not None and not BPW_RANGE[args.method][0] <= bpw <= BPW_RANGE[args.method][1]:
+        low, high = BPW_RANGE[args.method]
+        raise ValueError(f"--bpw {bpw}: {args.method} reaches {low} to {high} bits per weight")
+    method, options = resolve(args.method, options)
+    if args.target or args.format == "gguf":
+        from engine.checkpoints.serving import check_target
+        options, args.format = check_target(args.target or "llama.cpp", method, options, args.format)
+    if args.format == "gguf":
+        check_file_output(args.out, args.force)
+        if args.model is not None:
+            from engine.checkpoints.safe_writes import check_apart
+            check_apart(args.model, args.out)
+    elif args.model is None:                             # a --model's output is checked by its Conversion, once
+        check_output(args.out, args.force)
+    return method, options
+
+
+def convert(args, out, method, options, force=False):
+    """--model quantized layer by layer into the folder `out`: every check once, the source opened once."""
+    from engine.checkpoints.streaming import Conversion
+    with Conversion(args.model, out, method, force=force, override="--force", **options) as conversion:
+        ids = None
+        if conversion.needs_data:
+            from engine.data import Corpus, load_corpus
+            log("tokenizing the calibration text ...")
+            corpus = Corpus.from_text(load_corpus(args.calib), conversion.source.tokenizer())
+            ids = corpus.calibration(seq_len=args.calib_len, n=args.calib_samples)
+        return conversion.run(ids)
+
+
+def cmd_quantize(args):
+    method, options = check_quantize_args(args)
+    from engine.checkpoints.registry import METHODS as REGISTRY
+    from engine.checkpoints.registry import save_quantized
+    from engine.checkpoints.tokenizer import export_tokenizer
+    started = time.time()
+    if args.model is None:
+        corpus, model = tiny_setup(args)
+        log(f"quantizing the tiny model with {args.method} ...")
+        if args.format == "gguf":
+            from engine.checkpoints.gguf_writer import write_gguf
+            REGISTRY[method].quantize(model, corpus.calibration(), **options)
+            report = write_gguf(model, args.out, force=args.force)
+            log(f"wrote {args.out}: {json.dumps(report)}")
+            return summarize_output(args.out, model_bits(model), started)
+        qcfg = save_quantized(model, args.out, method, corpus.calibration(), force=args.force,
+                              side_files=lambda folder: export_tokenizer(None, folder), **options)
+    else:
+        from engine.checkpoints.serving import export_gguf
+        if args.format == "gguf":   # layer by layer into a folder of ours beside FILE, then one GGUF from it
+            import tempfile
+            with tempfile.TemporaryDirectory(dir=Path(args.out).resolve().parent, prefix=".gguf-") as tmp:
+                convert(args, Path(tmp) / "ck", method, options)
+                report = export_gguf(Path(tmp) / "ck", args.out, force=args.force)
+            log(f"wrote {args.out}: {json.dumps(report)}")
+            return summarize_output(args.out, None, started)
+        qcfg = convert(args, args.out, method, options, args.force)
+    log(f"wrote {args.out}: {json.dumps(qcfg)}")
+    summarize_output(args.out, None, started)
+    if args.target == "vllm":
+        from engine.checkpoints.serving import tp_degrees, vllm_serve_command
+        log(f"tensor-parallel degrees: {json.dumps(tp_degrees(args.out))}\nserve: {vllm_serve_command(args.out)}")
+
+
+def summarize_output(out, bits, started):
+    """The human line after a checkpoint is written: bits per quantized weight, the files' size, the time."""
+    from engine.checkpoints.registry import checkpoint_bits
+    out = Path(out)
+    files = [out] if out.is_file() else [p for p in out.iterdir() if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    if out.is_dir():                                     # what the files hold (f32 scales, packed zero points ...)
+        bits = checkpoint_bits(out)
+    per = f"{bits:.3f} bits per quantized weight (every stored bit of the quantized linears), " if bits else ""
+    log(f"summary: {per}{size / 1e6:.1f} MB in {len(files)} file(s), {clock(time.time() - started)}")
+
+
+# ---- export, eval, generate -------------------------------------------------------------------------------------
+
+def cmd_export(args):
+    source = Path(args.source)
+    if source.is_file() and source.suffix == ".gguf":
+        pass
+    elif not source.exists():
+        raise ValueError(f"SOURCE {source}: no such file or folder")
+    else:
+        check_model_path(source, "SOURCE")
+    check_file_output(args.gguf, args.force, "--gguf")
+    from engine.checkpoints.serving import export_gguf
+    log(f"loading {source} ...")
+    log(f"wrote {args.gguf}: {json.dumps(export_gguf(args.source, args.gguf, force=args.force))}")
+
+
+def cmd_eval(args):
+    if args.model is not None or args.quantized is not None:
+        return eval_real(args)
+    if args.checkpoint is None:
+        raise ValueError("give a checkpoint of the tiny model (a folder or .gguf file), or --model REF --quantized Q")
+    check_model_path(args.checkpoint, "CHECKPOINT")
+    check_text(args.text)
+    from engine.checkpoints.loaders import checkpoint_source, model_digest
+    from engine.checkpoints.registry import load_model
+    from engine.evaluation import held_out_logits, kl_stats
+    from engine.quantformats import evaluate
+    path = Path(args.checkpoint)
+    source = checkpoint_source(path) if path.is_dir() else None   # a missing or broken checkpoint fails here
+    corpus, reference = tiny_setup(args)
+    if source is not None and source != model_digest(reference):
+        raise ValueError(f"{path} was quantized from another model (digest {source[:12]}) than this reference "
+                         f"({model_digest(reference)[:12]}, from --steps {args.steps} --seed {args.seed}"
+                         f"{' --text ' + args.text if args.text else ''}); give the settings it was made with")
+    windows = corpus.eval_windows()
+    model = load_model(path)
+    stats = kl_stats(held_out_logits(reference, windows), evaluate(model, windows, args.impl))
+    bits = model_bits(model)
+    print(json.dumps({"checkpoint": str(path), "bits": None if bits is None else round(bits, 3), **stats}))
+    log(f"summary: KL {stats['kl_nats']:.5f} ± {stats['kl_stderr']:.5f} nats per byte (p99 {stats['kl_p99']:.4f}), "
+        f"same top byte {stats['same_top_pct']:.1f}%" + (f", {bits:.3f} bits per weight" if bits else ""))
+
+
+def eval_real(args):
+    if args.model is None or args.quantized is None:
+        raise ValueError("eval needs both --model REF and --quantized Q")
+    ref_path, q_path = check_model_path(args.model), check_model_path(args.quantized, "--quantized")
+    check_text(args.text)
+    import torch
+    from engine.checkpoints.loaders import checkpoint_source, model_digest
+    from engine.checkpoints.registry import load_model
+    from engine.checkpoints.tokenizer import load_tokenizer
+    from engine.data import Corpus, load_corpus
+    from engine.evaluation import compare_models, markdown_table
+    corpus = Corpus.from_text(load_corpus(args.text), load_tokenizer(ref_path))
+    chunks = corpus.eval_chunks(args.ctx, args.chunks)                  # short text fails before any model loads
+    source = checkpoint_source(q_path) if q_path.is_dir() else None
+    log(f"loading {ref_path} ...")
+    reference = load_model(ref_path, torch.float32, dense=True)
+    if source is not None and source != model_digest(reference):
+        raise ValueError(f"{q_path} was quantized from another model (digest {source[:12]}) than {ref_path} "
+                         f"({model_digest(reference)[:12]})")
+    log(f"loading {q_path} ...")
+    quantized = load_model(q_path)
+    bits = model_bits(quantized)
+    from engine.formats.base import decoded_weights, impl
+    with impl(args.impl), decoded_weights(quantized):
+        stats = compare_models(reference, quantized, chunks, impl=args.impl,
+                               progress=lambda it: bar(it, desc="evaluating", unit="chunk"))
+    result = {"reference": str(ref_path), "quantized": str(q_path), "bits": bits and round(bits, 3), **stats}
+    print(json.dumps(result))
+    print(markdown_table([{**result, "model": q_path.name}]))
+    log(f"summary: KL {stats['kl_nats']:.4f} ± {stats['kl_stderr']:.4f} nats per token (p99 "
+        f"{stats['kl_p99']:.3f}), perplexity {stats['ppl']:.2f} vs {stats['ppl_ref']:.2f} for the reference, same top "
+        f"token {stats['same_top_pct']:.1f}%, on {stats['positions']} positions"
+        + (f"; {bits:.3f} bits per quantized weight" if bits else ""))
+
+
+def cmd_generate(args):
+    if not args.prompt:
+        raise ValueError("--prompt is empty")
+    check_text(args.text)
+    if args.model is not None:
+        check_model_path(args.model)
+    import torch
+    from engine.checkpoints.tokenizer import encode, load_tokenizer
+    from engine.formats.base import decoded_weights, impl
+    started = time.time()
+    # A small model's ops (and at batch 1 any model's steps are small) are too small to share between threads:
+    # they only wait on each other, 4-10x slower on a loaded 2-core machine (measured); a big model's weights need
+    # every core's memory bandwidth. Small: under SMALL_MODEL bytes on disk.
+    threads = torch.get_num_threads()
+    if args.model is not None and model_bytes(args.model) < SMALL_MODEL:
+        torch.set_num_threads(1)
+    if args.model is None:
+        _, model = tiny_setup(args)                       # (training, when not cached, on every thread)
+        tokenizer = load_tokenizer(None)                  # bytes
+        torch.set_num_threads(1)
+    else:
+        from engine.checkpoints.registry import load_model
+        tokenizer = load_tokenizer(args.model)
+        log(f"loading {args.model} ...")
+        model = load_model(args.model, progress=lambda it, total: bar(it, total=total, desc="loading",
+                                                                      unit="tensor", leave=False))
+    ids = encode(tokenizer, args.prompt.encode("utf-8"))[None]
+    if ids.numel() == 0:
+        raise ValueError("--prompt is empty")
+    loaded = time.time()
+    generator = torch.Generator().manual_seed(args.seed)
+    state = {"first": None, "new": []}
+
+    def show(token):                                   # each token as it comes (whole UTF-8 characters)
+        state["first"] = state["first"] or time.time()
+        state["new"].append(int(token[0, 0]))
+        text = spell(tokenizer, state["new"])
+        sys.stdout.buffer.write(text[state.get("shown", 0):])
+        sys.stdout.buffer.flush()
+        state["shown"] = len(text)
+
+    try:
+        with impl(args.impl), decoded_weights(model, progress=lambda it: bar(it, desc="decoding weights",
+                                                                                unit="layer", leave=False)) as kept:
+            decoded = time.time()
+            model.generate(ids, args.max_new_tokens, args.temperature, generator, on_token=show)
+    finally:
+        torch.set_num_threads(threads)
+    sys.stdout.buffer.write(b"\n")
+    sys.stdout.buffer.flush()
+    done = time.time()
+    n = len(state["new"])
+    log(f"load {loaded - started:.1f} s, " + (f"decode weights {decoded - loaded:.1f} s, " if kept else "")
+        + f"first token {state['first'] - decoded:.2f} s after that, {n} tokens in {done - decoded:.1f} s "
+        f"({n / max(done - decoded, 1e-9):.1f} tokens/s)")
+
+
+def model_bytes(path):
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def spell(tokenizer, ids):
+    """The bytes ids spell: exact for a byte-level vocabulary, the tokenizer's own decoder otherwise; an incomplete
+    UTF-8 character at the end is held back until its last byte arrives."""
+    from engine.checkpoints.tokenizer import token_bytes
+    try:
+        text = token_bytes(tokenizer, ids)
+    except ValueError:                                   # a SentencePiece-style vocabulary: its own decoder
+        return tokenizer.decode(ids).rstrip("\ufffd").encode("utf-8")
+    for cut in range(min(3, len(text)), 0, -1):          # hold back a partial character (at most 3 bytes)
+        try:
+            text[len(text) - cut:].decode("utf-8")
+            break
+        except UnicodeDecodeError:
+            if text[len(text) - cut] >> 6 == 0b11:       # the lead byte of the unfinished character
+                return text[:len(text) - cut]
+    return text

@@ -1,0 +1,135 @@
+"""benchmarks/frontier.py's pieces: the bit count and dequantization of a GGUF file (gguf-py against the engine's
+layers), the reference moved off its grid with its function kept, llama.cpp's imatrix file, the frontier's choice,
+and a tiny run end to end (JSON lines, table, plot, resume, a peer that is absent says why)."""
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import client_runners  # noqa: E402
+import frontier  # noqa: E402
+import frontier_peers  # noqa: E402
+import frontier_reference  # noqa: E402
+from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
+from engine.evaluation import kl_per_position  # noqa: E402
+from engine.formats import affine  # noqa: E402
+from engine.formats.base import quantized_linears  # noqa: E402
+from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def llama_model(seed=0):
+    """A small llama (q/k rows permuted in GGUF, no q/k norms) with rows of 256 and groups of 32."""
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(model_type="llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, num_hidden_layers=1, vocab_size=256)
+    return Qwen3(cfg).eval()
+
+
+def test_gguf_linears_counts_bits_from_the_types_and_dequantizes_like_the_engine(tmp_path):
+    model = llama_model()
+    affine.quantize(model, bits=4, group_size=32, sym=True)           # written as Q4_0: 18 bytes per 32 weights
+    write_gguf(model, tmp_path / "m.gguf")
+    weights, bits, types = frontier_peers.gguf_linears(tmp_path / "m.gguf")
+    layers = quantized_linears(model)
+    assert set(weights) == set(layers) and types == {"Q4_0": sum(w.numel() for w in weights.values())}
+    for name, layer in layers.items():                                # q/k rows back in HF's order
+        assert torch.equal(weights[name], layer.dequantize().float()), name
+        assert bits[name] == layer.in_features * layer.out_features * 4.5
+
+
+def test_perturbation_leaves_the_grid_and_keeps_the_function_without_noise():
+    model = llama_model(1)
+    with torch.no_grad():                                             # put every linear on a Q4_1 grid (g32)
+        for _, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and m is not model.lm_head:
+                m.weight.copy_(affine.fake_quantize(m.weight, bits=4, group_size=32))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def on_grid(m):                                                   # share of groups a Q4_1 RTN reproduces
+        w = m.model.layers[0].mlp.down_proj.weight.detach()
+        return (affine.fake_quantize(w, bits=4, group_size=32) - w).abs().reshape(-1, 32).amax(1).lt(1e-6) \
+            .float().mean().item()
+
+    moved = frontier_reference.perturb(copy.deepcopy(model), seed=0, noise=0.0, spread=0.25)
+    noisy = frontier_reference.perturb(copy.deepcopy(model), seed=0, noise=0.03, spread=0.25)
+    with torch.no_grad():
+        ref, same, other = model(ids), moved(ids), noisy(ids)
+    assert on_grid(model) > 0.99 and on_grid(moved) < 0.05
+    assert kl_per_position(ref, same).max() < 1e-9 < kl_per_position(ref, other).mean()
+
+
+def test_imatrix_file_holds_mean_squares_under_llama_cpp_names(tmp_path):
+    model = llama_model()
+    calibration = torch.randint(0, 256, (3, 8), generator=torch.Generator().manual_seed(0))
+    sums = frontier.importance(model, calibration)
+    x = model.model.layers[0].input_layernorm(model.model.embed_tokens(calibration)).reshape(-1, 256).double()
+    assert torch.allclose(sums["model.layers.0.self_attn.q_proj"][0], x.square().sum(0))
+    assert sums["model.layers.0.mlp.down_proj"][1] == 24
+    frontier.write_imatrix(sums, tmp_path / "imatrix.gguf", 3, 8)
+    entries = dict(client_runners.imatrix_entries(str(tmp_path / "imatrix.gguf")))
+    assert set(entries) == {f"blk.0.{t}.weight".encode() for t in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                    "ffn_gate", "ffn_up", "ffn_down")}
+    assert torch.allclose(torch.from_numpy(entries[b"blk.0.attn_q.weight"]).double(), x.square().mean(0), rtol=1e-5)
+    from gguf import GGUFReader
+    fields = GGUFReader(str(tmp_path / "imatrix.gguf")).fields
+    assert bytes(fields["general.type"].parts[-1]).decode() == "imatrix"
+    assert int(fields["imatrix.chunk_count"].parts[-1][0]) == 3
+
+
+def test_frontier_compares_the_best_peer_with_the_engine_at_or_below_its_bits():
+    def row(tool, bits, kl):
+        return {"tool": tool, "row": f"{tool}{bits}", "bits": bits, "texts": {"t": {"kl_nats": kl}}}
+    results = [row("engine", 3.9, 0.2), row("engine", 4.3, 0.05), row("llama.cpp", 4.1, 0.1),
+               row("HQQ", 4.0, 0.3), row("engine", 8.0, 0.01), {"tool": "HQQ", "row": "x", "error": "absent"}]
+    [(rate, peer, ours)] = frontier.frontier(results, "t")
+    assert (rate, peer["row"], ours["row"]) == (4.0, "llama.cpp4.1", "engine3.9")   # 4.3 bits is above 4.1
+
+
+def test_tiny_run_writes_rows_table_and_plot_resumes_and_names_absent_peers(tmp_path, monkeypatch, capsys,
+                                                                            tiny_model):
+    monkeypatch.setitem(frontier_reference.SETTINGS, "tiny", dict(ctx=32, chunks=2, calib_len=32, calib_samples=2,
+                                                                  autoround_iters=0))
+    monkeypatch.setattr(frontier_reference, "trained_model", lambda *a, **k: tiny_model)
+    monkeypatch.setattr(frontier_peers.clients, "CACHE", tmp_path / "no-venvs")
+    args = ["--references", "tiny", "--tools", "engine", "HQQ", "--rows", "RTN int4, g128", "FP8", "HQQ int4 g64",
+            "--out", str(tmp_path), "--no-install", "--texts", "gpl3", "pydoc"]
+    frontier.main(args)
+    out = capsys.readouterr().out
+    lines = [json.loads(s) for s in out.splitlines() if s.startswith("{")]
+    assert [r["row"] for r in lines] == ["FP8 E4M3, 128x128 blocks", "RTN int4, g128", "int4 g64"]
+    assert "not installed" in lines[2]["error"] and "| HQQ | int4 g64 | - | cannot run: " in out
+    table = [s for s in out.splitlines() if s.startswith("| engine |")]
+    assert [s.split(" | ")[1] for s in table] == ["RTN int4, g128", "FP8 E4M3, 128x128 blocks"]   # sorted by bits
+    assert (tmp_path / "frontier.png").stat().st_size > 10_000
+    monkeypatch.setattr(frontier, "engine_row", lambda *a: pytest.fail("a cached row was recomputed"))
+    frontier.main(args)                                               # the absent peer is asked again
+    assert [json.loads(s)["row"] for s in capsys.readouterr().out.splitlines() if s.startswith("{")] == ["int4 g64"]
+
+
+LLAMA_PYTHON = frontier_peers.clients.CACHE / "llamacpp" / "venv" / "bin" / "python"
+
+
+@pytest.mark.skipif(not LLAMA_PYTHON.exists(), reason="llama.cpp's venv (benchmarks/clients.py builds it) is absent")
+def test_llama_cpp_quantizes_iq2_only_with_our_imatrix_file(tmp_path):
+    import subprocess
+    from engine.checkpoints.gguf import GGUFFile
+    model = llama_model()
+    write_gguf(model, tmp_path / "f32.gguf")
+    calibration = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    frontier.write_imatrix(frontier.importance(model, calibration), tmp_path / "imatrix.gguf", 4, 32)
+
+    def quantize(out, *extra):
+        return subprocess.run([str(LLAMA_PYTHON), str(frontier_peers.clients.RUNNERS), "quantize",
+                               str(tmp_path / "f32.gguf"), str(out), "IQ2_XXS", *extra], capture_output=True, text=True)
+    assert quantize(tmp_path / "plain.gguf").returncode != 0              # llama.cpp refuses IQ2 without one
+    done = quantize(tmp_path / "iq2.gguf", "--imatrix", str(tmp_path / "imatrix.gguf"))
+    assert done.returncode == 0, done.stderr[-500:]
+    assert json.loads(done.stdout.splitlines()[-1])["imatrix_entries"] == 7
+    with GGUFFile(tmp_path / "iq2.gguf") as f:
+        assert {i.type_name for n, i in f.tensors.items() if n.startswith("blk.0.ffn_up")} == {"IQ2_XXS"}
