@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)    # what GPTQModel's QuantizeConfig accepts
-BPW_RANGE = (1.5, 6.0)                                  # EntQuant's lambda search, from the shipped table
+# --bpw: EntQuant's lambda search (from the shipped table); GPTQ's GGML mix, Q2_K (2.625) to Q8_0 (8.5)
+BPW_RANGE = {"entquant": (1.5, 6.0), "gptq": (2.625, 8.5)}
 SMALL_MODEL = 2 << 30                                   # bytes on disk: generate runs a smaller model on one thread
 
 
@@ -193,8 +194,9 @@ def check_quantize_args(args):
         raise ValueError("--group-size -1: rtn takes a positive group size (compressed-tensors' per-row "
                          "strategy is --method compressed-tensors)")
     bpw = options.get("bpw")
-    if bpw is not None and not BPW_RANGE[0] <= bpw <= BPW_RANGE[1]:
-        raise ValueError(f"--bpw {bpw}: {args.method} reaches {BPW_RANGE[0]} to {BPW_RANGE[1]} bits per weight")
+    if bpw is not None and not BPW_RANGE[args.method][0] <= bpw <= BPW_RANGE[args.method][1]:
+        low, high = BPW_RANGE[args.method]
+        raise ValueError(f"--bpw {bpw}: {args.method} reaches {low} to {high} bits per weight")
     method, options = resolve(args.method, options)
     if args.target or args.format == "gguf":
         from engine.checkpoints.serving import check_target
