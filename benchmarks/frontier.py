@@ -43,7 +43,7 @@ import frontier_reference as reference  # noqa: E402
 from engine.checkpoints.gguf_writer import gguf_name  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, kl_per_position  # noqa: E402
 from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, nf4, trellis  # noqa: E402
-from engine.formats.base import quantized_linears  # noqa: E402
+from engine.formats.base import model_bits  # noqa: E402
 
 OUT = Path(os.environ.get("ENGINE_FRONTIER", Path.home() / ".cache" / "engine" / "frontier"))
 RATES = (2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.5, 8.0)
@@ -163,10 +163,7 @@ def engine_row(model, calibration, quantize, options):
     """Quantize a copy of the reference with the engine; -> (model, bits, how)."""
     model = copy.deepcopy(model)
     quantize(model, calibration, **options)
-    layers = quantized_linears(model).values()
-    bits = sum(layer.storage_bits() for layer in layers) / sum(layer.in_features * layer.out_features
-                                                                for layer in layers)
-    return model, bits, "its layers' storage_bits"
+    return model, model_bits(model), "its layers' storage_bits"
 
 
 def all_rows(tools, substrings):
