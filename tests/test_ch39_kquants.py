@@ -260,8 +260,8 @@ def test_choose_is_never_worse_than_any_choice_it_could_afford_on_small_tables()
 def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
     torch.manual_seed(0)
     model = Qwen3(K_CFG).eval()
-    qcfg = gptq.quantize(model, calibration_ids(), ggml_type="mix", bpw=4.0)
-    assert qcfg["bpw"] == 4.0 and len(set(qcfg["ggml_types"].values())) > 1           # a mix, not one type
+    qcfg = gptq.quantize(model, calibration_ids(), bpw=4.0)                           # a budget alone: a mix
+    assert qcfg["ggml_type"] == "mix" and qcfg["bpw"] == 4.0 and len(set(qcfg["ggml_types"].values())) > 1
     gguf_writer.write_gguf(model, tmp_path / "m.gguf")
     with gguf.GGUFFile(tmp_path / "m.gguf") as f:
         linears = [info for key, info in f.tensors.items() if key.split(".")[-2] in gguf.LINEARS]
@@ -271,6 +271,15 @@ def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
         gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix", bpw=2.5)
     with pytest.raises(ValueError, match="needs a bits budget"):
         gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix")
+
+
+@pytest.mark.parametrize("method, bpw, reach", [("gptq", "9", "2.625 to 8.5"), ("gptq", "2.5", "2.625 to 8.5"),
+                                                ("entquant", "6.5", "1.5 to 6.0")])
+def test_cli_refuses_a_bpw_its_method_cannot_reach_before_any_work(tmp_path, method, bpw, reach):
+    from test_cli import run
+    out = run("quantize", "--method", method, "--bpw", bpw, "--out", str(tmp_path / "m"))
+    assert out.returncode == 1 and out.stderr.startswith(f"error: --bpw {float(bpw)}: {method} reaches {reach}")
+    assert not (tmp_path / "m").exists()
 
 
 @pytest.mark.slow
