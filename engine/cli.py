@@ -92,6 +92,40 @@ def check_file_output(path, force, flag="--out"):
         raise ValueError(f"{flag} {path}: no folder {path.resolve().parent} to write it into")
 
 
+# ---- a real model's calibration ----------------------------------------------------------------------------------
+
+def check_calibration(args):
+    """--calib's sources, checked before anything loads (a missing or empty file is one error)."""
+    from engine.data import check_sources
+    if args.calib is not None:
+        check_sources(args.calib)
+
+
+def real_calibration(args, tokenizer, model):
+    """The calibration of a real model from --calib (default: engine.data.DEFAULT_CALIBRATION), --calib-samples and
+    --calib-len; model() loads the model, called only to sample its own text (on one thread for a small model: its
+    decoding steps are too small to share between threads, see cmd_generate)."""
+    import torch
+    from engine.checkpoints.tokenizer import bos_id
+    from engine.data import DEFAULT_CALIBRATION, SELF, calibration_ids
+    sources = tuple(args.calib or DEFAULT_CALIBRATION)
+    log(f"calibration: {' + '.join(sources)}, {args.calib_samples} x {args.calib_len} tokens ...")
+    threads = torch.get_num_threads()
+    steps = args.calib_len - 1 - (bos_id(tokenizer) is not None)
+    progress = bar(total=steps, desc="sampling the model's own text", unit="token") if SELF in sources else None
+    try:
+        if model_bytes(args.model) < SMALL_MODEL:
+            torch.set_num_threads(1)
+        calibration = calibration_ids(sources, tokenizer, args.calib_len, args.calib_samples, model=model,
+                                      on_token=progress and (lambda token: progress.update()))
+    finally:
+        torch.set_num_threads(threads)
+        if progress is not None:
+            progress.close()
+    log(f"calibration: {calibration.name}, {tuple(calibration.ids.shape)} ids, sha256 {calibration.digest[:16]}")
+    return calibration
+
+
 # ---- quantformats -----------------------------------------------------------------------------------------------
 
 def cmd_quantformats(args):
@@ -104,7 +138,7 @@ def cmd_quantformats(args):
     check_text(args.text)
     if args.model is not None:
         check_model_path(args.model)
-        check_text(args.calib, "--calib")
+        check_calibration(args)
     from engine import quantformats
     if args.model is not None:
         return quantformats.real_table(args, selected)
@@ -183,7 +217,7 @@ def check_quantize_args(args):
     check_text(args.text)
     if args.model is not None:
         check_model_path(args.model)
-        check_text(args.calib, "--calib")
+        check_calibration(args)
     from engine.checkpoints.registry import resolve
     options = quantize_options(args)
     group = options.get("group_size")
@@ -226,13 +260,14 @@ def cmd_quantize(args):
     else:
         from engine.checkpoints.serving import export_gguf
         from engine.checkpoints.streaming import quantize_checkpoint
-        ids = None
+        ids, records = None, None
         if REGISTRY[method].calibration(options):
+            import torch
+            from engine.checkpoints.registry import load_model
             from engine.checkpoints.tokenizer import load_tokenizer
-            from engine.data import Corpus, load_corpus
-            log("tokenizing the calibration text ...")
-            corpus = Corpus.from_text(load_corpus(args.calib), load_tokenizer(args.model))
-            ids = corpus.calibration(seq_len=args.calib_len, n=args.calib_samples)
+            calibration = real_calibration(args, load_tokenizer(args.model),
+                                           lambda: load_model(args.model, torch.float32, dense=True))
+            ids, records = calibration.ids, calibration.records()
         if args.format == "gguf":   # layer by layer into a folder of ours beside FILE, then one GGUF from it
             import tempfile
             with tempfile.TemporaryDirectory(dir=Path(args.out).resolve().parent, prefix=".gguf-") as tmp:
@@ -240,7 +275,7 @@ def cmd_quantize(args):
                 report = export_gguf(Path(tmp) / "ck", args.out, force=args.force)
             log(f"wrote {args.out}: {json.dumps(report)}")
             return summarize_output(args.out, None, started)
-        qcfg = quantize_checkpoint(args.model, args.out, method, ids, force=args.force, **options)
+        qcfg = quantize_checkpoint(args.model, args.out, method, ids, force=args.force, records=records, **options)
     log(f"wrote {args.out}: {json.dumps(qcfg)}")
     summarize_output(args.out, None, started)
     if args.target == "vllm":

@@ -14,7 +14,7 @@ import torch
 
 from .checkpoints.registry import load_model
 from .checkpoints.tokenizer import load_tokenizer
-from .cli import bar, clock, log, model_bits, tiny_setup
+from .cli import bar, clock, log, model_bits, real_calibration, tiny_setup
 from .data import Corpus, load_corpus
 from .evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats, markdown_table, perplexity
 from . import tables
@@ -96,11 +96,19 @@ def real_table(args, selected):
     tokenizer = load_tokenizer(path)
     corpus = Corpus.from_text(load_corpus(args.text), tokenizer)
     chunks = corpus.eval_chunks(args.ctx, args.chunks)
-    calibration = corpus.calibration(seq_len=args.calib_len, n=args.calib_samples)
-    log(f"loading {path.name} ...")
-    reference = load_model(path, torch.float32, dense=True)
+    loaded = []
+
+    def reference_model():                          # loaded once, after the calibration files are tokenized
+        if not loaded:
+            log(f"loading {path.name} ...")
+            loaded.append(load_model(path, torch.float32, dense=True))
+        return loaded[0]
+
+    calibration = real_calibration(args, tokenizer, reference_model).ids if tables.calibrated(selected) else None
+    reference = reference_model()
     log(f"{path.name}: {sum(p.numel() for p in reference.parameters()) / 1e6:.1f} M parameters; "
-        f"{len(chunks)} chunks of {args.ctx} held-out tokens, {tuple(calibration.shape)} calibration tokens")
+        f"{len(chunks)} chunks of {args.ctx} held-out tokens"
+        + ("" if calibration is None else f", {tuple(calibration.shape)} calibration tokens"))
     ref_logits = ReferenceLogits(reference, chunks)
     results, progress = [], RowProgress(selected)
     try:

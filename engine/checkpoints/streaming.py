@@ -139,12 +139,16 @@ def _read_back(model, i, folder, entry, spec, dtype):
 
 
 def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, dtype=torch.float32, batch_size=8,
-                        progress=True, **options):
+                        progress=True, records=None, **options):
     """Quantize the model at `source` (an HF folder or a .gguf file) with `method` (a key of checkpoints.METHODS)
     into the checkpoint folder `out`, one decoder layer at a time (see the module docstring). calibration_ids
     [B, T] for the data-aware methods; options go to the method's quantize_layer; dtype is the precision the layers
     compute in while they are calibrated (data-free methods read each layer in its stored dtype; stored dtypes are
-    kept on disk). Returns the quantization_config."""
+    kept on disk); records: more "engine.*" provenance entries for the index's metadata (which calibration:
+    engine.data.Calibration.records). Returns the quantization_config."""
+    records = records or {}
+    if not all(isinstance(k, str) and k.startswith("engine.") and isinstance(v, str) for k, v in records.items()):
+        raise ValueError(f"records must map 'engine.*' names to strings, got {records!r}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
     entry = METHODS[method]
@@ -188,7 +192,7 @@ def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, 
             del tensor
             k += 1
         qcfg = merged_config(state["layer_configs"], state["weights"])
-        _finish(folder, out, src, cfg, qcfg, digest_of(state["digests"]))
+        _finish(folder, out, src, cfg, qcfg, {**records, "engine.source_sha256": digest_of(state["digests"])})
     return qcfg
 
 
@@ -231,8 +235,9 @@ def _resume(out, identity):
     return folder, state
 
 
-def _finish(folder, out, src, cfg, qcfg, source_digest):
-    """Index, config.json and the source's side files, then the finished folder swapped into `out`."""
+def _finish(folder, out, src, cfg, qcfg, records):
+    """Index (its metadata: the provenance records), config.json and the source's side files, then the finished
+    folder swapped into `out`."""
     files = sorted(p.name for p in folder.glob("*.safetensors"))
     weight_map, total = {}, 0
     for k, name in enumerate(files, 1):
@@ -241,7 +246,7 @@ def _finish(folder, out, src, cfg, qcfg, source_digest):
             weight_map[t] = shard
         total += (folder / name).stat().st_size
         (folder / name).rename(folder / shard)
-    write_json(folder / INDEX, {"metadata": {"total_size": total, "engine.source_sha256": source_digest,
+    write_json(folder / INDEX, {"metadata": {"total_size": total, **records,
                                              "engine.quantization_config_sha256": config_digest(qcfg)},
                                 "weight_map": weight_map})
     raw = cfg.to_hf()
