@@ -217,6 +217,8 @@ def main(argv=None):
         commands[args.command](args)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+    except OSError as e:                                  # what the system refused (permissions, a full disk ...)
+        raise SystemExit(f"error: {e}")
     except ModuleNotFoundError as e:                     # argparse ran without them: say what to install
         raise SystemExit(f"error: the Python package {e.name!r} is not installed here; `pip install torch==2.13.0 "
                          "-e .` in this folder installs what the engine needs")

@@ -33,7 +33,7 @@ from engine.checkpoints.gguf import smollm2_path
 from engine.checkpoints.gguf_writer import write_gguf
 from engine.checkpoints.loaders import load_dense, save_dense
 from engine.checkpoints.registry import load_model
-from engine.checkpoints.tokenizers import (BYTE_CHARS, byte_tokenizer, export_tokenizer, load_tokenizer,
+from engine.checkpoints.tokenizer import (BYTE_CHARS, byte_tokenizer, export_tokenizer, load_tokenizer,
                                            write_tokenizer_files)
 from engine.data import Corpus, default_corpus
 from engine.evaluation import compare_models

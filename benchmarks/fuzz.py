@@ -1,7 +1,7 @@
 """Fuzz campaign: mutated checkpoints of every method, corrupted streams of every coder, and a crash campaign.
 
     python benchmarks/fuzz.py [--checkpoint-cases 2000] [--stream-cases 20000] [--seed 0] [--timeout 20]
-                              [--memory-gib 3] [--workers 2] [--crash-kills 0] [--case N]
+                              [--memory-gib 3] [--workers 2] [--crash-kills 0] [--faults] [--case N]
 
 What is mutated: benchmarks/fuzz_checkpoints.py (every method's checkpoint, dense, sharded and GGUF files) and
 benchmarks/fuzz_streams.py (rANS, Rice and trellis streams). This file runs the cases and counts the outcomes.
@@ -24,6 +24,10 @@ Crash campaign (--crash-kills N): `run.py quantize --method fp8 --force` overwri
 128- and 64-wide blocks (so that old and new differ), and is SIGKILLed N times at a uniformly random instant of its
 run and N times at a uniformly random instant of its save; DIR must then load and hold the complete old or the
 complete new checkpoint, and after the next complete save no `.DIR.*` entry may be left.
+
+Writer faults (--faults): benchmarks/fuzz_writers.py, `run.py` killed at each rename of a conversion, two writers
+into one folder, a full disk (a real tmpfs), --out equal to the source, the user's files inside a checkpoint;
+counted: mixed or incomplete checkpoints accepted, user files lost, tracebacks (all must be 0).
 """
 
 import argparse
@@ -49,6 +53,7 @@ import torch
 
 from fuzz_checkpoints import TARGETS, build, checkpoint_cases, forward, load, mutate_checkpoint, pristine
 from fuzz_streams import STREAMS, corrupt_layer, corrupt_rans, pristine_streams, stream_cases
+from fuzz_writers import faults_campaign
 from engine.checkpoints.loaders import load_dense
 from engine.checkpoints.registry import load_quantized
 from engine.checkpoints.safetensors_io import snapshot_tensors, tensor_digest
@@ -384,6 +389,7 @@ def main(argv=None):
     parser.add_argument("--memory-gib", type=float, default=3.0, help="address space of a worker (RLIMIT_AS)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--crash-kills", type=int, default=0, help="also kill this many run.py quantize overwrites")
+    parser.add_argument("--faults", action="store_true", help="also run the writer faults (fuzz_writers.py)")
     parser.add_argument("--case", type=int, help="run only case N (checkpoint cases first), here, with a traceback")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="fuzz-"))
@@ -406,13 +412,17 @@ def main(argv=None):
                 print(f"{sum(done.values())} cases, {time.monotonic() - start:.0f} s: {dict(done)}", file=sys.stderr,
                       flush=True)
 
-        results = campaign(root, args.checkpoint_cases, args.stream_cases, args.seed, args.timeout,
-                           args.memory_gib, args.workers, progress)
-        print(report(results))
-        print(f"\n{len(results)} cases in {time.monotonic() - start:.0f} s")
+        if args.checkpoint_cases or args.stream_cases:
+            results = campaign(root, args.checkpoint_cases, args.stream_cases, args.seed, args.timeout,
+                               args.memory_gib, args.workers, progress)
+            print(report(results))
+            print(f"\n{len(results)} cases in {time.monotonic() - start:.0f} s")
         if args.crash_kills:
             print("\ncrash campaign:", json.dumps(crash_campaign(args.crash_kills, args.seed,
                                                                  log=lambda m: print(m, file=sys.stderr))))
+        if args.faults:
+            counts = faults_campaign(seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+            print("\nwriter faults:", json.dumps(counts, indent=1))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

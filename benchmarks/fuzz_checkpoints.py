@@ -2,16 +2,19 @@
 
 From one small random Qwen3: one checkpoint per method (gptq, gptq act-order, awq, fp8, the four compressed-tensors
 formats, trellis, entquant, lattice), a dense one, a sharded dense one (three shards and model.safetensors.index.json)
-and a GGUF file written by gguf-py. Each safetensors checkpoint exists twice: as the engine wrote it ("engine": a
-SHA-256 per tensor, the quantization_config's digest) and re-saved without the engine's metadata ("foreign", as
-another tool would write it), so that the checks that do not rely on digests are reached too.
+and two GGUF files, written by gguf-py and by the engine (Q8_0 linears both). Each safetensors checkpoint exists
+twice: as the engine wrote it ("engine": a SHA-256 per tensor, the quantization_config's digest) and re-saved without
+the engine's metadata ("foreign", as another tool would write it), so that the checks that do not rely on digests
+are reached too.
 
 A case is a dict chosen in the parent (`checkpoint_cases`: every target in turn, every category of mutation in turn)
 and applied to a copy in a worker (`mutate_checkpoint`): config.json and quantization_config fields (deleted, of
 every wrong type, 0, -1, 1e300, 10^9, 2^63, NaN, Infinity, long strings, or scaled by 10), whole files (deep nesting,
 truncation, non-UTF-8, empty, huge), special files (a folder, a FIFO, links to /dev/zero, outside the folder,
 dangling; a missing shard, index entries naming "../x"), tensors (dropped, stray, other shapes and dtypes, NaN / Inf
-/ huge / negative values), safetensors headers (length, JSON, offsets, overlaps, metadata), raw bit and byte flips.
+/ huge / negative values), safetensors headers (length, JSON, offsets, overlaps, metadata), raw bit and byte flips;
+for a GGUF file the engine wrote (a SHA-256 per tensor recorded), a tensor's type, offset or dimensions changed in
+its table entry, and the same flips.
 """
 import contextlib
 import copy
@@ -31,10 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.checkpoints import gguf  # noqa: E402
+from engine.checkpoints import gguf, gguf_writer  # noqa: E402
 from engine.checkpoints.loaders import dense_tensors, load_dense, save_dense  # noqa: E402
 from engine.checkpoints.registry import load_quantized, save_quantized  # noqa: E402
 from engine.checkpoints.safetensors_io import INDEX, read_header, save_file, write_json  # noqa: E402
+from engine.formats import affine, ggml  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -48,7 +52,8 @@ QUANTIZED = {"gptq": ("gptq", {"group_size": 32}), "gptq-act": ("gptq", {"group_
              "trellis": ("trellis", {"group": 64}), "entquant": ("entquant", {"lam": 14.5, "max_iter": 30}),
              "lattice": ("lattice", {"bps": 3.0, "tile": 64})}
 SAFETENSORS_TARGETS = ("dense", "dense-sharded", *QUANTIZED)
-TARGETS = (*SAFETENSORS_TARGETS, "gguf")
+GGUF_TARGETS = ("gguf", "gguf-engine")          # written by gguf-py (no digests) and by the engine (digests)
+TARGETS = (*SAFETENSORS_TARGETS, *GGUF_TARGETS)
 DELETE = object()
 WRONG_VALUES = {"delete": DELETE, "string": "fuzz", "true": True, "false": False, "float": 1.5, "list": [1, 2],
                 "dict": {"a": 1}, "null": None, "zero": 0, "minus-one": -1, "1e300": 1e300, "1e9": 10 ** 9,
@@ -68,7 +73,7 @@ GGUF_KEYS = {"block_count": ("UINT32", "num_hidden_layers"), "context_length": (
 
 def pristine(root, target, flavor="engine"):
     """The folder of a pristine checkpoint (for gguf: the folder holding model.gguf)."""
-    return Path(root) / "pristine" / target / ("file" if target == "gguf" else flavor)
+    return Path(root) / "pristine" / target / ("file" if target in GGUF_TARGETS else flavor)
 
 
 def safetensors_files(directory):
@@ -164,15 +169,19 @@ def _build(root, seed):
                 edit_header(pristine(root, target, flavor) / name, lambda header: None)
     pristine(root, "gguf").mkdir(parents=True)
     write_gguf(pristine(root, "gguf") / "model.gguf", base)
+    pristine(root, "gguf-engine").mkdir(parents=True)
+    q8 = copy.deepcopy(base)
+    affine.quantize(q8, bits=8, group_size=32, sym=True)                 # Q8_0 linears, as the gguf-py file
+    gguf_writer.write_gguf(q8, pristine(root, "gguf-engine") / "model.gguf")
     for target in TARGETS:
-        flavors = ("file",) if target == "gguf" else ("engine", "foreign")
+        flavors = ("file",) if target in GGUF_TARGETS else ("engine", "foreign")
         logits = [forward(load(target, pristine(root, target, f))) for f in flavors]
         if not all(torch.equal(y, logits[0]) and torch.isfinite(y).all() for y in logits):
             raise RuntimeError(f"pristine {target} checkpoints do not load to the same finite logits")
 
 
 def load(target, path):
-    if target == "gguf":
+    if target in GGUF_TARGETS:
         return gguf.load_gguf(Path(path) / "model.gguf")
     return (load_dense if target.startswith("dense") else load_quantized)(path)
 
@@ -195,6 +204,7 @@ TENSOR_OPS = ("drop", "stray", "stray-layer", "dim+1", "dim-1", "extra-dim", "ze
 HEADER_OPS = ("length-bit", "length-huge", "json-byte", "offsets-beyond", "offsets-shift", "overlap", "shape",
               "dtype", "not-object", "metadata-list", "metadata-int", "digest", "writer")
 GGUF_TENSOR_OPS = ("drop", "stray", "stray-layer", "dim+1", "dim-1", "dtype:F16", "dtype:Q8_0")
+GGUF_TABLE_OPS = ("type", "offset", "dims")             # one field of a tensor's entry in the table, in place
 
 
 def json_paths(value, prefix=()):
@@ -210,6 +220,12 @@ def candidates(root, target):
     """{category: [case spec, ...]} of one target; "flip" and "truncated" cases get their positions in the worker
     from the case's seed."""
     folder = pristine(root, target)
+    gguf_file = {"file": [dict(file="model.gguf", op=op) for op in FILE_OPS["safetensors"]],
+                 "special": [dict(file="model.gguf", op=op) for op in ("directory", "fifo", "dev-zero", "dangling")],
+                 "flip": [dict(file="model.gguf", op=op) for op in ("bit", "byte")]}
+    if target == "gguf-engine":                         # the engine's own file: each tensor's SHA-256 recorded
+        with gguf.GGUFFile(folder / "model.gguf") as f:
+            return {"gguf-table": [dict(name=n, op=op) for n in f.tensors for op in GGUF_TABLE_OPS], **gguf_file}
     if target == "gguf":
         keys = ["general.architecture", *(f"qwen3.{k}" for k in GGUF_KEYS)]
         names = ["token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.1.ffn_down.weight",
@@ -217,9 +233,7 @@ def candidates(root, target):
         return {"gguf-metadata": [dict(key=k, op=op) for k in keys for op in [*WRONG_VALUES, "scaled"]],
                 "gguf-tensor": [dict(name=n, op=op) for n in names for op in GGUF_TENSOR_OPS
                                 if not (op == "dtype:Q8_0" and "k_norm" in n)],       # rows of 16: not Q8_0 blocks
-                "file": [dict(file="model.gguf", op=op) for op in FILE_OPS["safetensors"]],
-                "special": [dict(file="model.gguf", op=op) for op in ("directory", "fifo", "dev-zero", "dangling")],
-                "flip": [dict(file="model.gguf", op=op) for op in ("bit", "byte")]}
+                **gguf_file}
     config = json.loads((folder / "config.json").read_text())
     shards = safetensors_files(folder)
     files = ["config.json", *shards] + ([INDEX] if (folder / INDEX).exists() else [])
@@ -256,7 +270,7 @@ def checkpoint_cases(root, n, seed=0):
         category = categories[(i // len(TARGETS)) % len(categories)]
         specs = pools[target][category]
         spec = specs[(i // len(TARGETS) // len(categories)) % len(specs)]
-        flavor = "file" if target == "gguf" else (
+        flavor = "file" if target in GGUF_TARGETS else (
             "foreign" if category == "quantization_config" and rng.random() < 0.8 else rng.choice(("engine",
                                                                                                   "foreign")))
         cases.append(dict(kind="checkpoint", target=target, flavor=flavor, category=category, seed=rng.getrandbits(32),
@@ -529,6 +543,8 @@ def mutate_checkpoint(folder, case, outside, dense_model=None):
         else:
             entry = (kinds[op], WRONG_VALUES[op])
         write_gguf(folder / "model.gguf", dense_model, metadata={case["key"]: entry})
+    elif category == "gguf-table":
+        return mutate_gguf_table(folder / "model.gguf", case["name"], op, rng)
     elif category == "gguf-tensor":
         write_gguf(folder / "model.gguf", dense_model, tensors=gguf_tensor_change(dense_model, case["name"], op))
     elif category in DECLARED_INPUT_CATEGORIES:
@@ -536,6 +552,35 @@ def mutate_checkpoint(folder, case, outside, dense_model=None):
     else:
         raise KeyError(category)
     return ""
+
+
+def _table_entry(data, name, n_dims):
+    """Positions of tensor `name`'s dimensions, type and offset fields in a GGUF file's tensor table."""
+    at = data.index(len(name).to_bytes(8, "little") + name.encode()) + 8 + len(name) + 4
+    return at, at + 8 * n_dims, at + 8 * n_dims + 4
+
+
+def mutate_gguf_table(path, name, op, rng):
+    """Change one field of tensor `name`'s table entry in place: its GGML type (another known one), its offset
+    (another tensor's), or its dimensions (reversed, or the first one doubled)."""
+    data = bytearray(path.read_bytes())
+    with gguf.GGUFFile(path) as f:
+        dims = {n: len(info.shape) for n, info in f.tensors.items()}
+    dims_at, type_at, offset_at = _table_entry(data, name, dims[name])
+    if op == "type":
+        old = int.from_bytes(data[type_at:type_at + 4], "little")
+        new = rng.choice(sorted({type_id for type_id, _, _ in ggml.GGML_TYPES.values()} - {old}))
+        data[type_at:type_at + 4] = new.to_bytes(4, "little")
+    elif op == "offset":
+        other = rng.choice(sorted(set(dims) - {name}))
+        at = _table_entry(data, other, dims[other])[2]
+        data[offset_at:offset_at + 8] = data[at:at + 8]
+    else:
+        ne = [int.from_bytes(data[dims_at + 8 * k:dims_at + 8 * k + 8], "little") for k in range(dims[name])]
+        ne = ne[::-1] if len(ne) > 1 and rng.random() < 0.5 else [2 * ne[0], *ne[1:]]
+        data[dims_at:dims_at + 8 * len(ne)] = b"".join(d.to_bytes(8, "little") for d in ne)
+    path.write_bytes(bytes(data))
+    return f"{name}: {op}"
 
 
 def gguf_value(cfg, key):

@@ -235,9 +235,22 @@ def check_quantize_args(args):
         options, args.format = check_target(args.target or "llama.cpp", method, options, args.format)
     if args.format == "gguf":
         check_file_output(args.out, args.force)
-    else:
+        if args.model is not None:
+            from engine.checkpoints.safe_writes import check_apart
+            check_apart(args.model, args.out)
+    elif args.model is None:                             # a --model's output is checked by its Conversion, once
         check_output(args.out, args.force)
     return method, options
+
+
+def convert(args, out, method, options, force=False):
+    """--model quantized layer by layer into the folder `out`: every check once, the source opened once."""
+    from engine.checkpoints.streaming import Conversion
+    with Conversion(args.model, out, method, force=force, override="--force", **options) as conversion:
+        if not conversion.needs_data:
+            return conversion.run()
+        calibration = real_calibration(args, conversion.source.tokenizer(), conversion.float_model)
+        return conversion.run(calibration.ids, calibration.records())
 
 
 def cmd_quantize(args):
@@ -259,23 +272,14 @@ def cmd_quantize(args):
                               side_files=lambda folder: export_tokenizer(None, folder), **options)
     else:
         from engine.checkpoints.serving import export_gguf
-        from engine.checkpoints.streaming import quantize_checkpoint
-        ids, records = None, None
-        if REGISTRY[method].calibration(options):
-            import torch
-            from engine.checkpoints.registry import load_model
-            from engine.checkpoints.tokenizer import load_tokenizer
-            calibration = real_calibration(args, load_tokenizer(args.model),
-                                           lambda: load_model(args.model, torch.float32, dense=True))
-            ids, records = calibration.ids, calibration.records()
         if args.format == "gguf":   # layer by layer into a folder of ours beside FILE, then one GGUF from it
             import tempfile
             with tempfile.TemporaryDirectory(dir=Path(args.out).resolve().parent, prefix=".gguf-") as tmp:
-                quantize_checkpoint(args.model, Path(tmp) / "ck", method, ids, **options)
+                convert(args, Path(tmp) / "ck", method, options)
                 report = export_gguf(Path(tmp) / "ck", args.out, force=args.force)
             log(f"wrote {args.out}: {json.dumps(report)}")
             return summarize_output(args.out, None, started)
-        qcfg = quantize_checkpoint(args.model, args.out, method, ids, force=args.force, records=records, **options)
+        qcfg = convert(args, args.out, method, options, args.force)
     log(f"wrote {args.out}: {json.dumps(qcfg)}")
     summarize_output(args.out, None, started)
     if args.target == "vllm":

@@ -133,9 +133,8 @@ class Corpus:
 
 SELF, PYDOC = "self", "pydoc"
 # The default for a real model (the tiny byte model calibrates on its own training text): text the model writes
-# itself. It is the model's own distribution, not one domain: on SmolLM2-135M, GPTQ int4 g128 calibrated on it beats
-# calibration on Python's reference text (the old default) on text of other domains, and matches an English mix
-# (appendix/calibration.md has the table; README says how to choose).
+# itself, its own distribution rather than one domain (benchmarks/calibration.py measures the sources against each
+# other on held-out texts of other domains: appendix/calibration.md).
 DEFAULT_CALIBRATION = (SELF,)
 
 

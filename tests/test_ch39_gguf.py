@@ -582,3 +582,19 @@ def test_smollm2_answers_a_question_greedily(smollm2):
     ids = torch.tensor([tok.encode(prompt).ids])
     out = model.generate(ids, 8)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:].tolist())
+
+
+def test_tensor_spans_that_overlap_or_do_not_match_their_type_are_refused(tmp_path):
+    """Without any digest (another tool's file): tensor b's offset moved into a, or a's type changed to one that
+    fills less than its span (Q8_0 -> Q4_0 of the same shape)."""
+    q8 = random_blocks("Q8_0", 2, 32).numpy().tobytes()
+    content = gguf_bytes(tensors=[("a", "Q8_0", (2, 32), q8), ("b", "Q8_0", (2, 32), q8)])
+    assert gguf.GGUFFile(write(tmp_path, content)).tensors["b"].offset > 0             # the intact file reads
+    table_b = content.index(b"\x01\x00\x00\x00\x00\x00\x00\x00b") + 9 + 4 + 16 + 4     # b's offset field
+    overlapping = content[:table_b] + bytes(8) + content[table_b + 8:]
+    with pytest.raises(ValueError, match="tensors a and b overlap"):
+        gguf.GGUFFile(write(tmp_path, overlapping))
+    table_a = content.index(b"\x01\x00\x00\x00\x00\x00\x00\x00a") + 9 + 4 + 16         # a's type field
+    retyped = content[:table_a] + ggml.GGML_TYPES["Q4_0"][0].to_bytes(4, "little") + content[table_a + 4:]
+    with pytest.raises(ValueError, match=r"tensor a \(Q4_0 \[2, 32\]: 36 bytes\) does not fill the 96 bytes"):
+        gguf.GGUFFile(write(tmp_path, retyped))

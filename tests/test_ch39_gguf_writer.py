@@ -231,3 +231,53 @@ def test_nvfp4_dequantized_by_the_reader_includes_the_tensor_scale(tmp_path):
     expected = dequantize_nvfp4(layer.packed, layer.block_scale, 1.0) * layer.tensor_scale     # llama.cpp's order
     assert torch.equal(dense["model.layers.0.self_attn.o_proj.weight"], expected)
     assert torch.allclose(expected, layer.dequantize(), rtol=1e-6, atol=0)
+
+
+# ---- integrity: a SHA-256 per tensor -----------------------------------------------------------------------------
+
+def _table_entry(path, name):
+    """Byte position of tensor `name`'s (type u32, offset u64) fields in the file's tensor table."""
+    data = path.read_bytes()
+    with gguf.GGUFFile(path) as f:
+        n_dims = len(f.tensors[name].shape)
+    at = data.index(len(name).to_bytes(8, "little") + name.encode())
+    return at + 8 + len(name) + 4 + 8 * n_dims
+
+
+def test_every_tensor_is_recorded_with_its_sha256_and_gguf_py_reads_it(tmp_path):
+    gguf_py = pytest.importorskip("gguf")
+    import hashlib
+    gguf_writer.write_gguf(small_model(kind="Q4_0"), tmp_path / "m.gguf")
+    reader = gguf_py.GGUFReader(str(tmp_path / "m.gguf"))             # gguf-py's own reader takes the new key
+    field = reader.fields[gguf.DIGESTS]
+    entries = [bytes(field.parts[i]).decode() for i in field.data]
+    assert len(entries) == len(reader.tensors) > 0
+    for entry, t in zip(entries, reader.tensors):
+        name, kind, shape, digest = entry.split(" ")
+        assert (name, kind) == (t.name, t.tensor_type.name)
+        assert shape == "x".join(str(int(d)) for d in reversed(t.shape)) and \
+            digest == hashlib.sha256(bytes(t.data.reshape(-1).view("uint8"))).hexdigest()
+
+
+@pytest.mark.parametrize("change", ["a flipped bit", "a changed type", "an offset into another tensor"])
+def test_a_changed_engine_file_is_refused(tmp_path, change):
+    path = tmp_path / "m.gguf"
+    gguf_writer.write_gguf(small_model(), path, dense_type="F16")
+    data = bytearray(path.read_bytes())
+    with gguf.GGUFFile(path) as f:
+        a, b = f.tensors["blk.0.attn_q.weight"], f.tensors["blk.0.attn_k.weight"]
+    if change == "a flipped bit":
+        data[a.offset + 5] ^= 0x10
+        match = "blk.0.attn_q.weight of .* does not match its recorded SHA-256"
+    elif change == "a changed type":                                  # F16 -> BF16: the same byte count
+        at = _table_entry(path, a.name)
+        data[at:at + 4] = ggml.GGML_TYPES["BF16"][0].to_bytes(4, "little")
+        match = "tensor blk.0.attn_q.weight BF16 .* is not the one its writer recorded"
+    else:
+        at = _table_entry(path, b.name) + 4
+        offset = int.from_bytes(data[_table_entry(path, a.name) + 4:][:8], "little")
+        data[at:at + 8] = offset.to_bytes(8, "little")
+        match = "overlap"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=match):
+        gguf.load_gguf(path)

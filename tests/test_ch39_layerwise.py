@@ -1,8 +1,16 @@
 """Quantizing from disk, one decoder layer at a time: the same checkpoint as the in-memory path for every method,
-source dtypes kept, resumable after a kill, GGUF sources, bad input refused before any work."""
+source dtypes kept, resumable after a kill, GGUF sources, bad input refused before any work; the source never
+replaced, the user's files kept, one writer per output, a full disk refused first or kept for a resume."""
 import copy
 import dataclasses
+import errno
 import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +24,7 @@ from engine.formats import gptq
 from engine.qwen3 import Qwen3, Qwen3Config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
 
 OPTIONS = {"gptq": dict(group_size=32), "awq": dict(group_size=32), "fp8": dict(block=32),
            "compressed-tensors": dict(group_size=32), "trellis": dict(L=6, K=2, group=64),
@@ -171,3 +180,96 @@ def test_a_resumed_conversion_says_where_it_resumes_and_its_bar_starts_there(sou
     err = capsys.readouterr().err
     assert f"resuming {tmp_path / 'out'}: layers 0-1 of 3 were written by an earlier run" in err
     assert "2/3" in err and "0/3" not in err                  # the bar starts at the layers already done
+
+
+# ---- the source, the user's files, one writer, a full disk --------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["the source", "inside it", "containing it"])
+def test_the_output_is_never_the_source_inside_it_or_around_it(three_layers, where, tmp_path):
+    source = tmp_path / "model" / "dense"
+    save_dense(three_layers, source)
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    out = {"the source": source, "inside it": source / "q", "containing it": tmp_path / "model"}[where]
+    with pytest.raises(ValueError, match=r"(is|lies inside|contains) the model it is made from"):
+        quantize_checkpoint(source, out, "fp8", progress=False, force=True)
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.json", "dense", "model", "model.safetensors"]
+
+
+def test_an_engine_checkpoint_with_the_users_files_is_not_replaced(source, tmp_path):
+    quantize_checkpoint(source, tmp_path / "out", "fp8", progress=False, block=32)
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    (tmp_path / "out" / "mydata").mkdir()
+    with pytest.raises(ValueError, match=r"also holds other files \(mydata/, notes.txt\); replacing it would delete"):
+        quantize_checkpoint(source, tmp_path / "out", "fp8", progress=False)
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and (tmp_path / "out" / "mydata").is_dir()
+
+
+SLOW_WRITER = """
+import dataclasses, pathlib, sys, time
+from engine.checkpoints import registry
+from engine.checkpoints.streaming import quantize_checkpoint
+source, out, go = sys.argv[1:4]
+real = registry.METHODS["fp8"]
+def quantize_layer(layer, **options):
+    while not pathlib.Path(go).exists():
+        time.sleep(0.05)
+    return real.quantize_layer(layer, **options)
+registry.METHODS["fp8"] = dataclasses.replace(real, quantize_layer=quantize_layer)
+quantize_checkpoint(source, out, "fp8", progress=False, block=32)
+"""
+
+
+def test_a_second_conversion_into_the_same_folder_is_refused_at_once(three_layers, source, tmp_path):
+    other = copy.deepcopy(three_layers)
+    with torch.no_grad():
+        other.model.layers[1].mlp.up_proj.weight[0, 0] += 1          # model B: one weight of layer 1 differs
+    save_dense(other, tmp_path / "b")
+    quantize_checkpoint(source, tmp_path / "a-alone", "fp8", progress=False, block=32)
+    out, go = tmp_path / "out", tmp_path / "go"
+    first = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(source), str(out), str(go)], cwd=ROOT,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / ".out.partial").exists():                 # the first run is under way
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+            time.sleep(0.05)
+        with pytest.raises(ValueError, match=rf"output {out} is being written by another run \(pid {first.pid}"):
+            quantize_checkpoint(tmp_path / "b", out, "fp8", progress=False, block=32)
+    finally:
+        go.touch()
+        assert first.wait(300) == 0, first.stderr.read()
+    assert _tensors(out).keys() == _tensors(tmp_path / "a-alone").keys()
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(out).values(), _tensors(tmp_path / "a-alone").values()))
+
+
+def test_a_conversion_that_cannot_fit_is_refused_before_any_work(source, tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 4096))
+    with pytest.raises(ValueError, match=rf"not enough space for {tmp_path / 'out'}: about [0-9.]+ MB more is needed, "
+                                         r"0.0 MB is free; nothing was written"):
+        quantize_checkpoint(source, tmp_path / "out", "fp8", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_that_fills_up_keeps_the_finished_layers_and_the_next_run_resumes(source, tmp_path, monkeypatch,
+                                                                                  capfd):
+    quantize_checkpoint(source, tmp_path / "whole", "fp8", progress=False, block=32)
+    real, calls = os.fsync, []
+
+    def fills_up(fd):                                   # the third fsync: layer 1's shard, after layer 0 and its record
+        calls.append(fd)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fills_up)
+    with pytest.raises(ValueError, match=r"no space left on the device while writing .*out: about [0-9.]+ MB more is "
+                                         r"needed, [0-9.]+ MB is free; the finished part \([0-9.]+ MB in "
+                                         r"\.out\.partial\) is kept: free space and run the same command again"):
+        quantize_checkpoint(source, tmp_path / "out", "fp8", progress=False, block=32)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / ".out.partial" / "progress.json").read_text())["done"] == 1
+    capfd.readouterr()
+    quantize_checkpoint(source, tmp_path / "out", "fp8", progress=False, block=32)
+    assert f"resuming {tmp_path / 'out'}: layer 0 of 3 was written by an earlier run" in capfd.readouterr().err
+    assert [p.read_bytes() for p in sorted((tmp_path / "out").iterdir())] == \
+        [p.read_bytes() for p in sorted((tmp_path / "whole").iterdir())]

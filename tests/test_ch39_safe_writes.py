@@ -1,7 +1,10 @@
 """Writes that never lose data: an output that holds other files is refused, a save killed at any instant leaves the
-complete old or the complete new checkpoint, the next save cleans up, modes follow the umask."""
+complete old or the complete new checkpoint, the next save cleans up, modes follow the umask; one writer per
+output (a stale lock taken over), a full disk is one error and changes nothing."""
+import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -10,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoints.loaders import load_dense, save_dense
+from engine.checkpoints.loaders import dense_tensors, load_dense, save_dense
+from engine.checkpoints import safe_writes
 from engine.checkpoints.safe_writes import atomic_directory, check_output, is_engine_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +87,7 @@ def test_interrupted_overwrite_keeps_the_old_checkpoint(saved):
 CHILD = textwrap.dedent("""
     import os, shutil, sys, torch
     from engine.checkpoints import safe_writes
-    from engine.checkpoints.loaders import load_dense, save_dense
+    from engine.checkpoints.loaders import dense_tensors, load_dense, save_dense
     step, n, fallback, target = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
     if fallback:
         safe_writes._exchange = lambda a, b: False
@@ -141,3 +145,81 @@ def test_leftovers_of_a_live_save_are_not_touched(saved):
     (live / "config.json").write_text(json.dumps({}))
     save_dense(load_dense(saved), saved)
     assert live.exists()                                                # its process (us) is alive
+
+
+# ---- nothing of the user's replaced, one writer, a full disk ----------------------------------------------------
+
+def test_an_engine_checkpoint_holding_the_users_files_is_refused_and_kept(tiny_model, saved):
+    (saved / "notes.txt").write_text("keep me")
+    (saved / "mydata").mkdir()
+    (saved / "mydata" / "a.bin").write_bytes(b"and me")
+    with pytest.raises(ValueError, match=r"engine checkpoint that also holds other files \(mydata/, notes.txt\)"):
+        save_dense(tiny_model, saved)
+    assert (saved / "notes.txt").read_text() == "keep me" and (saved / "mydata" / "a.bin").read_bytes() == b"and me"
+    save_dense(tiny_model, saved, force=True)                           # the user's explicit choice
+    assert not (saved / "notes.txt").exists() and load_dense(saved) is not None
+
+
+def test_nothing_is_written_below_a_file(tiny_model, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"output .*file/sub: .*file is a file, not a folder"):
+        save_dense(tiny_model, tmp_path / "file" / "sub")
+    assert (tmp_path / "file").read_text() == "x"
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from engine.checkpoints.safe_writes import output_lock
+    with output_lock(sys.argv[1]):
+        print("locked", flush=True)
+        time.sleep(60)
+""")
+
+
+def test_a_second_writer_is_refused_at_once_naming_the_first(tiny_model, saved):
+    before = (saved / "model.safetensors").read_bytes()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(saved)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(ValueError, match=rf"{saved} is being written by another run \(pid {holder.pid}"):
+            save_dense(tiny_model, saved)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (saved / "model.safetensors").read_bytes() == before
+    save_dense(tiny_model, saved)                       # its lock died with it: taken over, then released
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
+
+
+def test_a_stale_lock_of_a_killed_run_is_taken_over_and_said(tiny_model, saved, capfd):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (saved.parent / ".ck.lock").write_text(dead.stdout)                 # as a run killed holding it leaves it
+    save_dense(tiny_model, saved)
+    assert f"took over the lock of pid {dead.stdout.strip()}" in capfd.readouterr().err
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
+
+
+def test_a_save_that_cannot_fit_is_refused_before_writing(tiny_model, saved, monkeypatch):
+    before = (saved / "model.safetensors").read_bytes()
+    monkeypatch.setattr(safe_writes.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 4096))
+    size = f"{sum(t.numel() * t.element_size() for t in dense_tensors(tiny_model).values()) / 1e6:.1f} MB"
+    with pytest.raises(ValueError, match=rf"not enough space for {saved}: about {size} more is needed, 0.0 MB is "
+                                         "free; nothing was written"):
+        save_dense(tiny_model, saved)
+    assert (saved / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
+
+
+def test_a_disk_that_fills_up_during_a_save_is_one_error_and_nothing_changes(tiny_model, saved, monkeypatch):
+    before = (saved / "model.safetensors").read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)                 # as a write-back to a full device reports it
+    size = f"{sum(t.numel() * t.element_size() for t in dense_tensors(tiny_model).values()) / 1e6:.1f} MB"
+    with pytest.raises(ValueError, match=rf"no space left on the device while writing {saved}: about {size} more is "
+                                         "needed, .* the unfinished copy was removed and nothing was replaced"):
+        save_dense(tiny_model, saved)
+    monkeypatch.undo()
+    assert (saved / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]

@@ -1,5 +1,6 @@
 """The fuzz campaign of benchmarks/fuzz.py at CI size: a few hundred mutated checkpoints of every method and a few
-hundred corrupted streams of every coder, each in a worker with a timeout and a memory cap, with a fixed seed."""
+hundred corrupted streams of every coder, each in a worker with a timeout and a memory cap, with a fixed seed; and a
+slice of the writer faults (the model as its own output, the user's files inside a checkpoint)."""
 import sys
 from collections import Counter
 from pathlib import Path
@@ -30,3 +31,13 @@ def test_no_crash_hang_memory_failure_or_silent_wrong_decode(results):
     silent_streams = sum(r.outcome == "silent-different" for r in results if r.case["kind"] == "stream")
     failures = {o: outcomes[o] for o in ("other", "hang", "memory", "non-finite", "fuzzer-error")}
     assert failures == dict.fromkeys(failures, 0) and silent_streams == 0, fuzz.report(results)
+
+
+def test_writer_faults_lose_and_mix_nothing(tmp_path):
+    """A CI-sized slice of benchmarks/fuzz_writers.py (the whole campaign: `fuzz.py --faults`)."""
+    counts = fuzz.faults_campaign(kinds=("source", "user"), user_trials=2, scratch=tmp_path / "faults")
+    assert counts["source: refused with one error: line"] == 9
+    assert counts["user: refused naming the user's entries"] == 2
+    zeros = ("mixed or incomplete checkpoints accepted", "user files lost", "tracebacks",
+             "failures that are not one error: line")
+    assert {k: counts[k] for k in zeros} == dict.fromkeys(zeros, 0), counts

@@ -12,7 +12,14 @@ The tensor with ne = [in, out] is the torch tensor [out, in]. The block formats 
 integer types load as AffineQuantLinear with their own codes and grid, MXFP4 / NVFP4 as MXFP4Linear / NVFP4Linear
 (NVFP4's per-tensor factor from `<name>.scale`), F32 / F16 / BF16 as dense tensors.
 Every count, length, dimension and offset is checked against the file size before anything is allocated, so a
-malformed file is a ValueError; tensor bytes are read one tensor at a time.
+malformed file is a ValueError; tensor bytes are read one tensor at a time. Tensors may neither overlap nor leave
+more than the alignment's padding between them: each one's span is what its type and shape say it holds.
+
+Integrity: GGUF has no checksum. The engine's writer records, in the metadata array `engine.tensor_sha256`, one
+entry per tensor in table order: "name type shape sha256" (shape in torch order, e.g. 576x1536; the SHA-256 of the
+tensor's stored bytes). When the key is present every entry must describe its tensor and every tensor read must
+match its digest, so a changed type, shape or offset, or a flipped bit, is a ValueError; files from other tools
+have no such key and load as before.
 
 Names: llama.cpp's `blk.N.attn_q` is Hugging Face's `model.layers.N.self_attn.q_proj` and so on (TENSOR_NAMES);
 `token_embd`, `output_norm`, `output` are the embedding, the final norm and lm_head (absent: tied). For the `llama`
@@ -24,6 +31,7 @@ rotate-half RoPE pairs (i, i + D/2) to GGML's adjacent pairs (2i, 2i + 1):
 `unpermute_rows` undoes it (on the raw rows, so it works for every type); qwen2 and qwen3 are stored unpermuted.
 The tokenizer in the metadata is rebuilt by gguf_tokenizer.py.
 """
+import hashlib
 import importlib.util
 import math
 import mmap
@@ -41,6 +49,7 @@ from ..qwen3 import Qwen3Config
 from .loaders import check_complete, check_layer_count, install_layer, place, skeleton
 
 MAGIC, DEFAULT_ALIGNMENT, MAX_NESTING = b"GGUF", 32, 8
+DIGESTS = "engine.tensor_sha256"
 MAX_HEADER_BYTES = 256 << 20        # metadata + tensor table: a few MB in real files (the vocabulary is the most)
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
@@ -179,6 +188,36 @@ class GGUFFile:
             if name in self.tensors:
                 raise ValueError(f"GGUF: tensor {name} appears twice")
             self.tensors[name] = TensorInfo(name, type_name, tuple(reversed(ne)), data_start + offset, nbytes)
+        self._check_spans()
+        self.digests = self._recorded_digests()
+
+    def _check_spans(self):
+        """No two tensors overlap, and none is followed by more than padding: each span holds exactly what its
+        type and shape say (a changed type or offset shows here even where no digest was recorded)."""
+        spans = sorted(self.tensors.values(), key=lambda t: t.offset)
+        for a, b in zip(spans, spans[1:]):
+            if b.offset < a.offset + a.nbytes:
+                raise ValueError(f"GGUF: tensors {a.name} and {b.name} overlap")
+            if b.offset - a.offset - a.nbytes >= self.alignment:
+                raise ValueError(f"GGUF: tensor {a.name} ({a.type_name} {list(a.shape)}: {a.nbytes} bytes) does not "
+                                 f"fill the {b.offset - a.offset} bytes before the next tensor ({b.name})")
+
+    def _recorded_digests(self):
+        """{tensor name: SHA-256} recorded by the engine's writer ({} for another tool's file), each entry checked
+        against the tensor table."""
+        entries = self.metadata.get(DIGESTS)
+        if entries is None:
+            return {}
+        if not isinstance(entries, list) or len(entries) != len(self.tensors):
+            raise ValueError(f"GGUF: {DIGESTS} must hold one entry per tensor ({len(self.tensors)})")
+        digests = {}
+        for entry, info in zip(entries, self.tensors.values()):
+            described = f"{info.name} {info.type_name} {'x'.join(map(str, info.shape))}"
+            if not isinstance(entry, str) or entry.rpartition(" ")[0] != described:
+                raise ValueError(f"GGUF: tensor {described} is not the one its writer recorded ({str(entry)[:120]}): "
+                                 "the file was changed")
+            digests[info.name] = entry.rpartition(" ")[2]
+        return digests
 
     def raw(self, name):
         """The stored bytes of one tensor, uint8 [nbytes]."""
@@ -187,6 +226,9 @@ class GGUFFile:
         self._file.seek(info.offset)
         if self._file.readinto(data) != info.nbytes:
             raise ValueError(f"GGUF: {self.path} was truncated while reading {name}")
+        if name in self.digests and hashlib.sha256(data).hexdigest() != self.digests[name]:
+            raise ValueError(f"GGUF: tensor {name} of {self.path} does not match its recorded SHA-256 (the file is "
+                             "corrupted)")
         return torch.frombuffer(data, dtype=torch.uint8)
 
     def close(self):

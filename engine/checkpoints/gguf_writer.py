@@ -28,6 +28,7 @@ llama.cpp needs a non-empty merges list, no BOS); a GGUF source passes its `toke
 byte-level BPE tokenizer.json is converted (tokens, merges, types, specials, chat template), its pre-tokenizer named
 by which of llama.cpp's splits reproduce its ids on llama.cpp's fingerprint text.
 """
+import hashlib
 import json
 import logging
 import struct
@@ -36,15 +37,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from tokenizers import Tokenizer
 
 from ..formats.affine import AffineQuantLinear, unpack_nibbles
 from ..formats.base import QuantLinear
 from ..formats.ggml import DENSE, GGML_TYPES, encode
 from ..formats.mx import MXFP4Linear, NVFP4Linear
-from .gguf import ARCHITECTURES, GLOBAL_NAMES, LINEARS, TENSOR_NAMES, GGUFFile
+from .gguf import ARCHITECTURES, DIGESTS, GLOBAL_NAMES, LINEARS, TENSOR_NAMES, GGUFFile
 from .gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer, gpt2_pre_tokenizer
+from .safe_writes import check_free_space, is_disk_full, space_error
 from .safetensors_io import atomic_file
+from .tokenizer import present, read_tokenizer_folder
 
 log = logging.getLogger(__name__)
 ALIGNMENT, VERSION = 32, 3
@@ -244,8 +246,7 @@ def _special(value):
 def hf_tokenizer_metadata(directory, vocab_size):
     """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a byte-level BPE tokenizer -> GGUF
     tokenizer keys. The rows past the tokenizer's last id (a padded embedding) become unused [PAD{i}] tokens."""
-    directory = Path(directory)
-    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok, config, template = read_tokenizer_folder(directory)
     spec = json.loads(tok.to_str())
     model = spec["model"]
     if model.get("type") != "BPE" or model.get("byte_fallback"):
@@ -258,19 +259,16 @@ def hf_tokenizer_metadata(directory, vocab_size):
     tokens = [by_id[i] for i in range(len(by_id))] + [f"[PAD{i}]" for i in range(len(by_id), vocab_size)]
     types = [added.get(i, NORMAL) for i in range(len(by_id))] + [UNUSED] * (vocab_size - len(by_id))
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
             "tokenizer.ggml.merges": merges or [f"{bytes_to_unicode()[32]} {bytes_to_unicode()[32]}"],
             "tokenizer.ggml.add_bos_token": bool(config.get("add_bos_token", False)),
             "tokenizer.ggml.add_eos_token": bool(config.get("add_eos_token", False))}
     ids = {t: i for i, t in enumerate(tokens)}
     for role, key in (("bos", "bos_token"), ("eos", "eos_token"), ("unknown", "unk_token"), ("padding", "pad_token")):
-        if _special(config.get(key)) in ids:
-            meta[f"tokenizer.ggml.{role}_token_id"] = ids[_special(config[key])]
-    template = config.get("chat_template")
-    if (directory / "chat_template.jinja").is_file():
-        template = (directory / "chat_template.jinja").read_text()
+        token = _special(config.get(key))
+        if isinstance(token, str) and token in ids:
+            meta[f"tokenizer.ggml.{role}_token_id"] = ids[token]
+    template = config.get("chat_template") if template is None else template
     if isinstance(template, str):
         meta["tokenizer.chat_template"] = template
     meta["tokenizer.ggml.pre"] = _pre_tokenizer_name(tok, meta)
@@ -307,7 +305,7 @@ def _pre_tokenizer_name(tok, meta):
 def tokenizer_metadata(cfg, source=None):
     """GGUF tokenizer keys: from a .gguf file (copied), a folder with tokenizer.json (converted), or, with no
     source, the byte model's vocabulary."""
-    if source is None or (Path(source).is_dir() and not (Path(source) / "tokenizer.json").is_file()):
+    if source is None or (Path(source).is_dir() and not present(source, "tokenizer.json")):
         return byte_tokenizer_metadata(cfg)
     if Path(source).is_dir():
         return hf_tokenizer_metadata(source, cfg.vocab_size)
@@ -356,10 +354,14 @@ def _value(key, value):
 
 def write_container(path, metadata, tensors, force=False):
     """metadata {key: value}, tensors [(name, GGML type, torch shape, raw uint8)] -> a GGUF v3 file at `path`,
-    written atomically (engine.checkpoints.safetensors_io.atomic_file)."""
+    written atomically (engine.checkpoints.safetensors_io.atomic_file), with each tensor's name, type, shape and
+    SHA-256 recorded in the metadata (gguf.DIGESTS: the reader verifies them)."""
     path = Path(path)
     if path.is_dir() or (path.exists() and not force):
         raise ValueError(f"output {path} exists; choose another path or pass force=True (--force)")
+    metadata = {**metadata, DIGESTS: [f"{name} {kind} {'x'.join(map(str, shape))} "
+                                      f"{hashlib.sha256(raw.contiguous().numpy()).hexdigest()}"
+                                      for name, kind, shape, raw in tensors]}
     head = bytearray(b"GGUF" + struct.pack("<IQQ", VERSION, len(tensors), len(metadata)))
     for key, value in metadata.items():
         head += _string(key) + _value(key, value)
@@ -372,11 +374,17 @@ def write_container(path, metadata, tensors, force=False):
                                             GGML_TYPES[kind][0], offset)
         offset += -(-raw.numel() // ALIGNMENT) * ALIGNMENT
     head += bytes(-len(head) % ALIGNMENT)
-    with atomic_file(path) as f:
-        f.write(head)
-        for _, _, _, raw in tensors:
-            f.write(memoryview(raw.contiguous().numpy()))
-            f.write(bytes(-raw.numel() % ALIGNMENT))
+    check_free_space(path, len(head) + offset)
+    try:
+        with atomic_file(path) as f:
+            f.write(head)
+            for _, _, _, raw in tensors:
+                f.write(memoryview(raw.contiguous().numpy()))
+                f.write(bytes(-raw.numel() % ALIGNMENT))
+    except OSError as e:
+        if is_disk_full(e):
+            raise space_error(path, len(head) + offset, ran_out=True) from None
+        raise
 
 
 def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, force=False, name="engine"):

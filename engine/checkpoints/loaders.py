@@ -18,8 +18,8 @@ from torch import nn
 from ..formats.base import linear_names
 from ..qwen3 import Qwen3, Qwen3Config
 from .safe_writes import atomic_directory, recover_interrupted_swap
-from .safetensors_io import (checkpoint_records, read_json, save_file, snapshot_tensors, float_digest, tensor_specs,
-                             write_json)
+from .safetensors_io import (checkpoint_records, float_digest, nbytes, read_json, save_file, snapshot_tensors,
+                             tensor_specs, write_json)
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -232,9 +232,10 @@ def save_dense(model, directory, dtype=None, force=False, side_files=None):
     raw = model.cfg.to_hf()
     if dtype is not None:
         raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
-    with atomic_directory(directory, force) as tmp:
+    tensors = dense_tensors(model, dtype)
+    with atomic_directory(directory, force, needed=nbytes(tensors)) as tmp:
         write_json(tmp / "config.json", raw)
-        save_file(dense_tensors(model, dtype), tmp / "model.safetensors")
+        save_file(tensors, tmp / "model.safetensors")
         if side_files is not None:
             side_files(tmp)
 

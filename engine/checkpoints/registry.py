@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from ..formats import awq, entropy, fp8, gptq, lattice, nf4, trellis
-from ..formats.base import linear_names, quantized_linears
+from ..formats.base import QuantLinear, linear_names, quantized_linears
 from . import compressed_tensors, gguf
 from ..qwen3 import Qwen3Config
 from .loaders import (check_complete, default_dtype, install_layer, load_dense, load_tensors, model_digest, place,
                        prepare, read_config, skeleton, split_part)
 from .safe_writes import atomic_directory, check_output
-from .safetensors_io import DTYPE_BYTES, checkpoint_records, save_file, tensor_specs, write_json
+from .safetensors_io import DTYPE_BYTES, checkpoint_records, nbytes, save_file, tensor_specs, write_json
 
 METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
                                trellis.CHECKPOINT, entropy.CHECKPOINT, lattice.CHECKPOINT, nf4.CHECKPOINT)}
@@ -149,6 +149,27 @@ def load_quantized(directory, dtype=None, device="cpu", verify=True):
     return model.eval()
 
 
+def checkpoint_tensors(module, method, spec, prefix="", stored=None):
+    """{checkpoint name: tensor} of a quantized model or decoder layer `module` (its names prefixed by `prefix`):
+    each QuantLinear's parts (method.write with the validated quantization_config `spec`) and bias, every other
+    parameter (norms, embeddings, linears left dense) as it is, or in the dtype `stored` {name: dtype} says it was
+    read in. A tied lm_head is the embedding's parameter and is not written twice. The one builder of a checkpoint's
+    tensors: save_quantized runs it on the model, the streaming converter on each decoder layer."""
+    stored, tensors, quantized = stored or {}, {}, set()
+    for name, layer in module.named_modules():
+        if isinstance(layer, QuantLinear):
+            quantized.add(name)
+            for part, value in method.write(layer, spec).items():
+                tensors[f"{prefix}{name}.{part}"] = value
+            if layer.bias is not None:
+                tensors[f"{prefix}{name}.bias"] = layer.bias.detach().to(stored.get(f"{prefix}{name}.bias",
+                                                                                    layer.bias.dtype))
+    for name, p in module.named_parameters():              # each shared (tied) parameter once, by its first name
+        if name.rpartition(".")[0] not in quantized:
+            tensors[prefix + name] = p.detach().to(stored.get(prefix + name, p.dtype))
+    return tensors
+
+
 @torch.no_grad()
 def save_quantized(model, directory, method, calibration_ids=None, quantization_config=None, force=False,
                    side_files=None, **options):
@@ -177,21 +198,11 @@ def save_quantized(model, directory, method, calibration_ids=None, quantization_
     if not quantization_config or quantization_config.get("quant_method") != method:
         raise ValueError(f"model is quantized but no {method} quantization_config was given")
     spec = entry.validate(quantization_config) if entry.validate else quantization_config
-    tensors = {}
-    for name, layer in layers.items():
-        for part, value in entry.write(layer, spec).items():
-            tensors[f"{name}.{part}"] = value
-        if layer.bias is not None:
-            tensors[f"{name}.bias"] = layer.bias.detach()
-    for name, p in model.state_dict().items():
-        module = name.rpartition(".")[0]
-        if module in layers or (name == "lm_head.weight" and model.cfg.tie_word_embeddings):
-            continue
-        tensors[name] = p.detach()
+    tensors = checkpoint_tensors(model, entry, spec)
     raw = model.cfg.to_hf()
     raw["quantization_config"] = quantization_config
     model.quantization_config = quantization_config
-    with atomic_directory(directory, force) as tmp:
+    with atomic_directory(directory, force, needed=nbytes(tensors)) as tmp:
         write_json(tmp / "config.json", raw)
         meta = {"engine.quantization_config_sha256": config_digest(quantization_config)}
         source = getattr(model, "source_digest", None)

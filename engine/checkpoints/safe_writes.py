@@ -1,23 +1,42 @@
-"""Writing a checkpoint folder so that a kill at any instant leaves the complete old or the complete new one.
+"""Writing a checkpoint folder so that a kill at any instant leaves the complete old or the complete new one, and
+nothing of the user's is ever replaced.
 
 `atomic_directory(DIR)` builds a checkpoint in a sibling temporary folder; once every file and the folder are
 fsynced it swaps the folder into place with one atomic rename-exchange (Linux renameat2), and the old one is then
 removed. Where the exchange is unavailable, two renames and a journal are used, and `recover_interrupted_swap` (run
-before every load and save) finishes or undoes a swap that was cut short. DIR is only replaced when it is empty or an
-engine checkpoint (force=True overrides): a user's other files are never deleted. Leftovers of killed runs are
-removed by the next save to the same place. A long conversion builds in `resumable_directory(DIR)` instead, which a
-re-run finds again, and commits it with `commit_directory`. Single files: safetensors_io.atomic_file.
+before every load and save) finishes or undoes a swap that was cut short. Leftovers of killed runs are removed by the
+next save to the same place. A long conversion builds in `resumable_directory(DIR)` instead, which a re-run finds
+again, and commits it with `commit_directory`. Single files: safetensors_io.atomic_file.
+
+What may be replaced (`check_output`): a missing or empty folder, or an engine checkpoint that holds nothing but the
+files the engine writes (config.json, the safetensors files and their index, the tokenizer files); a folder holding
+anything else is refused, naming those files, unless force=True. A file is never replaced by a folder, nor an output
+written below a file. `check_apart` refuses an output equal to, inside or containing the model it is made from.
+
+One writer per output: `output_lock(DIR)` holds an OS lock (flock) on the sibling file .DIR.lock, which records the
+holder's pid; a second writer is refused at once, naming that pid. The kernel drops the lock when its process dies,
+so the lock file a killed run leaves behind is recognized as stale and taken over.
+
+A full disk: `check_free_space` compares an estimate with what shutil.disk_usage reports before anything is
+written, and an ENOSPC met anyway becomes one ValueError naming the path and the space needed (`space_error`).
 """
 import contextlib
 import ctypes
+import errno
+import fcntl
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
-from .safetensors_io import WRITER, checkpoint_files, current_umask, read_header
+from .safetensors_io import INDEX, SINGLE, WRITER, checkpoint_files, current_umask, read_header
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
 
 
 def _fsync(path):
@@ -39,18 +58,176 @@ def is_engine_checkpoint(directory):
         return False
 
 
-def check_output(directory, force=False, override="force=True"):
-    """ValueError unless `directory` may be written: absent, an empty folder, or an engine checkpoint (which a new
-    save replaces). force=True allows replacing any folder; a file is never replaced. override: how the refusal
-    names that permission to its reader (the CLI's "--force")."""
+def other_files(directory):
+    """The entries of an engine checkpoint folder that the engine does not write there (sorted, folders with a
+    trailing /): anything but config.json, the safetensors files its index lists (or model.safetensors) and the
+    index, and the tokenizer files."""
     directory = Path(directory)
+    ours = {"config.json", INDEX, SINGLE, *TOKENIZER_FILES, *(f.name for f in checkpoint_files(directory))}
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir()
+                  if p.name not in ours or p.is_dir() or p.is_symlink())
+
+
+def _listing(names):
+    return f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+
+
+def check_parents(path):
+    """ValueError if a folder above output `path` is a file (nothing can be written below it)."""
+    for parent in path.parents:
+        if parent.is_symlink() or parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"output {path}: {parent} is a file, not a folder; choose another path")
+            return
+
+
+def check_output(directory, force=False, override="force=True"):
+    """ValueError unless `directory` may be written: absent, an empty folder, or an engine checkpoint holding only
+    the engine's files (which a new save replaces). force=True allows replacing any folder; a file is never
+    replaced, and nothing is written below a file. override: how the refusal names that permission to its reader
+    (the CLI's "--force")."""
+    directory = Path(directory)
+    check_parents(directory)
     if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
         raise ValueError(f"output {directory} exists and is not a folder; choose another path")
-    if not directory.exists() or force or not any(directory.iterdir()) or is_engine_checkpoint(directory):
+    if not directory.exists() or force or not any(directory.iterdir()):
         return
+    if is_engine_checkpoint(directory):
+        extra = other_files(directory)
+        if not extra:
+            return
+        raise ValueError(f"output {directory} is an engine checkpoint that also holds other files ({_listing(extra)})"
+                         f"; replacing it would delete them: move them, choose another folder or pass {override}")
     held = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
-    raise ValueError(f"output {directory} holds files that are not an engine checkpoint ({', '.join(held[:5])}"
-                     f"{' ...' if len(held) > 5 else ''}); choose another folder or pass {override} to replace it")
+    raise ValueError(f"output {directory} holds files that are not an engine checkpoint ({_listing(held)}); choose "
+                     f"another folder or pass {override} to replace it")
+
+
+def check_apart(source, output):
+    """ValueError if `output` is the model `source` (a folder or a file), lies inside it or contains it: writing it
+    would replace or change the model while it is read, and --force cannot make that safe."""
+    src, out = Path(source).resolve(), Path(output).resolve()
+    if src == out:
+        raise ValueError(f"output {output} is the model it is made from ({source}); choose another path")
+    if src in out.parents:
+        raise ValueError(f"output {output} lies inside the model it is made from ({source}); choose another path")
+    if out in src.parents:
+        raise ValueError(f"output {output} contains the model it is made from ({source}): replacing it would delete "
+                         "that model; choose another path")
+
+
+# ---- one writer per output --------------------------------------------------------------------------------------
+
+_HELD = {}                                       # lock file -> [descriptor, depth]: a process re-enters its own lock
+
+
+def _lock_file(path):
+    path = Path(path).absolute()
+    return path.parent / f".{path.name}.lock"
+
+
+@contextlib.contextmanager
+def output_lock(path):
+    """Hold the one-writer lock of output `path` (a folder or a file) while the block runs; ValueError at once,
+    naming the holder's pid, if another process holds it. Re-entrant within a process."""
+    lock = _lock_file(path)
+    key = str(lock)
+    if key in _HELD:
+        _HELD[key][1] += 1
+    else:
+        _HELD[key] = [_acquire(lock, path), 1]
+    try:
+        yield
+    finally:
+        _HELD[key][1] -= 1
+        if not _HELD[key][1]:
+            fd = _HELD.pop(key)[0]
+            try:
+                os.unlink(lock)                 # before the lock is released: the next writer creates a new file
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def _locked_by_another(path):
+    """Whether another live process holds the lock of output `path` (read from the pid in its lock file, which is
+    removed when a holder releases it: probing the lock itself could make a starting writer fail)."""
+    lock = _lock_file(path)
+    try:
+        pid = int(lock.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    return pid != os.getpid() and _alive(pid)
+
+
+def _acquire(lock, path):
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        check_parents(Path(path))
+        raise
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666 & ~current_umask())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ValueError(f"output {path} is being written by another run (pid {owner}, lock {lock.name}); wait "
+                             "for it to finish or choose another output") from None
+        try:
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:                                # else its holder removed it as we opened it: lock the new one
+            break
+        os.close(fd)
+    stale = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    if stale:
+        print(f"{path}: took over the lock of pid {stale}, a run that ended without releasing it", file=sys.stderr)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+# ---- disk space -------------------------------------------------------------------------------------------------
+
+def _mb(n):
+    return f"{n / 1e6:.1f} MB"
+
+
+def _free(path):
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(path, needed, kept=None):
+    """ValueError (space_error) unless the device that will hold `path` has `needed` more bytes free (plus 1% and
+    64 KiB for the index and config.json)."""
+    if _free(path) < needed * 1.01 + (64 << 10):
+        raise space_error(path, needed, kept)
+
+
+def is_disk_full(error):
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def space_error(path, needed, kept=None, ran_out=False):
+    """The ValueError for `path` lacking space (ran_out: the disk filled up while it was written): the space still
+    needed, and what is left of the work (kept: (folder name, bytes) kept for a resume)."""
+    if kept:
+        left = f"the finished part ({_mb(kept[1])} in {kept[0]}) is kept: free space and run the same command again"
+    else:
+        left = "the unfinished copy was removed and nothing was replaced" if ran_out else "nothing was written"
+    what = "no space left on the device while writing" if ran_out else "not enough space for"
+    return ValueError(f"{what} {path}: about {_mb(needed)} more is needed, {_mb(_free(path))} is free; {left}")
+
+
+def folder_size(folder):
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -83,8 +260,11 @@ def _alive(pid):
 
 def recover_interrupted_swap(directory):
     """Finish a fallback swap that a kill cut short (the journal names the complete new folder and the old one), and
-    remove leftovers of killed saves to `directory`: temporary folders whose process is gone."""
+    remove leftovers of killed saves to `directory`: temporary folders whose process is gone. Nothing is done while
+    another process holds the output's lock (its swap is not cut short: it is under way)."""
     directory = Path(directory)
+    if _locked_by_another(directory):
+        return
     journal = _journal(directory)
     if journal.exists():
         try:
@@ -127,22 +307,29 @@ def commit_directory(tmp, directory):
 
 
 @contextlib.contextmanager
-def atomic_directory(directory, force=False):
+def atomic_directory(directory, force=False, needed=None):
     """Write a checkpoint folder atomically: yields a temporary sibling folder to fill; on success it replaces
     `directory` (see the module docstring: crash-safe at every instant); on any error it is deleted and `directory`
-    is untouched. Refuses (ValueError, before anything is written) a `directory` that holds other files."""
+    is untouched. Refuses (ValueError, before anything is written) a `directory` that holds other files, that
+    another process is writing, or, given the bytes `needed`, on a device without that much space."""
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    recover_interrupted_swap(directory)
-    check_output(directory, force)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.new-{os.getpid()}.", suffix=".tmp", dir=directory.parent))
-    try:
-        os.chmod(tmp, 0o777 & ~current_umask())
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit_directory(tmp, directory)
+    with output_lock(directory):
+        recover_interrupted_swap(directory)
+        check_output(directory, force)
+        if needed is not None:
+            check_free_space(directory, needed)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.new-{os.getpid()}.", suffix=".tmp",
+                                    dir=directory.parent))
+        try:
+            os.chmod(tmp, 0o777 & ~current_umask())
+            yield tmp
+            commit_directory(tmp, directory)
+        except BaseException as e:
+            written = folder_size(tmp) if is_disk_full(e) else 0
+            shutil.rmtree(tmp, ignore_errors=True)
+            if is_disk_full(e):
+                raise space_error(directory, needed or written, ran_out=True) from None
+            raise
 
 
 def resumable_directory(directory):

@@ -324,6 +324,11 @@ def save_file(tensors, path, metadata=None):
                 f.write(memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy()))
 
 
+def nbytes(tensors):
+    """Bytes the tensors {name: tensor} take in a safetensors file (its header aside)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def write_json(path, obj):
     """A JSON file written atomically (temporary file, fsync, rename), mode from the umask."""
     with atomic_file(path) as f:

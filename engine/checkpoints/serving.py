@@ -28,6 +28,7 @@ from .gguf import load_gguf
 from .gguf_writer import write_gguf
 from .loaders import load_dense, read_config
 from .registry import load_quantized
+from .safe_writes import check_apart
 
 TARGETS = ("transformers", "vllm", "llama.cpp", "onnx")
 VLLM_GROUPS = (-1, 32, 64, 128)
@@ -197,6 +198,7 @@ def load_checkpoint(source, dtype=None):
 def export_gguf(source, path, dense_type="F32", fallback=None, force=False):
     """`run.py export SOURCE --gguf PATH`: the checkpoint at `source` as a GGUF file, its quantized layers in their
     GGML types (gguf_writer), the tokenizer taken from the source (the byte model's when it has none)."""
+    check_apart(source, path)
     return write_gguf(load_checkpoint(source), path, tokenizer=source, dense_type=dense_type, fallback=fallback,
                       force=force)
 

@@ -14,11 +14,23 @@ embedding table is only read to embed the ids and again, tensor by tensor, to be
 (embeddings, norms, biases) are written in their source dtype. The output is sharded safetensors with an index,
 config.json with the quantization_config, and the source's tokenizer and generation files.
 
-A killed conversion resumes: the output is built in DIR's sibling .DIR.partial, with progress.json recording what
-was done and with which source, method, options and calibration; a re-run with the same arguments skips the layers
-already written (replaying them to rebuild the hidden states it needs) and goes on. The finished folder is swapped
-into DIR atomically (engine.checkpoints.safe_writes.commit_directory).
+`Conversion` checks everything once, before any work: the method, the output (its lock held: one writer; not the
+source; nothing of the user's replaced), the source (opened once: config, layer count, shapes, tokenizer) and the
+calibration the method needs.
+
+A killed conversion resumes, and the record never disagrees with the files. The output is built in DIR's sibling
+.DIR.partial, every shard under its final name (model-k-of-n: n is known from the source before any work), each
+written atomically; progress.json records the layers done (and with which source, method, options and calibration)
+and is rewritten only after a layer's shard is complete, so every layer it counts is on disk. A re-run with the
+same arguments keeps those shards, removes everything else in the folder (a shard written after the last record, a
+killed write's temporary file) and goes on (replaying done layers to rebuild the hidden states it needs); a folder
+it cannot trust (no record, other settings, a counted shard missing or damaged) is started over. Either way one
+line on stderr says which. Finishing writes the index, config.json and the tokenizer files, removes the record
+(from then on the folder is not resumable, so the swap below can never be mistaken for one) and swaps the folder
+into DIR atomically (safe_writes.commit_directory). Free space is checked against an estimate first (the tensors
+copied as stored, and each layer written so far times the layers to go), and a full disk keeps the finished layers.
 """
+import contextlib
 import ctypes
 import gc
 import json
@@ -29,16 +41,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..formats.base import QuantLinear
 from ..formats.calibration import LayerCalibration, check_ids, first_layer_batches, layer_weights, merged_config
 from ..qwen3 import DecoderLayer, Qwen3Config
 from . import gguf
-from .loaders import check_layer_count, check_shapes, digest_of, place, read_config, skeleton
-from .registry import METHODS, config_digest
-from .safe_writes import check_output, commit_directory, recover_interrupted_swap, resumable_directory
-from .safetensors_io import (INDEX, TensorReader, save_file, float_digest, tensor_digest, tensor_specs,
-                              write_json)
-from .tokenizer import export_tokenizer
+from .gguf_tokenizer import gguf_tokenizer
+from .loaders import check_complete, check_layer_count, check_shapes, digest_of, place, read_config, skeleton
+from .registry import METHODS, LayerAssembler, checkpoint_tensors, config_digest
+from .safe_writes import (TOKENIZER_FILES, check_apart, check_free_space, check_output, commit_directory, folder_size,
+                          is_disk_full, output_lock, recover_interrupted_swap, resumable_directory, space_error)
+from .safetensors_io import (DTYPE_BYTES, INDEX, TensorReader, float_digest, read_header, read_json, save_file,
+                             tensor_digest, write_json)
+from .tokenizer import check_vocabulary, export_tokenizer, load_tokenizer
 
 PROGRESS = "progress.json"
 try:
@@ -50,19 +63,22 @@ except OSError:                                  # not glibc: the system keeps i
 class Source:
     """A model on disk, read one decoder layer at a time: a Hugging Face folder or a GGUF file (whose quantized
     linears are dequantized: their weights are the reference the new method starts from). `config` is the HF-style
-    config dict, `names` the HF tensor names; tensors(keep) yields (name, tensor) for the names keep() selects."""
+    config dict, `sizes` {HF tensor name: bytes as the converter reads it}; tensors(keep) yields (name, tensor) for
+    the names keep() selects; tokenizer() and export_tokenizer(folder) rebuild a GGUF file's tokenizer once."""
 
     def __init__(self, path):
         self.path = Path(path)
+        self._rebuilt = None
         if self.path.is_file() and self.path.suffix == ".gguf":
             self.gguf = gguf.GGUFFile(self.path)
             self.config = gguf.hf_config(self.gguf)
-            self.names = {gguf.hf_name(n)[0]: None for n in self.gguf.tensors}
+            self.sizes = {gguf.hf_name(n)[0]: _read_bytes(info) for n, info in self.gguf.tensors.items()}
         else:
             self.gguf = None
             self.config = read_config(self.path)
             self.reader = TensorReader(self.path)
-            self.names = dict(tensor_specs(self.path))
+            self.specs = {name: spec for name, (_, spec, _) in self.reader.where.items()}
+            self.sizes = {n: DTYPE_BYTES[dtype] * torch.Size(shape).numel() for n, (dtype, shape) in self.specs.items()}
 
     def tensors(self, keep):
         if self.gguf is not None:
@@ -72,6 +88,25 @@ class Source:
                 if keep(name):
                     yield name, self.reader.read(name)
 
+    def tokenizer(self):
+        """The model's tokenizers.Tokenizer (ids beyond the embedding's rows refused, as load_tokenizer does)."""
+        if self.gguf is None:
+            return load_tokenizer(self.path)
+        embedding = self.gguf.tensors.get("token_embd.weight")
+        return check_vocabulary(self._gguf_tokenizer()[0], embedding and embedding.shape[0], self.path)
+
+    def export_tokenizer(self, folder):
+        """Write the model's tokenizer files into `folder` (tokenizers.export_tokenizer); returns their names."""
+        if self.gguf is None:
+            return export_tokenizer(self.path, folder)
+        return export_tokenizer(self.path, folder, self._gguf_tokenizer()
+                                if "tokenizer.ggml.tokens" in self.gguf.metadata else ())
+
+    def _gguf_tokenizer(self):
+        if self._rebuilt is None:
+            self._rebuilt = gguf_tokenizer(self.gguf)
+        return self._rebuilt
+
     def __enter__(self):
         return self
 
@@ -79,10 +114,22 @@ class Source:
         if self.gguf is not None:
             self.gguf.close()
 
+    def side_bytes(self):
+        """About the bytes of the tokenizer files export_tokenizer writes (a GGUF file's: twice its header)."""
+        if self.gguf is not None:
+            return 2 * min((info.offset for info in self.gguf.tensors.values()), default=0)
+        return sum((self.path / name).stat().st_size for name in TOKENIZER_FILES if (self.path / name).is_file())
+
     def identity(self):
         """What a resumed conversion must find unchanged: the source's files (names, sizes, modification times)."""
         files = [self.path] if self.gguf is not None else sorted(self.path.iterdir())
         return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+
+
+def _read_bytes(info):
+    """Bytes of a GGUF tensor as the converter reads it: dense types as stored, block types decoded to float32."""
+    n = torch.Size(info.shape).numel()
+    return n * (2 if info.type_name in ("F16", "BF16") else 4)
 
 
 def release_memory():
@@ -93,8 +140,246 @@ def release_memory():
         _LIBC.malloc_trim(0)
 
 
-def _layer_prefix(i):
-    return f"model.layers.{i}."
+def _say(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+class Conversion:
+    """Quantizing the model at `source` (an HF folder or a .gguf file) with `method` (a key of registry.METHODS)
+    into the checkpoint folder `out`, one decoder layer at a time (see the module docstring). Entering it checks
+    everything once, holds the output's lock and opens the source; `needs_data` says whether run() needs
+    calibration ids, `source.tokenizer()` turns text into them. Options go to the method's quantize_layer; dtype is
+    the precision layers compute in while they are calibrated (data-free methods read each layer in its stored
+    dtype; stored dtypes are kept on disk)."""
+
+    def __init__(self, source, out, method, force=False, dtype=torch.float32, batch_size=8, progress=True,
+                 override="force=True", **options):
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+        self.entry = METHODS[method]
+        if self.entry.quantize_layer is None:
+            raise ValueError(f"method {method} cannot quantize layer by layer")
+        self.source_path, self.out, self.method = Path(source), Path(out), method
+        self.force, self.override = force, override              # override: how a refusal names force (--force)
+        self.dtype, self.batch_size, self.progress, self.options = dtype, batch_size, progress, options
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        try:
+            check_apart(self.source_path, self.out)
+            self._stack.enter_context(output_lock(self.out))      # a second writer is refused here, at once
+            recover_interrupted_swap(self.out)
+            check_output(self.out, self.force, self.override)
+            self.source = self._stack.enter_context(Source(self.source_path))
+            self.cfg = Qwen3Config.from_hf(self.source.config)
+            check_layer_count(self.cfg, self.source.sizes, self.source_path)
+            self.model = skeleton(self.cfg)
+            if self.source.gguf is None:
+                check_shapes(self.model, self.source.specs, self.source_path)
+            self.mode = self.entry.calibration(self.options)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    @property
+    def needs_data(self):
+        return self.mode is not None
+
+    def float_model(self, dtype=torch.float32):
+        """The whole source model in `dtype`, read through the open source (the "self" calibration samples the
+        model's own text from it; the converter itself never holds more than a layer)."""
+        model, loaded = skeleton(self.cfg), set()
+        for name, value in self.source.tensors(lambda n: not (n == "lm_head.weight" and self.cfg.tie_word_embeddings)):
+            place(model, name, value, dtype, "cpu")
+            loaded.add(name)
+        if self.cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        check_complete(model, loaded, self.source_path)
+        return model.eval()
+
+    def _rest(self, name):
+        """Tensors outside the decoder layers (embedding, final norm, an untied lm_head): copied as stored."""
+        return not name.startswith("model.layers.") and not (name == "lm_head.weight" and
+                                                             self.cfg.tie_word_embeddings)
+
+    def run(self, calibration_ids=None, records=None):
+        """Convert (calibration_ids [B, T] for the data-aware methods); records: more "engine.*" provenance entries
+        for the index's metadata (which calibration: engine.data.Calibration.records). Returns the
+        quantization_config."""
+        ids = check_ids(calibration_ids, self.cfg.vocab_size, self.method) if self.mode else None
+        self.records = dict(records or {})
+        if not all(isinstance(k, str) and k.startswith("engine.") and isinstance(v, str)
+                   for k, v in self.records.items()):
+            raise ValueError(f"records must map 'engine.*' names to strings, got {records!r}")
+        layers, rest = self.cfg.num_hidden_layers, [n for n in self.source.sizes if self._rest(n)]
+        n = layers + len(rest)
+        self.shards = [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+        identity = {"source": self.source.identity(), "method": self.method, "options": self.options,
+                    "dtype": str(self.dtype), "calibration": None if ids is None else tensor_digest(ids)}
+        folder, state = self._resume(identity)
+        self.known = sum(self.source.sizes[name] for name in rest) + self.source.side_bytes()
+        try:
+            self._check_space(folder, state)
+            return self._convert(folder, state, ids)
+        except BaseException as e:
+            if not state["done"]:                   # nothing worth keeping
+                shutil.rmtree(folder, ignore_errors=True)
+            if is_disk_full(e):
+                raise space_error(self.out, self._still_needed(folder, state), self._kept(folder, state),
+                                  ran_out=True) from None
+            raise
+
+    def _still_needed(self, folder, state):
+        """Bytes the conversion still has to write: the layers to go at the mean size of those written (none written
+        yet: only what is known before any work), the tensors copied as stored and the tokenizer files."""
+        written = [(folder / s).stat().st_size for s in self.shards[:state["done"]] if (folder / s).exists()]
+        per_layer = sum(written) / len(written) if written else 0
+        return per_layer * (self.cfg.num_hidden_layers - len(written)) + self.known
+
+    def _kept(self, folder, state):
+        return (folder.name, folder_size(folder)) if state["done"] else None
+
+    def _check_space(self, folder, state):
+        check_free_space(self.out, self._still_needed(folder, state), self._kept(folder, state))
+
+    def _convert(self, folder, state, ids):
+        layers, batches = self.cfg.num_hidden_layers, None
+        if self.mode and state["done"] < layers:    # the embedding, in its stored dtype, only to embed the ids
+            _fill(self.model, self.source.tensors(lambda n: n == "model.embed_tokens.weight"), None, {})
+            batches = [(h.to(self.dtype), *rope) for h, *rope in first_layer_batches(self.model, ids, self.batch_size)]
+            self.model.model.embed_tokens.to_empty(device="meta")
+        self._validated, done = {}, state["done"]
+        bar = tqdm(total=layers, initial=done, desc=f"{self.method} layers", disable=not self.progress, unit="layer")
+        for i in range(layers):                     # the bar starts where a killed run stopped
+            if i < done and (not self.mode or done == layers):
+                continue                            # done: its record holds its digests, no later layer needs it
+            batches = self._layer(i, batches, folder, state)
+            bar.update(i >= done)
+            if i + 1 < layers:                      # with the layers written so far measured
+                self._check_space(folder, state)
+        bar.close()
+        # one at a time (an 8B's embedding is 1.2 GB), and no enumerate(): its cached result tuple would keep the
+        # previous tensor alive while the next one is read
+        k = self.cfg.num_hidden_layers
+        for name, tensor in self.source.tensors(self._rest):
+            state["digests"][name] = float_digest(tensor)
+            save_file({name: tensor}, folder / self.shards[k])          # as stored, byte for byte
+            del tensor
+            k += 1
+        qcfg = merged_config(state["layer_configs"], state["weights"])
+        self._finish(folder, qcfg, digest_of(state["digests"]))
+        return qcfg
+
+    def _spec(self, layer_cfg):
+        """A layer's quantization_config validated by the method, once per distinct config."""
+        key = json.dumps(layer_cfg, sort_keys=True)
+        if key not in self._validated:
+            self._validated[key] = self.entry.validate(layer_cfg) if self.entry.validate else layer_cfg
+        return self._validated[key]
+
+    def _layer(self, i, batches, folder, state):
+        """Read decoder layer i, quantize it and write it (or, done by a killed run, replay it), free it; returns the
+        calibration batches for layer i + 1."""
+        model, mode = self.model, self.mode
+        prefix = f"model.layers.{i}."
+        layer_dtype = self.dtype if mode else None      # data-free methods read each weight as stored (half the memory)
+        stored = _fill(model, self.source.tensors(lambda n: n.startswith(prefix)), layer_dtype, state["digests"])
+        layer = LayerCalibration(model.model.layers[i], i, batches, self.entry.name)
+        if i < state["done"]:
+            if mode == "quantized":
+                self._read_back(folder / self.shards[i], self._spec(state["layer_configs"][i]), layer_dtype)
+            batches = layer.outputs() if mode else None
+        else:
+            ahead = layer.outputs() if mode == "float" else None
+            layer_cfg = self.entry.quantize_layer(layer, **self.options)
+            save_file(checkpoint_tensors(layer.layer, self.entry, self._spec(layer_cfg), prefix, stored),
+                      folder / self.shards[i])
+            batches = ahead if ahead is not None else (layer.outputs() if mode else None)
+            state["layer_configs"].append(layer_cfg)
+            state["weights"].append(layer_weights(layer))
+            state["done"] = i + 1
+            write_json(folder / PROGRESS, state)        # after the shard: every layer it counts is on disk
+        model.model.layers[i] = DecoderLayer(model.cfg, i).to("meta")
+        del layer
+        release_memory()
+        return batches
+
+    def _read_back(self, shard, spec, dtype):
+        """Rebuild a quantized layer from its written shard (a resumed run replays it to get the next inputs)."""
+        assembler = LayerAssembler(self.model, self.entry, spec, "cpu")
+        reader = TensorReader(shard)
+        for name in reader.names():
+            value = reader.read(name)
+            if not assembler.claim(name, value):
+                place(self.model, name, value, dtype, "cpu")
+        for name, value in assembler.dense_leftovers().items():
+            place(self.model, name, value, dtype, "cpu")
+
+    def _resume(self, identity):
+        """(the partial folder, its progress state): the one a killed run with the same identity left, holding
+        only the shards its record counts, or a fresh one; says which on stderr when a partial folder was found."""
+        folder = self.out.parent / f".{self.out.name}.partial"
+        if folder.exists() or folder.is_symlink():
+            state, why = self._trusted(folder, identity)
+            if state is not None:
+                keep = {PROGRESS, *self.shards[:state["done"]]}
+                for entry in folder.iterdir():
+                    if entry.name not in keep:
+                        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                done, n = state["done"], self.cfg.num_hidden_layers
+                layers = "no layer" if not done else "layer 0" if done == 1 else f"layers 0-{done - 1}"
+                replay = "; replaying them for the calibration inputs" if done and self.mode and done < n else ""
+                _say(f"resuming {self.out}: {layers} of {n} {'were' if done > 1 else 'was'} written by an earlier run "
+                     f"(kept in {folder}){replay}")
+                return folder, state
+            _say(f"{self.out}: started over: {folder.name} {why}")
+            shutil.rmtree(folder) if folder.is_dir() and not folder.is_symlink() else folder.unlink()
+        return resumable_directory(self.out), {"identity": identity, "done": 0, "digests": {}, "layer_configs": [],
+                                               "weights": []}
+
+    def _trusted(self, folder, identity):
+        """(the progress state, None) of a partial folder this conversion can go on from, or (None, why not)."""
+        if folder.is_symlink() or not folder.is_dir():
+            return None, "is not a folder"
+        try:
+            state = read_json(folder, PROGRESS)
+        except ValueError:
+            return None, "has no readable progress record (a run that was finishing, or another kind of run)"
+        if state.get("identity") != identity:
+            return None, "was left by a run from another source, method, options or calibration"
+        done = state.get("done")
+        if (type(done) is not int or not 0 <= done <= self.cfg.num_hidden_layers
+                or any(len(state.get(k, ())) != done for k in ("layer_configs", "weights"))):
+            return None, "has a progress record that does not add up"
+        for shard in self.shards[:done]:
+            try:
+                read_header(folder / shard)
+            except (OSError, ValueError):
+                return None, f"lacks a complete {shard}, which its progress record counts"
+        return state, None
+
+    def _finish(self, folder, qcfg, source_digest):
+        """Index (with the provenance records), config.json and the source's side files; the record removed, then the
+        folder swapped into `out`."""
+        weight_map, total = {}, 0
+        for name in self.shards:
+            for t in read_header(folder / name)[0]:
+                weight_map[t] = name
+            total += (folder / name).stat().st_size
+        write_json(folder / INDEX, {"metadata": {"total_size": total, **self.records,
+                                                 "engine.source_sha256": source_digest,
+                                                 "engine.quantization_config_sha256": config_digest(qcfg)},
+                                    "weight_map": weight_map})
+        raw = self.cfg.to_hf()
+        raw["quantization_config"] = qcfg
+        write_json(folder / "config.json", raw)
+        self.source.export_tokenizer(folder)            # with generation_config.json and the chat template
+        (folder / PROGRESS).unlink()
+        commit_directory(folder, self.out)
 
 
 def _fill(model, tensors, dtype, digests):
@@ -108,150 +393,10 @@ def _fill(model, tensors, dtype, digests):
     return stored
 
 
-def _layer_tensors(layer, prefix, entry, spec, stored):
-    """{checkpoint name: tensor} of a quantized decoder layer: each QuantLinear's parts (entry.write) and bias, every
-    other parameter (norms, unquantized linears) in the dtype it was stored in."""
-    tensors, quantized = {}, set()
-    for name, module in layer.named_modules():
-        if isinstance(module, QuantLinear):
-            quantized.add(name)
-            for part, value in entry.write(module, spec).items():
-                tensors[f"{prefix}{name}.{part}"] = value
-            if module.bias is not None:
-                tensors[f"{prefix}{name}.bias"] = module.bias.detach().to(stored[f"{prefix}{name}.bias"])
-    for name, p in layer.named_parameters():
-        if name.rpartition(".")[0] not in quantized:
-            tensors[prefix + name] = p.detach().to(stored.get(prefix + name, p.dtype))
-    return tensors
-
-
-def _read_back(model, i, folder, entry, spec, dtype):
-    """Rebuild quantized layer i from its written shard (a resumed run replays it to get the next inputs)."""
-    from .registry import LayerAssembler
-    assembler = LayerAssembler(model, entry, spec, "cpu")
-    reader = TensorReader(folder / f"layer-{i:05d}.safetensors")
-    for name in reader.names():
-        value = reader.read(name)
-        if not assembler.claim(name, value):
-            place(model, name, value, dtype, "cpu")
-    for name, value in assembler.dense_leftovers().items():
-        place(model, name, value, dtype, "cpu")
-
-
 def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, dtype=torch.float32, batch_size=8,
                         progress=True, records=None, **options):
-    """Quantize the model at `source` (an HF folder or a .gguf file) with `method` (a key of checkpoints.METHODS)
-    into the checkpoint folder `out`, one decoder layer at a time (see the module docstring). calibration_ids
-    [B, T] for the data-aware methods; options go to the method's quantize_layer; dtype is the precision the layers
-    compute in while they are calibrated (data-free methods read each layer in its stored dtype; stored dtypes are
-    kept on disk); records: more "engine.*" provenance entries for the index's metadata (which calibration:
-    engine.data.Calibration.records). Returns the quantization_config."""
-    records = records or {}
-    if not all(isinstance(k, str) and k.startswith("engine.") and isinstance(v, str) for k, v in records.items()):
-        raise ValueError(f"records must map 'engine.*' names to strings, got {records!r}")
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
-    entry = METHODS[method]
-    if entry.quantize_layer is None:
-        raise ValueError(f"method {method} cannot quantize layer by layer")
-    recover_interrupted_swap(out)
-    check_output(out, force)
-    with Source(source) as src:
-        cfg = Qwen3Config.from_hf(src.config)
-        check_layer_count(cfg, src.names, source)
-        model = skeleton(cfg)
-        if src.gguf is None:
-            check_shapes(model, tensor_specs(source), source)
-        mode = entry.calibration(options)
-        ids = check_ids(calibration_ids, cfg.vocab_size, method) if mode else None
-        identity = {"source": src.identity(), "method": method, "options": options, "dtype": str(dtype),
-                    "calibration": None if ids is None else tensor_digest(ids)}
-        folder, state = _resume(out, identity)
-        batches = None
-        if mode:                                    # the embedding, in its stored dtype, only to embed the ids
-            _fill(model, src.tensors(lambda n: n == "model.embed_tokens.weight"), None, {})
-            batches = [(h.to(dtype), *rope) for h, *rope in first_layer_batches(model, ids, batch_size)]
-            model.model.embed_tokens.to_empty(device="meta")
-        layer_dtype = dtype if mode else None      # data-free methods read each weight as stored (half the memory)
-        done, n = state["done"], cfg.num_hidden_layers
-        if done and progress:                       # the bar starts where the killed run stopped
-            tqdm.write(f"resuming {out}: layers 0-{done - 1} of {n} were written by an earlier run (kept in "
-                       f"{folder}){'; replaying them for the calibration inputs' if mode else ''}", file=sys.stderr)
-        bar = tqdm(total=n, initial=done, desc=f"{method} layers", disable=not progress, unit="layer")
-        for i in range(n):
-            batches = _convert_layer(model, i, src, entry, mode, batches, folder, state, layer_dtype, options)
-            bar.update(i >= done)
-        bar.close()
-        rest = (lambda n: not n.startswith("model.layers.") and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
-        # one at a time (an 8B's embedding is 1.2 GB), and no enumerate(): its cached result tuple would keep the
-        # previous tensor alive while the next one is read
-        k = 0
-        for name, tensor in src.tensors(rest):
-            state["digests"][name] = float_digest(tensor)
-            save_file({name: tensor}, folder / f"rest-{k:05d}.safetensors")     # as stored, byte for byte
-            del tensor
-            k += 1
-        qcfg = merged_config(state["layer_configs"], state["weights"])
-        _finish(folder, out, src, cfg, qcfg, {**records, "engine.source_sha256": digest_of(state["digests"])})
-    return qcfg
-
-
-def _convert_layer(model, i, src, entry, mode, batches, folder, state, dtype, options):
-    """Read decoder layer i, quantize it and write it (or, done by a killed run, replay it), free it; returns the
-    calibration batches for layer i + 1."""
-    validate = entry.validate or (lambda config: config)
-    prefix = _layer_prefix(i)
-    stored = _fill(model, src.tensors(lambda n: n.startswith(prefix)), dtype, state["digests"])
-    layer = LayerCalibration(model.model.layers[i], i, batches, entry.name)
-    if i < state["done"]:
-        if mode == "quantized":
-            _read_back(model, i, folder, entry, validate(state["layer_configs"][i]), dtype)
-        batches = layer.outputs() if mode else None
-    else:
-        ahead = layer.outputs() if mode == "float" else None
-        layer_cfg = entry.quantize_layer(layer, **options)
-        save_file(_layer_tensors(layer.layer, prefix, entry, validate(layer_cfg), stored),
-                  folder / f"layer-{i:05d}.safetensors")
-        batches = ahead if ahead is not None else (layer.outputs() if mode else None)
-        state["layer_configs"].append(layer_cfg)
-        state["weights"].append(layer_weights(layer))
-        state["done"] = i + 1
-        write_json(folder / PROGRESS, state)
-    model.model.layers[i] = DecoderLayer(model.cfg, i).to("meta")
-    del layer
-    release_memory()
-    return batches
-
-
-def _resume(out, identity):
-    """(the partial folder, its progress state): a fresh one, or the one a killed run with the same identity left."""
-    folder = resumable_directory(out)
-    state_file = folder / PROGRESS
-    state = json.loads(state_file.read_text()) if state_file.exists() else None
-    if state is None or state.get("identity") != identity:
-        shutil.rmtree(folder)
-        folder = resumable_directory(out)
-        state = {"identity": identity, "done": 0, "digests": {}, "layer_configs": [], "weights": []}
-    return folder, state
-
-
-def _finish(folder, out, src, cfg, qcfg, records):
-    """Index (its metadata: the provenance records), config.json and the source's side files, then the finished
-    folder swapped into `out`."""
-    files = sorted(p.name for p in folder.glob("*.safetensors"))
-    weight_map, total = {}, 0
-    for k, name in enumerate(files, 1):
-        shard = f"model-{k:05d}-of-{len(files):05d}.safetensors"
-        for t in TensorReader(folder / name).names():
-            weight_map[t] = shard
-        total += (folder / name).stat().st_size
-        (folder / name).rename(folder / shard)
-    write_json(folder / INDEX, {"metadata": {"total_size": total, **records,
-                                             "engine.quantization_config_sha256": config_digest(qcfg)},
-                                "weight_map": weight_map})
-    raw = cfg.to_hf()
-    raw["quantization_config"] = qcfg
-    write_json(folder / "config.json", raw)
-    (folder / PROGRESS).unlink()
-    export_tokenizer(src.path, folder)                  # with generation_config.json and the chat template
-    commit_directory(folder, out)
+    """Quantize the model at `source` into the checkpoint folder `out` layer by layer (a Conversion checked, then
+    run with calibration_ids [B, T] for the data-aware methods and the provenance `records`). Returns the
+    quantization_config."""
+    with Conversion(source, out, method, force, dtype, batch_size, progress, **options) as conversion:
+        return conversion.run(calibration_ids, records)

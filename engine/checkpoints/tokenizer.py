@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from .gguf import GGUFFile
 from .gguf_tokenizer import gguf_tokenizer
+from .safe_writes import TOKENIZER_FILES
 from .safetensors_io import MAX_JSON_BYTES, checked_file, read_json, write_json
 
 
@@ -28,9 +29,6 @@ def _byte_chars():
 
 BYTE_CHARS = _byte_chars()                        # BYTE_CHARS[b]: byte b as one character (GPT-2's bytes_to_unicode)
 BYTE_VOCAB = {c: b for b, c in enumerate(BYTE_CHARS)}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
 SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -113,6 +111,27 @@ def check_vocabulary(tok, vocab_size, where, declared=None):
     return tok
 
 
+def present(folder, name):
+    """Whether `folder` has an entry `name` (a dangling link counts: reading it must then fail, not be skipped)."""
+    return (Path(folder) / name).exists() or (Path(folder) / name).is_symlink()
+
+
+def read_tokenizer_folder(folder):
+    """(Tokenizer, tokenizer_config dict, chat template text or None) of a folder's tokenizer.json,
+    tokenizer_config.json ({} if absent) and chat_template.jinja (None if absent): each a regular file inside the
+    folder (safetensors_io.checked_file), bounded and well formed, or a ValueError naming it."""
+    folder = Path(folder)
+    tok = _from_json_file(checked_file(folder, "tokenizer.json", MAX_JSON_BYTES), folder / "tokenizer.json")
+    config = read_json(folder, "tokenizer_config.json") if present(folder, "tokenizer_config.json") else {}
+    template = None
+    if present(folder, "chat_template.jinja"):
+        try:
+            template = checked_file(folder, "chat_template.jinja", MAX_JSON_BYTES).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{folder / 'chat_template.jinja'} is not UTF-8 text") from None
+    return tok, config, template
+
+
 def load_tokenizer(path=None):
     """A tokenizers.Tokenizer: None -> the byte tokenizer; a folder -> its tokenizer.json (a folder of the byte model
     written before tokenizer files were: the byte tokenizer); a file -> a GGUF file's vocabulary. A tokenizer with
@@ -121,7 +140,7 @@ def load_tokenizer(path=None):
         return byte_tokenizer()
     path = Path(path)
     if path.is_dir():
-        if (path / "tokenizer.json").exists() or (path / "tokenizer.json").is_symlink():
+        if present(path, "tokenizer.json"):
             tok = _from_json_file(checked_file(path, "tokenizer.json", MAX_JSON_BYTES), path / "tokenizer.json")
             vocab = read_json(path, "config.json").get("vocab_size") if (path / "config.json").exists() else None
             added = read_json(path, "tokenizer.json").get("added_tokens")
@@ -160,18 +179,18 @@ def copy_tokenizer_files(source_folder, out_folder):
     or out of a Hugging Face cache's blobs) into out_folder. Returns the names copied."""
     copied = []
     for name in TOKENIZER_FILES:
-        path = Path(source_folder) / name
-        if path.exists() or path.is_symlink():
+        if present(source_folder, name):
             shutil.copyfile(checked_file(source_folder, name, MAX_JSON_BYTES), Path(out_folder) / name)
             copied.append(name)
     return copied
 
 
-def export_tokenizer(source, out_folder):
+def export_tokenizer(source, out_folder, rebuilt=None):
     """Give a checkpoint written into out_folder its source's tokenizer: None (the tiny byte model) -> the byte
     tokenizer's files; a model folder -> its tokenizer files copied (or the byte tokenizer's for a byte model
     folder without any); a GGUF file -> tokenizer.json and tokenizer_config.json (with its chat template) rebuilt
-    from its metadata (nothing if it has none). Returns the names written."""
+    from its metadata (nothing if it has none; rebuilt: gguf_tokenizer's result, or () for none, when the caller
+    has already built it). Returns the names written."""
     if source is None:
         return write_tokenizer_files(byte_tokenizer(), out_folder)
     source = Path(source)
@@ -180,8 +199,7 @@ def export_tokenizer(source, out_folder):
         if "tokenizer.json" not in copied and _is_byte_model(source):
             copied += write_tokenizer_files(byte_tokenizer(), out_folder)
         return copied
-    with GGUFFile(source) as f:
-        if "tokenizer.ggml.tokens" not in f.metadata:         # a GGUF file may hold weights only
-            return []
-        tok, config = gguf_tokenizer(f)
-    return write_tokenizer_files(tok, out_folder, config)
+    if rebuilt is None:
+        with GGUFFile(source) as f:                           # a GGUF file may hold weights only
+            rebuilt = gguf_tokenizer(f) if "tokenizer.ggml.tokens" in f.metadata else ()
+    return write_tokenizer_files(rebuilt[0], out_folder, rebuilt[1]) if rebuilt else []
