@@ -137,8 +137,11 @@ def build_parser():
     orders = "; ".join(f"{name}: {text}" for name, text in GPTQ_ORDERS.items())
     z.add_argument("--order", metavar="ORDER", help=f"gptq's column order, one of {', '.join(GPTQ_ORDERS)} or "
                                                     f"search (the best of three per linear). {orders}")
-    z.add_argument("--bpw", type=float, metavar="B", help=f"entquant: target bits per weight, {BPW_RANGE[0]} to "
-                                                          f"{BPW_RANGE[1]} (lambda found by bisection)")
+    (e_low, e_high), (g_low, g_high) = BPW_RANGE["entquant"], BPW_RANGE["gptq"]
+    z.add_argument("--bpw", type=float, metavar="B", help=f"entquant: target bits per weight, {e_low} to {e_high} "
+                                                          "(lambda found by bisection); gptq --target llama.cpp: a "
+                                                          "GGML type per linear (Q2_K ... Q6_K) by measured error, "
+                                                          f"every layer within B bits per weight, {g_low} to {g_high}")
     z.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="any other option of the method (repeatable), e.g. sym=true (gptq), format=nvfp4-pack-"
                         "quantized (compressed-tensors), L=16 (trellis), bps=3 (lattice); an unknown key is an "

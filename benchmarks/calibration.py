@@ -132,7 +132,8 @@ def main():
     done = {(r["method"], r["source"], r["text"]): r for r in map(json.loads, results_file.read_text().splitlines())} \
         if results_file.exists() else {}
     # source by source (a run cut short still compares the first sources under every method)
-    cells = [("rtn", "-")] * ("rtn" in args.methods) + [(m, s) for s in args.sources for m in args.methods if m != "rtn"]
+    cells = [("rtn", "-")] * ("rtn" in args.methods)
+    cells += [(m, s) for s in args.sources for m in args.methods if m != "rtn"]
     for method, source in cells:
         if all((method, source, t) in done for t in args.texts):
             continue

@@ -4,9 +4,11 @@ log P(next | ids[:t+1]); it prints one JSON line per model, {"model", ...timings
 
     llamacpp     IDS OUT MODEL.gguf [--kv f32|f16] [--greedy N PROMPTS.npy TOKENS_OUT.npy]
     convert      HF_DIR OUT.gguf TOKENIZER_DIR          llama.cpp's own convert_hf_to_gguf.py (a second reader)
-    quantize     IN.gguf OUT.gguf TYPE [--imatrix F]    llama.cpp's own quantizer (llama_model_quantize), the
+    quantize     IN.gguf OUT.gguf TYPE [--imatrix F] [--pure]
+                                                        llama.cpp's own quantizer (llama_model_quantize), the
                                                         embedding and output kept in F32 like the engine's files;
-                                                        F: an importance matrix (llama.cpp's GGUF imatrix file)
+                                                        F: an importance matrix (llama.cpp's GGUF imatrix file);
+                                                        --pure: every linear in TYPE or its fallback, no _M mix
     vllm         IDS [--dtype float16] [--tp 1] MODEL OUT [MODEL OUT ...]     all models in one process
     ortgenai     IDS MODEL OUT WORK_DIR TOKENIZER_DIR [--patch-lm-head]
     transformers IDS MODEL OUT [MODEL OUT ...]          an HF folder, or a .gguf file (gguf_file=)
@@ -140,13 +142,17 @@ def convert(args):
 
 
 def quantize(args):
-    """llama_model_quantize to TYPE (any LLAMA_FTYPE_MOSTLY_<TYPE>: Q4_K_M, IQ2_XXS, ...); embedding and output kept
-    in F32. --imatrix FILE: an importance matrix in llama.cpp's GGUF imatrix format, read and normalized exactly as
+    """llama_model_quantize to TYPE (any LLAMA_FTYPE_MOSTLY_<TYPE>: Q4_K_M, IQ2_XXS, ...; or a bare Q3_K / Q4_K /
+    Q5_K); embedding and output kept in F32. --pure: every linear in TYPE (or llama.cpp's fallback type), no mix.
+    --imatrix FILE: an importance matrix in llama.cpp's GGUF imatrix format, read and normalized exactly as
     llama-quantize's load_imatrix does (in_sum2 / counts per tensor) and passed as params.imatrix."""
     import llama_cpp
     source, out, kind = args[:3]
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+    # a bare K-quant name (Q4_K) is its _S ftype, which with --pure (params.pure) is every linear in that type
+    name = kind if hasattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}") else f"{kind}_S"
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
+    params.pure = "--pure" in args
     params.token_embedding_type = params.output_tensor_type = 0    # F32, as the engine's exports keep them
     params.nthread = 2
     keep = []                                    # the arrays params.imatrix points into must outlive the call

@@ -30,7 +30,7 @@ from engine.coding import rans
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats
 from engine.formats import affine, entropy, entropy_feedback, entropy_rate, nf4
-from engine.formats.base import quantized_linears
+from engine.formats.base import model_bits
 from engine.formats.sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 from engine.qwen3 import Qwen3Config
 from engine.training import TrainConfig, trained_model
@@ -118,8 +118,7 @@ def measure(args):
                             ("RTN int2, g64", lambda m: affine.quantize(m, bits=2, group_size=64))):
         m = copy.deepcopy(model)
         quantize(m)
-        layers = quantized_linears(m).values()
-        kl_row(label, m, sum(x.storage_bits() for x in layers) / sum(x.in_features * x.out_features for x in layers))
+        kl_row(label, m, model_bits(m))
     for bits in (4, 3, 2):
         hqq_row(model, bits, kl_row)
     for sensitivity, feedback, target in [(s, f, b) for s in args.sensitivities for f in args.feedbacks

@@ -43,7 +43,7 @@ import frontier_reference as reference  # noqa: E402
 from engine.checkpoints.gguf_writer import gguf_name  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, kl_per_position  # noqa: E402
 from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, nf4, trellis  # noqa: E402
-from engine.formats.base import quantized_linears  # noqa: E402
+from engine.formats.base import model_bits  # noqa: E402
 
 OUT = Path(os.environ.get("ENGINE_FRONTIER", Path.home() / ".cache" / "engine" / "frontier"))
 RATES = (2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.5, 8.0)
@@ -61,6 +61,11 @@ ENGINE_ROWS = [   # (label, quantize(model, calibration, **options), options): c
     ("AWQ int4, g128", awq.quantize, dict(group_size=128)),
     ("AWQ int4, g32", awq.quantize, dict(group_size=32)),
     ("GPTQ int2, g32", gptq.quantize, dict(bits=2, group_size=32)),
+    # GPTQ's codes on llama.cpp's own grids (its scales, its blocks; a row not a multiple of 256 gets llama.cpp's
+    # fallback type, as the GGUF file would), and a mix of those types at a bits budget picked by measured error
+    *[(f"GPTQ on llama.cpp's {t} grid", gptq.quantize, dict(ggml_type=t)) for t in ("Q6_K", "Q5_K", "Q4_K",
+                                                                                   "Q3_K", "Q2_K")],
+    *[(f"GPTQ K-quant mix, --bpw {b}", gptq.quantize, dict(bpw=b)) for b in (5.5, 4.5, 3.5)],
     *[(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (4.0, 3.0, 2.0)],
     *[(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.05)) for b in (4.0, 3.0, 2.1)],
     *[(f"EntQuant + calibration-Hessian feedback, ~{b} bpw", entropy.quantize,
@@ -158,10 +163,7 @@ def engine_row(model, calibration, quantize, options):
     """Quantize a copy of the reference with the engine; -> (model, bits, how)."""
     model = copy.deepcopy(model)
     quantize(model, calibration, **options)
-    layers = quantized_linears(model).values()
-    bits = sum(layer.storage_bits() for layer in layers) / sum(layer.in_features * layer.out_features
-                                                                for layer in layers)
-    return model, bits, "its layers' storage_bits"
+    return model, model_bits(model), "its layers' storage_bits"
 
 
 def all_rows(tools, substrings):

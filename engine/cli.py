@@ -9,41 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+from engine.console import bar, clock, log
+
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)    # what GPTQModel's QuantizeConfig accepts
-BPW_RANGE = (1.5, 6.0)                                  # EntQuant's lambda search, from the shipped table
+# --bpw: EntQuant's lambda search (from the shipped table); GPTQ's GGML mix, Q2_K (2.625) to Q8_0 (8.5)
+BPW_RANGE = {"entquant": (1.5, 6.0), "gptq": (2.625, 8.5)}
 SMALL_MODEL = 2 << 30                                   # bytes on disk: generate runs a smaller model on one thread
-
-
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
-
-
-def bar(iterable=None, **kwargs):
-    """A tqdm progress bar on stderr (on a terminal; silent when stderr is a file)."""
-    from tqdm import tqdm
-    return tqdm(iterable, disable=None, dynamic_ncols=True, **kwargs)
-
-
-def clock(seconds):
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
-        f"{seconds // 60}:{seconds % 60:02d}"
-
-
-def model_bits(model):
-    from engine.formats.base import quantized_linears
-    layers = quantized_linears(model).values()
-    weights = sum(layer.in_features * layer.out_features for layer in layers)
-    return sum(layer.storage_bits() for layer in layers) / weights if weights else None
-
-
-def tiny_setup(args):
-    """The byte corpus and the tiny Qwen3 trained on it (cached)."""
-    from engine.data import Corpus, load_corpus
-    from engine.qwen3 import Qwen3Config
-    from engine.training import TrainConfig, trained_model
-    corpus = Corpus.from_bytes(load_corpus(args.text))
-    return corpus, trained_model(Qwen3Config(), corpus, TrainConfig(steps=args.steps, seed=args.seed))
 
 
 # ---- cheap checks, before anything is loaded ----------------------------------------------------------------------
@@ -101,31 +72,6 @@ def check_calibration(args):
         check_sources(args.calib)
 
 
-def real_calibration(args, tokenizer, model):
-    """The calibration of a real model from --calib (default: engine.data.DEFAULT_CALIBRATION), --calib-samples and
-    --calib-len; model() loads the model, called only to sample its own text (on one thread for a small model: its
-    decoding steps are too small to share between threads, see cmd_generate)."""
-    import torch
-    from engine.checkpoints.tokenizer import bos_id
-    from engine.data import DEFAULT_CALIBRATION, SELF, calibration_ids
-    sources = tuple(args.calib or DEFAULT_CALIBRATION)
-    log(f"calibration: {' + '.join(sources)}, {args.calib_samples} x {args.calib_len} tokens ...")
-    threads = torch.get_num_threads()
-    steps = args.calib_len - 1 - (bos_id(tokenizer) is not None)
-    progress = bar(total=steps, desc="sampling the model's own text", unit="token") if SELF in sources else None
-    try:
-        if model_bytes(args.model) < SMALL_MODEL:
-            torch.set_num_threads(1)
-        calibration = calibration_ids(sources, tokenizer, args.calib_len, args.calib_samples, model=model,
-                                      on_token=progress and (lambda token: progress.update()))
-    finally:
-        torch.set_num_threads(threads)
-        if progress is not None:
-            progress.close()
-    log(f"calibration: {calibration.name}, {tuple(calibration.ids.shape)} ids, sha256 {calibration.digest[:16]}")
-    return calibration
-
-
 # ---- quantformats -----------------------------------------------------------------------------------------------
 
 def cmd_quantformats(args):
@@ -151,7 +97,8 @@ def cmd_train(args):
     check_text(args.text)
     if args.out:
         check_output(args.out, args.force)
-    _, model = tiny_setup(args)
+    from engine.training import tiny_setup
+    _, model = tiny_setup(args.text, args.steps, args.seed)
     if args.out:
         from engine.checkpoints.loaders import save_dense
         from engine.checkpoints.tokenizer import export_tokenizer
@@ -227,8 +174,9 @@ def check_quantize_args(args):
         raise ValueError("--group-size -1: rtn takes a positive group size (compressed-tensors' per-row "
                          "strategy is --method compressed-tensors)")
     bpw = options.get("bpw")
-    if bpw is not None and not BPW_RANGE[0] <= bpw <= BPW_RANGE[1]:
-        raise ValueError(f"--bpw {bpw}: {args.method} reaches {BPW_RANGE[0]} to {BPW_RANGE[1]} bits per weight")
+    if bpw is not None and not BPW_RANGE[args.method][0] <= bpw <= BPW_RANGE[args.method][1]:
+        low, high = BPW_RANGE[args.method]
+        raise ValueError(f"--bpw {bpw}: {args.method} reaches {low} to {high} bits per weight")
     method, options = resolve(args.method, options)
     if args.target or args.format == "gguf":
         from engine.checkpoints.serving import check_target
@@ -249,7 +197,9 @@ def convert(args, out, method, options, force=False):
     with Conversion(args.model, out, method, force=force, override="--force", **options) as conversion:
         if not conversion.needs_data:
             return conversion.run()
-        calibration = real_calibration(args, conversion.source.tokenizer(), conversion.float_model)
+        from engine.data import real_calibration
+        calibration = real_calibration(args.calib, conversion.source.tokenizer(), args.calib_len, args.calib_samples,
+                                       conversion.float_model, one_thread=model_bytes(args.model) < SMALL_MODEL)
         return conversion.run(calibration.ids, calibration.records())
 
 
@@ -259,8 +209,10 @@ def cmd_quantize(args):
     from engine.checkpoints.registry import save_quantized
     from engine.checkpoints.tokenizer import export_tokenizer
     started = time.time()
+    from engine.formats.base import model_bits
+    from engine.training import tiny_setup
     if args.model is None:
-        corpus, model = tiny_setup(args)
+        corpus, model = tiny_setup(args.text, args.steps, args.seed)
         log(f"quantizing the tiny model with {args.method} ...")
         if args.format == "gguf":
             from engine.checkpoints.gguf_writer import write_gguf
@@ -326,9 +278,11 @@ def cmd_eval(args):
     from engine.checkpoints.registry import load_model
     from engine.evaluation import held_out_logits, kl_stats
     from engine.quantformats import evaluate
+    from engine.formats.base import model_bits
+    from engine.training import tiny_setup
     path = Path(args.checkpoint)
     source = checkpoint_source(path) if path.is_dir() else None   # a missing or broken checkpoint fails here
-    corpus, reference = tiny_setup(args)
+    corpus, reference = tiny_setup(args.text, args.steps, args.seed)
     if source is not None and source != model_digest(reference):
         raise ValueError(f"{path} was quantized from another model (digest {source[:12]}) than this reference "
                          f"({model_digest(reference)[:12]}, from --steps {args.steps} --seed {args.seed}"
@@ -353,6 +307,7 @@ def eval_real(args):
     from engine.checkpoints.tokenizer import load_tokenizer
     from engine.data import Corpus, load_corpus
     from engine.evaluation import compare_models, markdown_table
+    from engine.formats.base import decoded_weights, impl, model_bits
     corpus = Corpus.from_text(load_corpus(args.text), load_tokenizer(ref_path))
     chunks = corpus.eval_chunks(args.ctx, args.chunks)                  # short text fails before any model loads
     source = checkpoint_source(q_path) if q_path.is_dir() else None
@@ -364,7 +319,6 @@ def eval_real(args):
     log(f"loading {q_path} ...")
     quantized = load_model(q_path)
     bits = model_bits(quantized)
-    from engine.formats.base import decoded_weights, impl
     with impl(args.impl), decoded_weights(quantized):
         stats = compare_models(reference, quantized, chunks, impl=args.impl,
                                progress=lambda it: bar(it, desc="evaluating", unit="chunk"))
@@ -386,6 +340,7 @@ def cmd_generate(args):
     import torch
     from engine.checkpoints.tokenizer import encode, load_tokenizer
     from engine.formats.base import decoded_weights, impl
+    from engine.training import tiny_setup
     started = time.time()
     # A small model's ops (and at batch 1 any model's steps are small) are too small to share between threads:
     # they only wait on each other, 4-10x slower on a loaded 2-core machine (measured); a big model's weights need
@@ -394,7 +349,7 @@ def cmd_generate(args):
     if args.model is not None and model_bytes(args.model) < SMALL_MODEL:
         torch.set_num_threads(1)
     if args.model is None:
-        _, model = tiny_setup(args)                       # (training, when not cached, on every thread)
+        _, model = tiny_setup(args.text, args.steps, args.seed)  # (training, when not cached, on every thread)
         tokenizer = load_tokenizer(None)                  # bytes
         torch.set_num_threads(1)
     else:

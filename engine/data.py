@@ -24,6 +24,7 @@ import torch
 
 from .checkpoints.safetensors_io import tensor_digest
 from .checkpoints.tokenizer import bos_id, encode, is_byte_tokenizer
+from .console import bar, log
 from .formats.sensitivity import self_generated_ids
 
 
@@ -208,3 +209,25 @@ def calibration_ids(sources, tokenizer, seq_len=512, n=32, seed=1234, model=None
     names = [f"{s} (seed {seed + k})" if s == SELF else s if s == PYDOC else Path(s).name
              for k, s in enumerate(sources)]
     return Calibration(ids, " + ".join(names), tensor_digest(ids))
+
+
+def real_calibration(sources, tokenizer, seq_len, n, model, one_thread=False):
+    """calibration_ids(sources or DEFAULT_CALIBRATION, ...) as a command runs it: what it does on stderr, a progress
+    bar while the model writes its own text, on one thread when one_thread (a small model's decoding steps are too
+    small to share between threads: run.py generate's rule)."""
+    sources = tuple(sources or DEFAULT_CALIBRATION)
+    log(f"calibration: {' + '.join(map(str, sources))}, {n} x {seq_len} tokens ...")
+    threads = torch.get_num_threads()
+    steps = seq_len - 1 - (bos_id(tokenizer) is not None)
+    progress = bar(total=steps, desc="sampling the model's own text", unit="token") if SELF in sources else None
+    try:
+        if one_thread:
+            torch.set_num_threads(1)
+        calibration = calibration_ids(sources, tokenizer, seq_len, n, model=model,
+                                      on_token=progress and (lambda token: progress.update()))
+    finally:
+        torch.set_num_threads(threads)
+        if progress is not None:
+            progress.close()
+    log(f"calibration: {calibration.name}, {tuple(calibration.ids.shape)} ids, sha256 {calibration.digest[:16]}")
+    return calibration

@@ -14,12 +14,13 @@ import torch
 
 from .checkpoints.registry import load_model
 from .checkpoints.tokenizer import load_tokenizer
-from .cli import bar, clock, log, model_bits, real_calibration, tiny_setup
-from .data import Corpus, load_corpus
+from .console import bar, clock, log
+from .data import Corpus, load_corpus, real_calibration
 from .evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats, markdown_table, perplexity
 from . import tables
-from .formats.base import decoded_weights, impl
+from .formats.base import decoded_weights, impl, model_bits
 from .tables import expected_seconds
+from .training import tiny_setup
 
 
 def quantize_row(row, model, calibration):
@@ -57,7 +58,7 @@ def tiny_table(args, selected, book, n_all):
     if book:
         log(f"the book's table: {len(selected)} rows (--rows all: all {n_all})")
     t0 = time.time()
-    corpus, reference = tiny_setup(args)
+    corpus, reference = tiny_setup(args.text, args.steps, args.seed)
     t_trained = time.time()
     windows, calibration = corpus.eval_windows(), corpus.calibration()
     ref_logits = held_out_logits(reference, windows)
@@ -104,7 +105,10 @@ def real_table(args, selected):
             loaded.append(load_model(path, torch.float32, dense=True))
         return loaded[0]
 
-    calibration = real_calibration(args, tokenizer, reference_model).ids if tables.calibrated(selected) else None
+    # one thread while the model samples its own text: every row quantizes the whole model in memory, so this
+    # table runs small models (run.py generate's rule for them)
+    calibration = real_calibration(args.calib, tokenizer, args.calib_len, args.calib_samples, reference_model,
+                                   one_thread=True).ids if tables.calibrated(selected) else None
     reference = reference_model()
     log(f"{path.name}: {sum(p.numel() for p in reference.parameters()) / 1e6:.1f} M parameters; "
         f"{len(chunks)} chunks of {args.ctx} held-out tokens"

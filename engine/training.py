@@ -96,3 +96,11 @@ def trained_model(cfg, corpus, tc: TrainConfig, cache_dir=None, log=None):
     model = train(cfg, corpus, tc, log)
     save_dense(model, path, side_files=lambda folder: export_tokenizer(None, folder))
     return model
+
+
+def tiny_setup(text=None, steps=TrainConfig.steps, seed=TrainConfig.seed):
+    """The byte corpus (the built-in one, or the file `text`) and the book's tiny Qwen3 trained on it (cached)."""
+    from .data import Corpus, load_corpus
+    from .qwen3 import Qwen3Config
+    corpus = Corpus.from_bytes(load_corpus(text))
+    return corpus, trained_model(Qwen3Config(), corpus, TrainConfig(steps=steps, seed=seed))

@@ -18,11 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.checkpoints.registry import METHODS, load_model  # noqa: E402
+from engine.checkpoints.registry import METHODS, load_model, method_options  # noqa: E402
 from engine.checkpoints.safetensors_io import TensorReader  # noqa: E402
 from engine.checkpoints.streaming import quantize_checkpoint  # noqa: E402
+from engine.cli import parse_value  # noqa: E402
+from engine.formats.base import model_bits  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models  # noqa: E402
-from run import method_options, model_bits, parse_value  # noqa: E402
 
 
 def quantize(method, source, out, *rest):

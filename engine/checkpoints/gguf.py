@@ -19,7 +19,9 @@ Integrity: GGUF has no checksum. The engine's writer records, in the metadata ar
 entry per tensor in table order: "name type shape sha256" (shape in torch order, e.g. 576x1536; the SHA-256 of the
 tensor's stored bytes). When the key is present every entry must describe its tensor and every tensor read must
 match its digest, so a changed type, shape or offset, or a flipped bit, is a ValueError; files from other tools
-have no such key and load as before.
+have no such key and load as before. llama.cpp's quantizer copies every metadata key of its input into the file it
+writes, its own tensors and `general.file_type` with them: so the writer also records the file type it wrote
+(`engine.file_type`), and where the two differ the digests describe the input, not this file, and are not used.
 
 Names: llama.cpp's `blk.N.attn_q` is Hugging Face's `model.layers.N.self_attn.q_proj` and so on (TENSOR_NAMES);
 `token_embd`, `output_norm`, `output` are the embedding, the final norm and lm_head (absent: tied). For the `llama`
@@ -49,7 +51,7 @@ from ..qwen3 import Qwen3Config
 from .loaders import check_complete, check_layer_count, install_layer, place, skeleton
 
 MAGIC, DEFAULT_ALIGNMENT, MAX_NESTING = b"GGUF", 32, 8
-DIGESTS = "engine.tensor_sha256"
+DIGESTS, DIGESTS_FILE_TYPE = "engine.tensor_sha256", "engine.file_type"
 MAX_HEADER_BYTES = 256 << 20        # metadata + tensor table: a few MB in real files (the vocabulary is the most)
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
@@ -206,7 +208,8 @@ class GGUFFile:
         """{tensor name: SHA-256} recorded by the engine's writer ({} for another tool's file), each entry checked
         against the tensor table."""
         entries = self.metadata.get(DIGESTS)
-        if entries is None:
+        written = self.metadata.get(DIGESTS_FILE_TYPE, self.metadata.get("general.file_type"))
+        if entries is None or written != self.metadata.get("general.file_type"):      # requantized by llama.cpp
             return {}
         if not isinstance(entries, list) or len(entries) != len(self.tensors):
             raise ValueError(f"GGUF: {DIGESTS} must hold one entry per tensor ({len(self.tensors)})")

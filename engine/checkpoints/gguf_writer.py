@@ -4,6 +4,8 @@ single file llama.cpp runs (the container is described in gguf.py, the blocks in
 Which layer becomes which GGML type, and how exactly:
 
   engine layer                                        GGML   stored                       exact?
+  GGMLLinear (read from GGUF, or GPTQ on a GGML grid) its    its own blocks, as they are  yes, byte for byte
+                                                      type   (Q4_0 ... Q8_0, Q2_K ... Q6_K)
   AffineQuantLinear 4-bit, g32, zero 8 (symmetric)    Q4_0   d = scale                    yes: the same codes, bit for bit
   AffineQuantLinear 4-bit, g32, other zeros           Q4_1   d = scale, m = f16(offset)   codes and scales yes; the offset
                                                                                           -zero * scale is rounded to f16
@@ -40,9 +42,9 @@ import torch
 
 from ..formats.affine import AffineQuantLinear, unpack_nibbles
 from ..formats.base import QuantLinear
-from ..formats.ggml import DENSE, GGML_TYPES, encode
+from ..formats.ggml import DENSE, GGML_TYPES, GGMLLinear, encode
 from ..formats.mx import MXFP4Linear, NVFP4Linear
-from .gguf import ARCHITECTURES, DIGESTS, GLOBAL_NAMES, LINEARS, TENSOR_NAMES, GGUFFile
+from .gguf import ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, TENSOR_NAMES, GGUFFile
 from .gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer, gpt2_pre_tokenizer
 from .safe_writes import check_free_space, is_disk_full, space_error
 from .safetensors_io import atomic_file
@@ -51,7 +53,8 @@ from .tokenizer import present, read_tokenizer_folder
 log = logging.getLogger(__name__)
 ALIGNMENT, VERSION = 32, 3
 U32, I32, F32, BOOL, STRING, ARRAY, U64 = 4, 5, 6, 7, 8, 9, 10
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32, "MXFP4": 38, "NVFP4": 39}
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11,
+              "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "BF16": 32, "MXFP4": 38, "NVFP4": 39}   # K: llama.cpp's _S
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 # llama.cpp's pre-tokenizer fingerprint text (convert_hf_to_gguf.py, get_vocab_base_pre)
 CHKTXT = ("\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d\U0001f32b\ufe0f "
@@ -97,6 +100,8 @@ def ggml_blocks(layer):
     """A quantized linear -> (GGML type, raw uint8 [out, row bytes], tensor scale or None) holding its codes and
     grid (Q4_1's offsets rounded to f16); ValueError naming why GGML cannot hold it otherwise."""
     out_f, in_f = layer.out_features, layer.in_features
+    if isinstance(layer, GGMLLinear):
+        return layer.ggml_type, layer.raw, None
     if isinstance(layer, AffineQuantLinear):
         if layer.perm is not None:
             raise ValueError("GPTQ act-order (desc_act) permutes the input columns; GGML blocks store no permutation")
@@ -362,6 +367,8 @@ def write_container(path, metadata, tensors, force=False):
     metadata = {**metadata, DIGESTS: [f"{name} {kind} {'x'.join(map(str, shape))} "
                                       f"{hashlib.sha256(raw.contiguous().numpy()).hexdigest()}"
                                       for name, kind, shape, raw in tensors]}
+    if "general.file_type" in metadata:                      # which file the digests are for (gguf.py, Integrity)
+        metadata[DIGESTS_FILE_TYPE] = metadata["general.file_type"]
     head = bytearray(b"GGUF" + struct.pack("<IQQ", VERSION, len(tensors), len(metadata)))
     for key, value in metadata.items():
         head += _string(key) + _value(key, value)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..formats import gptq
+from ..formats import gptq, gptq_ggml
 from ..qwen3 import Qwen3Config
 from .gguf import load_gguf
 from .gguf_writer import write_gguf
@@ -132,6 +132,14 @@ def gguf_options(method, options):
                          "dequantizes it)")
     if method == "gptq" and gptq.permuted(options):
         raise ValueError("llama.cpp: GPTQ act-order permutes the input columns; GGML blocks store no permutation")
+    if method == "gptq" and options.get("bpw") is not None:              # a K-quant mix that meets the budget
+        options.setdefault("ggml_type", gptq_ggml.MIX)
+    if method == "gptq" and options.get("ggml_type") is not None:        # llama.cpp's own grids: any group size
+        try:
+            gptq_ggml.check_request(options["ggml_type"])
+        except ValueError as e:
+            raise ValueError(f"llama.cpp: {e}") from None
+        return options
     if method == "gptq" and options.get("bits", 4) == 8 and not options.get("sym"):
         raise ValueError("llama.cpp: 8-bit GPTQ must be symmetric (sym=true) to be Q8_0; GGML has no 8-bit offset")
     if method in ("gptq", "awq") or (method == "compressed-tensors" and
@@ -152,6 +160,8 @@ def check_target(target, method, options, fmt="safetensors"):
         return gguf_options(method, options), "gguf"
     if fmt == "gguf":
         raise ValueError(f"--format gguf is for llama.cpp; {target}: {LOADS['gguf'][target][1]}")
+    if options.get("ggml_type") is not None:
+        raise ValueError(f"ggml_type writes GGML blocks, which only llama.cpp loads (--target llama.cpp), not {target}")
     options = dict(options)
     if target == "vllm" and method in ("gptq", "awq") and options.get("group_size", 64) not in VLLM_GROUPS:
         raise ValueError(f"vllm cannot load this checkpoint: its GPTQ / AWQ kernels take group sizes {VLLM_GROUPS} "

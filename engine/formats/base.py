@@ -153,6 +153,14 @@ def quantized_linears(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
+def model_bits(model):
+    """Bits per weight of the model's quantized linears: every bit they store (codes, scales, offsets, indices) over
+    their weights; None when nothing is quantized."""
+    layers = quantized_linears(model).values()
+    weights = sum(layer.in_features * layer.out_features for layer in layers)
+    return sum(layer.storage_bits() for layer in layers) / weights if weights else None
+
+
 def linear_names(model):
     """The names of the model's nn.Linear layers that quantization replaces: all but lm_head, in module order."""
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]

@@ -25,8 +25,8 @@ holds 256 weights in sub-blocks of 16 or 32 with their own scales. Every integer
 (Q3_K's stored bit is "not 4": q = low 2 bits + 4 * high bit, minus 4. NVFP4's per-tensor factor t is not in the
 blocks: llama.cpp keeps it in a separate F32 [1] tensor `<name>.scale` and multiplies the matmul's output by it.) Products of an f16 and a small integer are
 exact in float32, so q * scale + offset gives exactly ggml's float32 values (as numbers: ggml's d * (q - 8) is -0
-where this is +0). Codes of 5 and 6 bits are held one per byte (the engine packs 1, 2, 4 or 8 bits); scales and
-offsets are float32 in memory, so storage_bits counts 32 bits per group, not the super-block's packed 6-bit scales.
+where this is +0). Codes of 5 and 6 bits are held one per byte in memory (the engine packs 1, 2, 4 or 8 bits), scales
+and offsets as float32; what a layer costs (storage_bits) is its blocks' size, super-block scales packed as stored.
 
 Bit order: ggml never interleaves neighbours. In a run of S bytes, bits [f*b, f*b + b) of byte j hold element
 f * S + j (`_fields`): Q4_0 nibbles are element j low, j + 16 high (S = 16, the "split" layout of mx.py); Q4_K / Q5_K
@@ -34,12 +34,19 @@ runs of 32 bytes cover 64 weights; Q2_K / Q3_K 2-bit runs of 32 bytes cover 128;
 are 8 planes of 32; NVFP4 runs of 8 bytes cover each sub-block of 16. Q5_0's u32 is plain little-endian, bit i =
 element i.
 
-The writer's side (`encode`) is the inverse for the types the engine's layers map onto exactly: Q4_0, Q4_1, Q8_0,
-MXFP4, NVFP4 (engine/checkpoints/gguf_writer.py decides which layer goes where).
+A layer read from GGML blocks is a `GGMLLinear`: an AffineQuantLinear (codes, per-group scale and offset: the
+engine's one integer layer and kernel) that also keeps the blocks it came from, so a file is written back byte for
+byte and its size is the blocks' (Q4_K: 4.5 bits per weight). GPTQ's GGML grids (engine/formats/gptq_ggml.py) build
+their layers the same way, from blocks.
+
+The writer's side is the inverse of the decoders: `encode` for the 32-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4,
+NVFP4: codes, per-block scale and offset), `encode_k` for the K-quants (codes, the super-block's f16 d / dmin and
+its integer sub-block scales / mins); engine/formats/ggml_quants.py holds llama.cpp's own quantizers that choose
+them, engine/checkpoints/gguf_writer.py decides which layer goes where.
 """
 import torch
 
-from .affine import AffineQuantLinear, pack_nibbles, unpack_bits
+from .affine import AffineQuantLinear, pack_bits, pack_nibbles, unpack_bits
 from .minifloats import E2M1, e8m0_to_float
 from .mx import MXFP4Linear, NVFP4Linear
 
@@ -193,10 +200,25 @@ def dequantize(raw, type_name, shape):
     return w.reshape(shape)
 
 
+class GGMLLinear(AffineQuantLinear):
+    """An AffineQuantLinear read from GGML blocks, keeping them: raw uint8 [out, row bytes] of `ggml_type`. It
+    computes as the affine layer (the same codes and grid, decoded once); the file writer stores `raw` as it is, and
+    its size is the blocks' size."""
+
+    def __init__(self, raw, ggml_type, codes, scales, group_size, bits, bias=None, *, zeros=None, offsets=None):
+        super().__init__(_pack(codes, bits), scales, group_size, bits, zeros=zeros, offsets=offsets,
+                         in_features=codes.shape[1], bias=bias)
+        self.ggml_type = ggml_type
+        self.register_buffer("raw", raw.to(torch.uint8).contiguous())
+
+    def storage_bits(self):
+        return self.raw.numel() * 8
+
+
 def quantized_linear(raw, type_name, shape, bias=None, tensor_scale=None):
     """raw uint8 [nbytes] of a quantized weight [out, in] -> the engine layer holding exactly its codes and grid:
-    AffineQuantLinear for the integer types, MXFP4Linear for MXFP4, NVFP4Linear for NVFP4 (tensor_scale: the
-    `<name>.scale` tensor's value, 1 when absent)."""
+    GGMLLinear (an AffineQuantLinear with its blocks) for the integer types, MXFP4Linear for MXFP4, NVFP4Linear for
+    NVFP4 (tensor_scale: the `<name>.scale` tensor's value, 1 when absent)."""
     if len(shape) != 2 or type_name in DENSE:
         raise ValueError(f"a quantized linear needs a 2-D quantized weight, got {type_name} {tuple(shape)}")
     if tensor_scale is not None and type_name != "NVFP4":
@@ -214,17 +236,26 @@ def quantized_linear(raw, type_name, shape, bias=None, tensor_scale=None):
     codes, scale, offset = decode(blocks)
     scale = scale.reshape(out_f, -1)
     grid = {"zeros": torch.full_like(scale, zero)} if zero is not None else {"offsets": offset.reshape(out_f, -1)}
-    return AffineQuantLinear(_pack(codes.reshape(out_f, in_f), bits), scale, group, bits, in_features=in_f,
-                             bias=bias, **grid)
+    return GGMLLinear(raw.reshape(out_f, -1), type_name, codes.reshape(out_f, in_f), scale, group, bits, bias, **grid)
+
+
+def grid(raw, type_name, shape):
+    """raw uint8 [nbytes] of an integer type -> (codes uint8 [out, in], scale [out, groups], offset [out, groups]),
+    w = codes * scale + offset: what its blocks say, the decoders' own reading."""
+    decode = AFFINE[type_name][0]
+    codes, scale, offset = decode(_blocks(raw, type_name, shape))
+    return codes.reshape(shape), scale.reshape(shape[0], -1), offset.reshape(shape[0], -1)
 
 
 # ---- the writer's side: engine codes -> GGML blocks --------------------------------------------------------------
 
-def _split_nibbles(codes, span):
-    """codes uint8 [n, runs * 2 * span] (each < 16) -> uint8 [n, runs * span], the inverse of _fields(., 4, span):
-    byte j of each run holds element j in its low nibble and element j + span in its high one."""
-    c = codes.reshape(len(codes), -1, 2, span)
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(len(codes), -1)
+def _unfields(codes, bits, span):
+    """codes uint8 [n, runs * span * 8 / bits] (each < 2^bits) -> uint8 [n, runs * span], the inverse of _fields."""
+    c = codes.to(torch.uint8).reshape(len(codes), -1, 8 // bits, span)
+    out = torch.zeros_like(c[:, :, 0])
+    for f in range(8 // bits):
+        out |= c[:, :, f] << (f * bits)
+    return out.reshape(len(codes), -1)
 
 
 def _f16_bytes(x):
@@ -232,7 +263,15 @@ def _f16_bytes(x):
     return x.reshape(-1, 1).half().view(torch.uint8)
 
 
-ENCODED = ("Q4_0", "Q4_1", "Q8_0", "MXFP4", "NVFP4")
+ENCODED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "NVFP4")
+K_ENCODED = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _check_codes(type_name, codes):
+    _, block, _ = GGML_TYPES[type_name]
+    if codes.dim() != 2 or codes.shape[1] % block:
+        raise ValueError(f"{type_name}: codes {tuple(codes.shape)} are not rows of whole blocks of {block}")
+    return codes.to(torch.uint8).reshape(-1, block)
 
 
 def encode(type_name, codes, scales, offsets=None):
@@ -240,27 +279,66 @@ def encode(type_name, codes, scales, offsets=None):
 
       Q4_0   codes [out, in] 0..15, scales [out, in/32] (f16 values)          w = scale * (q - 8)
       Q4_1   codes 0..15, scales and offsets [out, in/32] (f16 values)        w = scale * q + offset
+      Q5_0   codes 0..31, scales (f16 values)                                 w = scale * (q - 16)
+      Q5_1   codes 0..31, scales and offsets (f16 values)                     w = scale * q + offset
       Q8_0   codes 0..255, scales [out, in/32] (f16 values)                   w = scale * (q - 128)  (int8 q - 128)
       MXFP4  E2M1 codes, scales = E8M0 bytes uint8 [out, in/32]
       NVFP4  E2M1 codes, scales = float8_e4m3fn [out, in/16] (>= 0); the tensor scale goes in `<name>.scale`
 
     Scales and offsets must already be what the file stores (gguf_writer checks that before calling)."""
     if type_name not in ENCODED:
-        raise ValueError(f"GGML type {type_name} cannot be written (this engine writes {', '.join(ENCODED)})")
-    _, block, _ = GGML_TYPES[type_name]
-    if codes.dim() != 2 or codes.shape[1] % block:
-        raise ValueError(f"{type_name}: codes {tuple(codes.shape)} are not rows of whole blocks of {block}")
-    q = codes.to(torch.uint8).reshape(-1, block)
+        raise ValueError(f"GGML type {type_name} cannot be written by encode (it writes {', '.join(ENCODED)}; "
+                         f"encode_k writes {', '.join(K_ENCODED)})")
+    q = _check_codes(type_name, codes)
     if type_name == "NVFP4":
         s = scales.contiguous().view(torch.uint8).reshape(len(q), 4)
-        return torch.cat([s, _split_nibbles(q, 8)], 1).reshape(-1)
+        return torch.cat([s, _unfields(q, 4, 8)], 1).reshape(-1)
     s = scales.reshape(-1)
     if type_name == "MXFP4":
-        parts = [s.to(torch.uint8).reshape(-1, 1), _split_nibbles(q, 16)]
-    elif type_name == "Q4_0":
-        parts = [_f16_bytes(s), _split_nibbles(q, 16)]
-    elif type_name == "Q4_1":
-        parts = [_f16_bytes(s), _f16_bytes(offsets.reshape(-1)), _split_nibbles(q, 16)]
-    else:
+        parts = [s.to(torch.uint8).reshape(-1, 1), _unfields(q, 4, 16)]
+    elif type_name == "Q8_0":
         parts = [_f16_bytes(s), (q.short() - 128).to(torch.int8).view(torch.uint8)]
+    else:
+        head = [_f16_bytes(s)] + ([_f16_bytes(offsets.reshape(-1))] if type_name in ("Q4_1", "Q5_1") else [])
+        high = [pack_bits(q >> 4, 1)] if type_name in ("Q5_0", "Q5_1") else []   # u32 bit i = element i
+        parts = head + high + [_unfields(q & 15, 4, 16)]
+    return torch.cat(parts, 1).reshape(-1)
+
+
+def _k_scale_bytes(sc, m):
+    """(sc, m) [n, 8] six-bit -> the 12 scale bytes of Q4_K / Q5_K, the inverse of _k_scales."""
+    lo = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    mid = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    return torch.cat([lo, mid, (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], 1)
+
+
+def encode_k(type_name, codes, d, sc, dmin=None, m=None):
+    """A K-quant's codes and super-block grid -> raw uint8 [nbytes], the inverse of the decoders:
+
+      Q2_K   codes 0..3, d / dmin [blocks] (f16 values), sc / m [blocks, 16] 0..15   w = d * sc * q - dmin * m
+      Q3_K   codes 0..7, d, sc [blocks, 16] 0..63 (the scale + 32)                   w = d * (sc - 32) * (q - 4)
+      Q4_K   codes 0..15, d / dmin, sc / m [blocks, 8] 0..63                         w = d * sc * q - dmin * m
+      Q5_K   codes 0..31, as Q4_K
+      Q6_K   codes 0..63, d, sc [blocks, 16] -128..127 (int8)                        w = d * sc * (q - 32)
+
+    (blocks = out * in / 256, in row order; codes [out, in].)"""
+    if type_name not in K_ENCODED:
+        raise ValueError(f"GGML type {type_name} is not a K-quant ({', '.join(K_ENCODED)})")
+    q = _check_codes(type_name, codes)
+    d = _f16_bytes(d)
+    sc = sc.reshape(len(q), -1).to(torch.int16)
+    if type_name in ("Q2_K", "Q4_K", "Q5_K"):
+        dmin, m = _f16_bytes(dmin), m.reshape(len(q), -1).to(torch.int16)
+    if type_name == "Q2_K":
+        parts = [(sc | (m << 4)).to(torch.uint8), _unfields(q, 2, 32), d, dmin]
+    elif type_name == "Q3_K":
+        sc = sc.to(torch.uint8)
+        parts = [_unfields(q >> 2, 1, 32), _unfields(q & 3, 2, 32), _unfields(sc & 15, 4, 8),
+                 _unfields(sc >> 4, 2, 4), d]
+    elif type_name == "Q4_K":
+        parts = [d, dmin, _k_scale_bytes(sc, m).to(torch.uint8), _unfields(q, 4, 32)]
+    elif type_name == "Q5_K":
+        parts = [d, dmin, _k_scale_bytes(sc, m).to(torch.uint8), _unfields(q >> 4, 1, 32), _unfields(q & 15, 4, 32)]
+    else:
+        parts = [_unfields(q & 15, 4, 64), _unfields(q >> 4, 2, 32), sc.to(torch.int8).view(torch.uint8), d]
     return torch.cat(parts, 1).reshape(-1)

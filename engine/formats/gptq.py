@@ -56,13 +56,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import calibration
+from . import calibration, gptq_ggml
 from .affine import AffineQuantLinear, affine_parts, find_params, grouped, pack_int32, unpack_int32
 from .base import CheckpointMethod, config_field, scale_tensor
 from .calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
 from .obq import error_feedback, inverse_cholesky
 
 FORMATS = ("gptq", "gptq_v2")
+GGML = "ggml"                      # an engine folder of GGML blocks (gptq_ggml.py), on its way into a GGUF file
 PACKABLE_BITS = (2, 4, 8)          # bit widths that tile an int32 word exactly (3-bit GPTQ uses a split layout)
 
 
@@ -329,13 +330,22 @@ def permuted(options):
 
 @torch.no_grad()
 def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size"], order=DEFAULTS["order"],
-                   damp=DEFAULTS["damp"], sym=DEFAULTS["sym"], checkpoint_format=DEFAULTS["checkpoint_format"]):
+                   damp=DEFAULTS["damp"], sym=DEFAULTS["sym"], checkpoint_format=DEFAULTS["checkpoint_format"],
+                   ggml_type=None, bpw=None):
     """GPTQ one decoder layer (a calibration.LayerCalibration) in place, step by step in forward order (q/k/v, o,
     gate/up, down): each step's Hessians come from the layer's inputs passed through its already-quantized earlier
     steps (GPTQModel's "true sequential"). order: a name of ORDERS, or "search" (each linear's order chosen by
     search_order, three GPTQs per linear; the file stays plain). For a v1 checkpoint (the default) every zero point
     is kept >= 1 (min_zero). Returns the quantization_config: desc_act says whether g_idx is permuted (the only
-    case that needs it), order records the visit."""
+    case that needs it), order records the visit.
+
+    ggml_type (a GGML type such as "Q4_K", or {relative linear name: type}): GPTQ's codes on llama.cpp's grid of
+    that type instead (gptq_ggml.py; bits, group_size, sym and checkpoint_format do not apply), held as GGML blocks
+    for a GGUF file; the config records the type each linear got (`ggml_types`, fallbacks included).
+    bpw=B (ggml_type "mix" or None): each linear's type chosen so that every layer meets B bits per weight with the
+    lowest measured error (gptq_ggml.plan_mix)."""
+    if ggml_type is not None or bpw is not None:
+        return _quantize_layer_ggml(layer, ggml_type, order, damp, bpw)
     qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
                      "desc_act": permuted({"order": order}),
                      "sym": sym, "checkpoint_format": checkpoint_format})
@@ -357,6 +367,18 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
                                  "order")}
 
 
+def _quantize_layer_ggml(layer, ggml_type, order, damp, bpw):
+    ggml_type = gptq_ggml.MIX if ggml_type is None else ggml_type          # a bits budget alone asks for a mix
+    spec = check_order(order) if order != SEARCH else None
+    if spec is None or spec.permuted:
+        raise ValueError(f"order {order!r}: GGML blocks store no column permutation and one grid per block; use a "
+                         "plain-file order (act_order_static, natural, group_aware...)")
+    plan = gptq_ggml.quantize_layer(layer, ggml_type, lambda diag, group: visit_order(diag, group, order), damp,
+                                    bpw)
+    return validate({"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
+                     "desc_act": False, "ggml_types": plan, **({"bpw": bpw} if bpw is not None else {})})
+
+
 def quantize(model, calibration_ids, batch_size=8, **options):
     """GPTQ every decoder layer of `model` in place, each layer's inputs coming from the quantized layers before it
     (engine.formats.calibration); calibration_ids [B, T] go through in batches of batch_size. Options: those of
@@ -373,8 +395,11 @@ def validate(qcfg):
     bits = config_field(qcfg, "bits", DEFAULTS["bits"], int, lambda b: b in PACKABLE_BITS, f"one of {PACKABLE_BITS}")
     group_size = config_field(qcfg, "group_size", DEFAULTS["group_size"], int, lambda g: g == -1 or g >= 1,
                               "-1 or a positive int")
-    fmt = config_field(qcfg, "checkpoint_format", DEFAULTS["checkpoint_format"], str, lambda f: f in FORMATS,
-                       f"one of {FORMATS}")
+    fmt = config_field(qcfg, "checkpoint_format", DEFAULTS["checkpoint_format"], str,
+                       lambda f: f in (*FORMATS, GGML), f"one of {(*FORMATS, GGML)}")
+    if fmt == GGML:
+        gptq_ggml.check_request(qcfg.get("ggml_type"))
+        return {**qcfg, "checkpoint_format": fmt}                     # bits, group_size and sym do not apply
     names = (*ORDERS, SEARCH)
     order = config_field(qcfg, "order", None, (str, type(None)), lambda o: o is None or o in names, f"one of {names}")
     for key in ("desc_act", "sym", "static_groups", "act_group_aware", "order_search"):
@@ -386,6 +411,8 @@ def validate(qcfg):
 
 
 def _read(parts, qcfg):
+    if qcfg["checkpoint_format"] == GGML:
+        return gptq_ggml.read_parts(parts)
     bits, group_size, fmt = qcfg["bits"], qcfg["group_size"], qcfg["checkpoint_format"]
     qweight, qzeros, scales, g_idx = (parts[k] for k in PARTS)
     if any(t.dtype != torch.int32 for t in (qweight, qzeros)) or qweight.dim() != 2 or qzeros.dim() != 2:
@@ -408,6 +435,8 @@ def _read(parts, qcfg):
 
 
 def _write(layer, qcfg):
+    if qcfg["checkpoint_format"] == GGML:
+        return gptq_ggml.write_parts(layer)
     bits, group_size, fmt = qcfg["bits"], qcfg["group_size"], qcfg["checkpoint_format"]
     codes, scales, zeros, g_idx = affine_parts(layer)
     if layer.bits != bits or layer.group_size != (layer.in_features if group_size == -1 else group_size):
@@ -424,5 +453,6 @@ def _write(layer, qcfg):
 
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
-CHECKPOINT = CheckpointMethod(name="gptq", parts=lambda qcfg: PARTS, read=_read, write=_write, quantize=quantize,
+CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize,
+                              parts=lambda qcfg: gptq_ggml.PARTS if qcfg["checkpoint_format"] == GGML else PARTS,
                               validate=validate, quantize_layer=quantize_layer, calibration=lambda options: "quantized")

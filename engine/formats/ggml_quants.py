@@ -1,0 +1,331 @@
+"""llama.cpp's own round-to-nearest quantizers for GGML's integer types (ggml-quants.c, `quantize_row_*_ref`: what
+`llama-quantize` runs without an importance matrix), vectorized over blocks and bit-exact: the same bytes.
+
+A K-quant chooses its grid in two levels. Each sub-block of 16 or 32 weights gets a float scale (and, for the
+asymmetric types, a min) from a small search; then the super-block of 256 stores those as integers on a grid of
+their own: d = max scale / 63 (6 bits; Q2_K: 15, 4 bits; Q3_K: signed, -32..31; Q6_K: int8, -128..127) in f16,
+sc_j = round(scale_j / d). Only then are the weights rounded, on the grid the file stores:
+
+    Q2_K / Q4_K / Q5_K   q = clamp(round((x + dmin * m_j) / (d * sc_j)), 0, 2^b - 1)      x ~ d sc_j q - dmin m_j
+    Q3_K / Q6_K          q = clamp(round(x / (d * sc_j)), -2^(b-1), 2^(b-1) - 1)         x ~ d sc_j q
+
+The sub-block searches (make_qkx2_quants: asymmetric, a weighted least-squares fit of scale and min over 16 or 21
+trial grids; make_qx_quants: symmetric, 18 trial scales, weights x^2; make_q3_quants: symmetric, coordinate
+descent on the codes) are followed line by line. Being bit-exact needs float32 arithmetic in C's order: every sum
+is accumulated element by element (`_sum`), constants are float32, round() is nearest-even as nearest_int is.
+(C's truncating casts and roundf differ from nearest-even: the 32-blocks use them, and so does this file.)
+
+`quantize(type_name, weight)` returns the codes and the stored fields that ggml.encode / ggml.encode_k turn into
+blocks; `FALLBACK` is llama.cpp's type for a row that is not a multiple of 256 (llama-quant.cpp).
+"""
+import numpy as np
+import torch
+
+from .ggml import GGML_TYPES, QK_K, encode, encode_k
+
+F32 = np.float32
+EPS = 1e-15                                          # GROUP_MAX_EPS: a group below this is all zero
+FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+K_TYPES = tuple(name for name in TYPES if GGML_TYPES[name][1] == QK_K)
+
+
+# ---- C's float32 arithmetic ----------------------------------------------------------------------------------
+
+def _sum(t):
+    """t [..., n] -> [...]: sum over the last dim in C's order, (((0 + t0) + t1) + ...), in float32. (Stack several
+    sums into one t: the loop is the cost.)"""
+    acc = torch.zeros(t.shape[:-1])
+    for column in t.movedim(-1, 0).contiguous():
+        acc += column
+    return acc
+
+
+def _first(x, arg):
+    """x [..., n] -> [...]: the first element that argmax / argmin picks (C's `if (x[i] < min) min = x[i]` keeps
+    the first of equal values, which matters for the sign of a zero)."""
+    return x.gather(-1, arg(x, -1, keepdim=True))[..., 0]
+
+
+def _positive_max(x):
+    """C's `float m = 0; if (x[i] > m) m = x[i];` over the last dim: the max, or +0 when none is positive."""
+    m = x.amax(-1)
+    return _where(m > 0, m, torch.zeros(()))
+
+
+def _signed_absmax(x):
+    """x [..., n] -> (amax, the signed value of the first element reaching it) [...]: C's `if (ax > amax)` loop,
+    starting from max = +0."""
+    v = x.gather(-1, x.abs().argmax(-1, keepdim=True))[..., 0]
+    return v.abs(), _where(v.abs() > 0, v, torch.zeros(()))
+
+
+def _where(cond, a, b):
+    return torch.where(cond, a, b)
+
+
+def _rdiv(c, t):
+    """c / t for a float32 constant c, divided as C divides (torch's `number / tensor` multiplies by a reciprocal,
+    which rounds twice)."""
+    return torch.full_like(t, float(c)) / t
+
+
+def _sqrt(x):
+    """sqrtf, correctly rounded (torch's float32 sqrt on CPU is not always)."""
+    return torch.sqrt(x.double()).float()
+
+
+def _f16(x):
+    """GGML_FP32_TO_FP16 then back: round to nearest f16 (ties to even)."""
+    return x.half().float()
+
+
+def _uint8(v):
+    """C's conversion of an int to uint8 (modulo 256)."""
+    return torch.remainder(v, 256)
+
+
+def _int8(v):
+    """C's conversion of an int to int8 (modulo 256, signed)."""
+    return torch.remainder(v + 128, 256) - 128
+
+
+# ---- the sub-block searches ---------------------------------------------------------------------------------
+
+def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad):
+    """x, w [n, k] -> (scale [n], the_min [n], L [n, k]): the asymmetric grid x ~ scale * L - the_min, L in
+    0..nmax, whose weighted error (|.| if use_mad, else squared) is lowest over the first try and nstep + 1 trial
+    ranges (rmin + rdelta * is + nmax steps across [min, max]), each refit by weighted least squares."""
+    lo, hi = _first(x, torch.argmin), _first(x, torch.argmax)
+    lo = _where(lo > 0, torch.zeros(()), lo)
+    sum_w, sum_x = _sum(torch.stack([w, w * x]))
+    flat = hi == lo
+
+    def codes(iscale, low):
+        return (iscale * (x - low[:, None])).round().clamp(0, nmax)
+
+    def error(scale, low, L):
+        diff = scale[:, None] * L + low[:, None] - x
+        return _sum(w * (diff.abs() if use_mad else diff * diff))
+
+    iscale = _rdiv(nmax, hi - lo)
+    scale = _rdiv(1, iscale)
+    L = codes(iscale[:, None], lo)
+    best, low = error(scale, lo, L), lo
+    for step in range(nstep + 1):
+        # as in C, each trial spans [the best min so far, max]: min moves when a trial wins
+        Laux = codes(_rdiv(F32(rmin) + F32(rdelta) * F32(step) + F32(nmax), hi - low)[:, None], low)
+        wl = w * Laux
+        sum_l, sum_l2, sum_xl = _sum(torch.stack([wl, wl * Laux, wl * x]))
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        positive = this_min > 0
+        this_scale = _where(positive, sum_xl / sum_l2, this_scale)
+        this_min = _where(positive, torch.zeros(()), this_min)
+        cur = error(this_scale, this_min, Laux)
+        better = (D > 0) & (cur < best)
+        L = _where(better[:, None], Laux, L)
+        best = _where(better, cur, best)
+        scale, low = _where(better, this_scale, scale), _where(better, this_min, low)
+    return (_where(flat, torch.zeros(()), scale), -_where(flat, lo, low),
+            _where(flat[:, None], torch.zeros(()), L))
+
+
+def make_qx_quants(x, nmax):
+    """x [n, k] -> (scale [n], L [n, k] in 0..2 nmax - 1): the symmetric grid x ~ scale * (L - nmax), the best of
+    19 trial scales by x^2-weighted least squares (rmse_type 1, no importance weights)."""
+    amax, vmax = _signed_absmax(x)
+    w = x * x
+
+    def trial(iscale):
+        l = (iscale[:, None] * x).round().clamp(-nmax, nmax - 1)
+        return l, *_sum(torch.stack([w * x * l, w * l * l]))
+
+    l, sumlx, suml2 = trial(_rdiv(-nmax, vmax))
+    L = l + nmax
+    scale = _where(suml2 != 0, sumlx / suml2, torch.zeros(()))
+    best = scale * sumlx
+    for step in (*range(-9, 0), *range(1, 10)):
+        l, sumlx, suml2 = trial(_rdiv(-(F32(nmax) + F32(0.1) * F32(step)), vmax))
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        L = _where(better[:, None], l + nmax, L)
+        scale = _where(better, sumlx / suml2, scale)
+        best = _where(better, scale * sumlx, best)
+    zero = amax < EPS
+    return _where(zero, torch.zeros(()), scale), _where(zero[:, None], torch.zeros(()), L)
+
+
+def make_q3_quants(x, nmax):
+    """x [n, k] -> (scale [n], L [n, k] in 0..2 nmax - 1): the symmetric grid x ~ scale * (L - nmax) from
+    round-to-nearest at scale max / -nmax, then up to 5 passes of coordinate descent on each code (x^2 weights)."""
+    amax, vmax = _signed_absmax(x)
+    L = (_rdiv(-nmax, vmax)[:, None] * x).round().clamp(-nmax, nmax - 1)
+    w = x * x
+    sumlx, suml2 = _sum(torch.stack([w * x * L, w * L * L]))
+    for _ in range(5):                                 # a pass that changes nothing leaves the next one nothing to do
+        for i in range(x.shape[1]):
+            xi, wi, li = x[:, i], w[:, i], L[:, i]
+            slx = sumlx - wi * xi * li
+            sl2 = suml2 - wi * li * li
+            new = (xi * sl2 / slx).round().clamp(-nmax, nmax - 1)
+            slx2, sl22 = slx + wi * xi * new, sl2 + wi * new * new
+            take = (slx > 0) & (new != li) & (sl22 > 0) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
+            L[:, i] = _where(take, new, li)
+            sumlx, suml2 = _where(take, slx2, sumlx), _where(take, sl22, suml2)
+    zero = amax < EPS
+    scale = _where(suml2 > 0, sumlx / suml2, torch.zeros(()))
+    return _where(zero, torch.zeros(()), scale), _where(zero[:, None], torch.zeros(()), L + nmax)
+
+
+# ---- the super-blocks: x [blocks, 256] -> (codes [blocks, 256], fields) ------------------------------------------
+
+def _round_codes(x, d, L, lo, hi, dm=None):
+    """The codes on the stored grid, sub-block step d [blocks, subs] (0: keep L, as C skips those sub-blocks):
+    asymmetric (dm given) round((x + dm) / d), symmetric round(x / d) - lo; clamped to 0..hi - lo."""
+    xs = x.reshape(*d.shape, -1)
+    v = (xs + dm[..., None]) / d[..., None] if dm is not None else xs / d[..., None]
+    q = v.round().clamp(lo, hi) - lo
+    return _where((d == 0)[..., None], L.reshape(xs.shape), q).reshape(x.shape)
+
+
+def _k_asym(x, sub, nmax, scale_bits, rmin, rdelta, nstep, weights):
+    """Q2_K / Q4_K / Q5_K: sub-blocks of `sub` from make_qkx2_quants, their scales and mins on a grid of
+    scale_bits-bit integers times the super-block's f16 d and dmin."""
+    n = len(x)
+    xs = x.reshape(-1, sub)
+    scales, mins, L = make_qkx2_quants(xs, weights(xs), nmax, rmin, rdelta, nstep, use_mad=scale_bits == 4)
+    scales, mins = scales.reshape(n, -1), mins.reshape(n, -1)
+    top = F32(2 ** scale_bits - 1)
+    max_scale, max_min = _positive_max(scales), _positive_max(mins)
+    inv_scale = _where(max_scale > 0, _rdiv(top, max_scale), torch.zeros(()))
+    inv_min = _where(max_min > 0, _rdiv(top, max_min), torch.zeros(()))
+    sc = _uint8((inv_scale[:, None] * scales).round())
+    m = (inv_min[:, None] * mins).round()
+    m = _uint8(m) if scale_bits == 6 else m
+    if scale_bits == 6:
+        sc, m = sc.clamp(max=63), m.clamp(max=63)
+    else:                                              # Q2_K: one byte, sc | m << 4, as C stores it
+        byte = (sc.long() | (m.long() << 4)) & 255
+        sc, m = (byte & 15).float(), (byte >> 4).float()
+    d, dmin = _f16(max_scale / top), _f16(max_min / top)
+    codes = _round_codes(x, d[:, None] * sc, L, 0, nmax, dmin[:, None] * m)
+    return codes, dict(d=d, dmin=dmin, sc=sc, m=m)
+
+
+def _av_plus_abs(xs):
+    """Q4_K / Q5_K's weights: sqrt(mean x^2) + |x|."""
+    return _sqrt(_sum(xs * xs) / F32(xs.shape[1]))[:, None] + xs.abs()
+
+
+def _q2_k(x):
+    return _k_asym(x, 16, 3, 4, -0.5, 0.1, 15, torch.abs)
+
+
+def _q4_k(x):
+    return _k_asym(x, 32, 15, 6, -1.0, 0.1, 20, _av_plus_abs)
+
+
+def _q5_k(x):
+    return _k_asym(x, 32, 31, 6, -0.5, 0.1, 15, _av_plus_abs)
+
+
+def _k_sym(x, search, nmax, top):
+    """Q3_K / Q6_K: sub-blocks of 16 with symmetric scales from `search`, and the super-block's inverse step
+    iscale = -top / (the sub-block scale of largest magnitude) -> (scales [n, 16], L, amax, iscale)."""
+    scales, L = search(x.reshape(-1, 16), nmax)
+    scales = scales.reshape(len(x), 16)
+    amax, max_scale = _signed_absmax(scales)
+    return scales, L, amax, _rdiv(-top, max_scale)
+
+
+def _q3_k(x):
+    scales, L, amax, iscale = _k_sym(x, make_q3_quants, 4, 32)
+    sc = _int8((iscale[:, None] * scales).round()).clamp(-32, 31) + 32
+    nonzero = amax != 0
+    sc = _where(nonzero[:, None], sc, torch.zeros(()))      # C leaves the scale bytes 0: sc - 32 = -32, d = 0
+    d = _where(nonzero, _f16(_rdiv(1, iscale)), torch.zeros(()))
+    return _round_codes(x, d[:, None] * (sc - 32), L, -4, 3), dict(d=d, sc=sc)
+
+
+def _q6_k(x):
+    scales, L, amax, iscale = _k_sym(x, make_qx_quants, 32, 128)
+    sc = _int8((iscale[:, None] * scales).round().clamp(max=127))
+    d = _f16(_rdiv(1, iscale))
+    codes = _round_codes(x, d[:, None] * sc, L, -32, 31)
+    zero = amax < EPS                                        # C zeroes the whole block
+    return (_where(zero[:, None], torch.zeros(()), codes),
+            dict(d=_where(zero, torch.zeros(()), d), sc=_where(zero[:, None], torch.zeros(()), sc)))
+
+
+# ---- the 32-blocks: x [blocks, 32] -> (codes, fields) ----------------------------------------------------------
+
+def _inverse(d):
+    return _where(d != 0, _rdiv(1, d), torch.zeros(()))
+
+
+def _q4_0(x):
+    _, vmax = _signed_absmax(x)
+    d = vmax / F32(-8)
+    return (x * _inverse(d)[:, None] + F32(8.5)).trunc().clamp(max=15), dict(d=_f16(d))
+
+
+def _q5_0(x):
+    _, vmax = _signed_absmax(x)
+    d = vmax / F32(-16)
+    return (x * _inverse(d)[:, None] + F32(16.5)).trunc().clamp(max=31), dict(d=_f16(d))
+
+
+def _q4_1(x, top=15):
+    lo, hi = _first(x, torch.argmin), _first(x, torch.argmax)
+    d = (hi - lo) / F32(top)
+    q = ((x - lo[:, None]) * _inverse(d)[:, None] + F32(0.5)).trunc()
+    return (q.clamp(max=top) if top == 15 else q % 32), dict(d=_f16(d), m=_f16(lo))   # Q5_1 keeps 5 bits
+
+
+def _q5_1(x):
+    return _q4_1(x, 31)
+
+
+def _q8_0(x):
+    d = x.abs().amax(1) / F32(127)
+    v = x * _inverse(d)[:, None]
+    q = v.round()
+    tie = (v - v.trunc()).abs() == 0.5                       # roundf: ties away from zero
+    q = _where(tie, v.trunc() + v.sign(), q)
+    return q + 128, dict(d=_f16(d))
+
+
+QUANTIZERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
+              "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def check_type(type_name, in_features):
+    """ValueError unless llama.cpp's quantizer for `type_name` takes rows of in_features."""
+    if type_name not in QUANTIZERS:
+        raise ValueError(f"GGML type {type_name!r}: the engine quantizes to {', '.join(TYPES)}")
+    block = GGML_TYPES[type_name][1]
+    if in_features % block:
+        hint = f" (llama.cpp falls back to {FALLBACK[type_name]})" if type_name in FALLBACK else ""
+        raise ValueError(f"{type_name} needs rows of a multiple of {block} weights, got {in_features}{hint}")
+
+
+@torch.no_grad()
+def quantize(type_name, weight):
+    """weight [out, in] -> (codes uint8 [out, in], fields): llama.cpp's round-to-nearest (quantize_row_*_ref), the
+    fields being what `blocks(type_name, codes, fields)` stores: d (and m / dmin, sc) per block."""
+    check_type(type_name, weight.shape[1])
+    block = GGML_TYPES[type_name][1]
+    x = weight.detach().float().reshape(-1, block).contiguous()
+    codes, fields = QUANTIZERS[type_name](x)
+    return codes.reshape(weight.shape).to(torch.uint8), fields
+
+
+def blocks(type_name, codes, fields):
+    """codes [out, in] + fields (from quantize) -> raw uint8 [out, row bytes] of GGML blocks."""
+    if type_name in K_TYPES:
+        raw = encode_k(type_name, codes, fields["d"], fields["sc"], fields.get("dmin"), fields.get("m"))
+    else:
+        raw = encode(type_name, codes, fields["d"], fields.get("m"))
+    return raw.reshape(codes.shape[0], -1)
+

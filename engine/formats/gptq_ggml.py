@@ -1,0 +1,178 @@
+"""GPTQ on GGML's grids: the codes of llama.cpp's block types (the K-quants Q2_K ... Q6_K, and Q4_0 ... Q8_0)
+chosen by GPTQ's error feedback instead of by rounding each weight alone, in blocks every llama.cpp build reads.
+
+The grid comes first, from the weights: llama.cpp's own quantizer (ggml_quants.quantize, bit-exact) fixes every
+block's scales, for a K-quant the super-block's f16 d and dmin and the sub-blocks' 6-bit (Q2_K: 4-bit; Q6_K: 8-bit)
+scales and mins, exactly what `llama-quantize` would write. Decoded, that is an affine grid per sub-block of 16 or
+32 weights (ggml.grid):
+
+    w = q * scale + offset,   q in 0 .. levels - 1      (Q4_K: scale = d sc_j, offset = -dmin m_j, 16 levels)
+
+Then obq.error_feedback visits the columns in GPTQ's order and rounds each one on its sub-blocks' grids, nearest:
+
+    q = clamp(round((w - offset) / scale), 0, levels - 1)
+
+pushing each column's error onto the columns not yet visited. The codes go back into the same blocks
+(ggml_quants.blocks), so the file differs from llama.cpp's round-to-nearest only in its codes. Round-to-nearest is
+the same loop without the feedback: on the same grid, GPTQ's layer error tr(E H E^T) is the lower one.
+
+A row that is not a multiple of 256 cannot hold super-blocks; llama.cpp then writes its FALLBACK type (Q4_K -> Q5_0,
+Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0), and so does `ggml_type_for`.
+"""
+import torch
+
+from . import bit_plan, calibration, ggml, ggml_quants
+from .obq import error_feedback, inverse_cholesky
+
+# codes per type: 2^bits (Q8_0 stores int8, codes 0..255 meaning -128..127)
+LEVELS = {"Q2_K": 4, "Q3_K": 8, "Q4_K": 16, "Q5_K": 32, "Q6_K": 64, "Q4_0": 16, "Q4_1": 16, "Q5_0": 32,
+          "Q5_1": 32, "Q8_0": 256}
+TYPES = tuple(LEVELS)
+
+
+def ggml_type_for(type_name, in_features):
+    """The type llama.cpp writes for a row of in_features when `type_name` is asked for: the type itself, or its
+    fallback when the row is not a multiple of its block (ValueError if neither fits)."""
+    if type_name not in LEVELS:
+        raise ValueError(f"ggml_type must be one of {TYPES}, got {type_name!r}")
+    if in_features % ggml.GGML_TYPES[type_name][1] and type_name in ggml_quants.FALLBACK:
+        type_name = ggml_quants.FALLBACK[type_name]
+    ggml_quants.check_type(type_name, in_features)
+    return type_name
+
+
+def group_size(type_name):
+    """Weights per grid (sub-block): 16 or 32."""
+    return ggml.AFFINE[type_name][1]
+
+
+@torch.no_grad()
+def gptq_ggml(weight, hessian, type_name, perm=None, damp=0.01, block=128):
+    """weight [out, in], hessian [in, in] = 2 X^T X / n -> raw uint8 [out, row bytes]: GGML blocks of `type_name`
+    on llama.cpp's grid with GPTQ's codes. perm [in]: the visit order (None: natural; any permutation writes a
+    plain file, since the grids do not depend on it)."""
+    out_f, cols = weight.shape
+    if hessian.shape != (cols, cols):
+        raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({cols}, {cols})")
+    ggml_quants.check_type(type_name, cols)
+    W, H = weight.float().clone(), hessian.float()
+    W[:, torch.diag(H) == 0] = 0                         # inputs never active: their weights cannot matter
+    rtn, fields = ggml_quants.quantize(type_name, W)     # the grid first: llama.cpp's own
+    _, scale, offset = ggml.grid(ggml_quants.blocks(type_name, rtn, fields).reshape(-1), type_name, W.shape)
+    perm = torch.arange(cols) if perm is None else perm
+    group = perm // group_size(type_name)                # each visited column's grid
+    s, o, fixed = scale[:, group], offset[:, group], rtn[:, perm].float()
+    codes = torch.empty(out_f, cols)
+    top = LEVELS[type_name] - 1
+
+    def quantize(j, current):
+        q = ((current(j, j + 1)[:, 0] - o[:, j]) / s[:, j]).round().clamp(0, top)
+        q = torch.where(s[:, j] == 0, fixed[:, j], q)    # a zero step: every code is the offset
+        codes[:, j] = q
+        return (q * s[:, j] + o[:, j])[:, None]
+
+    error_feedback(W[:, perm], inverse_cholesky(H[perm][:, perm], damp), quantize, block=block)
+    return ggml_quants.blocks(type_name, codes[:, torch.argsort(perm)].to(torch.uint8), fields)
+
+
+def rtn_ggml(weight, type_name):
+    """weight [out, in] -> raw uint8 [out, row bytes]: llama.cpp's round-to-nearest, the baseline."""
+    return ggml_quants.blocks(type_name, *ggml_quants.quantize(type_name, weight))
+
+
+def ggml_layer(raw, type_name, in_features, bias=None):
+    """raw [out, row bytes] -> the GGMLLinear the GGUF reader would build from the same blocks."""
+    return ggml.quantized_linear(raw.reshape(-1), type_name, (raw.shape[0], in_features), bias)
+
+
+MIX = "mix"                        # ggml_type="mix": a type per linear (Q2_K ... Q6_K) chosen to meet a bpw budget
+
+
+def check_request(ggml_type):
+    """ValueError unless ggml_type is a type of TYPES, MIX, or {linear name: type of TYPES}."""
+    named = ggml_type.values() if isinstance(ggml_type, dict) else [] if ggml_type == MIX else [ggml_type]
+    bad = [t for t in named if t not in LEVELS]
+    if bad or not isinstance(ggml_type, (str, dict)):
+        raise ValueError(f"ggml_type {(bad or [ggml_type])[0]!r} is not one of {TYPES} (or {MIX!r} with a bpw "
+                         "budget, or a dict of linear name -> type)")
+    return ggml_type
+
+
+def bits_per_weight(type_name):
+    _, block, size = ggml.GGML_TYPES[type_name]
+    return size * 8 / block
+
+
+def plan_mix(layer, names, bpw, max_sequences=4):
+    """{relative name: type}: the K-quant (or its fallback) of each linear that meets `bpw` over the layer's linears
+    with the lowest added error at the layer's output (bit_plan.py), errors measured with llama.cpp's RTN."""
+    candidates = {}
+    for name in names:
+        linear = layer.module(layer.prefix + name)
+        kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in ggml_quants.K_TYPES)
+        candidates[layer.prefix + name] = {
+            kind: (linear.weight.numel() * bits_per_weight(kind),
+                   lambda lin, kind=kind: ggml_layer(rtn_ggml(lin.weight, kind), kind, lin.in_features, lin.bias))
+            for kind in kinds}
+    table = bit_plan.output_costs(layer, candidates, max_sequences)
+    weights = sum(layer.module(layer.prefix + n).weight.numel() for n in names)
+    try:
+        chosen = bit_plan.choose(table, bpw * weights)
+    except ValueError as e:
+        raise ValueError(f"--bpw {bpw} for layer {layer.index}: {e}") from None
+    return {name.removeprefix(layer.prefix): kind for name, kind in chosen.items()}
+
+
+@torch.no_grad()
+def quantize_layer(layer, ggml_type, visit, damp=0.01, bpw=None):
+    """GPTQ one decoder layer (a calibration.LayerCalibration) onto GGML blocks, in place, step by step in forward
+    order as gptq.quantize_layer does. ggml_type: one type for every linear (each falling back as llama.cpp does),
+    {relative linear name: type}, or MIX: the types plan_mix picks for `bpw` bits per weight over the layer (so every
+    layer, and the model, meets it). visit(diag, group_size) -> the column permutation. Returns {relative name: the
+    type written} (the layer's plan)."""
+    names = [n for step in calibration.SEQUENTIAL_STEPS for n in step]
+    if (ggml_type == MIX) != (bpw is not None):
+        raise ValueError(f"ggml_type={MIX!r} needs a bits budget (bpw), and a GPTQ bits budget picks GGML types: "
+                         f"ggml_type={MIX!r} (what --target llama.cpp --bpw B asks for)")
+    if ggml_type == MIX:
+        wanted = plan_mix(layer, names, bpw)
+    else:
+        wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
+    plan = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
+    for step in calibration.SEQUENTIAL_STEPS:
+        hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
+
+        def make(name, linear, hessians=hessians):
+            kind, H = plan[name.removeprefix(layer.prefix)], hessians[name]
+            raw = gptq_ggml(linear.weight, H, kind, visit(torch.diag(H), group_size(kind)), damp)
+            return ggml_layer(raw, kind, linear.in_features, linear.bias)
+
+        layer.replace(make, names=hessians)
+    return plan
+
+
+# ---- the engine folder on the way to a GGUF file (gptq.py's checkpoint_format "ggml") ----------------------------
+
+PARTS = ("ggml_blocks", "ggml_type")
+
+
+def write_parts(layer):
+    """A GGMLLinear -> {"ggml_blocks": uint8 [out, row bytes], "ggml_type": int32 [1] (GGML's type id)}."""
+    if not isinstance(layer, ggml.GGMLLinear):
+        raise ValueError(f"checkpoint_format 'ggml' holds GGML blocks, got a {type(layer).__name__}")
+    return {"ggml_blocks": layer.raw, "ggml_type": torch.tensor([ggml.GGML_TYPES[layer.ggml_type][0]],
+                                                                dtype=torch.int32)}
+
+
+def read_parts(parts):
+    """write_parts' tensors (+ "bias") -> the GGMLLinear."""
+    raw, kind = parts["ggml_blocks"], parts["ggml_type"]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or kind.dtype != torch.int32 or kind.numel() != 1:
+        raise ValueError("GPTQ ggml_blocks must be 2-D uint8 and ggml_type one int32")
+    name = ggml.TYPE_NAMES.get(int(kind), "?")
+    if name not in LEVELS:
+        raise ValueError(f"GPTQ ggml_type {int(kind)} ({name}) is not one of {TYPES}")
+    _, block, size = ggml.GGML_TYPES[name]
+    if raw.shape[1] % size:
+        raise ValueError(f"GPTQ ggml_blocks rows of {raw.shape[1]} bytes are not whole {name} blocks of {size}")
+    return ggml_layer(raw, name, raw.shape[1] // size * block, parts.get("bias"))

@@ -1,0 +1,311 @@
+"""llama.cpp's K-quants (and Q4_0 ... Q8_0) written by the engine: round-to-nearest bit for bit against gguf-py's
+quantize (where it has one) and llama.cpp's own libggml-base (through ctypes, where llama-cpp-python is installed),
+every layout read back by gguf-py's dequantize, GPTQ's codes on the same grids (the same scales, a lower layer
+error), the GGUF file and checkpoint folder round trips, and llama.cpp's fallback for rows not a multiple of 256.
+(llama.cpp running the files: tests/test_interop_kquants.py.)"""
+import ctypes
+import dataclasses
+import itertools
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.checkpoints import gguf, gguf_writer, serving
+from engine.checkpoints.registry import load_quantized, save_quantized
+from engine.formats import bit_plan, ggml, ggml_quants, gptq, gptq_ggml
+from engine.formats.base import quantized_linears
+from engine.qwen3 import Qwen3, Qwen3Config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+gg = pytest.importorskip("gguf")
+
+K = ggml_quants.K_TYPES
+# rows of 256: K-quants fit every linear; rows of 96 (as SmolLM2's 576): all but down_proj fall back
+K_CFG = Qwen3Config(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=64, num_hidden_layers=1)
+FALLBACK_CFG = dataclasses.replace(K_CFG, hidden_size=96, num_attention_heads=3, num_key_value_heads=1,
+                                   head_dim=32)
+
+
+def weights(rows=16, cols=512, seed=0):
+    """Weights that reach every branch of llama.cpp's quantizers: Gaussian, heavy-tailed, one-signed, sparse (with
+    signed zeros), constant, tiny and huge rows; ties at exact halves."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows * 8, cols, generator=g) * 0.02
+    w[1::8] *= torch.rand(rows, cols, generator=g) ** 4 * 50
+    w[2::8] = w[2::8].abs() + 0.01
+    w[3::8] = -w[3::8].abs()
+    w[4::8] *= torch.rand(rows, cols, generator=g) < 0.1
+    w[4::8] = torch.where(torch.rand(rows, cols, generator=g) < 0.5, -w[4::8], w[4::8])   # -0.0 and +0.0
+    w[5::8] = 0.3
+    w[6::8] = torch.randint(-8, 8, (rows, cols), generator=g) * 0.5
+    w[7::8] *= torch.where(torch.arange(rows)[:, None] % 2 == 0, 1e-6, 1e3)
+    return w
+
+
+def libggml():
+    """llama.cpp's libggml-base from the llama-cpp-python client (benchmarks/clients.py), or None."""
+    root = Path(os.environ.get("ENGINE_CLIENTS", Path.home() / ".cache/engine/clients")) / "llamacpp" / "venv"
+    found = sorted(root.glob("lib/python3*/site-packages/llama_cpp/lib/libggml-base.so"))
+    if not found:
+        return None
+    lib = ctypes.CDLL(str(found[0]))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return lib
+
+
+# ---- round-to-nearest: llama.cpp's bytes ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_round_to_nearest_is_gguf_quantize_byte_for_byte(kind):
+    """gguf-py's numpy port differs from llama.cpp on a block whose largest |w| is a signed zero (its d is +0, C's
+    -0); the engine follows C there (the next test), so -0.0 is made +0.0 here."""
+    w = weights() + 0.0
+    theirs = gg.quants.quantize(w.numpy(), gg.GGMLQuantizationType[kind])
+    assert np.array_equal(ggml_quants.blocks(kind, *ggml_quants.quantize(kind, w)).numpy(), theirs)
+
+
+@pytest.mark.interop
+@pytest.mark.skipif(libggml() is None, reason="llama.cpp's libggml-base (install the llama.cpp client: "
+                    "benchmarks/clients.py)")
+@pytest.mark.parametrize("kind", ggml_quants.TYPES)
+def test_round_to_nearest_is_llama_cpps_quantizer_byte_for_byte(kind):
+    """ggml_quantize_chunk without an importance matrix: quantize_row_*_ref, what llama-quantize writes."""
+    lib, w = libggml(), weights()
+    type_id, block, size = ggml.GGML_TYPES[kind]
+    x = np.ascontiguousarray(w.numpy())
+    theirs = np.zeros(w.numel() // block * size, np.uint8)
+    lib.ggml_quantize_chunk(type_id, x.ctypes.data, theirs.ctypes.data, 0, w.shape[0], w.shape[1], None)
+    ours = ggml_quants.blocks(kind, *ggml_quants.quantize(kind, w)).reshape(-1).numpy()
+    assert np.array_equal(ours, theirs), f"{(ours != theirs).sum()} bytes differ"
+
+
+# ---- the layouts, read by gguf-py -------------------------------------------------------------------------------
+
+def random_fields(kind, blocks, g):
+    """Codes and super-block fields over their whole ranges, and the weights GGML's formula gives them."""
+    f16 = lambda: (torch.rand(blocks, generator=g) * 0.1).half().float()          # noqa: E731
+    ints = lambda lo, hi, n: torch.randint(lo, hi + 1, (blocks, n), generator=g)  # noqa: E731
+    codes = ints(0, gptq_ggml.LEVELS[kind] - 1, 256)
+    d, dmin = f16(), f16()
+    if kind == "Q2_K":
+        sc, m = ints(0, 15, 16), ints(0, 15, 16)
+        w = d[:, None, None] * sc[..., None] * codes.view(blocks, 16, 16) - (dmin[:, None] * m)[..., None]
+        return codes, dict(d=d, dmin=dmin, sc=sc, m=m), w
+    if kind == "Q3_K":
+        sc = ints(0, 63, 16)
+        return codes, dict(d=d, sc=sc), (d[:, None] * (sc - 32))[..., None] * (codes.view(blocks, 16, 16) - 4)
+    if kind == "Q6_K":
+        sc = ints(-128, 127, 16)
+        return codes, dict(d=d, sc=sc), (d[:, None] * sc)[..., None] * (codes.view(blocks, 16, 16) - 32)
+    sc, m = ints(0, 63, 8), ints(0, 63, 8)
+    w = (d[:, None] * sc)[..., None] * codes.view(blocks, 8, 32) - (dmin[:, None] * m)[..., None]
+    return codes, dict(d=d, dmin=dmin, sc=sc, m=m), w
+
+
+@pytest.mark.parametrize("kind", K)
+def test_k_quant_blocks_decode_in_gguf_to_ggmls_formula(kind):
+    codes, fields, expected = random_fields(kind, 64, torch.Generator().manual_seed(1))
+    raw = ggml_quants.blocks(kind, codes.reshape(8, -1), fields)
+    theirs = torch.from_numpy(np.array(gg.quants.dequantize(raw.numpy(), gg.GGMLQuantizationType[kind])))
+    assert torch.equal(theirs.reshape(-1), expected.reshape(-1).float())
+    assert torch.equal(ggml.dequantize(raw.reshape(-1), kind, (8, 8 * 256)), theirs.reshape(8, -1))
+
+
+@pytest.mark.parametrize("kind", ggml_quants.TYPES)
+def test_the_layer_computes_what_gguf_decodes(kind):
+    w = weights(cols=256)
+    raw = ggml_quants.blocks(kind, *ggml_quants.quantize(kind, w))
+    layer = gptq_ggml.ggml_layer(raw, kind, 256)
+    theirs = np.array(gg.quants.dequantize(raw.numpy(), gg.GGMLQuantizationType[kind]))
+    assert torch.equal(layer.dequantize(), torch.from_numpy(theirs).reshape(w.shape))
+    _, block, size = ggml.GGML_TYPES[kind]
+    assert layer.bits_per_weight == size * 8 / block                        # the file's bits, nothing else
+
+
+# ---- GPTQ on the grids ------------------------------------------------------------------------------------------
+
+def hessian(cols, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1024, cols, generator=g) @ (torch.eye(cols) + 0.2 * torch.randn(cols, cols, generator=g))
+    x[:, :4] *= 8                                                           # a few outlier inputs
+    return 2 * x.T @ x / len(x)
+
+
+@pytest.mark.parametrize("kind", gptq_ggml.TYPES)
+def test_gptq_on_a_ggml_grid_keeps_llama_cpps_scales_and_lowers_the_layer_error(kind):
+    w, H = torch.randn(32, 256, generator=torch.Generator().manual_seed(2)) * 0.05, hessian(256)
+    rtn = gptq_ggml.rtn_ggml(w, kind)
+    ours = gptq_ggml.gptq_ggml(w, H, kind, gptq.visit_order(torch.diag(H), 32, "act_order"))
+    shape = tuple(w.shape)
+    _, rtn_scale, rtn_offset = ggml.grid(rtn.reshape(-1), kind, shape)
+    codes, scale, offset = ggml.grid(ours.reshape(-1), kind, shape)
+    assert torch.equal(scale, rtn_scale) and torch.equal(offset, rtn_offset)       # only the codes differ
+    err = {name: gptq.layer_error(ggml.dequantize(raw.reshape(-1), kind, shape), w, H)
+           for name, raw in (("gptq", ours), ("rtn", rtn))}
+    assert err["gptq"] < 0.6 * err["rtn"], err
+
+
+@pytest.mark.parametrize("kind", ["Q2_K", "Q4_K", "Q5_K"])
+def test_gptq_without_correlated_inputs_is_llama_cpps_round_to_nearest(kind):
+    """With H = I no error is fed forward: each weight is rounded on the stored grid, as llama.cpp rounds it."""
+    w = weights(cols=256)
+    ours = gptq_ggml.gptq_ggml(w, torch.eye(256), kind)
+    assert torch.equal(ours, gptq_ggml.rtn_ggml(w, kind))
+
+
+def test_rows_not_a_multiple_of_256_fall_back_as_llama_cpp_does():
+    assert {t: gptq_ggml.ggml_type_for(t, 576) for t in K} == \
+        {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+    assert gptq_ggml.ggml_type_for("Q4_K", 1536) == "Q4_K"
+    with pytest.raises(ValueError, match="Q4_0 needs rows of a multiple of 32 weights, got 100"):
+        gptq_ggml.ggml_type_for("Q3_K", 100)
+    with pytest.raises(ValueError, match="ggml_type must be one of"):
+        gptq_ggml.ggml_type_for("Q7_K", 256)
+
+
+# ---- whole models: GGUF files and checkpoint folders ------------------------------------------------------------
+
+def calibration_ids(vocab=256):
+    return torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(0))
+
+
+def quantized_model(cfg, ggml_type, seed=0):
+    torch.manual_seed(seed)
+    model = Qwen3(cfg).eval()
+    qcfg = gptq.quantize(model, calibration_ids(), ggml_type=ggml_type)
+    return model, qcfg
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(calibration_ids()[:2, :9])
+
+
+def test_gptq_k_quant_model_goes_into_gguf_block_for_block_and_reads_back(tmp_path):
+    model, qcfg = quantized_model(FALLBACK_CFG, "Q4_K")
+    plan = qcfg["ggml_types"]
+    assert plan == {**dict.fromkeys(plan, "Q5_0"), "mlp.down_proj": "Q4_K"}               # 96-wide rows fall back
+    report = gguf_writer.write_gguf(model, tmp_path / "m.gguf")
+    assert report["types"] == {"Q5_0": 6, "Q4_K": 1}
+    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+        for name, layer in quantized_linears(model).items():
+            key = gguf_writer.gguf_name(name + ".weight")
+            assert f.tensors[key].type_name == layer.ggml_type and torch.equal(f.raw(key), layer.raw.reshape(-1))
+    assert torch.equal(logits(gguf.load_gguf(tmp_path / "m.gguf")), logits(model))
+
+
+def test_checkpoint_folder_keeps_the_blocks_and_exports_the_same_gguf(tmp_path):
+    torch.manual_seed(0)
+    model = Qwen3(K_CFG).eval()
+    save_quantized(model, tmp_path / "ck", "gptq", calibration_ids(), ggml_type="Q3_K")
+    loaded = load_quantized(tmp_path / "ck")
+    assert {n: layer.ggml_type for n, layer in quantized_linears(loaded).items()} == \
+        dict.fromkeys(quantized_linears(model), "Q3_K")
+    assert torch.equal(logits(loaded), logits(model))
+    serving.export_gguf(tmp_path / "ck", tmp_path / "a.gguf")
+    gguf_writer.write_gguf(model, tmp_path / "b.gguf")
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+
+
+def test_bad_ggml_requests_are_refused_before_any_work():
+    with pytest.raises(ValueError, match="ggml_type must be one of"):
+        quantized_model(K_CFG, "Q7_K")
+    with pytest.raises(ValueError, match="GGML blocks store no column permutation"):
+        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="Q4_K", order="act_order")
+    with pytest.raises(ValueError, match="only llama.cpp loads"):
+        serving.check_target("vllm", "gptq", {"ggml_type": "Q4_K"})
+    with pytest.raises(ValueError, match="ggml_type 'Q9_K' is not one of"):
+        serving.check_target("llama.cpp", "gptq", {"ggml_type": "Q9_K"})
+    with pytest.raises(ValueError, match="ggml_type 'Q4_X' is not one of"):
+        gptq.validate({"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": "Q4_X"})
+
+
+# ---- a bits budget: the mix of types ----------------------------------------------------------------------------
+
+def test_choose_spends_the_budget_where_the_error_falls_most():
+    # "a" loses much error per extra bit, "b" little: the budget buys a's upgrade first
+    table = {"a": {"lo": (100, 50.0), "mid": (200, 10.0), "hi": (300, 9.0)},
+             "b": {"lo": (100, 5.0), "mid": (200, 3.0), "hi": (300, 2.5)},
+             "c": {"lo": (100, 1.0), "worse": (200, 2.0)}}                  # more bits, more error: never taken
+    assert bit_plan.choose(table, 300) == {"a": "lo", "b": "lo", "c": "lo"}
+    assert bit_plan.choose(table, 400) == {"a": "mid", "b": "lo", "c": "lo"}
+    assert bit_plan.choose(table, 500) == {"a": "mid", "b": "mid", "c": "lo"}
+    with pytest.raises(ValueError, match="below the cheapest choice"):
+        bit_plan.choose(table, 299)
+
+
+def test_choose_is_never_worse_than_any_choice_it_could_afford_on_small_tables():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        table = {n: {o: (int(b), float(c)) for o, b, c in zip("xyz", torch.randint(1, 9, (3,), generator=g) * 50,
+                                                               torch.rand(3, generator=g))} for n in "abc"}
+        budget = float(torch.randint(150, 1200, (), generator=g))
+        combos = [dict(zip("abc", c)) for c in itertools.product("xyz", repeat=3)]
+        fits = [c for c in combos if sum(table[n][o][0] for n, o in c.items()) <= budget]
+        if not fits:
+            continue
+        chosen = bit_plan.choose(table, budget)
+        cost = lambda c: sum(table[n][o][1] for n, o in c.items())                  # noqa: E731
+        assert sum(table[n][o][0] for n, o in chosen.items()) <= budget
+        # uniform choices (one option everywhere) that fit are never better
+        assert all(cost(chosen) <= cost(c) + 1e-12 for c in fits if len(set(c.values())) == 1)
+
+
+def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
+    torch.manual_seed(0)
+    model = Qwen3(K_CFG).eval()
+    qcfg = gptq.quantize(model, calibration_ids(), bpw=4.0)                           # a budget alone: a mix
+    assert qcfg["ggml_type"] == "mix" and qcfg["bpw"] == 4.0 and len(set(qcfg["ggml_types"].values())) > 1
+    gguf_writer.write_gguf(model, tmp_path / "m.gguf")
+    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+        linears = [info for key, info in f.tensors.items() if key.split(".")[-2] in gguf.LINEARS]
+        bits = sum(f.raw(key).numel() * 8 for key in f.tensors if key.split(".")[-2] in gguf.LINEARS)
+    assert bits <= 4.0 * sum(int(np.prod(info.shape)) for info in linears)
+    with pytest.raises(ValueError, match="below the cheapest choice"):
+        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix", bpw=2.5)
+    with pytest.raises(ValueError, match="needs a bits budget"):
+        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix")
+
+
+@pytest.mark.parametrize("method, bpw, reach", [("gptq", "9", "2.625 to 8.5"), ("gptq", "2.5", "2.625 to 8.5"),
+                                                ("entquant", "6.5", "1.5 to 6.0")])
+def test_cli_refuses_a_bpw_its_method_cannot_reach_before_any_work(tmp_path, method, bpw, reach):
+    from test_cli import run
+    out = run("quantize", "--method", method, "--bpw", bpw, "--out", str(tmp_path / "m"))
+    assert out.returncode == 1 and out.stderr.startswith(f"error: --bpw {float(bpw)}: {method} reaches {reach}")
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_cli_writes_a_k_quant_mix_for_llama_cpp_within_the_budget(tmp_path):
+    from test_cli import run
+    out = run("quantize", "--method", "gptq", "--target", "llama.cpp", "--bpw", "4.25", "--steps", "2",
+              "--out", str(tmp_path / "mix.gguf"))
+    assert out.returncode == 0, out.stderr
+    with gguf.GGUFFile(tmp_path / "mix.gguf") as f:
+        keys = [k for k in f.tensors if k.split(".")[-2] in gguf.LINEARS]
+        types = {f.tensors[k].type_name for k in keys}
+        bits = sum(f.raw(k).numel() * 8 for k in keys) / sum(int(np.prod(f.tensors[k].shape)) for k in keys)
+    assert bits <= 4.25 and len(types) > 1 and types <= set(K)
+    out = run("quantize", "--method", "gptq", "--target", "llama.cpp", "--option", "ggml_type=Q4_Z",
+              "--out", str(tmp_path / "bad.gguf"))
+    assert out.returncode == 1 and out.stderr.startswith("error: llama.cpp: ggml_type 'Q4_Z' is not one of")
+
+
+@pytest.mark.parametrize("kind", ggml_quants.TYPES)
+def test_a_gguf_file_of_any_integer_type_is_written_back_byte_for_byte(tmp_path, kind):
+    """Blocks the engine did not make (random bytes, as any tool may write them) go back out exactly as read."""
+    from test_ch39_gguf import K_CFG as READ_CFG, U32, gguf_bytes, qwen3_metadata, qwen3_tensors, write
+    torch.manual_seed(0)
+    tensors, _ = qwen3_tensors(Qwen3(READ_CFG).eval(), kind)
+    source = write(tmp_path, gguf_bytes(qwen3_metadata(READ_CFG) + [("qwen3.vocab_size", U32, 64)], tensors))
+    written, report = gguf_writer.model_tensors(gguf.load_gguf(source))
+    assert report["types"] == {kind: 14}
+    with gguf.GGUFFile(source) as f:
+        assert all(torch.equal(f.raw(name), raw) for name, type_name, _, raw in written if type_name == kind)
