@@ -63,6 +63,15 @@ def check_file_output(path, force, flag="--out"):
         raise ValueError(f"{flag} {path}: no folder {path.resolve().parent} to write it into")
 
 
+# ---- a real model's calibration ----------------------------------------------------------------------------------
+
+def check_calibration(args):
+    """--calib's sources, checked before anything loads (a missing or empty file is one error)."""
+    from engine.data import check_sources
+    if args.calib is not None:
+        check_sources(args.calib)
+
+
 # ---- quantformats -----------------------------------------------------------------------------------------------
 
 def cmd_quantformats(args):
@@ -75,7 +84,7 @@ def cmd_quantformats(args):
     check_text(args.text)
     if args.model is not None:
         check_model_path(args.model)
-        check_text(args.calib, "--calib")
+        check_calibration(args)
     from engine import quantformats
     if args.model is not None:
         return quantformats.real_table(args, selected)
@@ -155,7 +164,7 @@ def check_quantize_args(args):
     check_text(args.text)
     if args.model is not None:
         check_model_path(args.model)
-        check_text(args.calib, "--calib")
+        check_calibration(args)
     from engine.checkpoints.registry import resolve
     options = quantize_options(args)
     group = options.get("group_size")
@@ -186,13 +195,12 @@ def convert(args, out, method, options, force=False):
     """--model quantized layer by layer into the folder `out`: every check once, the source opened once."""
     from engine.checkpoints.streaming import Conversion
     with Conversion(args.model, out, method, force=force, override="--force", **options) as conversion:
-        ids = None
-        if conversion.needs_data:
-            from engine.data import Corpus, load_corpus
-            log("tokenizing the calibration text ...")
-            corpus = Corpus.from_text(load_corpus(args.calib), conversion.source.tokenizer())
-            ids = corpus.calibration(seq_len=args.calib_len, n=args.calib_samples)
-        return conversion.run(ids)
+        if not conversion.needs_data:
+            return conversion.run()
+        from engine.data import real_calibration
+        calibration = real_calibration(args.calib, conversion.source.tokenizer(), args.calib_len, args.calib_samples,
+                                       conversion.float_model, one_thread=model_bytes(args.model) < SMALL_MODEL)
+        return conversion.run(calibration.ids, calibration.records())
 
 
 def cmd_quantize(args):

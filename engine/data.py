@@ -9,6 +9,11 @@ uses Edith Wharton's "The Verdict", ~20 KB). The last `held_out` fraction of the
 on; it is where the damage of quantization is measured:
 
     ids = tokenize(text)        train = ids[:cut]        held_out = ids[cut:]        cut = int(len(ids) * 0.9)
+
+Calibration of a real model (calibration_ids) reads its sequences from one or more sources, each contributing an
+equal share of them: a file (windows of its training part), "pydoc" (the built-in corpus' training part), or "self"
+(text the model writes itself from a random first token: engine/formats/sensitivity.py). What was used is kept as a
+name and the SHA-256 of the ids, which the checkpoint writers record beside the source model's digest.
 """
 import hashlib
 import warnings
@@ -17,7 +22,10 @@ from pathlib import Path
 
 import torch
 
+from .checkpoints.safetensors_io import tensor_digest
 from .checkpoints.tokenizer import bos_id, encode, is_byte_tokenizer
+from .console import bar, log
+from .formats.sensitivity import self_generated_ids
 
 
 def default_corpus() -> bytes:
@@ -120,3 +128,106 @@ class Corpus:
         if self.bos is not None:
             windows[:, 0] = self.bos
         return windows
+
+
+# ---- calibration sources of a real model --------------------------------------------------------------------------
+
+SELF, PYDOC = "self", "pydoc"
+# The default for a real model (the tiny byte model calibrates on its own training text): text the model writes
+# itself, its own distribution rather than one domain (benchmarks/calibration.py measures the sources against each
+# other on held-out texts of other domains: appendix/calibration.md).
+DEFAULT_CALIBRATION = (SELF,)
+
+
+def check_sources(sources, flag="--calib"):
+    """The cheap checks, before any model or tokenizer loads: a non-empty list of "self", "pydoc" or paths of
+    files that exist and are not empty. Returns the sources as a tuple of str."""
+    if isinstance(sources, (str, Path)):
+        sources = (sources,)
+    sources = tuple(str(s) for s in sources)
+    if not sources:
+        raise ValueError(f"{flag}: give at least one source ({SELF!r}, {PYDOC!r} or a text file)")
+    for source in sources:
+        if source in (SELF, PYDOC):
+            continue
+        path = Path(source)
+        if path.is_dir():
+            raise ValueError(f"{flag} {path} is a folder; give a text file")
+        if not path.is_file():
+            raise ValueError(f"{flag} {path}: no such file (the named sources are {SELF!r} and {PYDOC!r})")
+        if path.stat().st_size == 0:
+            raise ValueError(f"{flag} {path} is empty")
+    return sources
+
+
+@dataclass
+class Calibration:
+    ids: torch.Tensor            # long [n, seq_len]
+    name: str                    # the sources, e.g. "self (seed 1234)" or "pydoc + notes.txt"
+    digest: str                  # sha256 of the ids (exactly what was calibrated on)
+
+    def records(self):
+        """The checkpoint's provenance entries (engine.checkpoints: the safetensors / index metadata)."""
+        return {"engine.calibration": self.name, "engine.calibration_sha256": self.digest}
+
+
+def calibration_ids(sources, tokenizer, seq_len=512, n=32, seed=1234, model=None, on_token=None):
+    """Calibration sequences [n, seq_len] from `sources` (check_sources), each contributing n // len(sources) of
+    them (the first n % len(sources) one more), in the order given: a file or "pydoc" gives windows at seeded random
+    positions of its training part (Corpus.calibration: the last tenth stays held out, BOS first where the
+    tokenizer adds one); "self" gives sequences the model samples itself (self_generated_ids, after BOS where the
+    tokenizer adds one). model: a function returning the model, called only for "self". on_token: called with
+    each generated token (a progress bar)."""
+    sources = check_sources(sources)
+    _positive_int("seq_len", seq_len)
+    _positive_int("n", n)
+    if n < len(sources):
+        raise ValueError(f"{n} calibration sequences cannot give each of {len(sources)} sources a share")
+    if seq_len < 2:
+        raise ValueError(f"calibration sequences need at least 2 tokens, got seq_len={seq_len}")
+    shares = [n // len(sources) + (k < n % len(sources)) for k in range(len(sources))]
+    texts = {s: Corpus.from_text(default_corpus() if s == PYDOC else Path(s).read_bytes(), tokenizer)
+             for s in sources if s != SELF}                   # every file tokenized before the model loads
+    for source, corpus in texts.items():
+        if len(corpus.train) <= seq_len:
+            raise ValueError(f"--calib {source}: its training part ({len(corpus.train)} tokens: the last tenth is "
+                             f"held out) is shorter than one {seq_len}-token window; give a longer text or a "
+                             "smaller --calib-len")
+    if SELF in sources and model is None:
+        raise ValueError(f"calibration source {SELF!r} needs the model (model=a function returning it)")
+    bos, loaded = bos_id(tokenizer), []
+    parts = []
+    for k, (source, share) in enumerate(zip(sources, shares)):
+        if source == SELF:
+            loaded = loaded or [model()]
+            start = None if bos is None else torch.full((share, 1), bos)
+            parts.append(self_generated_ids(loaded[0], share, seq_len, seed + k, start=start,
+                                            on_token=on_token).cpu())
+        else:
+            parts.append(texts[source].calibration(seq_len, share, seed + k))
+    ids = torch.cat(parts).long()
+    names = [f"{s} (seed {seed + k})" if s == SELF else s if s == PYDOC else Path(s).name
+             for k, s in enumerate(sources)]
+    return Calibration(ids, " + ".join(names), tensor_digest(ids))
+
+
+def real_calibration(sources, tokenizer, seq_len, n, model, one_thread=False):
+    """calibration_ids(sources or DEFAULT_CALIBRATION, ...) as a command runs it: what it does on stderr, a progress
+    bar while the model writes its own text, on one thread when one_thread (a small model's decoding steps are too
+    small to share between threads: run.py generate's rule)."""
+    sources = tuple(sources or DEFAULT_CALIBRATION)
+    log(f"calibration: {' + '.join(map(str, sources))}, {n} x {seq_len} tokens ...")
+    threads = torch.get_num_threads()
+    steps = seq_len - 1 - (bos_id(tokenizer) is not None)
+    progress = bar(total=steps, desc="sampling the model's own text", unit="token") if SELF in sources else None
+    try:
+        if one_thread:
+            torch.set_num_threads(1)
+        calibration = calibration_ids(sources, tokenizer, seq_len, n, model=model,
+                                      on_token=progress and (lambda token: progress.update()))
+    finally:
+        torch.set_num_threads(threads)
+        if progress is not None:
+            progress.close()
+    log(f"calibration: {calibration.name}, {tuple(calibration.ids.shape)} ids, sha256 {calibration.digest[:16]}")
+    return calibration

@@ -15,7 +15,7 @@ import torch
 from .checkpoints.registry import load_model
 from .checkpoints.tokenizer import load_tokenizer
 from .console import bar, clock, log
-from .data import Corpus, load_corpus
+from .data import Corpus, load_corpus, real_calibration
 from .evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats, markdown_table, perplexity
 from . import tables
 from .formats.base import decoded_weights, impl, model_bits
@@ -97,11 +97,22 @@ def real_table(args, selected):
     tokenizer = load_tokenizer(path)
     corpus = Corpus.from_text(load_corpus(args.text), tokenizer)
     chunks = corpus.eval_chunks(args.ctx, args.chunks)
-    calibration = corpus.calibration(seq_len=args.calib_len, n=args.calib_samples)
-    log(f"loading {path.name} ...")
-    reference = load_model(path, torch.float32, dense=True)
+    loaded = []
+
+    def reference_model():                          # loaded once, after the calibration files are tokenized
+        if not loaded:
+            log(f"loading {path.name} ...")
+            loaded.append(load_model(path, torch.float32, dense=True))
+        return loaded[0]
+
+    # one thread while the model samples its own text: every row quantizes the whole model in memory, so this
+    # table runs small models (run.py generate's rule for them)
+    calibration = real_calibration(args.calib, tokenizer, args.calib_len, args.calib_samples, reference_model,
+                                   one_thread=True).ids if tables.calibrated(selected) else None
+    reference = reference_model()
     log(f"{path.name}: {sum(p.numel() for p in reference.parameters()) / 1e6:.1f} M parameters; "
-        f"{len(chunks)} chunks of {args.ctx} held-out tokens, {tuple(calibration.shape)} calibration tokens")
+        f"{len(chunks)} chunks of {args.ctx} held-out tokens"
+        + ("" if calibration is None else f", {tuple(calibration.shape)} calibration tokens"))
     ref_logits = ReferenceLogits(reference, chunks)
     results, progress = [], RowProgress(selected)
     try:

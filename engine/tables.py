@@ -167,6 +167,14 @@ def real_model_rows():
     ]
 
 
+def calibrated(rows):
+    """Whether any row reads calibration ids: its quantize is a method's whose CheckpointMethod.calibration says so
+    for its options (the others are data-free), so that a table of data-free rows samples no calibration text."""
+    methods = {m.CHECKPOINT.quantize: m.CHECKPOINT for m in (affine, awq, entropy, fp8, gptq, lattice, mx, nf4, trellis)
+               if hasattr(m, "CHECKPOINT")}
+    return any(not r.kv_cache and r.quantize in methods and methods[r.quantize].calibration(r.options) for r in rows)
+
+
 def select(all_rows, substrings):
     """The rows whose label contains one of the substrings (case-insensitive); all rows when none are given."""
     chosen = [r for r in all_rows if not substrings or any(s.lower() in r.label.lower() for s in substrings)]

@@ -45,7 +45,7 @@ from ..formats.calibration import LayerCalibration, check_ids, first_layer_batch
 from ..qwen3 import DecoderLayer, Qwen3Config
 from . import gguf
 from .gguf_tokenizer import gguf_tokenizer
-from .loaders import check_layer_count, check_shapes, digest_of, place, read_config, skeleton
+from .loaders import check_complete, check_layer_count, check_shapes, digest_of, place, read_config, skeleton
 from .registry import METHODS, LayerAssembler, checkpoint_tensors, config_digest
 from .safe_writes import (TOKENIZER_FILES, check_apart, check_free_space, check_output, commit_directory, folder_size,
                           is_disk_full, output_lock, recover_interrupted_swap, resumable_directory, space_error)
@@ -189,14 +189,32 @@ class Conversion:
     def needs_data(self):
         return self.mode is not None
 
+    def float_model(self, dtype=torch.float32):
+        """The whole source model in `dtype`, read through the open source (the "self" calibration samples the
+        model's own text from it; the converter itself never holds more than a layer)."""
+        model, loaded = skeleton(self.cfg), set()
+        for name, value in self.source.tensors(lambda n: not (n == "lm_head.weight" and self.cfg.tie_word_embeddings)):
+            place(model, name, value, dtype, "cpu")
+            loaded.add(name)
+        if self.cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        check_complete(model, loaded, self.source_path)
+        return model.eval()
+
     def _rest(self, name):
         """Tensors outside the decoder layers (embedding, final norm, an untied lm_head): copied as stored."""
         return not name.startswith("model.layers.") and not (name == "lm_head.weight" and
                                                              self.cfg.tie_word_embeddings)
 
-    def run(self, calibration_ids=None):
-        """Convert (calibration_ids [B, T] for the data-aware methods); returns the quantization_config."""
+    def run(self, calibration_ids=None, records=None):
+        """Convert (calibration_ids [B, T] for the data-aware methods); records: more "engine.*" provenance entries
+        for the index's metadata (which calibration: engine.data.Calibration.records). Returns the
+        quantization_config."""
         ids = check_ids(calibration_ids, self.cfg.vocab_size, self.method) if self.mode else None
+        self.records = dict(records or {})
+        if not all(isinstance(k, str) and k.startswith("engine.") and isinstance(v, str)
+                   for k, v in self.records.items()):
+            raise ValueError(f"records must map 'engine.*' names to strings, got {records!r}")
         layers, rest = self.cfg.num_hidden_layers, [n for n in self.source.sizes if self._rest(n)]
         n = layers + len(rest)
         self.shards = [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
@@ -345,13 +363,15 @@ class Conversion:
         return state, None
 
     def _finish(self, folder, qcfg, source_digest):
-        """Index, config.json and the source's side files; the record removed, then the folder swapped into `out`."""
+        """Index (with the provenance records), config.json and the source's side files; the record removed, then the
+        folder swapped into `out`."""
         weight_map, total = {}, 0
         for name in self.shards:
             for t in read_header(folder / name)[0]:
                 weight_map[t] = name
             total += (folder / name).stat().st_size
-        write_json(folder / INDEX, {"metadata": {"total_size": total, "engine.source_sha256": source_digest,
+        write_json(folder / INDEX, {"metadata": {"total_size": total, **self.records,
+                                                 "engine.source_sha256": source_digest,
                                                  "engine.quantization_config_sha256": config_digest(qcfg)},
                                     "weight_map": weight_map})
         raw = self.cfg.to_hf()
@@ -374,8 +394,9 @@ def _fill(model, tensors, dtype, digests):
 
 
 def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, dtype=torch.float32, batch_size=8,
-                        progress=True, **options):
+                        progress=True, records=None, **options):
     """Quantize the model at `source` into the checkpoint folder `out` layer by layer (a Conversion checked, then
-    run with calibration_ids [B, T] for the data-aware methods). Returns the quantization_config."""
+    run with calibration_ids [B, T] for the data-aware methods and the provenance `records`). Returns the
+    quantization_config."""
     with Conversion(source, out, method, force, dtype, batch_size, progress, **options) as conversion:
-        return conversion.run(calibration_ids)
+        return conversion.run(calibration_ids, records)

@@ -32,19 +32,25 @@ def _vocab_and_device(model):
 
 
 @torch.no_grad()
-def self_generated_ids(model, samples=64, seq_len=128, seed=0):
+def self_generated_ids(model, samples=64, seq_len=128, seed=0, start=None, on_token=None):
     """ids [samples, seq_len]: what the model writes itself (temperature 1, eval mode) after a uniformly random first
-    token. No calibration text is read: this is the only input the Fisher estimate sees. Seeded on the model's
-    device, so a run repeats on the same device."""
-    if not (isinstance(samples, int) and isinstance(seq_len, int) and samples >= 1 and seq_len >= 2):
-        raise ValueError(f"need integers samples >= 1 and seq_len >= 2, got {samples!r} and {seq_len!r}")
+    token (after `start` [samples, k], e.g. the BOS a tokenizer puts first, when given). No calibration text is
+    read: this is the only input the Fisher estimate sees. Seeded on the model's device, so a run repeats on the
+    same device. on_token(ids [samples, 1]) sees each generated token (a progress bar)."""
+    k = 0 if start is None else start.shape[-1]
+    if not (isinstance(samples, int) and isinstance(seq_len, int) and samples >= 1 and seq_len >= k + 2):
+        raise ValueError(f"need integers samples >= 1 and seq_len >= {k + 2}, got {samples!r} and {seq_len!r}")
     vocab, device = _vocab_and_device(model)
+    if start is not None and (start.shape != (samples, k) or int(start.min()) < 0 or int(start.max()) >= vocab):
+        raise ValueError(f"start must be [samples, k] ids below {vocab}, got {tuple(start.shape)}")
     g = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     try:
         model.eval()
         first = torch.randint(vocab, (samples, 1), generator=g, device=device)
-        return model.generate(first, seq_len - 1, temperature=1.0, generator=g)
+        if start is not None:
+            first = torch.cat([start.to(device), first], 1)
+        return model.generate(first, seq_len - first.shape[1], temperature=1.0, generator=g, on_token=on_token)
     finally:
         model.train(was_training)
 
