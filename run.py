@@ -91,8 +91,7 @@ def build_parser():
                        help="calibration sources, each giving an equal share of the sequences: text files (windows of "
                             "their first 90%%), 'pydoc' (the training part of the built-in corpus, Python's reference "
                             "text) or 'self' (text the model samples itself from a random first token, seeded; it "
-                            "loads the whole model once, in float32). Default: self (it generalizes best to other "
-                            "domains: appendix/calibration.md)")
+                            "loads the whole model once, in float32). Default: pydoc")
         g.add_argument("--calib-samples", type=int, default=32, help="calibration sequences (default 32)")
         g.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
 
