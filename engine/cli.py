@@ -66,10 +66,15 @@ def check_file_output(path, force, flag="--out"):
 # ---- a real model's calibration ----------------------------------------------------------------------------------
 
 def check_calibration(args):
-    """--calib's sources, checked before anything loads (a missing or empty file is one error)."""
+    """--calib's sources, checked before anything loads (a missing or empty file is one error); without --model
+    there is nothing it would calibrate, so it is refused rather than silently ignored."""
+    if args.calib is None:
+        return
+    if args.model is None:
+        raise ValueError("--calib calibrates a real model (--model PATH); the tiny model calibrates on its own "
+                         "training text (--text FILE)")
     from engine.data import check_sources
-    if args.calib is not None:
-        check_sources(args.calib)
+    check_sources(args.calib)
 
 
 # ---- quantformats -----------------------------------------------------------------------------------------------
@@ -84,7 +89,7 @@ def cmd_quantformats(args):
     check_text(args.text)
     if args.model is not None:
         check_model_path(args.model)
-        check_calibration(args)
+    check_calibration(args)
     from engine import quantformats
     if args.model is not None:
         return quantformats.real_table(args, selected)
@@ -164,7 +169,7 @@ def check_quantize_args(args):
     check_text(args.text)
     if args.model is not None:
         check_model_path(args.model)
-        check_calibration(args)
+    check_calibration(args)
     from engine.checkpoints.registry import resolve
     options = quantize_options(args)
     group = options.get("group_size")

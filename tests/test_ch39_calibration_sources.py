@@ -113,6 +113,17 @@ def test_a_bad_source_is_one_error_before_the_model_loads(tmp_path, tiny_model, 
     assert re.search(match, lines[0]) and not (tmp_path / "q").exists()
 
 
+@pytest.mark.parametrize("command", ["quantize", "quantformats"])
+def test_calib_without_a_model_is_refused_not_ignored(tmp_path, command):
+    """The tiny model calibrates on its own training text: a --calib given without --model would change nothing."""
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), command, "--calib", "pydoc",
+                          *(["--method", "gptq", "--out", str(tmp_path / "q")] if command == "quantize" else [])],
+                         capture_output=True, text=True, cwd=ROOT)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and lines == [lines[0]] and re.match(r"error: --calib calibrates a real model", lines[0])
+    assert not (tmp_path / "q").exists()
+
+
 def test_a_file_shorter_than_one_window_is_refused_before_the_model_loads(tmp_path):
     short = _file(tmp_path, "short.txt", ["w1", "w2"], ["w3"])         # 900 training words
     with pytest.raises(ValueError, match="short.txt: its training part .900 tokens.* shorter than one 1024-token"):
