@@ -1,11 +1,11 @@
-"""GPTQ on llama.cpp's grids against llama.cpp's own round-to-nearest on the same grids, whole models, in GGUF files.
+"""GPTQ on llama.cpp's grids against llama.cpp's own round-to-nearest of the same types, whole models, in GGUF files.
 
     python benchmarks/kquants.py [--types Q4_K Q3_K ...] [--bpw 4.5 ...] [--out DIR]                   the tiny model
     python benchmarks/kquants.py --model PATH [--ctx 512 --chunks 8 --calib-samples 32 --calib-len 512] ...
 
 For each GGML type: the engine's round-to-nearest (ggml_quants: llama.cpp's quantize_row_*_ref, bit-exact, its
-fallback for rows that are not a multiple of 256 included) and GPTQ on the same grids (gptq.quantize with
-ggml_type), and for each --bpw a GPTQ mix (ggml_type="mix"). Every model is written as a GGUF file and read back, and
+fallback for rows that are not a multiple of 256 included) and GPTQ on llama.cpp's grids of the same types
+(gptq.quantize with ggml_type: the scales `llama-quantize --imatrix` picks with the calibration's importance), and for each --bpw a GPTQ mix (ggml_type="mix"). Every model is written as a GGUF file and read back, and
 the file is what is scored: bits per weight of the decoder linears (the file's bytes), KL against the reference in
 the engine's forward (the tiny model: every held-out window; a real model, --model a folder or .gguf whose
 dequantized weights are the reference: llama.cpp's perplexity --kl-divergence chunks, second halves scored). The

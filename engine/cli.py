@@ -186,6 +186,9 @@ def check_quantize_args(args):
     if args.target or args.format == "gguf":
         from engine.checkpoints.serving import check_target
         options, args.format = check_target(args.target or "llama.cpp", method, options, args.format)
+    if options.get("imatrix") is False and options.get("ggml_type") is None and options.get("bpw") is None:
+        raise ValueError("--option imatrix=false picks llama.cpp's plain grid for a GGML type: it needs --option "
+                         "ggml_type=TYPE or --bpw B (--target llama.cpp)")
     if args.format == "gguf":
         check_file_output(args.out, args.force)
         if args.model is not None:

@@ -1,5 +1,6 @@
-"""llama.cpp's own round-to-nearest quantizers for GGML's integer types (ggml-quants.c, `quantize_row_*_ref`: what
-`llama-quantize` runs without an importance matrix), vectorized over blocks and bit-exact: the same bytes.
+"""llama.cpp's own quantizers for GGML's integer types (ggml-quants.c: `quantize_row_*_ref`, what `llama-quantize`
+runs without an importance matrix, and `quantize_row_*_impl`, what it runs with one), vectorized over blocks and
+bit-exact: the same bytes.
 
 A K-quant chooses its grid in two levels. Each sub-block of 16 or 32 weights gets a float scale (and, for the
 asymmetric types, a min) from a small search; then the super-block of 256 stores those as integers on a grid of
@@ -11,11 +12,14 @@ sc_j = round(scale_j / d). Only then are the weights rounded, on the grid the fi
 
 The sub-block searches (make_qkx2_quants: asymmetric, a weighted least-squares fit of scale and min over 16 or 21
 trial grids; make_qx_quants: symmetric, 18 trial scales, weights x^2; make_q3_quants: symmetric, coordinate
-descent on the codes) are followed line by line. Being bit-exact needs float32 arithmetic in C's order: every sum
+descent on the codes) are followed line by line. With an importance matrix (llama-imatrix's mean x_j^2 per input
+column j) every search weighs a weight's error by imp_j sqrt(sigma2 + x^2) instead, searches longer (37 trial
+grids), and the super-block's integer scales and mins are fitted by weighted error (make_qp_quants) rather than
+set from the largest. Being bit-exact needs float32 arithmetic in C's order: every sum
 is accumulated element by element (`_sum`), constants are float32, round() is nearest-even as nearest_int is.
 (C's truncating casts and roundf differ from nearest-even: the 32-blocks use them, and so does this file.)
 
-`quantize(type_name, weight)` returns the codes and the stored fields that ggml.encode / ggml.encode_k turn into
+`quantize(type_name, weight, importance=None)` returns the codes and the stored fields that ggml.encode / ggml.encode_k turn into
 blocks; `FALLBACK` is llama.cpp's type for a row that is not a multiple of 256 (llama-quant.cpp).
 """
 import numpy as np
@@ -132,11 +136,11 @@ def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad):
             _where(flat[:, None], torch.zeros(()), L))
 
 
-def make_qx_quants(x, nmax):
+def make_qx_quants(x, nmax, w=None):
     """x [n, k] -> (scale [n], L [n, k] in 0..2 nmax - 1): the symmetric grid x ~ scale * (L - nmax), the best of
-    19 trial scales by x^2-weighted least squares (rmse_type 1, no importance weights)."""
+    19 trial scales by weighted least squares (rmse_type 1: weights w [n, k], or x^2 without an importance matrix)."""
     amax, vmax = _signed_absmax(x)
-    w = x * x
+    w = x * x if w is None else w
 
     def trial(iscale):
         l = (iscale[:, None] * x).round().clamp(-nmax, nmax - 1)
@@ -176,6 +180,39 @@ def make_q3_quants(x, nmax):
     zero = amax < EPS
     scale = _where(suml2 > 0, sumlx / suml2, torch.zeros(()))
     return _where(zero, torch.zeros(()), scale), _where(zero[:, None], torch.zeros(()), L + nmax)
+
+
+def make_qp_quants(x, nmax, w):
+    """x, w [n, k], x >= 0 -> (scale [n], L [n, k] in 0..nmax): the grid x ~ scale * L through 0 (a super-block's
+    sub-block scales or mins under an importance matrix), the best of 9 trial scales by w-weighted error, then up to
+    5 passes of coordinate descent on each code."""
+    top = _positive_max(x)
+    iscale = _rdiv(nmax, top)
+    L = _uint8((iscale[:, None] * x).round())
+    scale = _rdiv(1, iscale)
+    diff = x - scale[:, None] * L
+    best = _sum(w * diff * diff)
+    for step in (*range(-4, 0), *range(1, 5)):
+        trial = (F32(0.1) * F32(step) + F32(nmax)) / top
+        diff = x - _rdiv(1, trial)[:, None] * (trial[:, None] * x).round().clamp(max=nmax)
+        mse = _sum(w * diff * diff)
+        better = mse < best
+        best, iscale = _where(better, mse, best), _where(better, trial, iscale)
+    L = _uint8((iscale[:, None] * x).round().clamp(max=nmax))
+    sumlx, suml2 = _sum(torch.stack([w * x * L, w * L * L]))
+    for _ in range(5):
+        for i in range(x.shape[1]):
+            xi, wi, li = x[:, i], w[:, i], L[:, i]
+            slx = sumlx - wi * xi * li
+            sl2 = suml2 - wi * li * li
+            new = (xi * sl2 / slx).round().clamp(max=nmax)
+            slx2, sl22 = slx + wi * xi * new, sl2 + wi * new * new
+            take = (slx > 0) & (sl2 > 0) & (new != li) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
+            L[:, i] = _where(take, new, li)
+            sumlx, suml2 = _where(take, slx2, sumlx), _where(take, sl22, suml2)
+    zero = top < EPS
+    scale = _where(suml2 > 0, sumlx / suml2, torch.zeros(()))
+    return _where(zero, torch.zeros(()), scale), _where(zero[:, None], torch.zeros(()), L)
 
 
 # ---- the super-blocks: x [blocks, 256] -> (codes [blocks, 256], fields) ------------------------------------------
@@ -230,10 +267,10 @@ def _q5_k(x):
     return _k_asym(x, 32, 31, 6, -0.5, 0.1, 15, _av_plus_abs)
 
 
-def _k_sym(x, search, nmax, top):
+def _k_sym(x, search, nmax, top, *weights):
     """Q3_K / Q6_K: sub-blocks of 16 with symmetric scales from `search`, and the super-block's inverse step
     iscale = -top / (the sub-block scale of largest magnitude) -> (scales [n, 16], L, amax, iscale)."""
-    scales, L = search(x.reshape(-1, 16), nmax)
+    scales, L = search(x.reshape(-1, 16), nmax, *weights)
     scales = scales.reshape(len(x), 16)
     amax, max_scale = _signed_absmax(scales)
     return scales, L, amax, _rdiv(-top, max_scale)
@@ -248,8 +285,9 @@ def _q3_k(x):
     return _round_codes(x, d[:, None] * (sc - 32), L, -4, 3), dict(d=d, sc=sc)
 
 
-def _q6_k(x):
-    scales, L, amax, iscale = _k_sym(x, make_qx_quants, 32, 128)
+def _q6_k(x, qw=None):
+    """(With an importance matrix qw the sub-block scales weigh the error by qw itself, as llama.cpp does.)"""
+    scales, L, amax, iscale = _k_sym(x, make_qx_quants, 32, 128, *([] if qw is None else [qw.reshape(-1, 16)]))
     sc = _int8((iscale[:, None] * scales).round().clamp(max=127))
     d = _f16(_rdiv(1, iscale))
     codes = _round_codes(x, d[:, None] * sc, L, -32, 31)
@@ -300,6 +338,68 @@ QUANTIZERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0"
               "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
+# ---- with an importance matrix (quantize_row_*_impl: what `llama-quantize --imatrix` runs) ---------------------
+# qw [blocks, block]: each weight's input column's importance (llama-imatrix: the mean x^2 of that column over
+# calibration text; GPTQ's Hessian diagonal is the same up to a factor, which no search below sees). Every search
+# weighs a weight's error by qw sqrt(sigma2 + x^2); the super-block's integer scales and mins are then fitted by the
+# sub-blocks' summed weights (make_qp_quants) instead of set from the largest one.
+
+def _importance(x, qw, sigma2):
+    return qw * _sqrt(sigma2 + x * x)
+
+
+def _super_sigma2(x, factor, sub):
+    """x [super-blocks, 256] -> sigma2 per sub-block [super-blocks * 256 / sub, 1]: factor * mean x^2."""
+    return (F32(factor) * _sum(x * x) / F32(QK_K)).repeat_interleave(QK_K // sub)[:, None]
+
+
+def _k_asym_imatrix(x, qw, sub, nmax, top, factor):
+    """Q2_K / Q4_K / Q5_K: make_qkx3_quants per sub-block (make_qkx2_quants' search, 37 trial ranges, squared
+    error), then the scales and the mins each on their own make_qp_quants grid."""
+    n, xs = len(x), x.reshape(-1, sub)
+    w = _importance(xs, qw.reshape(-1, sub), _super_sigma2(x, factor, sub))
+    scales, mins, L = make_qkx2_quants(xs, w, nmax, -0.9, 0.05, 36, use_mad=False)
+    sw = _sum(w).reshape(n, -1)
+    d, sc = make_qp_quants(scales.reshape(n, -1), top, sw)
+    dmin, m = make_qp_quants(mins.reshape(n, -1), top, sw)
+    d, dmin = _f16(d), _f16(dmin)
+    return _round_codes(x, d[:, None] * sc, L, 0, nmax, dmin[:, None] * m), dict(d=d, dmin=dmin, sc=sc, m=m)
+
+
+def _q3_k_imatrix(x, qw):
+    """make_qx_quants per sub-block, then the 16 scales on a signed 6-bit grid by make_qx_quants again."""
+    xs = x.reshape(-1, 16)
+    w = _importance(xs, qw.reshape(-1, 16), _super_sigma2(x, 2, 16))
+    scales, L = make_qx_quants(xs, 4, w)
+    d, sc = make_qx_quants(scales.reshape(len(x), 16), 32, _sum(w).reshape(len(x), 16))
+    d = _f16(d)
+    return _round_codes(x, d[:, None] * (sc - 32), L, -4, 3), dict(d=d, sc=sc)
+
+
+def _sym_imatrix(nmax):
+    """Q4_0 / Q5_0: make_qx_quants' weighted search; the codes are those of the float scale, stored in f16."""
+    def quantizer(x, qw, sigma2):
+        scale, L = make_qx_quants(x, nmax, _importance(x, qw, sigma2))
+        return L, dict(d=_f16(scale))
+    return quantizer
+
+
+def _asym_imatrix(nmax):
+    """Q4_1 / Q5_1: make_qkx3_quants' weighted scale and min."""
+    def quantizer(x, qw, sigma2):
+        scale, the_min, L = make_qkx2_quants(x, _importance(x, qw, sigma2), nmax, -0.9, 0.05, 36, use_mad=False)
+        return L, dict(d=_f16(scale), m=_f16(-the_min))
+    return quantizer
+
+
+IMATRIX = {"Q4_0": _sym_imatrix(8), "Q5_0": _sym_imatrix(16), "Q4_1": _asym_imatrix(15), "Q5_1": _asym_imatrix(31),
+           "Q2_K": lambda x, qw: _k_asym_imatrix(x, qw, 16, 3, 15, 1),
+           "Q3_K": _q3_k_imatrix,
+           "Q4_K": lambda x, qw: _k_asym_imatrix(x, qw, 32, 15, 63, 2),
+           "Q5_K": lambda x, qw: _k_asym_imatrix(x, qw, 32, 31, 63, 2),
+           "Q6_K": _q6_k}
+
+
 def check_type(type_name, in_features):
     """ValueError unless llama.cpp's quantizer for `type_name` takes rows of in_features."""
     if type_name not in QUANTIZERS:
@@ -310,14 +410,35 @@ def check_type(type_name, in_features):
         raise ValueError(f"{type_name} needs rows of a multiple of {block} weights, got {in_features}{hint}")
 
 
+def check_importance(importance, in_features):
+    """ValueError unless importance is [in_features] finite, non-negative numbers."""
+    if not isinstance(importance, torch.Tensor) or importance.shape != (in_features,):
+        shape = tuple(importance.shape) if isinstance(importance, torch.Tensor) else type(importance).__name__
+        raise ValueError(f"an importance matrix row must have shape ({in_features},), got {shape}")
+    if not torch.isfinite(importance).all() or (importance < 0).any():
+        raise ValueError("an importance matrix must be finite and non-negative")
+    return importance.float()
+
+
 @torch.no_grad()
-def quantize(type_name, weight):
-    """weight [out, in] -> (codes uint8 [out, in], fields): llama.cpp's round-to-nearest (quantize_row_*_ref), the
-    fields being what `blocks(type_name, codes, fields)` stores: d (and m / dmin, sc) per block."""
+def quantize(type_name, weight, importance=None):
+    """weight [out, in] -> (codes uint8 [out, in], fields): llama.cpp's quantizer, the fields being what
+    `blocks(type_name, codes, fields)` stores: d (and m / dmin, sc) per block. importance [in] (None: none) is the
+    importance matrix's entry for this weight: without one, llama-quantize's round-to-nearest (quantize_row_*_ref);
+    with one, the grid `llama-quantize --imatrix` writes (Q8_0 has no such search and ignores it, as llama.cpp does)."""
     check_type(type_name, weight.shape[1])
     block = GGML_TYPES[type_name][1]
-    x = weight.detach().float().reshape(-1, block).contiguous()
-    codes, fields = QUANTIZERS[type_name](x)
+    w = weight.detach().float()
+    x = w.reshape(-1, block).contiguous()
+    if importance is None or type_name == "Q8_0":
+        codes, fields = QUANTIZERS[type_name](x)
+    else:
+        qw = check_importance(importance, w.shape[1]).expand(w.shape).reshape(-1, block)
+        if block == QK_K:
+            codes, fields = IMATRIX[type_name](x, qw)
+        else:                                                # sigma2: the mean x^2 of the whole row
+            sigma2 = (_sum(w * w) / F32(w.shape[1])).repeat_interleave(w.shape[1] // block)[:, None]
+            codes, fields = IMATRIX[type_name](x, qw, sigma2)
     return codes.reshape(weight.shape).to(torch.uint8), fields
 
 
@@ -328,4 +449,3 @@ def blocks(type_name, codes, fields):
     else:
         raw = encode(type_name, codes, fields["d"], fields.get("m"))
     return raw.reshape(codes.shape[0], -1)
-

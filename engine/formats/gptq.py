@@ -331,7 +331,7 @@ def permuted(options):
 @torch.no_grad()
 def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size"], order=DEFAULTS["order"],
                    damp=DEFAULTS["damp"], sym=DEFAULTS["sym"], checkpoint_format=DEFAULTS["checkpoint_format"],
-                   ggml_type=None, bpw=None):
+                   ggml_type=None, bpw=None, imatrix=True):
     """GPTQ one decoder layer (a calibration.LayerCalibration) in place, step by step in forward order (q/k/v, o,
     gate/up, down): each step's Hessians come from the layer's inputs passed through its already-quantized earlier
     steps (GPTQModel's "true sequential"). order: a name of ORDERS, or "search" (each linear's order chosen by
@@ -343,9 +343,13 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
     that type instead (gptq_ggml.py; bits, group_size, sym and checkpoint_format do not apply), held as GGML blocks
     for a GGUF file; the config records the type each linear got (`ggml_types`, fallbacks included).
     bpw=B (ggml_type "mix" or None): each linear's type chosen so that every layer meets B bits per weight with the
-    lowest measured error (gptq_ggml.plan_mix)."""
+    lowest measured error (gptq_ggml.plan_mix). imatrix (GGML types only): the grid llama-quantize --imatrix picks
+    with the Hessian's diagonal as the importance (True), or its plain round-to-nearest grid (False)."""
     if ggml_type is not None or bpw is not None:
-        return _quantize_layer_ggml(layer, ggml_type, order, damp, bpw)
+        return _quantize_layer_ggml(layer, ggml_type, order, damp, bpw, imatrix)
+    if imatrix is not True:
+        raise ValueError(f"imatrix={imatrix!r} chooses the grid of a GGML type; it needs ggml_type or bpw "
+                         "(--target llama.cpp)")
     qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
                      "desc_act": permuted({"order": order}),
                      "sym": sym, "checkpoint_format": checkpoint_format})
@@ -367,16 +371,19 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
                                  "order")}
 
 
-def _quantize_layer_ggml(layer, ggml_type, order, damp, bpw):
+def _quantize_layer_ggml(layer, ggml_type, order, damp, bpw, imatrix):
     ggml_type = gptq_ggml.MIX if ggml_type is None else ggml_type          # a bits budget alone asks for a mix
     spec = check_order(order) if order != SEARCH else None
     if spec is None or spec.permuted:
         raise ValueError(f"order {order!r}: GGML blocks store no column permutation and one grid per block; use a "
                          "plain-file order (act_order_static, natural, group_aware...)")
+    if not isinstance(imatrix, bool):
+        raise ValueError(f"imatrix must be true or false, got {imatrix!r}")
     plan = gptq_ggml.quantize_layer(layer, ggml_type, lambda diag, group: visit_order(diag, group, order), damp,
-                                    bpw)
+                                    bpw, imatrix)
     return validate({"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
-                     "desc_act": False, "ggml_types": plan, **({"bpw": bpw} if bpw is not None else {})})
+                     "desc_act": False, "imatrix": imatrix, "ggml_types": plan,
+                     **({"bpw": bpw} if bpw is not None else {})})
 
 
 def quantize(model, calibration_ids, batch_size=8, **options):

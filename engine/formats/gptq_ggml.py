@@ -1,10 +1,11 @@
 """GPTQ on GGML's grids: the codes of llama.cpp's block types (the K-quants Q2_K ... Q6_K, and Q4_0 ... Q8_0)
 chosen by GPTQ's error feedback instead of by rounding each weight alone, in blocks every llama.cpp build reads.
 
-The grid comes first, from the weights: llama.cpp's own quantizer (ggml_quants.quantize, bit-exact) fixes every
-block's scales, for a K-quant the super-block's f16 d and dmin and the sub-blocks' 6-bit (Q2_K: 4-bit; Q6_K: 8-bit)
-scales and mins, exactly what `llama-quantize` would write. Decoded, that is an affine grid per sub-block of 16 or
-32 weights (ggml.grid):
+The grid comes first, from the weights and the calibration: llama.cpp's own quantizer with an importance matrix
+(ggml_quants.quantize, bit-exact with `llama-quantize --imatrix`), the importance of input column j being the mean
+x_j^2 that llama-imatrix would record, here H_jj / 2 of GPTQ's own Hessian. It fixes every block's scales, for a
+K-quant the super-block's f16 d and dmin and the sub-blocks' 6-bit (Q2_K: 4-bit; Q6_K: 8-bit) scales and mins.
+Decoded, that is an affine grid per sub-block of 16 or 32 weights (ggml.grid):
 
     w = q * scale + offset,   q in 0 .. levels - 1      (Q4_K: scale = d sc_j, offset = -dmin m_j, 16 levels)
 
@@ -13,8 +14,12 @@ Then obq.error_feedback visits the columns in GPTQ's order and rounds each one o
     q = clamp(round((w - offset) / scale), 0, levels - 1)
 
 pushing each column's error onto the columns not yet visited. The codes go back into the same blocks
-(ggml_quants.blocks), so the file differs from llama.cpp's round-to-nearest only in its codes. Round-to-nearest is
-the same loop without the feedback: on the same grid, GPTQ's layer error tr(E H E^T) is the lower one.
+(ggml_quants.blocks), so the file differs from llama.cpp's own with the same importance matrix only in its codes.
+Round-to-nearest is the same loop without the feedback: on the same grid, GPTQ's layer error tr(E H E^T) is the
+lower one. (Why the importance-weighted grid and not llama.cpp's plain one: GPTQ fixes the codes, not the scales; a
+grid whose scales were fitted to the inputs that matter leaves it less error to push around. On SmolLM2 it halves
+the Q5_K row's KL; on the tiny model, calibrated on its own training text, the plain grid is better below 4 bits:
+imatrix=False keeps it. appendix/frontier.md.)
 
 A row that is not a multiple of 256 cannot hold super-blocks; llama.cpp then writes its FALLBACK type (Q4_K -> Q5_0,
 Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0), and so does `ggml_type_for`.
@@ -47,17 +52,18 @@ def group_size(type_name):
 
 
 @torch.no_grad()
-def gptq_ggml(weight, hessian, type_name, perm=None, damp=0.01, block=128):
+def gptq_ggml(weight, hessian, type_name, perm=None, damp=0.01, block=128, imatrix=True):
     """weight [out, in], hessian [in, in] = 2 X^T X / n -> raw uint8 [out, row bytes]: GGML blocks of `type_name`
     on llama.cpp's grid with GPTQ's codes. perm [in]: the visit order (None: natural; any permutation writes a
-    plain file, since the grids do not depend on it)."""
+    plain file, since the grids do not depend on it). imatrix=False: llama.cpp's plain grid, no importance."""
     out_f, cols = weight.shape
     if hessian.shape != (cols, cols):
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({cols}, {cols})")
     ggml_quants.check_type(type_name, cols)
     W, H = weight.float().clone(), hessian.float()
     W[:, torch.diag(H) == 0] = 0                         # inputs never active: their weights cannot matter
-    rtn, fields = ggml_quants.quantize(type_name, W)     # the grid first: llama.cpp's own
+    importance = torch.diag(H) / 2 if imatrix else None
+    rtn, fields = ggml_quants.quantize(type_name, W, importance)     # the grid first: llama.cpp's own
     _, scale, offset = ggml.grid(ggml_quants.blocks(type_name, rtn, fields).reshape(-1), type_name, W.shape)
     perm = torch.arange(cols) if perm is None else perm
     group = perm // group_size(type_name)                # each visited column's grid
@@ -75,9 +81,10 @@ def gptq_ggml(weight, hessian, type_name, perm=None, damp=0.01, block=128):
     return ggml_quants.blocks(type_name, codes[:, torch.argsort(perm)].to(torch.uint8), fields)
 
 
-def rtn_ggml(weight, type_name):
-    """weight [out, in] -> raw uint8 [out, row bytes]: llama.cpp's round-to-nearest, the baseline."""
-    return ggml_quants.blocks(type_name, *ggml_quants.quantize(type_name, weight))
+def rtn_ggml(weight, type_name, importance=None):
+    """weight [out, in] -> raw uint8 [out, row bytes]: llama.cpp's round-to-nearest, the baseline (importance [in]:
+    with llama.cpp's importance matrix, as `llama-quantize --imatrix`)."""
+    return ggml_quants.blocks(type_name, *ggml_quants.quantize(type_name, weight, importance))
 
 
 def ggml_layer(raw, type_name, in_features, bias=None):
@@ -103,16 +110,19 @@ def bits_per_weight(type_name):
     return size * 8 / block
 
 
-def plan_mix(layer, names, bpw, max_sequences=4):
+def plan_mix(layer, names, bpw, max_sequences=4, imatrix=True):
     """{relative name: type}: the K-quant (or its fallback) of each linear that meets `bpw` over the layer's linears
-    with the lowest added error at the layer's output (bit_plan.py), errors measured with llama.cpp's RTN."""
+    with the lowest added error at the layer's output (bit_plan.py), errors measured with llama.cpp's RTN on the
+    grid GPTQ will use (imatrix: importance from the layer's float calibration inputs)."""
+    importance = {n: torch.diag(stats.hessian) / 2 for n, stats in layer.capture(names).items()} if imatrix else {}
     candidates = {}
     for name in names:
-        linear = layer.module(layer.prefix + name)
+        linear, full = layer.module(layer.prefix + name), layer.prefix + name
         kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in ggml_quants.K_TYPES)
-        candidates[layer.prefix + name] = {
+        candidates[full] = {
             kind: (linear.weight.numel() * bits_per_weight(kind),
-                   lambda lin, kind=kind: ggml_layer(rtn_ggml(lin.weight, kind), kind, lin.in_features, lin.bias))
+                   lambda lin, kind=kind, imp=importance.get(full):
+                   ggml_layer(rtn_ggml(lin.weight, kind, imp), kind, lin.in_features, lin.bias))
             for kind in kinds}
     table = bit_plan.output_costs(layer, candidates, max_sequences)
     weights = sum(layer.module(layer.prefix + n).weight.numel() for n in names)
@@ -124,7 +134,7 @@ def plan_mix(layer, names, bpw, max_sequences=4):
 
 
 @torch.no_grad()
-def quantize_layer(layer, ggml_type, visit, damp=0.01, bpw=None):
+def quantize_layer(layer, ggml_type, visit, damp=0.01, bpw=None, imatrix=True):
     """GPTQ one decoder layer (a calibration.LayerCalibration) onto GGML blocks, in place, step by step in forward
     order as gptq.quantize_layer does. ggml_type: one type for every linear (each falling back as llama.cpp does),
     {relative linear name: type}, or MIX: the types plan_mix picks for `bpw` bits per weight over the layer (so every
@@ -135,7 +145,7 @@ def quantize_layer(layer, ggml_type, visit, damp=0.01, bpw=None):
         raise ValueError(f"ggml_type={MIX!r} needs a bits budget (bpw), and a GPTQ bits budget picks GGML types: "
                          f"ggml_type={MIX!r} (what --target llama.cpp --bpw B asks for)")
     if ggml_type == MIX:
-        wanted = plan_mix(layer, names, bpw)
+        wanted = plan_mix(layer, names, bpw, imatrix=imatrix)
     else:
         wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
     plan = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
@@ -144,7 +154,7 @@ def quantize_layer(layer, ggml_type, visit, damp=0.01, bpw=None):
 
         def make(name, linear, hessians=hessians):
             kind, H = plan[name.removeprefix(layer.prefix)], hessians[name]
-            raw = gptq_ggml(linear.weight, H, kind, visit(torch.diag(H), group_size(kind)), damp)
+            raw = gptq_ggml(linear.weight, H, kind, visit(torch.diag(H), group_size(kind)), damp, imatrix=imatrix)
             return ggml_layer(raw, kind, linear.in_features, linear.bias)
 
         layer.replace(make, names=hessians)
