@@ -11,6 +11,7 @@ from engine.formats import base
 from engine.formats import trellis, viterbi
 from engine.formats.base import quantized_linears
 from engine.kernels import triton_formats
+from engine.qwen3 import Qwen3, Qwen3Config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -317,6 +318,16 @@ def test_model_quantize_engine_and_checkpoint_round_trip(tiny_model, tmp_path):
     loaded = registry.load_quantized(tmp_path / "ckpt")
     with torch.no_grad():
         assert torch.equal(loaded(ids), ref)
+
+
+def test_the_rotation_group_fits_any_input_width():
+    """SmolLM2's 576- and 1536-wide inputs take groups of 64; the book's 256 / 768 keep 256."""
+    assert trellis.rotation_group([256, 768]) == 256 and trellis.rotation_group([576, 1536]) == 64
+    torch.manual_seed(0)
+    model = Qwen3(Qwen3Config(hidden_size=96, intermediate_size=192, num_attention_heads=3, num_key_value_heads=1,
+                              head_dim=32, num_hidden_layers=1)).eval()
+    config = trellis.quantize(model, L=8, K=2)
+    assert config["group"] == 32 and all(m.group == 32 for m in quantized_linears(model).values())
 
 
 def test_model_block_ldlq_needs_calibration_and_beats_plain_trellis(tiny_model):

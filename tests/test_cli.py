@@ -45,18 +45,26 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     assert out.returncode != 0 and "no folder" in out.stderr and "training" not in out.stderr
 
 
-def test_quantformats_on_a_model_reports_a_refused_row_and_goes_on(tmp_path, tiny_model):
-    """A format that cannot hold this model's shapes (trellis' 256-wide rotation, hidden 64) is a row saying why;
-    the rows after it are still measured."""
+def test_quantformats_on_a_model_reports_a_refused_row_and_goes_on(tmp_path, tiny_cfg):
+    """A format that cannot hold this model's shapes (MXFP4's 32-blocks, hidden 48) is a row saying why; the rows
+    after it are still measured."""
+    import dataclasses
+
+    import torch
+
     from engine.checkpoints.loaders import save_dense
-    save_dense(tiny_model, tmp_path / "dense")
+    from engine.qwen3 import Qwen3
+    torch.manual_seed(0)
+    model = Qwen3(dataclasses.replace(tiny_cfg, hidden_size=48, intermediate_size=96, num_attention_heads=3,
+                                      num_key_value_heads=1)).eval()
+    save_dense(model, tmp_path / "dense")
     out = run("quantformats", "--model", str(tmp_path / "dense"), "--ctx", "32", "--chunks", "2",
-              "--calib-samples", "2", "--calib-len", "32", "--rows", "L=8, K=3", "RTN int2",
+              "--calib-samples", "2", "--calib-len", "32", "--rows", "MXFP4", "RTN int2",
               "--plot", str(tmp_path / "kl.png"))
     assert out.returncode == 0, out.stderr
     rows = rows_of(out.stdout)
-    assert [r["format"] for r in rows] == ["trellis (QTIP-style), L=8, K=3", "RTN int2, g64"]
-    assert "rotation tile" in rows[0]["error"] and rows[1]["kl_nats"] > 0
+    assert [r["format"] for r in rows] == ["MXFP4", "RTN int2, g64"]
+    assert "not a multiple of the 32-block" in rows[0]["error"] and rows[1]["kl_nats"] > 0
     assert "refused: " in out.stdout and (tmp_path / "kl.png").stat().st_size > 0    # the plot skips refused rows
 
 
