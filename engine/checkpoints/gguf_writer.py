@@ -394,11 +394,15 @@ def write_container(path, metadata, tensors, force=False):
         raise
 
 
-def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, force=False, name="engine"):
+def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, force=False, name="engine",
+               records=None):
     """Write `model` (dense or quantized, llama / qwen2 / qwen3) as a GGUF file that llama.cpp runs. tokenizer: a
-    .gguf file or a folder with tokenizer.json to take the vocabulary from (None: the byte model's). Returns a
-    report: {"types": {GGML type: linears}, "fallbacks": {layer: reason}, "offset_shift": Q4_1's largest offset
-    shift in quantization steps}."""
+    .gguf file or a folder with tokenizer.json to take the vocabulary from (None: the byte model's). records:
+    provenance strings stored as they are ({"engine.calibration": ...}). Returns a report: {"types": {GGML type:
+    linears}, "fallbacks": {layer: reason}, "offset_shift": Q4_1's largest offset shift in quantization steps}."""
+    records = dict(records or {})
+    if not all(isinstance(k, str) and k.startswith("engine.") and isinstance(v, str) for k, v in records.items()):
+        raise ValueError(f"records must map 'engine.*' names to strings, got {records!r}")
     path = Path(path)
     if path.is_dir():                                              # before any tensor is converted
         raise ValueError(f"output {path} is a directory; a GGUF file needs a file name (never replaced by one)")
@@ -408,5 +412,6 @@ def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, for
     metadata = model_metadata(model.cfg, name)
     metadata["general.file_type"] = FILE_TYPES[report["types"].most_common(1)[0][0]] if report["types"] else 0
     metadata.update(tokenizer_metadata(model.cfg, tokenizer))
+    metadata.update(records)
     write_container(path, metadata, tensors, force)
     return {**report, "types": dict(report["types"])}

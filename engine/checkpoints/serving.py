@@ -29,6 +29,7 @@ from .gguf_writer import write_gguf
 from .loaders import load_dense, read_config
 from .registry import load_quantized
 from .safe_writes import check_apart
+from .safetensors_io import checkpoint_records
 
 TARGETS = ("transformers", "vllm", "llama.cpp", "onnx")
 VLLM_GROUPS = (-1, 32, 64, 128)
@@ -207,10 +208,13 @@ def load_checkpoint(source, dtype=None):
 
 def export_gguf(source, path, dense_type="F32", fallback=None, force=False):
     """`run.py export SOURCE --gguf PATH`: the checkpoint at `source` as a GGUF file, its quantized layers in their
-    GGML types (gguf_writer), the tokenizer taken from the source (the byte model's when it has none)."""
+    GGML types (gguf_writer), the tokenizer taken from the source (the byte model's when it has none), and the
+    folder's calibration records (engine.calibration, engine.calibration_sha256) as metadata of the same names."""
     check_apart(source, path)
+    records = {k: v for k, v in checkpoint_records(source).items() if k.startswith("engine.calibration")} \
+        if Path(source).is_dir() else {}
     return write_gguf(load_checkpoint(source), path, tokenizer=source, dense_type=dense_type, fallback=fallback,
-                      force=force)
+                      force=force, records=records)
 
 
 # ---- tensor parallelism -----------------------------------------------------------------------------------------
