@@ -61,11 +61,12 @@ ENGINE_ROWS = [   # (label, quantize(model, calibration, **options), options): c
     ("AWQ int4, g128", awq.quantize, dict(group_size=128)),
     ("AWQ int4, g32", awq.quantize, dict(group_size=32)),
     ("GPTQ int2, g32", gptq.quantize, dict(bits=2, group_size=32)),
-    # GPTQ's codes on llama.cpp's own grids (its scales, its blocks; a row not a multiple of 256 gets llama.cpp's
-    # fallback type, as the GGUF file would), and a mix of those types at a bits budget picked by measured error
-    *[(f"GPTQ on llama.cpp's {t} grid", gptq.quantize, dict(ggml_type=t)) for t in ("Q6_K", "Q5_K", "Q4_K",
-                                                                                   "Q3_K", "Q2_K")],
-    *[(f"GPTQ K-quant mix, --bpw {b}", gptq.quantize, dict(bpw=b)) for b in (5.5, 4.5, 3.5)],
+    # GPTQ's codes on llama.cpp's own grids (the scales llama-quantize --imatrix picks with the calibration's
+    # importance, its blocks; a row not a multiple of 256 gets llama.cpp's fallback type, as the GGUF file would),
+    # and a mix of those types at a bits budget picked by measured error
+    *[(f"GPTQ on llama.cpp's {t} imatrix grid", gptq.quantize, dict(ggml_type=t))
+      for t in ("Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")],
+    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}", gptq.quantize, dict(bpw=b)) for b in (5.5, 4.5, 4.4, 3.5)],
     *[(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (4.0, 3.0, 2.0)],
     *[(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.05)) for b in (4.0, 3.0, 2.1)],
     *[(f"EntQuant + calibration-Hessian feedback, ~{b} bpw", entropy.quantize,

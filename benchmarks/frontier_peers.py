@@ -48,7 +48,7 @@ INSTALL = {   # run in ~/.cache/engine/clients/<name>; the llama.cpp build is cl
     "bnb": f"python3.11 -m venv venv && venv/bin/pip install {TORCH_WHEEL} && "
            f"venv/bin/pip install bitsandbytes==0.50.2 safetensors {PIN}",
     "autoround": f"python3.11 -m venv venv && venv/bin/pip install {TORCH_WHEEL} && "
-                 f"venv/bin/pip install auto-round==0.16.1 transformers==4.57.6 gguf {PIN}",
+                 f"venv/bin/pip install auto-round==0.16.1 transformers==4.57.6 gguf sentencepiece {PIN}",
 }
 IMPORTS = {"hqq": "import hqq.core.quantize", "bnb": "import bitsandbytes", "autoround": "import auto_round",
            "llamacpp": "import llama_cpp", "peers": "import gptqmodel, llmcompressor"}
