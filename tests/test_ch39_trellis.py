@@ -8,7 +8,7 @@ import torch
 
 from engine.checkpoints import registry
 from engine.formats import base
-from engine.formats import trellis, viterbi
+from engine.formats import hadamard, trellis, viterbi
 from engine.formats.base import quantized_linears
 from engine.kernels import triton_formats
 from engine.qwen3 import Qwen3, Qwen3Config
@@ -322,7 +322,7 @@ def test_model_quantize_engine_and_checkpoint_round_trip(tiny_model, tmp_path):
 
 def test_the_rotation_group_fits_any_input_width():
     """SmolLM2's 576- and 1536-wide inputs take groups of 64; the book's 256 / 768 keep 256."""
-    assert trellis.rotation_group([256, 768]) == 256 and trellis.rotation_group([576, 1536]) == 64
+    assert hadamard.fitting_tile([256, 768], 256) == 256 and hadamard.fitting_tile([576, 1536], 256) == 64
     torch.manual_seed(0)
     model = Qwen3(Qwen3Config(hidden_size=96, intermediate_size=192, num_attention_heads=3, num_key_value_heads=1,
                               head_dim=32, num_hidden_layers=1)).eval()

@@ -18,6 +18,15 @@ def check_power_of_two(n):
         raise ValueError(f"Hadamard size must be a power of two >= 2, got {n}")
 
 
+def fitting_tile(widths, largest):
+    """The largest power of two <= largest that divides every width: a rotation tile that fits them all (SmolLM2's
+    576 and 1536 take 64)."""
+    tile = largest
+    while tile > 1 and any(w % tile for w in widths):
+        tile //= 2
+    return tile
+
+
 def fwht(x):
     """Fast Walsh-Hadamard transform over the last dim (a power of two), unnormalized, Sylvester order:
     fwht(x) = x @ H. log2(n) butterfly stages, each one tensor op."""

@@ -42,7 +42,7 @@ from ..kernels import stream_decoders
 from .affine import pack_bits, unpack_bits
 from .base import CheckpointMethod, QuantLinear, config_field
 from .calibration import whole_model
-from .hadamard import rotate, unrotate
+from .hadamard import fitting_tile, rotate, unrotate
 
 TABLE_PATH = Path(__file__).resolve().parents[2] / "data" / "lattice_snr_bps.json"
 
@@ -255,10 +255,7 @@ def snr_for_rate(bps, lattice):
 def rotation_tile(in_features, tile=128):
     """The largest power of two <= tile that divides in_features (the rotation itself: engine.formats.hadamard)."""
     check_tile(tile)
-    t = tile
-    while in_features % t:
-        t //= 2
-    return t
+    return fitting_tile([in_features], tile)
 
 
 def check_tile(tile):

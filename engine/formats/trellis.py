@@ -374,24 +374,16 @@ class TrellisLinear(QuantLinear):
 # ---- whole model and checkpoint -----------------------------------------------------------------------------------
 
 @torch.no_grad()
-def rotation_group(in_features, largest=256):
-    """The largest power of two <= largest dividing every width of in_features (SmolLM2's 576 and 1536: 64)."""
-    group = largest
-    while group > 2 and any(n % group for n in in_features):
-        group //= 2
-    return group
-
-
 def quantize_layer(layer, L=8, K=2, code="1mad", tail_biting=False, tile=None, group=None, seed=0, ldlq=False):
     """Replace the layer's linears (a calibration.LayerCalibration) by TrellisLinears, in place; all their tiles go
     through one batched Viterbi. ldlq=True runs BlockLDLQ with the Hessians of the layer's calibration inputs
     (default tile (16, 16): 16-column blocks; the inputs come from the float layers before it, so unlike GPTQ they do
-    not see earlier layers' error). group: the Hadamard rotation's width (None: rotation_group of the linears' input
-    widths, 256 where they allow it; every decoder layer has the same widths, so one group for the model). Returns
-    the quantization_config."""
+    not see earlier layers' error). group: the Hadamard rotation's width (None: the largest power of two <= 256
+    dividing every linear's input width, hadamard.fitting_tile; every decoder layer has the same widths, so one group
+    for the model). Returns the quantization_config."""
     _check_code(L, K, code)
     if group is None:
-        group = rotation_group([layer.module(n).in_features for n in layer.linear_names()])
+        group = hadamard.fitting_tile([layer.module(n).in_features for n in layer.linear_names()], 256)
     tile = tuple(tile) if tile is not None else ((16, 16) if ldlq else (1, group))
     if ldlq:                              # the linears of one sequential step read one input: one stacked weight
         stats, coded = layer.capture(), {}
