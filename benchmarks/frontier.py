@@ -368,7 +368,8 @@ def plot(reports, text, path):
         ax.set(yscale="log", xlabel="bits per weight of the decoder linears (every scale and offset counted)",
                ylabel=f"KL(reference || row), nats per token, held-out {text}", title=info["reference"])
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:          # a --rows run may have no point to show
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
