@@ -18,25 +18,16 @@ import torch
 
 from engine.checkpoints.registry import load_model
 from engine.formats import ggml, gptq, gptq_ggml
+from engine.formats.calibration import capture
 
 
 @torch.no_grad()
 def input_hessians(model, names, ids):
-    """{name: H = 2 X^T X / n} of the named linears' inputs over the sequences ids [B, T], one at a time."""
-    sums, hooks = {}, []
-    for name in names:
-        def hook(module, args, name=name):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            xx, n = sums.get(name, (0, 0))
-            sums[name] = (xx + x.T @ x, n + len(x))
-        hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
-    try:
-        for row in ids:
-            model(row[None])
-    finally:
-        for h in hooks:
-            h.remove()
-    return {name: (2 * xx / n).float() for name, (xx, n) in sums.items()}
+    """{name: H = 2 X^T X / n} of the named linears' inputs over the sequences ids [B, T], one at a time (the
+    engine's one calibration capture)."""
+    stats = capture({n: model.get_submodule(n) for n in names}, [row[None] for row in ids],
+                    lambda b, batch: model(batch))
+    return {name: s.hessian for name, s in stats.items()}
 
 
 def main(argv=None):
