@@ -168,3 +168,11 @@ def test_quantformats_on_a_model_calibrates_on_calib(tmp_path, tiny_model):
                           "--calib-samples", "2", "--calib-len", "32"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "calibration: notes.txt, (2, 32) ids" in out.stderr
+
+
+@pytest.mark.parametrize("records", [{"calibration": "pydoc"}, {"engine.calibration": 3}])
+def test_a_gguf_refuses_records_that_are_not_engine_strings_before_writing(tmp_path, tiny_model, records):
+    from engine.checkpoints.gguf_writer import write_gguf
+    with pytest.raises(ValueError, match="records must map 'engine.\\*' names to strings"):
+        write_gguf(tiny_model, tmp_path / "m.gguf", records=records)
+    assert not (tmp_path / "m.gguf").exists()

@@ -47,7 +47,7 @@ from ..formats.mx import MXFP4Linear, NVFP4Linear
 from .gguf import ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, TENSOR_NAMES, GGUFFile
 from .gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer, gpt2_pre_tokenizer
 from .safe_writes import check_free_space, is_disk_full, space_error
-from .safetensors_io import atomic_file
+from .safetensors_io import atomic_file, check_records
 from .tokenizer import present, read_tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -400,9 +400,7 @@ def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, for
     .gguf file or a folder with tokenizer.json to take the vocabulary from (None: the byte model's). records:
     provenance strings stored as they are ({"engine.calibration": ...}). Returns a report: {"types": {GGML type:
     linears}, "fallbacks": {layer: reason}, "offset_shift": Q4_1's largest offset shift in quantization steps}."""
-    records = dict(records or {})
-    if not all(isinstance(k, str) and k.startswith("engine.") and isinstance(v, str) for k, v in records.items()):
-        raise ValueError(f"records must map 'engine.*' names to strings, got {records!r}")
+    records = check_records(records)
     path = Path(path)
     if path.is_dir():                                              # before any tensor is converted
         raise ValueError(f"output {path} is a directory; a GGUF file needs a file name (never replaced by one)")

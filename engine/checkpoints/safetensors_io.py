@@ -160,6 +160,14 @@ def checkpoint_files(directory):
     raise ValueError(f"no {SINGLE} or {INDEX} in {directory}")
 
 
+def check_records(records):
+    """records (None: none) -> a dict of "engine.*" provenance strings; ValueError for anything else."""
+    records = dict(records or {})
+    if not all(isinstance(k, str) and k.startswith("engine.") and isinstance(v, str) for k, v in records.items()):
+        raise ValueError(f"records must map 'engine.*' names to strings, got {records!r}")
+    return records
+
+
 def checkpoint_records(directory):
     """What the engine's writer recorded about a checkpoint as a whole ("engine.*" entries: the digest of its
     quantization_config, of the model it came from): in the shard index's metadata for a sharded checkpoint, in

@@ -49,8 +49,8 @@ from .loaders import check_complete, check_layer_count, check_shapes, digest_of,
 from .registry import METHODS, LayerAssembler, checkpoint_tensors, config_digest
 from .safe_writes import (TOKENIZER_FILES, check_apart, check_free_space, check_output, commit_directory, folder_size,
                           is_disk_full, output_lock, recover_interrupted_swap, resumable_directory, space_error)
-from .safetensors_io import (DTYPE_BYTES, INDEX, TensorReader, float_digest, read_header, read_json, save_file,
-                             tensor_digest, write_json)
+from .safetensors_io import (DTYPE_BYTES, INDEX, TensorReader, check_records, float_digest, read_header, read_json,
+                             save_file, tensor_digest, write_json)
 from .tokenizer import check_vocabulary, export_tokenizer, load_tokenizer
 
 PROGRESS = "progress.json"
@@ -211,10 +211,7 @@ class Conversion:
         for the index's metadata (which calibration: engine.data.Calibration.records). Returns the
         quantization_config."""
         ids = check_ids(calibration_ids, self.cfg.vocab_size, self.method) if self.mode else None
-        self.records = dict(records or {})
-        if not all(isinstance(k, str) and k.startswith("engine.") and isinstance(v, str)
-                   for k, v in self.records.items()):
-            raise ValueError(f"records must map 'engine.*' names to strings, got {records!r}")
+        self.records = check_records(records)
         layers, rest = self.cfg.num_hidden_layers, [n for n in self.source.sizes if self._rest(n)]
         n = layers + len(rest)
         self.shards = [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
