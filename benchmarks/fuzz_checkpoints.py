@@ -35,9 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoints import gguf, gguf_writer  # noqa: E402
-from engine.checkpoints.loaders import dense_tensors, load_dense, save_dense  # noqa: E402
-from engine.checkpoints.registry import load_quantized, save_quantized  # noqa: E402
-from engine.checkpoints.safetensors_io import INDEX, read_header, save_file, write_json  # noqa: E402
+from engine.loaders import dense_tensors, load_dense, save_dense  # noqa: E402
+from engine.formats.quantized_checkpoints import load_quantized, save_quantized  # noqa: E402
+from engine.safetensors_io import INDEX, read_header, save_file, write_json  # noqa: E402
 from engine.formats import affine, ggml  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 

@@ -45,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.checkpoints.loaders import save_dense  # noqa: E402
+from engine.loaders import save_dense  # noqa: E402
 from engine.checkpoints.tokenizer import export_tokenizer  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 
@@ -58,7 +58,7 @@ OLD = ["--method", "fp8", "--option", "block=64"]          # the checkpoint a ru
 FRACTIONS = (0.05, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0)   # tmpfs size / output size
 # Runs run.py, killed (os._exit) just before the FUZZ_KILL_AT-th rename; FUZZ_COUNT: write the renames done there.
 KILLER = """import atexit, os, runpy, sys
-from engine.checkpoints import safe_writes
+from engine import safe_writes
 n, calls = int(os.environ.get("FUZZ_KILL_AT", "0")), []
 def dying(real):
     def rename(*args, **kwargs):

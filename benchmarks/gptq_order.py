@@ -91,7 +91,7 @@ def gptqmodel_quantize(weight, hessian, bits, group_size, damp=0.01, act_order=F
 
 
 def engine_quantize(weight, hessian, bits, group_size, damp=0.01, order="natural"):
-    return gptq.dequantize_gptq(*gptq.gptq_quantize(weight, hessian, bits, group_size, order, damp=damp))
+    return gptq.dequantize_gptq(*gptq.gptq_quantize(weight, hessian, bits, group_size, order=order, damp=damp))
 
 
 def engine_search(weight, hessian, bits, group_size, damp=0.01):
@@ -139,7 +139,7 @@ def tiny_layers():
 def smollm2_layers(layers):
     from engine.data import Corpus, load_corpus
     from engine.checkpoints.tokenizer import load_tokenizer
-    from engine.checkpoints.registry import load_model
+    from engine.checkpoints.models import load_model
     from engine.checkpoints.gguf import smollm2_path
     path = smollm2_path()
     if path is None:

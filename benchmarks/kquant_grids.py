@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoints.registry import load_model
+from engine.checkpoints.models import load_model
 from engine.formats import ggml, gptq, gptq_ggml
 from engine.formats.calibration import capture
 

@@ -33,7 +33,7 @@ from clients import client_python, compare, run_client  # noqa: E402
 
 from engine.checkpoints import gguf  # noqa: E402
 from engine.checkpoints.gguf_writer import gguf_name, write_gguf  # noqa: E402
-from engine.checkpoints.registry import load_model  # noqa: E402
+from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats  # noqa: E402

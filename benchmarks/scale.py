@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.checkpoints.safetensors_io import INDEX, save_file, write_json  # noqa: E402
+from engine.safetensors_io import INDEX, save_file, write_json  # noqa: E402
 from engine.qwen3 import Qwen3Config  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,

@@ -57,7 +57,7 @@ def gaussian_rows(args, T=256):
                         load = os.getloadavg()[0]
                         tail_biting = start == "tail-biting"
                         options = dict(tail_biting=tail_biting, compiled=COMPILED[compiled])
-                        (_, _, recon), wall, cpu = timed(lambda: trellis.viterbi_encode(x, L, K, code, **options),
+                        (_, recon), wall, cpu = timed(lambda: trellis.viterbi_path(x, L, K, code=code, **options),
                                                          args.repeats)
                         yield {"L": L, "K": K, "code": code, "tail_biting": tail_biting, "threads": threads,
                                "compiled": compiled,
@@ -70,10 +70,10 @@ def gaussian_rows(args, T=256):
 def window_rows(args, T=256):
     x = torch.randn(args.sequences, T, generator=torch.Generator().manual_seed(0))
     for L, K, code in itertools.product(args.L, args.K, args.codes):
-        whole, _, recon = trellis.viterbi_encode(x, L, K, code, True, wrap_window=None)
+        whole, recon = trellis.viterbi_path(x, L, K, code=code, tail_biting=True, wrap_window=None)
         yield {"L": L, "K": K, "code": code, "wrap_window": None, "mse": round(float((recon - x).pow(2).mean()), 5)}
         for window in args.windows:
-            states, _, recon = trellis.viterbi_encode(x, L, K, code, True, wrap_window=window)
+            states, recon = trellis.viterbi_path(x, L, K, code=code, tail_biting=True, wrap_window=window)
             yield {"L": L, "K": K, "code": code, "wrap_window": window,
                    "mse": round(float((recon - x).pow(2).mean()), 5),
                    "wrap_state_differs": round(float((states[:, 0] >> K != whole[:, 0] >> K).float().mean()), 4)}

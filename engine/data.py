@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints.safetensors_io import tensor_digest
+from .safetensors_io import tensor_digest
 from .checkpoints.tokenizer import bos_id, encode, is_byte_tokenizer
 from .console import bar, log
 from .formats.sensitivity import self_generated_ids

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints.registry import load_model
+from .checkpoints.models import load_model
 from .checkpoints.tokenizer import load_tokenizer
 from .console import bar, clock, log
 from .data import Corpus, load_corpus, real_calibration

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints.loaders import load_dense, save_dense
+from .loaders import load_dense, save_dense
 from .checkpoints.tokenizer import export_tokenizer
 from .qwen3 import Qwen3
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.checkpoints.registry import load_model  # noqa: E402
+from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, markdown_table  # noqa: E402
@@ -82,8 +82,9 @@ def quantize_one(model, ids, args, index=None, linear=None):
 
             def make(name, lin, hessians=hessians):
                 codes, scales, zeros, g_idx = gptq.gptq_quantize(lin.weight.detach(), hessians[name], args.bits,
-                                                                 args.group_size, min_zero=1)
-                return gptq.to_runtime(codes, scales, zeros, g_idx, args.group_size, args.bits, lin.bias)
+                                                                 args.group_size, min_zero=1,
+                                                                 order=gptq.DEFAULTS["order"])
+                return gptq.to_runtime(codes, scales, zeros, g_idx, args.group_size, lin.bias, bits=args.bits)
             layer.replace(make, names=set(hessians))
         if index is not None:
             return
@@ -111,7 +112,7 @@ def gpt_oss(args):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     pairs = []
     if args.model:
-        from engine.checkpoints.safetensors_io import TensorReader
+        from engine.safetensors_io import TensorReader
         if not Path(args.model).exists():
             raise ValueError(f"--model {args.model}: no such gpt-oss folder or .safetensors shard")
         reader = TensorReader(args.model)

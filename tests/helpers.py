@@ -1,7 +1,7 @@
 """Small helpers several test files share."""
 import torch
 
-from engine.checkpoints.safetensors_io import save_file, snapshot_tensors
+from engine.safetensors_io import save_file, snapshot_tensors
 from engine.formats import affine
 from engine.qwen3 import Qwen3
 

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from engine.formats import affine, base
-from engine.formats.affine import (AffineQuantLinear, choose_clip, choose_clip_reference, fake_quantize, find_params,
-                                   pack_bits, pack_int32, pack_nibbles, quantize_to_affine, unpack_bits, unpack_int32,
-                                   unpack_nibbles)
+from engine.formats.affine import (AffineQuantLinear, affine_codes, choose_clip, choose_clip_reference, fake_quantize,
+                                   find_params, pack_bits, pack_int32, pack_nibbles, quantize_to_affine, unpack_bits,
+                                   unpack_int32, unpack_nibbles)
 from engine.formats.base import quantized_linears
 
 
@@ -20,7 +20,7 @@ def test_find_params_covers_the_range_and_rounds_scales_to_f16():
 
 def test_rtn_error_is_at_most_half_a_step():
     w = torch.randn(8, 128, generator=torch.Generator().manual_seed(0))
-    codes, scales, zeros = quantize_to_affine(w, 4, 32)
+    codes, scales, zeros = affine_codes(w, 4, 32)
     step = scales.repeat_interleave(32, 1)
     assert ((fake_quantize(w, 4, 32) - w).abs() <= step / 2 + 1e-6).all()
     assert codes.max() <= 15 and codes.dtype == torch.uint8
@@ -107,7 +107,7 @@ def test_fake_quantize_is_exactly_the_stored_layer(in_features, group, clipped):
     g = torch.Generator().manual_seed(in_features)
     w = torch.randn(24, in_features, generator=g) * 3
     clip = torch.rand(24, -(-in_features // group), generator=g) * 0.5 + 0.5 if clipped else None
-    codes, scales, zeros = quantize_to_affine(w, 4, group, clip)
+    codes, scales, zeros = affine_codes(w, 4, group, clip)
     stored = affine.dequantize_affine(codes, scales, -zeros * scales, group)
     assert torch.equal(fake_quantize(w, 4, group, clip), stored)
 
@@ -143,14 +143,14 @@ def test_a_free_offset_is_never_rounded_onto_an_integer_zero_point():
     layer = AffineQuantLinear.from_weight(torch.randn(8, 64, generator=torch.Generator().manual_seed(3)), 4, 32)
     assert layer.zeros.dtype == torch.uint8 and torch.equal(affine.affine_parts(layer)[2], layer.zeros.float())
     offsets = -(layer.zeros.float() + 5e-4) * layer.scales
-    free = AffineQuantLinear(layer.packed, layer.scales, 32, 4, offsets=offsets, in_features=64)
+    free = AffineQuantLinear(layer.packed, layer.scales, offsets, 32, True, in_features=64)
     assert free.zeros is None and torch.equal(free.offsets, offsets)
     with pytest.raises(ValueError, match="free offsets"):
         affine.affine_parts(free)
 
 
 def test_non_finite_bias_and_grids_that_overflow_are_refused():
-    codes, scales, zeros = quantize_to_affine(torch.randn(4, 64), 4, 32)
+    codes, scales, zeros = affine_codes(torch.randn(4, 64), 4, 32)
     with pytest.raises(ValueError, match="bias holds NaN or infinite values"):
         AffineQuantLinear.from_codes(codes, scales, 32, 4, zeros=zeros, bias=torch.full((4,), float("inf")))
     with pytest.raises(ValueError, match="and so must the weights they decode to"):        # 1e38 * 15: inf
@@ -162,9 +162,9 @@ def test_non_finite_bias_and_grids_that_overflow_are_refused():
 def test_bad_inputs_are_clear_errors():
     w = torch.randn(4, 64)
     with pytest.raises(ValueError, match="group_size"):
-        quantize_to_affine(w, 4, 0)
+        affine_codes(w, 4, 0)
     with pytest.raises(ValueError, match="not finite"):
-        quantize_to_affine(torch.full((4, 64), float("nan")), 4, 32)
+        affine_codes(torch.full((4, 64), float("nan")), 4, 32)
     with pytest.raises(ValueError, match="bits"):
         pack_bits(torch.zeros(2, 8, dtype=torch.uint8), 3)
     layer = AffineQuantLinear.from_weight(w, 4, 32)
@@ -174,6 +174,24 @@ def test_bad_inputs_are_clear_errors():
 
 def test_a_tiny_range_still_gets_a_usable_scale():
     w = torch.tensor([[1e-9, -2e-9, 0.0, 3e-9]])
-    codes, scales, zeros = quantize_to_affine(w, 4, 4)
+    codes, scales, zeros = affine_codes(w, 4, 4)
     assert (scales > 0).all() and torch.isfinite(-zeros * scales).all()
     assert (fake_quantize(w, 4, 4) - w).abs().max() < 1e-7
+
+
+def test_the_books_affine_layer_takes_codes_scales_offsets_and_returns_its_dtype():
+    """Chapter 38's call, as chapter 39's apply_awq makes it: quantize_to_affine's offsets, pack_nibbles' codes,
+    packed=True; the layer is the same grid as the integer-zero-point one, and returns `dtype`."""
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    codes, scales, offsets = quantize_to_affine(w, 4, 32)
+    _, _, zeros = affine_codes(w, 4, 32)
+    assert torch.equal(offsets, -zeros * scales)
+    layer = AffineQuantLinear(pack_nibbles(codes), scales, offsets, 32, True, dtype=torch.bfloat16)
+    assert torch.equal(layer.weight_codes, codes) and torch.equal(layer.offsets, offsets)
+    assert torch.equal(layer.dequantize(), AffineQuantLinear.from_weight(w, 4, 32).dequantize())
+    assert layer(torch.randn(2, 64)).dtype == torch.bfloat16
+    assert torch.equal(AffineQuantLinear(codes, scales, offsets, 32).packed, layer.packed)      # packed=False
+    with pytest.raises(ValueError, match=r"packed \(the 5th argument\)"):
+        AffineQuantLinear(codes, scales, offsets, 32, "yes")
+    with pytest.raises(ValueError, match=r"codes must lie in \[0, 15\]"):
+        AffineQuantLinear(codes + 16, scales, offsets, 32)

@@ -3,7 +3,7 @@ scaling pairs with the GQA skip, the AutoAWQ GEMM layout (output 1's code in bit
 import pytest
 import torch
 
-from engine.checkpoints import registry
+from engine.formats import quantized_checkpoints as registry
 from engine.formats import affine, awq, calibration
 from helpers import rtn_baseline
 
@@ -77,8 +77,8 @@ def test_checkpoint_round_trip_and_refusals():
     assert torch.equal(back.dequantize(), layer.dequantize())
     # The book rounds -offset / scale to a zero point and would silently write a different layer; a layer of free
     # offsets (a GGUF Q4_1 one) has no integer zero points, and is refused.
-    free = affine.AffineQuantLinear(layer.packed, layer.scales, 32, 4, offsets=layer.offsets + 0.3 * layer.scales,
-                                    in_features=64)
+    free = affine.AffineQuantLinear(layer.packed, layer.scales, layer.offsets + 0.3 * layer.scales, 32,
+                                    True, in_features=64)
     with pytest.raises(ValueError, match=r"free offsets \(a GGUF Q4_1 / K-quant min\), not integer zero points"):
         awq.to_checkpoint(free)
     with pytest.raises(ValueError, match="qzeros"):

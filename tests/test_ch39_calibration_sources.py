@@ -11,8 +11,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from engine.checkpoints.loaders import save_dense
-from engine.checkpoints.safetensors_io import tensor_digest
+from engine.loaders import save_dense
+from engine.safetensors_io import tensor_digest
 from engine.checkpoints.tokenizer import byte_tokenizer
 from engine.data import DEFAULT_CALIBRATION, PYDOC, SELF, Corpus, calibration_ids, check_sources, default_corpus
 
@@ -144,7 +144,7 @@ def test_the_default_is_named_in_help_and_recorded_in_the_checkpoint(tmp_path, t
                           "--out", str(tmp_path / "q")], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     meta = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["metadata"]
-    from engine.checkpoints.registry import load_model
+    from engine.checkpoints.models import load_model
     from engine.checkpoints.tokenizer import load_tokenizer
     expected = calibration_ids(DEFAULT_CALIBRATION, load_tokenizer(tmp_path / "dense"), seq_len=16, n=2,
                                model=lambda: load_model(tmp_path / "dense", torch.float32, dense=True))

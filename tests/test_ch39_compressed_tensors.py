@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.checkpoints import compressed_tensors as ct
+from engine.formats import compressed_tensors as ct
 from engine.formats import base
 from engine.formats import affine
 from engine.formats.affine import AffineQuantLinear
@@ -67,7 +67,7 @@ def test_pack_quantized_round_trip_ragged(sym):
     assert tuple(t["weight_packed"].shape) == (36, 25) and tuple(t["weight_scale"].shape) == (36, 4)
     assert set(t) == set(ct.parts(config))
     back = ct.read(t, config)
-    assert torch.equal(back.codes(), layer.codes())
+    assert torch.equal(back.weight_codes, layer.weight_codes)
     assert torch.equal(back.dequantize(), layer.dequantize())
 
 
@@ -90,11 +90,11 @@ def test_write_refuses_what_the_format_cannot_hold():
     layer = _affine()
     with pytest.raises(ValueError, match="group"):
         ct.write(layer, ct.quantization_config("pack-quantized", group_size=32))
-    permuted = AffineQuantLinear(layer.packed, layer.scales, 64, 4, zeros=layer.zeros, in_features=200,
+    permuted = AffineQuantLinear(layer.packed, layer.scales, None, 64, True, zeros=layer.zeros, in_features=200,
                                  perm=torch.randperm(200))
     with pytest.raises(ValueError, match="act-order"):
         ct.write(permuted, config)
-    fractional = AffineQuantLinear(layer.packed, layer.scales, 64, 4, offsets=layer.offsets + 0.3 * layer.scales,
+    fractional = AffineQuantLinear(layer.packed, layer.scales, layer.offsets + 0.3 * layer.scales, 64, True,
                                    in_features=200)
     with pytest.raises(ValueError, match="free offsets"):
         ct.write(fractional, ct.quantization_config("pack-quantized", group_size=64, symmetric=False))
@@ -271,7 +271,7 @@ def test_config_for_model_sees_asymmetry():
 
 @pytest.fixture
 def registered(monkeypatch):
-    registry = pytest.importorskip("engine.checkpoints.registry")
+    registry = pytest.importorskip("engine.formats.quantized_checkpoints")
     monkeypatch.setitem(registry.METHODS, "compressed-tensors", ct.CHECKPOINT)
     return registry
 

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from engine.checkpoints.loaders import load_dense, read_config, save_dense
-from engine.checkpoints.safetensors_io import save_file, snapshot_tensors
+from engine.loaders import load_dense, read_config, save_dense
+from engine.safetensors_io import save_file, snapshot_tensors
 from helpers import rewrite_tensors
 
 

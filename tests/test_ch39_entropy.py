@@ -228,7 +228,7 @@ def test_weight_shape_must_be_two_positive_integers(written):
 
 
 def test_save_load_through_registry_gives_identical_logits(tiny_model, tmp_path):
-    from engine.checkpoints import registry
+    from engine.formats import quantized_checkpoints as registry
     ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(2))
     registry.save_quantized(tiny_model, tmp_path / "ckpt", "entquant", lam=14.5, max_iter=20)
     with torch.no_grad():

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoints.loaders import save_dense
-from engine.checkpoints.safetensors_io import save_file
+from engine.loaders import save_dense
+from engine.safetensors_io import save_file
 from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files
 
 ROOT = Path(__file__).resolve().parents[1]

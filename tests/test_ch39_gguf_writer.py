@@ -55,8 +55,8 @@ def with_f16_offsets(model):
     for name, layer in quantized_linears(model).items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, AffineQuantLinear(
-            layer.packed, layer.scales, layer.group_size, layer.bits, offsets=layer.offsets.half().float(),
-            in_features=layer.in_features, bias=layer.bias))
+            layer.packed, layer.scales, layer.offsets.half().float(), layer.group_size, True, layer.bias,
+            bits=layer.bits, in_features=layer.in_features))
     return model
 
 
@@ -79,11 +79,11 @@ def test_symmetric_int4_g32_is_q4_0_with_the_engines_codes(tmp_path):
         raw = f.raw(info.name)
     assert info.type_name == "Q4_0" and info.shape == (64, 128)
     first = raw[:18]                                               # block 0: f16 d, element j low, j + 16 high
-    codes = layer.codes()[0, :32]
+    codes = layer.weight_codes[0, :32]
     assert torch.equal(first[:2].view(torch.float16).float(), layer.scales[0, :1])
     assert torch.equal(first[2:], codes[:16] | (codes[16:] << 4))
     read = ggml.quantized_linear(raw, "Q4_0", info.shape)
-    assert torch.equal(read.codes(), layer.codes()) and torch.equal(read.scales, layer.scales)
+    assert torch.equal(read.weight_codes, layer.weight_codes) and torch.equal(read.scales, layer.scales)
 
 
 def test_q4_1_keeps_codes_and_scales_and_moves_offsets_by_under_one_percent_of_a_step(tmp_path):
@@ -93,7 +93,7 @@ def test_q4_1_keeps_codes_and_scales_and_moves_offsets_by_under_one_percent_of_a
     loaded = gguf.load_gguf(tmp_path / "m.gguf")
     for name, layer in quantized_linears(model).items():
         read = loaded.get_submodule(name)
-        assert torch.equal(read.codes(), layer.codes()) and torch.equal(read.scales, layer.scales)
+        assert torch.equal(read.weight_codes, layer.weight_codes) and torch.equal(read.scales, layer.scales)
         assert torch.equal(read.offsets, layer.offsets.half().float())
 
 
@@ -114,7 +114,7 @@ def test_llama_q_and_k_rows_are_permuted_into_ggml_pairs(tmp_path):
 def _act_order(model):
     affine.quantize(model, bits=4, group_size=32, sym=True)
     layer = model.model.layers[0].mlp.up_proj
-    model.model.layers[0].mlp.up_proj = AffineQuantLinear(layer.packed, layer.scales, 32, 4, zeros=layer.zeros,
+    model.model.layers[0].mlp.up_proj = AffineQuantLinear(layer.packed, layer.scales, None, 32, True, zeros=layer.zeros,
                                                           perm=torch.randperm(64))
 
 

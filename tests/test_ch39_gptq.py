@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.checkpoints import registry
+from engine.formats import quantized_checkpoints as registry
 from engine.formats import affine, base, calibration, gptq
 from helpers import rtn_baseline
 
@@ -41,7 +41,7 @@ def test_gptq_never_worse_than_rtn(seed, act_order):
     w = torch.randn(48, 128) * 0.05
     h = gptq.hessian_from(correlated_inputs(512, 128, seed))
     order = "act_order" if act_order else "natural"
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, order, block=48)   # blocks cross groups
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, order=order, block=48)   # blocks cross groups
     ours = weighted_error(gptq.dequantize_gptq(codes, scales, zeros, g_idx), w, h)
     rtn = weighted_error(affine.fake_quantize(w, 4, 32), w, h)
     assert ours < rtn
@@ -53,7 +53,7 @@ def test_dead_inputs_get_zero_weight():
     w = torch.randn(8, 32)
     x = torch.randn(64, 32)
     x[:, 5] = 0
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, gptq.hessian_from(x), 4, 16, "natural")
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, gptq.hessian_from(x), 4, 16, order="natural")
     assert torch.all(gptq.dequantize_gptq(codes, scales, zeros, g_idx)[:, 5].abs() <= scales[:, 0] / 2 + 1e-7)
 
 
@@ -61,7 +61,7 @@ def test_act_order_g_idx_and_runtime_permutation():
     torch.manual_seed(3)
     w = torch.randn(32, 64)
     h = gptq.hessian_from(correlated_inputs(256, 64, 3))
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, "act_order")
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, order="act_order")
     # The first group holds the 16 most activated inputs (largest H_ii), and every group has 16 columns.
     top16 = torch.argsort(torch.diag(h), descending=True)[:16]
     assert set(torch.nonzero(g_idx == 0).flatten().tolist()) == set(top16.tolist())
@@ -87,8 +87,10 @@ def test_group_aware_visit_order_pinned():
     assert gptq.visit_order(diag, 3, "group_aware").tolist() == [3, 5, 4, 6, 1, 2, 0]
     assert gptq.visit_order(diag, 3, "act_order").tolist() == [3, 6, 1, 5, 2, 0, 4]
     assert gptq.visit_order(diag, 3).tolist() == list(range(7))
-    with pytest.raises(ValueError, match=r".*got True \(the book's act_order=True is order='act_order'\)"):
-        gptq.gptq_quantize(torch.zeros(2, 7), torch.eye(7), 4, 7, True)
+    with pytest.raises(ValueError, match=r"act_order \(the 5th argument\) is True or False, got 'natural'"):
+        gptq.gptq_quantize(torch.zeros(2, 7), torch.eye(7), 4, 7, "natural")
+    with pytest.raises(ValueError, match="ask for two visits"):
+        gptq.gptq_quantize(torch.zeros(2, 7), torch.eye(7), 4, 7, True, order="group_aware")
 
 
 ORDERS = ("natural", "act_order", "act_order_static", "group_aware")
@@ -99,7 +101,7 @@ def test_each_order_round_trips_through_its_checkpoint(order):
     torch.manual_seed(4)
     w = torch.randn(32, 96) * 0.05
     h = gptq.hessian_from(correlated_inputs(256, 96, 4))
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, order, min_zero=1)
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, order=order, min_zero=1)
     layer = gptq.to_runtime(codes, scales, zeros, g_idx, 32)
     permuted = order == "act_order"
     qcfg = gptq.validate({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": permuted})
@@ -120,7 +122,7 @@ def test_static_groups_choose_grids_before_the_loop():
     torch.manual_seed(5)
     w = torch.randn(16, 64) * 0.05
     h = gptq.hessian_from(correlated_inputs(256, 64, 5))
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, "act_order_static")
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, order="act_order_static")
     rtn_scales, rtn_zeros = gptq.group_grid(affine.grouped(w, 16).reshape(-1, 16), 4)
     assert torch.equal(scales, rtn_scales.reshape(16, 4)) and torch.equal(zeros, rtn_zeros.reshape(16, 4))
     assert torch.equal(g_idx.long(), torch.arange(64) // 16)
@@ -141,7 +143,7 @@ def test_search_order_keeps_the_candidate_with_the_lowest_layer_error():
     torch.manual_seed(7)
     w = torch.randn(32, 128) * 0.05
     h = gptq.hessian_from(correlated_inputs(512, 128, 7))
-    errors = {name: gptq.layer_error(gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 32, name)), w, h)
+    errors = {name: gptq.layer_error(gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 32, order=name)), w, h)
               for name in gptq.ORDERS}
     for candidates in (gptq.SEARCHED, tuple(gptq.ORDERS), ("natural", "group_aware")):
         parts, chosen = gptq.search_order(w, h, 4, 32, candidates)
@@ -149,7 +151,7 @@ def test_search_order_keeps_the_candidate_with_the_lowest_layer_error():
         assert gptq.layer_error(gptq.dequantize_gptq(*parts), w, h) == errors[chosen]
     assert torch.equal(gptq.search_order(w, h, 4, 32)[0][3].long(), torch.arange(128) // 32)    # plain g_idx
     assert gptq.layer_error(w, w, h) == 0 and errors["act_order_static"] == pytest.approx(weighted_error(
-        gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 32)), w, h), rel=1e-5)       # the default order
+        gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 32, order=gptq.DEFAULTS["order"])), w, h), rel=1e-5)
     with pytest.raises(ValueError, match="candidates must be"):
         gptq.search_order(w, h, 4, 32, ("desc_act",))
     with pytest.raises(ValueError, match="field 'order' must be one of"):
@@ -163,11 +165,11 @@ def test_reference_grid_reads_the_weights_as_the_block_began():
     torch.manual_seed(8)
     w = torch.randn(16, 96) * 0.05
     h = gptq.hessian_from(correlated_inputs(256, 96, 8))
-    _, scales, zeros, _ = gptq.gptq_quantize(w, h, 4, 32, "group_aware_reference", block=96)
+    _, scales, zeros, _ = gptq.gptq_quantize(w, h, 4, 32, order="group_aware_reference", block=96)
     rtn_scales, rtn_zeros = gptq.group_grid(affine.grouped(w, 32).reshape(-1, 32), 4, f16=False)
     assert torch.equal(scales, rtn_scales.reshape(16, 3).half().float())
     assert torch.equal(zeros, rtn_zeros.reshape(16, 3))
-    own = gptq.gptq_quantize(w, h, 4, 32, "group_aware", block=96)[1]
+    own = gptq.gptq_quantize(w, h, 4, 32, order="group_aware", block=96)[1]
     first = int(gptq.visit_order(torch.diag(h), 32, "group_aware")[0]) // 32        # the group visited first
     later = [g for g in range(3) if g != first]
     assert torch.equal(own[:, first], scales[:, first]) and not torch.equal(own[:, later], scales[:, later])
@@ -199,7 +201,7 @@ def test_reordering_lowers_the_error_on_uneven_scales(order):
     torch.manual_seed(6)
     w = torch.randn(64, 256) * 0.05
     h = gptq.hessian_from(correlated_inputs(1024, 256, 6))
-    errors = {name: weighted_error(gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 64, name)), w, h)
+    errors = {name: weighted_error(gptq.dequantize_gptq(*gptq.gptq_quantize(w, h, 4, 64, order=name)), w, h)
               for name in ("natural", order)}
     assert errors[order] < 0.8 * errors["natural"]
 
@@ -220,11 +222,12 @@ def test_pack_round_trip(fmt, bits):
     scales = torch.rand(16, 4, generator=g).half().float()
     zeros = torch.randint(1, 2 ** bits, (16, 4), generator=g).float()
     g_idx = torch.randperm(64, generator=g).to(torch.int32) // 16
-    t = gptq.pack_gptq(codes, scales, zeros, g_idx, bits, fmt)
+    t = gptq.pack_gptq(codes, scales, zeros, g_idx, bits=bits, checkpoint_format=fmt)
     per = 32 // bits
     assert t["qweight"].shape == (64 // per, 16) and t["qzeros"].shape == (4, 16 // per)
     assert t["scales"].dtype == torch.float16 and t["scales"].shape == (4, 16)
-    back = gptq.unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, fmt)
+    back = gptq.unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits=bits,
+                            checkpoint_format=fmt)
     for a, b in zip(back, (codes, scales, zeros, g_idx)):
         assert torch.equal(a, b)
 
@@ -256,8 +259,8 @@ def test_v1_zero_point_zero():
     torch.manual_seed(0)
     w = torch.rand(16, 64) + 0.1
     h = gptq.hessian_from(torch.randn(128, 64))
-    assert (gptq.gptq_quantize(w, h, 4, 32, "natural")[2] == 0).any()
-    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, "natural", min_zero=1)
+    assert (gptq.gptq_quantize(w, h, 4, 32, order="natural")[2] == 0).any()
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 32, order="natural", min_zero=1)
     assert zeros.min() >= 1
     layer = gptq.to_runtime(codes, scales, zeros, g_idx, 32)
     qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False,
@@ -287,7 +290,7 @@ def test_writer_refuses_what_it_cannot_store():
                                                offsets=torch.full((8, 1), -0.3))
     with pytest.raises(ValueError, match=r"free offsets \(a GGUF Q4_1 / K-quant min\), not integer zero points"):
         gptq.CHECKPOINT.write(free, qcfg)                    # -0.3 / 0.125 = -2.4: no integer zero point
-    with pytest.raises(ValueError, match="either integer zero points .* or free offsets"):
+    with pytest.raises(ValueError, match="either free offsets or integer zero points"):
         affine.AffineQuantLinear.from_codes(codes, torch.full((8, 1), 0.125), 32, 4)
     with pytest.raises(ValueError, match=r"zero points must be integers in \[0, 15\]"):
         affine.AffineQuantLinear.from_codes(codes, torch.full((8, 1), 0.125), 32, 4, zeros=torch.full((8, 1), 2.4))
@@ -325,8 +328,9 @@ def test_reader_validates():
 
 @pytest.mark.parametrize("order", [*ORDERS, "default", "search"])
 def test_model_save_load_and_quality(tiny_model, tmp_path, order):
-    """Every order saves, loads bit-exact and beats RTN; the default is act-order with static groups (a plain file),
-    and the order search writes a plain file too."""
+    """Every order saves, loads bit-exact and beats RTN; save_quantized's default is the book's natural order (the
+    engine's own default, act-order with static groups, is gptq.quantize's), and the order search writes a plain
+    file too."""
     torch.manual_seed(1)
     calibration = torch.randint(0, 256, (4, 64))
     held_out = torch.randint(0, 256, (2, 48))
@@ -335,7 +339,7 @@ def test_model_save_load_and_quality(tiny_model, tmp_path, order):
     qcfg = registry.save_quantized(tiny_model, tmp_path, "gptq", calibration, group_size=32, **options)
     permuted = order == "act_order"
     assert qcfg == {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": permuted, "sym": False,
-                    "checkpoint_format": "gptq", "order": options.get("order", "act_order_static")}
+                    "checkpoint_format": "gptq", "order": options.get("order", "natural")}
     with torch.no_grad():
         ours = tiny_model(held_out)
         loaded = registry.load_quantized(tmp_path)

@@ -27,7 +27,7 @@ def _layers(n, k):
         "mxfp4": mx.MXFP4Linear.from_linear(linear),
         "nvfp4": mx.NVFP4Linear.from_linear(linear),
         "nf4": NF4Linear.from_weight(linear.weight, 64),
-        "trellis 1mad": trellis.TrellisLinear(*trellis.quantize_trellis(linear.weight.detach(), 8, 2)[:2], 8, 2),
+        "trellis 1mad": trellis.TrellisLinear(*trellis.trellis_codes(linear.weight.detach(), 8, 2)[:2], 8, 2),
         "trellis 3inst": trellis.TrellisLinear(codes, (torch.rand(codes.shape[:2]) + 0.5).half(), 16, 3, "3inst",
                                                True, (16, 16), 256, 0),
     }

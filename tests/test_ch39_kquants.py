@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.checkpoints import gguf, gguf_writer, serving
-from engine.checkpoints.registry import load_quantized, save_quantized
+from engine.formats.quantized_checkpoints import load_quantized, save_quantized
 from engine.formats import bit_plan, ggml, ggml_quants, gptq, gptq_ggml
 from engine.formats.base import quantized_linears
 from engine.qwen3 import Qwen3, Qwen3Config

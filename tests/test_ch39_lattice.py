@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.checkpoints import registry
+from engine.formats import quantized_checkpoints as registry
 from engine.coding import rice
 from engine.formats import base
 from engine.formats import lattice as L

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoints import registry
-from engine.checkpoints.loaders import model_digest, save_dense
-from engine.checkpoints.registry import load_quantized, save_quantized
-from engine.checkpoints.safetensors_io import INDEX, checkpoint_records, snapshot_tensors
+from engine.formats import quantized_checkpoints as registry
+from engine.loaders import model_digest, save_dense
+from engine.formats.quantized_checkpoints import load_quantized, save_quantized
+from engine.safetensors_io import INDEX, checkpoint_records, snapshot_tensors
 from engine.checkpoints.streaming import quantize_checkpoint
 from engine.formats import gptq
 from engine.qwen3 import Qwen3, Qwen3Config
@@ -26,7 +26,7 @@ from engine.qwen3 import Qwen3, Qwen3Config
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
 
-OPTIONS = {"gptq": dict(group_size=32), "awq": dict(group_size=32), "fp8": dict(block=32),
+OPTIONS = {"gptq": dict(group_size=32, order="act_order_static"), "awq": dict(group_size=32), "fp8": dict(block=32),
            "compressed-tensors": dict(group_size=32), "trellis": dict(L=6, K=2, group=64),
            "lattice": dict(bps=3.0), "entquant": dict(lam=14.5, max_iter=5)}
 
@@ -151,7 +151,7 @@ def test_a_gguf_source_streams_from_its_dequantized_weights(tiny_model, ids, tmp
     tensors, _ = qwen3_tensors(tiny_model)
     path = write(tmp_path, gguf_bytes(qwen3_metadata(tiny_model.cfg) + [("qwen3.vocab_size", U32, 256)], tensors))
     quantize_checkpoint(path, tmp_path / "out", "gptq", ids, progress=False, group_size=32)
-    save_quantized(copy.deepcopy(tiny_model), tmp_path / "mem", "gptq", ids, group_size=32)
+    save_quantized(copy.deepcopy(tiny_model), tmp_path / "mem", "gptq", ids, group_size=32, order="act_order_static")
     a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "out")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -207,7 +207,7 @@ def test_an_engine_checkpoint_with_the_users_files_is_not_replaced(source, tmp_p
 
 SLOW_WRITER = """
 import dataclasses, pathlib, sys, time
-from engine.checkpoints import registry
+from engine.formats import quantized_checkpoints as registry
 from engine.checkpoints.streaming import quantize_checkpoint
 source, out, go = sys.argv[1:4]
 real = registry.METHODS["fp8"]

@@ -89,11 +89,12 @@ def test_nvfp4_round_trip():
     torch.manual_seed(2)
     w = torch.randn(40, 48) * torch.rand(40, 1) * 4
     packed, block_scale, tensor_scale = mx.quantize_nvfp4(w)
-    assert packed.shape == (40, 24) and block_scale.shape == (40, 3) and block_scale.dtype == torch.float8_e4m3fn
+    assert packed.shape == (40, 3, 8) and block_scale.shape == (40, 3) and block_scale.dtype == torch.float8_e4m3fn
     assert tensor_scale.numel() == 1 and torch.isclose(tensor_scale, w.abs().max() / (448 * 6))
     assert block_scale.float().max() == 448                      # the largest block uses E4M3's top value
     scale = (block_scale.float() * tensor_scale).repeat_interleave(16, 1)
     w_hat = mx.dequantize_nvfp4(packed, block_scale, tensor_scale)
+    assert torch.equal(mx.dequantize_nvfp4(packed.flatten(-2), block_scale, tensor_scale), w_hat)   # stored flat
     assert ((w - w_hat).abs() <= scale * 1.0 + 1e-7).all()       # half of E2M1's widest step (2), or saturation
     assert torch.equal(mx.to_e2m1(w_hat / scale) & 7, mx.to_e2m1(w / scale) & 7)   # codes are nearest
 

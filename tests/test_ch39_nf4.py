@@ -45,8 +45,9 @@ def test_bitsandbytes_layout_round_trips_the_codes_and_absmax(tiny_model, tmp_pa
     """save_quantized(..., "bitsandbytes") writes bitsandbytes' tensors (first element in the HIGH nibble, float32
     absmax per flattened block, the JSON quant state) and loads back to the same model."""
     import json
-    from engine.checkpoints.registry import load_model, save_quantized
-    from engine.checkpoints.safetensors_io import TensorReader
+    from engine.checkpoints.models import load_model
+    from engine.formats.quantized_checkpoints import save_quantized
+    from engine.safetensors_io import TensorReader
     save_quantized(tiny_model, tmp_path / "nf4", "nf4", group_size=32)
     layer = base.quantized_linears(tiny_model)["model.layers.0.self_attn.q_proj"]
     reader = TensorReader(tmp_path / "nf4")

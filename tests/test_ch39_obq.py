@@ -107,9 +107,9 @@ def test_gptq_wider_than_a_block_equals_the_textbook_loop(monkeypatch):
     """GPTQ on 320 columns (three blocks) in an order whose groups straddle blocks: codes and grids as the textbook
     loop's, up to float32 rounding (a code at a rounding tie may flip)."""
     w, h, _ = layer(32, 320, 5, torch.float32)
-    lazy = gptq.gptq_quantize(w * 0.05, h, 4, 64, "group_aware")
+    lazy = gptq.gptq_quantize(w * 0.05, h, 4, 64, order="group_aware")
     _textbook(monkeypatch, gptq)
-    textbook = gptq.gptq_quantize(w * 0.05, h, 4, 64, "group_aware")
+    textbook = gptq.gptq_quantize(w * 0.05, h, 4, 64, order="group_aware")
     assert (lazy[0] != textbook[0]).float().mean() < 1e-3
     assert gptq.layer_error(gptq.dequantize_gptq(*lazy), w * 0.05, h) == pytest.approx(
         gptq.layer_error(gptq.dequantize_gptq(*textbook), w * 0.05, h), rel=1e-3)

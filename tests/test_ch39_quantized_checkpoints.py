@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from engine.checkpoints.registry import METHODS, load_quantized, save_quantized
+from engine.formats.quantized_checkpoints import METHODS, load_quantized, save_quantized
 from helpers import rewrite_tensors
 
 

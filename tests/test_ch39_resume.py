@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoints import safe_writes
-from engine.checkpoints.loaders import save_dense
-from engine.checkpoints.registry import load_quantized
+from engine import safe_writes
+from engine.loaders import save_dense
+from engine.formats.quantized_checkpoints import load_quantized
 from engine.checkpoints.streaming import quantize_checkpoint
 from engine.qwen3 import Qwen3, Qwen3Config
 

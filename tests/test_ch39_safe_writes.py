@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoints.loaders import dense_tensors, load_dense, save_dense
-from engine.checkpoints import safe_writes
-from engine.checkpoints.safe_writes import atomic_directory, check_output, is_engine_checkpoint
+from engine.loaders import dense_tensors, load_dense, save_dense
+from engine import safe_writes
+from engine.safe_writes import atomic_directory, check_output, is_engine_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,8 +86,8 @@ def test_interrupted_overwrite_keeps_the_old_checkpoint(saved):
 # nothing behind. "fallback" disables the atomic rename-exchange to test the journalled two-rename swap.
 CHILD = textwrap.dedent("""
     import os, shutil, sys, torch
-    from engine.checkpoints import safe_writes
-    from engine.checkpoints.loaders import dense_tensors, load_dense, save_dense
+    from engine import safe_writes
+    from engine.loaders import dense_tensors, load_dense, save_dense
     step, n, fallback, target = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
     if fallback:
         safe_writes._exchange = lambda a, b: False
@@ -169,7 +169,7 @@ def test_nothing_is_written_below_a_file(tiny_model, tmp_path):
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from engine.checkpoints.safe_writes import output_lock
+    from engine.safe_writes import output_lock
     with output_lock(sys.argv[1]):
         print("locked", flush=True)
         time.sleep(60)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.checkpoints import serving
-from engine.checkpoints.registry import save_quantized
+from engine.formats.quantized_checkpoints import save_quantized
 from engine.qwen3 import Qwen3, Qwen3Config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -137,9 +137,9 @@ def test_quantize_model_to_gguf_equals_its_folder(tmp_path, tiny_model):
     """`run.py quantize --model DIR --format gguf`: the layer-by-layer converter into a folder of ours, then one GGUF
     file; the file computes what the folder does, and the folder is gone."""
     import run
-    from engine.checkpoints.registry import load_model
+    from engine.checkpoints.models import load_model
     from engine.checkpoints.gguf import load_gguf
-    from engine.checkpoints.loaders import save_dense
+    from engine.loaders import save_dense
     save_dense(tiny_model, tmp_path / "dense")
     common = ["quantize", "--model", str(tmp_path / "dense"), "--method", "compressed-tensors",
               "--option", "format=mxfp4-pack-quantized"]

@@ -6,7 +6,7 @@ import os
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from engine.checkpoints.safetensors_io import write_json
+from engine.safetensors_io import write_json
 from engine.checkpoints.tokenizer import (BYTE_CHARS, bos_id, byte_tokenizer, copy_tokenizer_files, encode,
                                            export_tokenizer, is_byte_tokenizer, load_tokenizer, token_bytes,
                                            write_tokenizer_files)
@@ -148,7 +148,7 @@ def test_an_added_token_beyond_the_vocabulary_is_refused_when_the_tokenizer_load
     """red before: the tokenizer loaded, and generate's first forward pass died with an IndexError"""
     import sys
     from pathlib import Path
-    from engine.checkpoints.loaders import save_dense
+    from engine.loaders import save_dense
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from fuzz_checkpoints import tokenizer_with_added_token
     save_dense(tiny_model, tmp_path / "ck")

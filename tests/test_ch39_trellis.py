@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoints import registry
+from engine.formats import quantized_checkpoints as registry
 from engine.formats import base
 from engine.formats import hadamard, trellis, viterbi
 from engine.formats.base import quantized_linears
@@ -65,9 +65,11 @@ def test_viterbi_is_optimal_by_brute_force():
     L, K = 4, 1
     torch.manual_seed(0)
     x = torch.randn(3, 6)
-    states, symbols, recon = trellis.viterbi_encode(x, L, K)
+    start, symbols, recon = trellis.viterbi_encode(x, L, K)
+    states, values = trellis.viterbi_path(x, L, K)
     table = trellis.codebook(L)
     assert _is_trellis_path(states, L, K) and torch.equal(symbols, states[:, 1:] % 2)
+    assert torch.equal(start, states[:, 0]) and torch.equal(values, recon)
     assert torch.equal(recon, table[states])
     for i in range(3):
         assert float(((x[i] - recon[i]) ** 2).sum()) == pytest.approx(_brute_force(x[i], table, L, K), rel=1e-5)
@@ -138,8 +140,9 @@ def test_tail_biting_path_closes_on_itself_and_its_stream_decodes_to_it(wrap_win
     second pass pins the ends, so the path closes and is the best one through its wrap state."""
     L, K = 8, 2
     x = torch.randn(4, 64)
-    states, symbols, recon = trellis.viterbi_encode(x, L, K, tail_biting=True, wrap_window=wrap_window)
-    assert symbols.shape == (4, 64)
+    _, symbols, recon = trellis.viterbi_encode(x, L, K, tail_biting=True, wrap_window=wrap_window)
+    states, _ = trellis.viterbi_path(x, L, K, tail_biting=True, wrap_window=wrap_window)
+    assert symbols.shape == (4, 64) and torch.equal(symbols, states % 2 ** K)
     assert _is_trellis_path(torch.cat((states, states[:, :1]), 1), L, K)        # s_0 follows s_{T-1}
     assert torch.equal(trellis.stream_states(trellis.pack_stream(states, L, K, True), L, K, 64, True), states)
     assert torch.equal(recon, trellis.codebook(L)[states])
@@ -155,7 +158,7 @@ def test_tail_biting_path_closes_on_itself_and_its_stream_decodes_to_it(wrap_win
 def test_decoder_rebuilds_the_encoder_reconstruction_bit_for_bit(code, tail_biting, L, K, tile):
     torch.manual_seed(1)
     w = torch.randn(16, 256) * 0.02
-    codes, scales, w_rot = trellis.quantize_trellis(w, L, K, group=128, seed=3, code=code, tail_biting=tail_biting,
+    codes, scales, w_rot = trellis.trellis_codes(w, L, K, group=128, seed=3, code=code, tail_biting=tail_biting,
                                                     tile=tile)
     T = tile[0] * tile[1]
     assert codes.dtype == torch.uint8 and codes.shape == (16 // tile[0], 256 // tile[1],
@@ -175,7 +178,8 @@ def test_kernel_equals_torch_decoder(code, tail_biting, L, K, tile):
         codes = torch.randint(0, 256, (32 // tile[0], 256 // tile[1], K * 256 // 8), dtype=torch.uint8)
         scales = (torch.rand(codes.shape[:2]) + 0.5).half()
     else:
-        codes, scales, _ = trellis.quantize_trellis(torch.randn(32, 256), L, K, 256, 0, code, tail_biting, tile)
+        codes, scales, _ = trellis.trellis_codes(torch.randn(32, 256), L, K, 256, 0, code=code, tail_biting=tail_biting,
+                                                 tile=tile)
     layer = trellis.TrellisLinear(codes, scales, L, K, code, tail_biting, tile, 256, 0)
     mean, inv_std = trellis.code_stats(L, code)
     eye = torch.eye(256)                              # y = W_rot^T exactly: one product per output
@@ -194,7 +198,7 @@ def test_each_tile_scale_is_the_least_squares_fit_on_its_path():
     <w, v> / <v, v> rounded to f16, which is never worse than the RMS it was searched at."""
     torch.manual_seed(0)
     w = torch.randn(8, 256) * torch.linspace(0.5, 2.0, 256)
-    codes, scales, _ = trellis.quantize_trellis(w, L=8, K=2)
+    codes, scales, _ = trellis.trellis_codes(w, L=8, K=2)
     unit = trellis.decode_trellis(codes, torch.ones_like(scales), L=8, K=2)      # the path's values at scale 1
     target = trellis.rotate(w, 256, 0)
     fit = (target * unit).sum(1) / unit.pow(2).sum(1)
@@ -208,11 +212,11 @@ def test_gaussian_mse_at_two_bits_with_honest_rate():
     Lloyd-Max, the best scalar 2-bit code, reaches 0.118; the rate-distortion bound is 0.0625."""
     torch.manual_seed(0)
     x = torch.randn(256, 256)
-    states, _, recon = trellis.viterbi_encode(x, 8, 2, tail_biting=True)
+    states, recon = trellis.viterbi_path(x, 8, 2, tail_biting=True)
     stream = trellis.pack_stream(states, 8, 2, True)
     assert stream.shape[1] * 8 == 2 * 256
     assert (recon - x).pow(2).mean() <= 0.088
-    codes, scales, _ = trellis.quantize_trellis(x, 8, 2, tail_biting=True)
+    codes, scales, _ = trellis.trellis_codes(x, 8, 2, tail_biting=True)
     layer = trellis.TrellisLinear(codes, scales, 8, 2, tail_biting=True)
     assert layer.bits_per_weight == (2 * 256 + 16) / 256 + 64 / 256 ** 2           # the CRC: 64 bits per layer
     assert (layer.dequantize() - x).pow(2).mean() <= 0.088
@@ -228,7 +232,7 @@ def test_block_ldlq_beats_plain_trellis_on_output_error(L, tail_biting, rows, n)
     def output_error(w_rot):
         return (x @ (w - trellis.unrotate(w_rot, 64, 0)).T).pow(2).mean()
     options = dict(group=64, tail_biting=tail_biting, tile=(16, 16))
-    _, _, plain = trellis.quantize_trellis(w, L, 2, **options)
+    _, _, plain = trellis.trellis_codes(w, L, 2, **options)
     codes, scales, fed_back = trellis.block_ldlq(w, hessian, L, 2, **options)
     assert torch.equal(trellis.decode_trellis(codes, scales, L, 2, tail_biting=tail_biting, tile=(16, 16)), fed_back)
     assert output_error(fed_back) < 0.8 * output_error(plain)
@@ -239,7 +243,7 @@ def test_l16_tail_biting_reaches_qtip_mse_and_decodes_to_the_encoder_reconstruct
     on 16 Gaussian tiles: MSE about QTIP's 0.069 (this sample's noise is about +-0.002; L=8 reaches 0.08)."""
     torch.manual_seed(0)
     x = torch.randn(16, 256)
-    codes, scales, w_rot = trellis.quantize_trellis(x, 16, 2, tail_biting=True, tile=(16, 16))
+    codes, scales, w_rot = trellis.trellis_codes(x, 16, 2, tail_biting=True, tile=(16, 16))
     assert codes.shape == (1, 16, 2 * 256 // 8)
     assert torch.equal(trellis.decode_trellis(codes, scales, 16, 2, tail_biting=True, tile=(16, 16)), w_rot)
     layer = trellis.TrellisLinear(codes, scales, 16, 2, tail_biting=True, tile=(16, 16))
@@ -249,14 +253,14 @@ def test_l16_tail_biting_reaches_qtip_mse_and_decodes_to_the_encoder_reconstruct
 
 def _layer(tail_biting=False):
     w = torch.randn(16, 256)
-    codes, scales, _ = trellis.quantize_trellis(w, 8, 2, tail_biting=tail_biting)
+    codes, scales, _ = trellis.trellis_codes(w, 8, 2, tail_biting=tail_biting)
     return codes, scales
 
 
 @pytest.mark.parametrize("change", ["code byte", "scale", "seed", "code", "tile"])
 def test_a_changed_stream_scale_or_field_is_refused_by_the_checksum(change):
     """Every bit pattern is a valid path: without the CRC each of these would decode, silently, to another weight."""
-    codes, scales, _ = trellis.quantize_trellis(torch.randn(4, 64), 8, 2, group=64)
+    codes, scales, _ = trellis.trellis_codes(torch.randn(4, 64), 8, 2, group=64)
     args = dict(codes=codes, scales=scales, tile=(1, 64), group=64)
     crc = trellis.TrellisLinear(**args).crc
     if change == "code byte":
@@ -297,7 +301,7 @@ def test_malformed_streams_raise_value_error():
     with pytest.raises(ValueError, match='code must be one of'):
         trellis.TrellisLinear(codes, scales, code="2mad")
     with pytest.raises(ValueError, match='rotation tile'):
-        trellis.quantize_trellis(torch.randn(16, 200), 8, 2)
+        trellis.trellis_codes(torch.randn(16, 200), 8, 2)
     with pytest.raises(ValueError, match="do not fit"):
         triton_formats.trellis_matmul(torch.randn(2, 128), codes, scales.float(), 8, 2, (1, 256), 0.0, 1.0, "1mad",
                                       trellis.HASH["1mad"])

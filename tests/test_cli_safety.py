@@ -8,8 +8,10 @@ import os
 
 import pytest
 
-from engine.checkpoints import gguf, gguf_writer, registry, safe_writes, streaming, tokenizer
-from engine.checkpoints.loaders import save_dense
+from engine import safe_writes
+from engine.checkpoints import gguf, gguf_writer, streaming, tokenizer
+from engine.formats import quantized_checkpoints as registry
+from engine.loaders import save_dense
 from engine.checkpoints.tokenizer import export_tokenizer
 from test_cli import run
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.checkpoints import compressed_tensors as ct
+from engine.formats import compressed_tensors as ct
 from engine.formats.affine import AffineQuantLinear, pack_int32
 from engine.formats.base import quantized_linears
 from engine.formats.fp8 import FP8BlockLinear
@@ -60,7 +60,7 @@ def test_pack_to_int32_bit_for_bit(bits, packed_dim):
 def test_unpack_from_int32_reads_our_weight_packed():
     layer = AffineQuantLinear.from_weight(_weight(20, 72), 4, 32, sym=True)
     t = ct.write(layer, ct.quantization_config("pack-quantized", group_size=32))
-    assert torch.equal(unpack_from_int32(t["weight_packed"], 4, (20, 72)).int(), layer.codes().int() - 8)
+    assert torch.equal(unpack_from_int32(t["weight_packed"], 4, (20, 72)).int(), layer.weight_codes.int() - 8)
 
 
 @pytest.mark.parametrize("cls", [NVFP4Linear, MXFP4Linear])
@@ -184,7 +184,7 @@ def _tolerance(fmt):
 
 @pytest.mark.parametrize("fmt,sym", [(f, True) for f in FORMATS] + [("pack-quantized", False)])
 def test_model_compressor_checkpoint_loads_in_engine(tmp_path, monkeypatch, fmt, sym):
-    registry = pytest.importorskip("engine.checkpoints.registry")
+    registry = pytest.importorskip("engine.formats.quantized_checkpoints")
     monkeypatch.setitem(registry.METHODS, "compressed-tensors", ct.CHECKPOINT)
     _ct_write(tmp_path, ct.quantization_config(fmt, group_size=64, symmetric=sym))
     ours = registry.load_quantized(tmp_path)
@@ -198,7 +198,7 @@ def test_model_compressor_checkpoint_loads_in_engine(tmp_path, monkeypatch, fmt,
 
 @pytest.mark.parametrize("fmt,sym", [(f, True) for f in FORMATS] + [("pack-quantized", False)])
 def test_engine_checkpoint_loads_in_transformers(tmp_path, monkeypatch, fmt, sym):
-    registry = pytest.importorskip("engine.checkpoints.registry")
+    registry = pytest.importorskip("engine.formats.quantized_checkpoints")
     from engine.qwen3 import Qwen3, Qwen3Config
     monkeypatch.setitem(registry.METHODS, "compressed-tensors", ct.CHECKPOINT)
     torch.manual_seed(0)

@@ -93,6 +93,7 @@ def test_nvfp4_equals_torchao_and_compressed_tensors():
     assert torch.equal(tensor_scale, torchao_nv.per_tensor_amax_to_scale(w.abs().max()))
     scale_ref, data_ref = torchao_nv.nvfp4_quantize(w, 16, tensor_scale)
     assert torch.equal(scale_ref.view(torch.uint8), block_scale.view(torch.uint8))
+    packed = packed.flatten(-2)                                   # the book's [out, K/16, 8] as stored, [out, K/2]
     assert torch.equal(data_ref.view(torch.uint8), packed)
     helpers = pytest.importorskip("compressed_tensors.compressors.nvfp4.helpers")
     values = mx.E2M1[torch.stack(((packed & 0xF).long(), (packed >> 4).long()), -1).flatten(-2)]
@@ -101,7 +102,7 @@ def test_nvfp4_equals_torchao_and_compressed_tensors():
 
 def test_fp8_checkpoint_loads_in_transformers(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
-    registry = pytest.importorskip("engine.checkpoints.registry")
+    registry = pytest.importorskip("engine.formats.quantized_checkpoints")
     from engine.qwen3 import Qwen3, Qwen3Config
     monkeypatch.setitem(registry.METHODS, "fp8", fp8.CHECKPOINT)     # whether or not the lead registered it
     torch.manual_seed(3)

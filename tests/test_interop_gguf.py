@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine.checkpoints import gguf, gguf_tokenizer
-from engine.checkpoints.loaders import load_dense, save_dense
-from engine.checkpoints.safetensors_io import snapshot_tensors
+from engine.loaders import load_dense, save_dense
+from engine.safetensors_io import snapshot_tensors
 from engine.formats import ggml
 from engine.formats.affine import AffineQuantLinear
 from engine.formats.base import QuantLinear

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.checkpoints import gguf, gguf_writer
-from engine.checkpoints.registry import load_quantized, save_quantized
+from engine.formats.quantized_checkpoints import load_quantized, save_quantized
 from engine.formats import ggml
 from engine.formats.base import quantized_linears
 from engine.formats.mx import dequantize_nvfp4

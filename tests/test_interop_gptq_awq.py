@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoints import registry
+from engine.formats import quantized_checkpoints as registry
 from engine.formats import affine, awq, gptq
 from engine.formats.base import quantized_linears
 
@@ -62,7 +62,7 @@ def gptq_layer(seed, bits, act_order, out_f=64, in_f=256, group=64):
     x = torch.randn(512, in_f, generator=g) * torch.linspace(0.1, 3.0, in_f)
     # min_zero=1: GPTQModel's word-wide "- 0x11111111" borrows into the next output's zero when a zero is 0
     order = "act_order" if act_order else "natural"
-    return gptq.gptq_quantize(w, gptq.hessian_from(x), bits, group, order, min_zero=1)
+    return gptq.gptq_quantize(w, gptq.hessian_from(x), bits, group, order=order, min_zero=1)
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -70,7 +70,7 @@ def gptq_layer(seed, bits, act_order, out_f=64, in_f=256, group=64):
 def test_pack_gptq_bit_identical_to_gptqmodel(gptqmodel_packer, bits, act_order):
     codes, scales, zeros, g_idx = gptq_layer(bits, bits, act_order)
     theirs, _ = gptqmodel_packer(codes, scales, zeros, g_idx, bits, act_order)
-    ours = gptq.pack_gptq(codes, scales, zeros, g_idx, bits)
+    ours = gptq.pack_gptq(codes, scales, zeros, g_idx, bits=bits)
     for key in ("qweight", "qzeros", "scales", "g_idx"):
         assert theirs[key].dtype == ours[key].dtype and torch.equal(theirs[key], ours[key]), key
 
@@ -174,7 +174,7 @@ def test_checkpoint_packed_by_gptqmodel_loads_in_engine(gptqmodel_packer, tiny_m
     engine and reproduces the model those codes came from, logit for logit."""
     import json
 
-    from engine.checkpoints.safetensors_io import save_file
+    from engine.safetensors_io import save_file
     qcfg = gptq.quantize(tiny_model, torch.randint(0, 256, (4, 64)), group_size=32,
                          order="act_order" if act_order else "natural")
     tensors = {}

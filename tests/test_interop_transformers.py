@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from engine.checkpoints.loaders import load_dense, save_dense
+from engine.loaders import load_dense, save_dense
 from engine.qwen3 import Qwen3, Qwen3Config
 
 transformers = pytest.importorskip("transformers")
@@ -145,15 +145,56 @@ def test_keys_a_config_leaves_out_take_transformers_defaults(model_type):
            (hf.bos_token_id, hf.eos_token_id, hf.max_position_embeddings, hf.rope_parameters["rope_theta"])
 
 
-def test_transformers_loads_the_nf4_checkpoint_with_bitsandbytes(tiny_model, tmp_path):
-    """`--method nf4` writes bitsandbytes' layout: transformers' own loader builds bitsandbytes Linear4bit layers
-    from it and computes the engine's logits (the same NF4 values; float32 rounding in the matmul only)."""
+@pytest.fixture
+def nf4_pair(tiny_model, tmp_path):
+    """An engine NF4 checkpoint loaded twice: by the engine, and by transformers' own loader into bitsandbytes'
+    Linear4bit layers."""
     bnb = pytest.importorskip("bitsandbytes")
-    from engine.checkpoints.registry import load_model, save_quantized
+    from engine.checkpoints.models import load_model
+    from engine.formats.quantized_checkpoints import save_quantized
     save_quantized(copy.deepcopy(tiny_model), tmp_path / "nf4", "nf4", group_size=32)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "nf4", dtype=torch.float32)
-    assert isinstance(theirs.model.layers[0].mlp.down_proj, bnb.nn.Linear4bit)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "nf4", dtype=torch.float32).eval()
+    layers = {name: m for name, m in theirs.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert len(layers) == 7 * tiny_model.cfg.num_hidden_layers
+    return bnb, load_model(tmp_path / "nf4"), theirs, layers
+
+
+def test_bitsandbytes_decodes_the_nf4_checkpoint_to_the_engines_weights_exactly(nf4_pair):
+    """What can be compared exactly is: bitsandbytes' own dequantization of every layer equals the engine's."""
+    bnb, ours, _, layers = nf4_pair
+    mine = dict(ours.named_modules())
+    for name, layer in layers.items():
+        theirs = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
+        assert torch.equal(theirs, mine[name].dequantize()), name
+
+
+def _bnb_logits(theirs, layers, fast_path, ids):
+    """bitsandbytes' forward with its CPU fast path (a fused kernel on bf16 activations and scales, used where the CPU
+    has AVX512-BF16) forced on or off; off, each Linear4bit dequantizes and multiplies in float32."""
+    for layer in layers.values():
+        layer.support_avx512bf16_for_cpu = fast_path
+    with torch.no_grad():
+        return theirs(ids).logits
+
+
+@pytest.mark.parametrize("fast_path", [False, True], ids=["float32-path", "avx512bf16-path"])
+def test_transformers_runs_the_nf4_checkpoint_as_the_engine_does(nf4_pair, fast_path):
+    """transformers + bitsandbytes compute the engine's logits, within bitsandbytes' own arithmetic on this CPU.
+
+    Its float32 path is a float32 matmul of the same weights: the engine's logits to float32 rounding. Its fast path
+    rounds activations and scales to bf16, so it is held to its own distance from its float32 path (measured here,
+    on this CPU) plus float32 rounding: a fixed tolerance held on one CPU and failed on another."""
+    bnb, ours, theirs, layers = nf4_pair
+    if fast_path and not bnb.functional.has_avx512bf16():
+        pytest.skip("this CPU has no AVX512-BF16: bitsandbytes has no fast path to force here")
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours, logits = load_model(tmp_path / "nf4")(ids), theirs(ids).logits
-    assert (ours - logits).abs().max() < 1e-4 * ours.abs().max()
+        mine = ours(ids)
+    scale = mine.abs().max()
+    exact = _bnb_logits(theirs, layers, False, ids)
+    assert (mine - exact).abs().max() < 1e-4 * scale
+    if fast_path:
+        fast = _bnb_logits(theirs, layers, True, ids)
+        own = (fast - exact).abs().max()                  # bitsandbytes' fast path against its float32 path
+        assert 0 < own < 0.05 * scale                     # it did run (bf16 moves something), and stayed near
+        assert (mine - fast).abs().max() <= own + 1e-4 * scale

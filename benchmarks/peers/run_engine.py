@@ -18,8 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.checkpoints.registry import METHODS, load_model, method_options  # noqa: E402
-from engine.checkpoints.safetensors_io import TensorReader  # noqa: E402
+from engine.checkpoints.models import load_model  # noqa: E402
+
+from engine.formats.quantized_checkpoints import METHODS, method_options  # noqa: E402
+from engine.safetensors_io import TensorReader  # noqa: E402
 from engine.checkpoints.streaming import quantize_checkpoint  # noqa: E402
 from engine.cli import parse_value  # noqa: E402
 from engine.formats.base import model_bits  # noqa: E402

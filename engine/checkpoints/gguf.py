@@ -48,7 +48,7 @@ import torch
 from ..formats.base import QuantLinear
 from ..formats.ggml import DENSE, GGML_TYPES, TYPE_NAMES, dequantize, quantized_linear
 from ..qwen3 import Qwen3Config
-from .loaders import check_complete, check_layer_count, install_layer, place, skeleton
+from ..loaders import check_complete, check_layer_count, install_layer, place, skeleton
 
 MAGIC, DEFAULT_ALIGNMENT, MAX_NESTING = b"GGUF", 32, 8
 DIGESTS, DIGESTS_FILE_TYPE = "engine.tensor_sha256", "engine.file_type"

@@ -46,8 +46,8 @@ from ..formats.ggml import DENSE, GGML_TYPES, GGMLLinear, encode
 from ..formats.mx import MXFP4Linear, NVFP4Linear
 from .gguf import ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, TENSOR_NAMES, GGUFFile
 from .gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer, gpt2_pre_tokenizer
-from .safe_writes import check_free_space, is_disk_full, space_error
-from .safetensors_io import atomic_file, check_records
+from ..safe_writes import check_free_space, is_disk_full, space_error
+from ..safetensors_io import atomic_file, check_records
 from .tokenizer import present, read_tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def ggml_blocks(layer):
         else:
             raise ValueError(f"{layer.bits}-bit {'symmetric' if symmetric else 'asymmetric'} codes: GGML has Q4_0, "
                              "Q4_1 (4-bit) and Q8_0 (8-bit symmetric) only")
-        raw = encode(kind, layer.codes(), scales, offsets.half().float() if kind == "Q4_1" else None)
+        raw = encode(kind, layer.weight_codes, scales, offsets.half().float() if kind == "Q4_1" else None)
         return kind, raw.reshape(out_f, -1), None
     if isinstance(layer, MXFP4Linear):
         raw = encode("MXFP4", unpack_nibbles(layer.blocks.reshape(out_f, -1)), layer.scales)
@@ -359,7 +359,7 @@ def _value(key, value):
 
 def write_container(path, metadata, tensors, force=False):
     """metadata {key: value}, tensors [(name, GGML type, torch shape, raw uint8)] -> a GGUF v3 file at `path`,
-    written atomically (engine.checkpoints.safetensors_io.atomic_file), with each tensor's name, type, shape and
+    written atomically (engine.safetensors_io.atomic_file), with each tensor's name, type, shape and
     SHA-256 recorded in the metadata (gguf.DIGESTS: the reader verifies them)."""
     path = Path(path)
     if path.is_dir() or (path.exists() and not force):

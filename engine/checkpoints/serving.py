@@ -26,10 +26,10 @@ from ..formats import gptq, gptq_ggml
 from ..qwen3 import Qwen3Config
 from .gguf import load_gguf
 from .gguf_writer import write_gguf
-from .loaders import load_dense, read_config
-from .registry import load_quantized
-from .safe_writes import check_apart
-from .safetensors_io import checkpoint_records
+from ..loaders import load_dense, read_config
+from ..formats.quantized_checkpoints import load_quantized
+from ..safe_writes import check_apart
+from ..safetensors_io import checkpoint_records
 
 TARGETS = ("transformers", "vllm", "llama.cpp", "onnx")
 VLLM_GROUPS = (-1, 32, 64, 128)
@@ -202,7 +202,7 @@ def load_checkpoint(source, dtype=None):
     if source.is_file():
         return load_gguf(source, dtype or torch.float32)
     if "quantization_config" in read_config(source):
-        return load_quantized(source, dtype)
+        return load_quantized(source, dtype=dtype)
     return load_dense(source, dtype)
 
 

@@ -45,11 +45,11 @@ from ..formats.calibration import LayerCalibration, check_ids, first_layer_batch
 from ..qwen3 import DecoderLayer, Qwen3Config
 from . import gguf
 from .gguf_tokenizer import gguf_tokenizer
-from .loaders import check_complete, check_layer_count, check_shapes, digest_of, place, read_config, skeleton
-from .registry import METHODS, LayerAssembler, checkpoint_tensors, config_digest
-from .safe_writes import (TOKENIZER_FILES, check_apart, check_free_space, check_output, commit_directory, folder_size,
+from ..loaders import check_complete, check_layer_count, check_shapes, digest_of, place, read_config, skeleton
+from ..formats.quantized_checkpoints import METHODS, LayerAssembler, checkpoint_tensors, config_digest
+from ..safe_writes import (TOKENIZER_FILES, check_apart, check_free_space, check_output, commit_directory, folder_size,
                           is_disk_full, output_lock, recover_interrupted_swap, resumable_directory, space_error)
-from .safetensors_io import (DTYPE_BYTES, INDEX, TensorReader, check_records, float_digest, read_header, read_json,
+from ..safetensors_io import (DTYPE_BYTES, INDEX, TensorReader, check_records, float_digest, read_header, read_json,
                              save_file, tensor_digest, write_json)
 from .tokenizer import check_vocabulary, export_tokenizer, load_tokenizer
 

@@ -17,8 +17,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from .gguf import GGUFFile
 from .gguf_tokenizer import gguf_tokenizer
-from .safe_writes import TOKENIZER_FILES
-from .safetensors_io import MAX_JSON_BYTES, checked_file, read_json, write_json
+from ..safe_writes import TOKENIZER_FILES
+from ..safetensors_io import MAX_JSON_BYTES, checked_file, read_json, write_json
 
 
 def _byte_chars():

@@ -61,8 +61,9 @@ def grouped(weight, group_size):
     return F.pad(weight.float(), (0, groups * group_size - in_f)).reshape(out_f, groups, group_size)
 
 
-def quantize_to_affine(weight, bits=4, group_size=64, clip=None, sym=False):
-    """weight [out, in] -> (codes uint8 [out, in], scales [out, groups], zeros [out, groups]: integers).
+def affine_codes(weight, bits=4, group_size=64, clip=None, sym=False):
+    """weight [out, in] -> (codes uint8 [out, in], scales [out, groups], zeros [out, groups]: integers), the grid of
+    an integer-zero-point checkpoint (GPTQ, AWQ, compressed-tensors).
 
     clip [out, groups] (optional, from choose_clip) shrinks each group's range before the grid is chosen."""
     out_f, in_f = weight.shape
@@ -75,6 +76,14 @@ def quantize_to_affine(weight, bits=4, group_size=64, clip=None, sym=False):
     return codes, scale, zero
 
 
+def quantize_to_affine(weight, bits=4, group_size=64, *, clip=None, sym=False):
+    """The book's round-to-nearest: weight [out, in] -> (codes uint8 [out, in], scales [out, groups], offsets
+    [out, groups]), w_hat = codes * scale + offset. The offsets are -zero * scale of affine_codes' integer zero
+    points, so a writer can recover those exactly (affine_parts) instead of dividing an offset by a scale."""
+    codes, scales, zeros = affine_codes(weight, bits, group_size, clip, sym)
+    return codes, scales, -zeros * scales
+
+
 def dequantize_affine(codes, scales, offsets, group_size):
     """codes [out, in] + per-group scales / offsets [out, groups] -> weight [out, in] float32 (offset = -zero *
     scale for an integer zero point)."""
@@ -85,7 +94,7 @@ def dequantize_affine(codes, scales, offsets, group_size):
 
 
 def fake_quantize_grouped(g, bits=4, clip=None, sym=False):
-    """grouped weight [out, groups, G] -> its quantized-then-dequantized values, same shape: quantize_to_affine then
+    """grouped weight [out, groups, G] -> its quantized-then-dequantized values, same shape: affine_codes then
     dequantize_affine without the codes and the per-weight copies of scales and offsets (the same float ops, so the
     same values: what the model sees)."""
     fit = g if clip is None else g * clip[..., None]
@@ -189,8 +198,12 @@ def pack_int32(values, bits=4, order=None):
     v = values.to(torch.int64).reshape(*values.shape[:-1], -1, per)
     if order is not None:
         v = v[..., list(order)]
-    word = (v << (torch.arange(per, device=v.device) * bits)).sum(-1)
-    return (word - (word >= 2 ** 31).long() * 2 ** 32).to(torch.int32)        # same 32 bits, two's complement
+    return as_int32((v << (torch.arange(per, device=v.device) * bits)).sum(-1))
+
+
+def as_int32(t):
+    """32 packed bits held in an int64 -> int32 with the same bits (two's complement)."""
+    return (t - (t >= 2 ** 31).long() * 2 ** 32).to(torch.int32)
 
 
 def unpack_int32(packed, bits=4, order=None):
@@ -205,30 +218,49 @@ def unpack_int32(packed, bits=4, order=None):
 # ---- the layer --------------------------------------------------------------------------------------------------
 
 class AffineQuantLinear(QuantLinear):
-    """Packed integer codes with a scale and an integer zero point, or a free offset, per group of inputs.
+    """Integer codes with a scale and a free offset, or an integer zero point, per group of inputs (chapter 38's
+    layer, which RTN, GPTQ, AWQ and GGUF's integer blocks all load into).
 
-    packed uint8 [out, ceil(in * bits / 8)], scales [out, groups] and exactly one of
-        zeros   [out, groups], integers in [0, 2^bits - 1]:   W[o, i] = (q[o, i] - zeros[o, g]) * scales[o, g]
+        AffineQuantLinear(weight_codes, scales, offsets, group_size, packed=False, bias=None, dtype=None)
+
+    weight_codes uint8 [out, in] (packed=True: already packed, pack_bits' layout [out, ceil(in * bits / 8)], which
+    for 4 bits is pack_nibbles'), scales [out, groups] and
         offsets [out, groups], any finite floats:           W[o, i] = q[o, i] * scales[o, g] + offsets[o, g]
-    with g = i // G -> y = x @ W^T. `zeros` is None for a layer of free offsets; `offsets` (= -zeros * scales for
-    an integer grid) is what the kernels compute with, for both.
+    or, keyword zeros= with offsets None,
+        zeros   [out, groups], integers in [0, 2^bits - 1]:   W[o, i] = (q[o, i] - zeros[o, g]) * scales[o, g]
+    with g = i // G -> y = x @ W^T. An integer grid keeps its zero points exactly (`zeros`; None for free offsets),
+    so a writer reads them back as they were; `offsets` (= -zeros * scales there) is what the kernels compute with.
+    dtype: the dtype the layer returns (the book's compute dtype; the engine accumulates in float32 either way);
+    None returns the activations' dtype.
 
-    perm (optional, int [in]): the columns were stored in the order perm (GPTQ act-order checkpoints sorted by g_idx
-    so that groups are contiguous); the layer then multiplies x[:, perm] with the stored weight. dequantize() always
-    returns the weight in the original column order.
+    Keywords beyond the book's: bits (default 4), in_features (when packed codes leave it ambiguous), perm
+    (int [in]: the columns were stored in the order perm, as a GPTQ act-order checkpoint sorted by g_idx so that
+    groups are contiguous; the layer then multiplies x[:, perm]; dequantize() returns the original column order).
     """
 
-    def __init__(self, packed, scales, group_size, bits=4, *, zeros=None, offsets=None, in_features=None, perm=None,
-                 bias=None):
+    def __init__(self, weight_codes, scales, offsets, group_size, packed=False, bias=None, dtype=None, *, bits=4,
+                 zeros=None, in_features=None, perm=None):
+        check_bits(bits)
+        if not isinstance(packed, bool):
+            raise ValueError(f"packed (the 5th argument) says whether weight_codes are packed: True or False, "
+                             f"got {packed!r}")
         out_f, groups = scales.shape
-        in_f = in_features if in_features is not None else packed.shape[1] * (8 // bits)
+        if packed:
+            in_f = in_features if in_features is not None else weight_codes.shape[1] * (8 // bits)
+        else:
+            if weight_codes.dim() != 2 or (in_features is not None and in_features != weight_codes.shape[1]):
+                raise ValueError(f"weight_codes must be [out, in] codes, got {tuple(weight_codes.shape)}")
+            in_f = weight_codes.shape[1]
+            if bool((weight_codes.to(torch.int64) >= 2 ** bits).any() | (weight_codes.to(torch.int64) < 0).any()):
+                raise ValueError(f"codes must lie in [0, {2 ** bits - 1}] for {bits} bits")
+            weight_codes = pack_bits(weight_codes, bits)
         if (zeros is None) == (offsets is None):
-            raise ValueError("give an affine layer either integer zero points (zeros) or free offsets, not both")
+            raise ValueError("give an affine layer either free offsets or integer zero points (zeros=), not both")
         grid = zeros if zeros is not None else offsets
-        if packed.shape != (out_f, -(-in_f * bits // 8)) or grid.shape != scales.shape:
-            raise ValueError(f"inconsistent shapes: packed {tuple(packed.shape)}, scales {tuple(scales.shape)}, "
-                             f"{'zeros' if zeros is not None else 'offsets'} {tuple(grid.shape)} for in={in_f}, "
-                             f"{bits} bits")
+        if weight_codes.shape != (out_f, -(-in_f * bits // 8)) or grid.shape != scales.shape:
+            raise ValueError(f"inconsistent shapes: packed codes {tuple(weight_codes.shape)}, scales "
+                             f"{tuple(scales.shape)}, {'zeros' if zeros is not None else 'offsets'} "
+                             f"{tuple(grid.shape)} for in={in_f}, {bits} bits")
         if groups != -(-in_f // group_size):
             raise ValueError(f"{groups} scale groups do not fit in_features={in_f} with group_size={group_size}")
         if zeros is not None:
@@ -240,9 +272,9 @@ class AffineQuantLinear(QuantLinear):
         if not torch.isfinite(scales.float().abs() * (2 ** bits - 1) + offsets.float().abs()).all():
             raise ValueError("scales and offsets must be finite, and so must the weights they decode to (a NaN or "
                              "infinite scale decodes to garbage)")
-        super().__init__(in_f, out_f, bias)
+        super().__init__(in_f, out_f, bias, dtype)
         self.group_size, self.bits = group_size, bits
-        self.register_buffer("packed", packed.to(torch.uint8).contiguous())
+        self.register_buffer("packed", weight_codes.to(torch.uint8).contiguous())
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("zeros", None if zeros is None else zeros.to(torch.uint8).contiguous())
         self.register_buffer("offsets", offsets.float().contiguous())
@@ -254,14 +286,13 @@ class AffineQuantLinear(QuantLinear):
 
     @classmethod
     def from_codes(cls, codes, scales, group_size, bits=4, *, zeros=None, offsets=None, perm=None, bias=None):
-        """codes [out, in] (0 <= q < 2^bits) -> the layer, packed; grid as in the class docstring."""
-        return cls(pack_bits(codes, bits), scales, group_size, bits, zeros=zeros, offsets=offsets,
-                   in_features=codes.shape[1], perm=perm, bias=bias)
+        """codes [out, in] (0 <= q < 2^bits) -> the layer; grid as in the class docstring."""
+        return cls(codes, scales, offsets, group_size, bias=bias, bits=bits, zeros=zeros, perm=perm)
 
     @classmethod
     def from_weight(cls, weight, bits=4, group_size=64, sym=False, clip=None, perm=None, bias=None):
         """Round-to-nearest of a weight [out, in] (clip [out, groups]: optional range shrink from choose_clip)."""
-        codes, scales, zeros = quantize_to_affine(weight.detach(), bits, group_size, clip, sym)
+        codes, scales, zeros = affine_codes(weight.detach(), bits, group_size, clip, sym)
         return cls.from_codes(codes, scales, group_size, bits, zeros=zeros, perm=perm, bias=bias)
 
     @classmethod
@@ -269,12 +300,13 @@ class AffineQuantLinear(QuantLinear):
         """Round-to-nearest of an nn.Linear."""
         return cls.from_weight(linear.weight, bits, group_size, sym, clip, bias=linear.bias)
 
-    def codes(self):
-        """The stored codes [out, in] (in stored column order)."""
+    @property
+    def weight_codes(self):
+        """The stored codes uint8 [out, in] (in stored column order)."""
         return unpack_bits(self.packed, self.bits, self.in_features)
 
     def dequantize(self):
-        w = dequantize_affine(self.codes(), self.scales, self.offsets, self.group_size)
+        w = dequantize_affine(self.weight_codes, self.scales, self.offsets, self.group_size)
         if self.perm is not None:
             w = w[:, torch.argsort(self.perm)]
         return w
@@ -302,7 +334,7 @@ def affine_parts(layer):
     if not torch.equal(scales.half().float(), scales):
         raise ValueError("scales are not float16 values; writing them as f16 would change the model")
     group_of_stored = torch.arange(layer.in_features) // layer.group_size
-    codes, zeros = layer.codes(), layer.zeros.float()
+    codes, zeros = layer.weight_codes, layer.zeros.float()
     if layer.perm is None:
         return codes, scales, zeros, group_of_stored.to(torch.int32)
     inverse = torch.argsort(layer.perm)

@@ -25,8 +25,8 @@ Checkpoint (AutoAWQ GEMM, 4-bit):
 import torch
 
 from . import calibration
-from .affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize, pack_int32,
-                     unpack_int32)
+from .affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize,  # noqa: F401
+                     pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
 from .base import CheckpointMethod, config_field, scale_tensor
 from .calibration import InputStats
 
@@ -73,15 +73,17 @@ SCALING_PAIRS = (("input_layernorm", None, ("self_attn.q_proj", "self_attn.k_pro
 
 
 @torch.no_grad()
-def quantize_layer(layer, group_size=64, bits=4):
+def quantize_layer(layer, group_size=64, bits=4, clip=True):
     """Scale, clip and quantize one decoder layer's linears (a calibration.LayerCalibration) in place, AutoAWQ's
     way. Returns the quantization_config AutoAWQ writes.
 
     The inputs of q, o, gate and down are summarized (InputStats) while the FLOAT layer runs on its calibration
     inputs (the layer's inputs are the float layers' outputs, as in AutoAWQ); then each pair's scale is searched and
-    folded in, each group's clipping range is searched on the scaled weights (affine.choose_clip), and every linear
-    is rounded to nearest within its clipped ranges."""
+    folded in, each group's clipping range is searched on the scaled weights (affine.choose_clip; clip=False: the
+    book's AWQ, scales only), and every linear is rounded to nearest within its clipped ranges."""
     check_bits(bits)
+    if not isinstance(clip, bool):
+        raise ValueError(f"clip must be true or false, got {clip!r}")
     stats = layer.capture([names[0] for _, _, names in SCALING_PAIRS])
     clips = {}
     for norm, previous, names in SCALING_PAIRS:
@@ -95,7 +97,7 @@ def quantize_layer(layer, group_size=64, bits=4):
         # AutoAWQ's clipping search, on the scaled weights: their inputs x / s have the Gram matrix G / (s s^T)
         gram = inputs.gram / (s[:, None] * s[None, :])
         for name, linear in zip(names, linears):
-            clips[layer.prefix + name] = choose_clip(linear.weight.detach(), gram, bits, group_size)
+            clips[layer.prefix + name] = choose_clip(linear.weight.detach(), gram, bits, group_size) if clip else None
     layer.replace(lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size, clip=clips[name]))
     return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
 
@@ -104,6 +106,15 @@ def quantize(model, calibration_ids, batch_size=8, **options):
     """AWQ every decoder layer of `model` in place (engine.formats.calibration: the inputs of each layer come from
     the float layers before it); options: those of quantize_layer. Returns the quantization_config."""
     return calibration.by_layer(model, quantize_layer, calibration_ids, "float", batch_size, "AWQ", **options)
+
+
+@torch.no_grad()
+def apply_awq(model, calibration_ids, bits=4, group_size=128, *, clip=False, batch_size=8):
+    """The book's entry point: scale and quantize every decoder layer of `model` in place, AutoAWQ's way, and return
+    {linear name: AffineQuantLinear} of the layers put in place. clip=False is the book's AWQ (scales only);
+    clip=True adds AutoAWQ's clipping search (what `quantize` and `--method awq` do by default)."""
+    quantize(model, calibration_ids, batch_size, bits=bits, group_size=group_size, clip=clip)
+    return {name: m for name, m in model.named_modules() if isinstance(m, AffineQuantLinear)}
 
 
 def _fold_scale(norm, previous, linears, s):
@@ -126,10 +137,13 @@ def _check_bits(bits):
         raise ValueError(f"AutoAWQ GEMM checkpoints are 4-bit, got bits={bits}")
 
 
-def pack_awq(values):
+def pack_awq(codes, zeros=None):
     """[rows, cols] codes 0..15 (cols % 8 == 0) -> int32 [rows, cols / 8] in AWQ's interleaved order
-    (nibble j of each word holds column AWQ_ORDER[j] of its run of 8: output 1 sits in bits 16-19)."""
-    return pack_int32(values, 4, AWQ_ORDER)
+    (nibble j of each word holds column AWQ_ORDER[j] of its run of 8: output 1 sits in bits 16-19).
+    zeros: the book's second argument, always None there (zero points are packed by a call of their own)."""
+    if zeros is not None:
+        raise ValueError("pack_awq packs one tensor; pack the zero points by a second call, pack_awq(zeros)")
+    return pack_int32(codes, 4, AWQ_ORDER)
 
 
 def unpack_awq(packed):
@@ -150,8 +164,8 @@ def to_checkpoint(layer):
             "scales": scales.T.to(torch.float16).contiguous()}
 
 
-def from_checkpoint(qweight, qzeros, scales, group_size, bias=None):
-    """AutoAWQ GEMM tensors -> AffineQuantLinear (its integer zero points as stored)."""
+def from_checkpoint(qweight, qzeros, scales, group_size, bias=None, dtype=None):
+    """AutoAWQ GEMM tensors -> AffineQuantLinear (its integer zero points as stored, returning `dtype`)."""
     if any(t.dtype != torch.int32 or t.dim() != 2 for t in (qweight, qzeros)):
         raise ValueError("AWQ qweight / qzeros must be 2-D int32")
     in_f, out_f = qweight.shape[0], qweight.shape[1] * 8
@@ -165,7 +179,7 @@ def from_checkpoint(qweight, qzeros, scales, group_size, bias=None):
     codes = unpack_awq(qweight).T                                               # [out, in]
     zeros = unpack_awq(qzeros).T.float()                                        # [out, groups]
     s = scales.T.float()
-    return AffineQuantLinear.from_codes(codes, s, group_size, 4, zeros=zeros, bias=bias)
+    return AffineQuantLinear(codes, s, None, group_size, False, bias, dtype, zeros=zeros)
 
 
 # ---- the registry entry -----------------------------------------------------------------------------------------

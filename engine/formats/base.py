@@ -54,10 +54,14 @@ def impl(name: str):
 
 class QuantLinear(nn.Module):
     """Base class: subclasses set in_features / out_features / bias and implement dequantize, kernel_matmul and
-    storage_bits. x [..., in] -> y [..., out] in the activation dtype (accumulated in float32)."""
+    storage_bits. x [..., in] -> y [..., out] in `dtype` (the book's compute dtype) or, when it is None, in the
+    activations' dtype; accumulated in float32 either way."""
 
-    def __init__(self, in_features, out_features, bias=None):
+    def __init__(self, in_features, out_features, bias=None, dtype=None):
         super().__init__()
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+        self.dtype = dtype
         self.in_features, self.out_features = in_features, out_features
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({out_features},)")
@@ -108,7 +112,7 @@ class QuantLinear(nn.Module):
             y = x2d @ self.cached_weight().T
         if self.bias is not None:
             y = y + self.bias
-        return y.to(dtype).reshape(*shape[:-1], self.out_features)
+        return y.to(self.dtype or dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits_per_weight:.3f}"
@@ -214,7 +218,7 @@ def scale_tensor(t, name="scales"):
 @dataclass(frozen=True)
 class CheckpointMethod:
     """How one quantization method lives in a Hugging Face style checkpoint (config.json's quantization_config names
-    it; each quantized linear's tensors sit under the linear's name). `engine.checkpoints.registry` keeps the registry.
+    it; each quantized linear's tensors sit under the linear's name). `engine.formats.quantized_checkpoints` keeps the registry.
 
       name      quantization_config["quant_method"] (or a registry key for a sub-format)
       parts     quantization_config -> the tensor suffixes one layer needs (e.g. ("qweight", "qzeros", ...))

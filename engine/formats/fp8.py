@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import triton_formats
+from ..kernels.triton_formats import fp8_block_kernel, fp8_block_matmul  # noqa: F401  (the book's names)
 from .base import CheckpointMethod, QuantLinear, config_field, scale_tensor
 from .calibration import whole_model
 from .minifloats import E4M3_MAX
@@ -106,9 +107,11 @@ def w8a8_reference(x, weight, scale_inv, block=128):
 
 
 class FP8BlockLinear(QuantLinear):
-    """weight float8_e4m3fn [out, in] + weight_scale_inv float32 [ceil(out/b), ceil(in/b)] -> y = x @ W_hat^T."""
+    """weight float8_e4m3fn [out, in] + weight_scale_inv float32 [ceil(out/b), ceil(in/b)] -> y = x @ W_hat^T,
+    returned in `dtype` (the book's compute dtype; None: the activations'). block: the engine's keyword for blocks
+    other than the checkpoints' 128 x 128."""
 
-    def __init__(self, weight_fp8, scale_inv, bias=None, block=128):
+    def __init__(self, weight_fp8, scale_inv, bias=None, dtype=None, *, block=128):
         if weight_fp8.dtype != torch.float8_e4m3fn:
             raise ValueError(f"weight must be float8_e4m3fn, got {weight_fp8.dtype}")
         _check_shapes(weight_fp8, scale_inv, block)
@@ -118,7 +121,7 @@ class FP8BlockLinear(QuantLinear):
                              "(scale x 448)")
         if bool(torch.isnan(weight_fp8.float()).any()):
             raise ValueError("FP8 weight holds NaN codes (0x7F / 0xFF)")
-        super().__init__(weight_fp8.shape[1], weight_fp8.shape[0], bias)
+        super().__init__(weight_fp8.shape[1], weight_fp8.shape[0], bias, dtype)
         self.block = block
         self.register_buffer("weight", weight_fp8.contiguous())
         self.register_buffer("weight_scale_inv", scale_inv.float().contiguous())
@@ -126,13 +129,13 @@ class FP8BlockLinear(QuantLinear):
     @classmethod
     def from_linear(cls, linear, block=128):
         q, s = quantize_blocks(linear.weight.detach(), block)
-        return cls(q, s, linear.bias, block)
+        return cls(q, s, linear.bias, block=block)
 
     def dequantize(self):
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block)
 
     def kernel_matmul(self, x2d):
-        return triton_formats.fp8_block_matmul(x2d, self.weight, self.weight_scale_inv, self.block)
+        return triton_formats.fp8_block_matmul(x2d, self.weight, self.weight_scale_inv, block=self.block)
 
     def storage_bits(self):
         return self.weight.numel() * 8 + self.weight_scale_inv.numel() * 32
@@ -163,7 +166,7 @@ def validate(config):
 
 
 def _read(parts, config):
-    return FP8BlockLinear(parts["weight"], parts["weight_scale_inv"], parts.get("bias"), config["block"])
+    return FP8BlockLinear(parts["weight"], parts["weight_scale_inv"], parts.get("bias"), block=config["block"])
 
 
 def _write(layer, config):

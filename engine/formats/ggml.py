@@ -206,8 +206,8 @@ class GGMLLinear(AffineQuantLinear):
     its size is the blocks' size."""
 
     def __init__(self, raw, ggml_type, codes, scales, group_size, bits, bias=None, *, zeros=None, offsets=None):
-        super().__init__(_pack(codes, bits), scales, group_size, bits, zeros=zeros, offsets=offsets,
-                         in_features=codes.shape[1], bias=bias)
+        super().__init__(_pack(codes, bits), scales, offsets, group_size, True, bias, bits=bits, zeros=zeros,
+                         in_features=codes.shape[1])
         self.ggml_type = ggml_type
         self.register_buffer("raw", raw.to(torch.uint8).contiguous())
 

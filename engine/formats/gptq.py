@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from . import calibration, gptq_ggml
-from .affine import AffineQuantLinear, affine_parts, find_params, grouped, pack_int32, unpack_int32
+from .affine import AffineQuantLinear, affine_parts, as_int32, find_params, grouped, pack_int32, unpack_int32  # noqa: F401
 from .base import CheckpointMethod, config_field, scale_tensor
 from .calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
 from .obq import error_feedback, inverse_cholesky
@@ -103,8 +103,7 @@ def check_order(order):
     if isinstance(order, Order):
         return order
     if not isinstance(order, str) or order not in ORDERS:
-        hint = " (the book's act_order=True is order='act_order')" if isinstance(order, bool) else ""
-        raise ValueError(f"order must be one of {tuple(ORDERS)}, got {order!r}{hint}")
+        raise ValueError(f"order must be one of {tuple(ORDERS)}, got {order!r}")
     return ORDERS[order]
 
 
@@ -148,13 +147,23 @@ def group_grid(w, bits, sym=False, min_zero=0, f16=True):
 
 
 @torch.no_grad()
-def gptq_quantize(weight, hessian, bits=4, group_size=128, order=DEFAULTS["order"], damp=0.01, block=128,
+def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp=0.01, block=128, *, order=None,
                   sym=False, min_zero=0):
     """weight [out, in], hessian [in, in] = 2 X^T X / n -> (codes uint8 [out, in], scales [out, groups],
     zeros [out, groups], g_idx int32 [in]); W_hat[o, i] = scales[o, g_idx[i]] * (codes[o, i] - zeros[o, g_idx[i]]).
 
-    order: a name of ORDERS (module docstring) or an Order. group_size -1 (or any value <= 0) means one group per row.
-    min_zero=1 keeps every zero point storable in a v1 checkpoint. block: the lazy batch of obq.error_feedback."""
+    The book's arguments: act_order=False visits the columns in their natural order, True by decreasing H_ii with
+    groups that are ranges of the visit (a permuted g_idx). block: the lazy batch of obq.error_feedback.
+    The engine's, as keywords: order (a name of ORDERS, or an Order) instead of act_order, e.g.
+    order="act_order_static"; group_size -1 (or any value <= 0) = one group per row; min_zero=1 keeps every zero
+    point storable in a v1 checkpoint; sym puts the zero point in the middle of the grid."""
+    if not isinstance(act_order, bool):
+        raise ValueError(f"act_order (the 5th argument) is True or False, got {act_order!r}; the engine's other "
+                         f"visits are the keyword order=, one of {tuple(ORDERS)}")
+    if order is None:
+        order = "act_order" if act_order else "natural"
+    elif act_order and check_order(order) != ORDERS["act_order"]:
+        raise ValueError(f"act_order=True and order={order!r} ask for two visits; give one")
     spec = check_order(order)
     out_f, cols = weight.shape
     if hessian.shape != (cols, cols):
@@ -224,7 +233,7 @@ def search_order(weight, hessian, bits=4, group_size=128, candidates=SEARCHED, *
         raise ValueError(f"candidates must be a non-empty list of {tuple(ORDERS)}, got {list(candidates)}")
     best = None
     for name in candidates:
-        parts = gptq_quantize(weight, hessian, bits, group_size, name, **options)
+        parts = gptq_quantize(weight, hessian, bits, group_size, order=name, **options)
         error = layer_error(dequantize_gptq(*parts), weight.float(), hessian)
         if best is None or error < best[0]:
             best = error, parts, name
@@ -243,7 +252,7 @@ def _check_format(checkpoint_format):
         raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
 
 
-def pack_gptq(codes, scales, zeros, g_idx, bits=4, checkpoint_format="gptq"):
+def pack_gptq(codes, scales, zeros, g_idx, *, bits=4, checkpoint_format="gptq"):
     """codes [out, in], scales / zeros [out, groups], g_idx [in] -> {"qweight", "qzeros", "scales", "g_idx"}.
 
     v1 ("gptq") stores zero - 1 and so refuses a zero point of 0 (it would wrap); v2 stores raw zeros."""
@@ -261,7 +270,7 @@ def pack_gptq(codes, scales, zeros, g_idx, bits=4, checkpoint_format="gptq"):
             "g_idx": g_idx.to(torch.int32).contiguous()}
 
 
-def unpack_gptq(qweight, qzeros, scales, g_idx, bits=4, checkpoint_format="gptq"):
+def unpack_gptq(qweight, qzeros, scales, g_idx, *, bits=4, checkpoint_format="gptq"):
     """Checkpoint tensors -> (codes uint8 [out, in], scales [out, groups], zeros [out, groups], g_idx [in]).
 
     v1 zeros are read as stored + 1, as every v1 reader does (so a wrapped 0 reads as 2^bits: faithfully garbage)."""
@@ -296,8 +305,8 @@ def make_v1_safe(codes, scales, zeros, g_idx, bits=4):
 
 # ---- the runtime layer ------------------------------------------------------------------------------------------
 
-def to_runtime(codes, scales, zeros, g_idx, group_size, bits=4, bias=None):
-    """GPTQ tensors (original column order + g_idx) -> AffineQuantLinear.
+def to_runtime(codes, scales, zeros, g_idx, group_size, bias=None, dtype=None, *, bits=4):
+    """GPTQ tensors (original column order + g_idx) -> AffineQuantLinear (returning `dtype`, as the book's).
 
     Columns are sorted by g_idx once so that each group is contiguous; the layer then applies x[:, perm]. Without
     act-order g_idx is already sorted and no permutation is stored."""
@@ -317,7 +326,7 @@ def to_runtime(codes, scales, zeros, g_idx, group_size, bits=4, bias=None):
         perm = None
     stored = codes if perm is None else codes[:, perm]
     scales = scales.float()
-    return AffineQuantLinear.from_codes(stored, scales, group_size, bits, zeros=zeros, perm=perm, bias=bias)
+    return AffineQuantLinear(stored, scales, None, group_size, False, bias, dtype, bits=bits, zeros=zeros, perm=perm)
 
 
 # ---- whole model ------------------------------------------------------------------------------------------------
@@ -363,8 +372,8 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
             if order == SEARCH:
                 parts, _ = search_order(weight, hessians[name], bits, group, **options)
             else:
-                parts = gptq_quantize(weight, hessians[name], bits, group, order, **options)
-            return to_runtime(*parts, group, bits, linear.bias)
+                parts = gptq_quantize(weight, hessians[name], bits, group, order=order, **options)
+            return to_runtime(*parts, group, linear.bias, bits=bits)
 
         layer.replace(make, names=hessians)
     return {k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
@@ -437,8 +446,8 @@ def _read(parts, qcfg):
     # on code 0), so only NaN / infinity is refused.
     if not bool(torch.isfinite(scale_tensor(scales, "GPTQ scales").float()).all()):
         raise ValueError("GPTQ scales must be finite")
-    codes, scales, zeros, g_idx = unpack_gptq(qweight, qzeros, scales, g_idx, bits, fmt)
-    return to_runtime(codes, scales, zeros, g_idx, group_size, bits, parts.get("bias"))
+    codes, scales, zeros, g_idx = unpack_gptq(qweight, qzeros, scales, g_idx, bits=bits, checkpoint_format=fmt)
+    return to_runtime(codes, scales, zeros, g_idx, group_size, parts.get("bias"), bits=bits)
 
 
 def _write(layer, qcfg):
@@ -456,7 +465,7 @@ def _write(layer, qcfg):
         if changed:
             warnings.warn(f"{changed} groups had zero point 0, which GPTQ v1 cannot store; re-fitted them on a "
                           "grid with zero 1 (write checkpoint_format='gptq_v2' to keep them exact)")
-    return pack_gptq(codes, scales, zeros, g_idx, bits, fmt)
+    return pack_gptq(codes, scales, zeros, g_idx, bits=bits, checkpoint_format=fmt)
 
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")

@@ -73,8 +73,9 @@ def dequantize_mxfp4(blocks, scales, layout="interleaved"):
 # ---- NVFP4 ------------------------------------------------------------------------------------------------------
 
 def quantize_nvfp4(w):
-    """w [..., K] (K % 16 == 0) -> (packed uint8 [..., K/2], block_scale float8_e4m3fn [..., K/16],
-    tensor_scale float32 scalar tensor = amax / (448 * 6)).
+    """w [..., K] (K % 16 == 0) -> (codes uint8 [..., K/16, 8] (the book's shape: each block's 16 codes two per
+    byte, interleaved), block_scale float8_e4m3fn [..., K/16], tensor_scale float32 scalar tensor = amax / (448 * 6)).
+    The checkpoint layouts store the codes flat, [..., K/2]: the same bytes, .flatten(-2).
 
     The arithmetic follows torchao's nvfp4_quantize, so the codes agree bit for bit: block scales are clamped to
     [smallest normal E4M3, 448] (an all-zero block gets 2^-6, never 0) and values are multiplied by the reciprocal
@@ -85,14 +86,23 @@ def quantize_nvfp4(w):
     block_scale = wanted.clamp(torch.finfo(torch.float8_e4m3fn).tiny, E4M3_MAX).to(torch.float8_e4m3fn)
     reciprocal = (1.0 / tensor_scale) / block_scale.float()
     codes = to_e2m1(x * reciprocal[..., None])
-    return pack_nibbles(codes.flatten(-2)), block_scale, tensor_scale
+    return pack_nibbles(codes), block_scale, tensor_scale
+
+
+def _flat_codes(packed, block_scale):
+    """NVFP4 codes as the book shapes them, [..., K/16, 8], or as checkpoints store them, [..., K/2] -> [..., K/2]."""
+    if packed.shape == (*block_scale.shape, NV_BLOCK // 2):
+        return packed.flatten(-2)
+    if packed.shape[:-1] != block_scale.shape[:-1] or packed.shape[-1] != block_scale.shape[-1] * NV_BLOCK // 2:
+        raise ValueError(f"NVFP4 packed {tuple(packed.shape)} and block_scale {tuple(block_scale.shape)} do not match "
+                         "(expected [..., K/16, 8] or [..., K/2], and [..., K/16])")
+    return packed
 
 
 def dequantize_nvfp4(packed, block_scale, tensor_scale):
-    """packed uint8 [..., K/2], block_scale e4m3 [..., K/16], tensor_scale scalar -> float32 [..., K]."""
-    if packed.shape[:-1] != block_scale.shape[:-1] or packed.shape[-1] != block_scale.shape[-1] * NV_BLOCK // 2:
-        raise ValueError(f"NVFP4 packed {tuple(packed.shape)} and block_scale {tuple(block_scale.shape)} do not match "
-                         "(expected [..., K/2] and [..., K/16])")
+    """packed uint8 [..., K/16, 8] or [..., K/2], block_scale e4m3 [..., K/16], tensor_scale scalar ->
+    float32 [..., K]."""
+    packed = _flat_codes(packed, block_scale)
     if torch.as_tensor(tensor_scale).numel() != 1:
         raise ValueError("tensor_scale must be a single number")
     codes = unpack_nibbles(packed).long().reshape(*block_scale.shape, NV_BLOCK)
@@ -132,9 +142,12 @@ class MXFP4Linear(QuantLinear):
 
 
 class NVFP4Linear(QuantLinear):
-    """packed uint8 [out, in/2] (interleaved), block_scale e4m3 [out, in/16], tensor_scale f32 -> y = x @ W_hat^T."""
+    """packed uint8 [out, in/2] (interleaved; or quantize_nvfp4's [out, in/16, 8]), block_scale e4m3 [out, in/16],
+    tensor_scale f32 -> y = x @ W_hat^T."""
 
     def __init__(self, packed, block_scale, tensor_scale, bias=None):
+        if packed.dim() == 3 and packed.shape == (*block_scale.shape, NV_BLOCK // 2):
+            packed = packed.flatten(-2)
         if packed.dim() != 2 or block_scale.shape != (packed.shape[0], packed.shape[1] * 2 // NV_BLOCK) \
                 or packed.shape[1] % (NV_BLOCK // 2):
             raise ValueError(f"NVFP4Linear needs packed [out, in/2] and block_scale [out, in/16], got "

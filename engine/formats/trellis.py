@@ -101,11 +101,24 @@ def codebook(L, code="1mad"):
 # ---- encoding -----------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def viterbi_encode(x, L=8, K=2, code="1mad", tail_biting=False, wrap_window=None, compiled=None):
-    """x [B, T] or [T] (unit variance) -> (states [B, T] int64, symbols, reconstruction [B, T] float32).
+def viterbi_encode(x, L=8, K=2, *, code="1mad", tail_biting=False, wrap_window=None, compiled=None):
+    """The book's encoder: x [T] (unit variance) -> (start state int, K-bit symbols [T - 1], reconstruction [T]).
+    x [B, T] codes B sequences at once: start states [B]. Keywords as viterbi_path's; with tail_biting the symbols
+    are [T] (s_0's high bits are s_{T-1}'s low bits, so the stream is exactly K T bits)."""
+    states, recon = viterbi_path(x, L, K, code=code, tail_biting=tail_biting, wrap_window=wrap_window,
+                                 compiled=compiled)
+    symbols = states & (2 ** K - 1)
+    if not tail_biting:
+        symbols = symbols[..., 1:]
+    start = states[..., 0]
+    return (int(start) if start.dim() == 0 else start), symbols, recon
 
-    symbols are the K new bits of each step: [B, T - 1] (steps 1..T-1; the start state is stored whole) or, with
-    tail_biting, [B, T] (s_0's high bits are s_{T-1}'s low bits, so the stream is exactly K T bits).
+
+@torch.no_grad()
+def viterbi_path(x, L=8, K=2, *, code="1mad", tail_biting=False, wrap_window=None, compiled=None):
+    """x [B, T] or [T] (unit variance) -> (the least-squared-error state path [B, T] int64, its values [B, T]).
+
+    tail_biting: the path's last L - K bits equal its first state's high bits, so no start state is stored.
     wrap_window: tail-biting's first pass only picks the wrap state; with wrap_window it codes only the last and the
     first wrap_window steps, joined, instead of the whole sequence rotated by T/2 (None, QTIP's). Cheaper, but at
     L=16 the wrap state it picks still depends on steps far away, and the MSE rises (see benchmarks/trellis_mse.py
@@ -131,10 +144,7 @@ def viterbi_encode(x, L=8, K=2, code="1mad", tail_biting=False, wrap_window=None
             path = search(x, wrap=first[:, half] >> K, threads=threads)
         else:
             path = search(x, threads=threads)
-        symbols = path & (2 ** K - 1)
-        if not tail_biting:
-            symbols = symbols[:, 1:]
-        out = path, symbols, table[path]
+        out = path, table[path]
     return tuple(t[0] for t in out) if single else out
 
 
@@ -229,7 +239,7 @@ def _code_tiles(seqs, L, K, code, tail_biting):
     if not torch.isfinite(flat).all():
         raise ValueError("weights are not finite (NaN or inf)")
     rms = flat.pow(2).mean(1, keepdim=True).sqrt()
-    states, _, values = viterbi_encode(flat / torch.where(rms > 0, rms, 1.0), L, K, code, tail_biting)
+    states, values = viterbi_path(flat / torch.where(rms > 0, rms, 1.0), L, K, code=code, tail_biting=tail_biting)
     fit = (flat * values).sum(1) / values.pow(2).sum(1).clamp_min(1e-30)
     scales = fit.clamp_min(0).half()
     if not torch.isfinite(scales).all():
@@ -242,7 +252,16 @@ def _code_tiles(seqs, L, K, code, tail_biting):
 
 
 @torch.no_grad()
-def quantize_trellis(weight, L=8, K=2, group=256, seed=0, code="1mad", tail_biting=False, tile=None):
+def quantize_trellis(weight, L=8, K=2, group=256, seed=0, *, code="1mad", tail_biting=False, tile=None):
+    """The book's: weight [out, in] -> (the dequantized weight [out, in], what a decoder produces; bits per weight,
+    stream and f16 scales counted). Keywords and what is stored: trellis_codes."""
+    codes, scales, w_rot = trellis_codes(weight, L, K, group, seed, code=code, tail_biting=tail_biting, tile=tile)
+    T = w_rot.numel() // scales.numel()
+    return unrotate(w_rot, group, seed), (stream_bits(L, K, T, tail_biting) + 16) / T
+
+
+@torch.no_grad()
+def trellis_codes(weight, L=8, K=2, group=256, seed=0, *, code="1mad", tail_biting=False, tile=None):
     """weight [out, in] -> (codes uint8 [out / th, in / tw, nbytes], scales f16 [out / th, in / tw], w_rot [out, in]).
 
     Rows are rotated in groups of `group` inputs (`rotate`), then cut into tiles (th, tw) (default (1, group): one
@@ -278,7 +297,7 @@ def decode_trellis(codes, scales, L=8, K=2, code="1mad", tail_biting=False, tile
 def block_ldlq(weight, hessian, L=8, K=2, group=256, seed=0, code="1mad", tail_biting=False, tile=(16, 16),
                damp=0.01, block=128):
     """GPTQ's error feedback with trellis coding (QTIP's BlockLDLQ): weight [out, in], hessian [in, in] (its inputs'
-    2 X^T X / n, unrotated) -> (codes, scales, w_rot) as quantize_trellis.
+    2 X^T X / n, unrotated) -> (codes, scales, w_rot) as trellis_codes.
 
     obq.error_feedback in the rotated basis (H_rot = R H R^T, group by group; float64), one step being a block of tw
     columns whose tiles the trellis codes all at once: W[:, later] -= (W_B - Q_B) U_BB^-1 U_B,later. Linears that

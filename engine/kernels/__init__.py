@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def check_inputs(x, *tensors):
+def check_device(x, *tensors):
     """Every launcher's first check: x is [M, K] and all tensors share one device."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRETED, check_inputs
+from . import INTERPRETED, check_device
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def rans_decode(states, starts, words, slot_sym, slot_freq, slot_bias, out, prob
     [2^prob_bits] (symbol uint8, frequency and slot - cumulative int64), all on out's device. Raises ValueError if
     any lane does not end at the start state 2^16 having read its sub-stream exactly to its end (a corrupted
     stream)."""
-    check_inputs(states, starts, words, slot_sym, slot_freq, slot_bias, out)
+    check_device(states, starts, words, slot_sym, slot_freq, slot_bias, out)
     n_streams, lanes_per_stream = states.shape
     n = out.numel()
     if (starts.numel() != n_streams + 1 or lanes_per_stream & (lanes_per_stream - 1)
@@ -272,7 +272,7 @@ def lattice_decode(payload, offsets, rice_ks, count, ends, lattice, scales, row_
     (where each sub-stream must end), scales float32 [count // row_len]; lattice: the format's lattice (name, n,
     levels, axis: engine.formats.lattice.LATTICES); substream, escape, raw_bits: the Rice layout
     (engine.coding.rice). Raises ValueError if a sub-stream does not decode to exactly its end (a corrupt stream)."""
-    check_inputs(payload[:, None], offsets, rice_ks, scales)
+    check_device(payload[:, None], offsets, rice_ks, scales)
     if getattr(lattice, "name", None) not in _FUSED_UNSTRIP:
         raise ValueError(f"lattice must be one of the format's lattices {_FUSED_UNSTRIP}, got {lattice!r}")
     n = lattice.n

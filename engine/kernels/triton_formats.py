@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRETED, check_inputs
+from . import INTERPRETED, check_device
 
 
 class Launch(NamedTuple):
@@ -76,7 +76,8 @@ def dequant_matmul_kernel(x_ptr, y_ptr, M, N, K, weight, out_scale_ptr, DECODE: 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                    other=0.0).to(tl.float32)
         w = DECODE(weight, CONSTS, rn[:, None], rk[None, :], (rn[:, None] < N) & (rk[None, :] < K))
         if BLOCK_M == 1:                                      # GEMV: [1, BLOCK_K] * [BLOCK_N, BLOCK_K], summed on k
             acc += tl.sum(x * w, axis=1)[None, :]
@@ -84,7 +85,8 @@ def dequant_matmul_kernel(x_ptr, y_ptr, M, N, K, weight, out_scale_ptr, DECODE: 
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     if out_scale_ptr is not None:
         acc = acc * tl.load(out_scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def launch_matmul(decode, x, n, weight, consts=(), out_scale=None):
@@ -145,7 +147,7 @@ def affine_tile(weight, CONSTS, n, k, ok):
 
 def affine_matmul(x, packed, scales, offsets, group_size, bits):
     """x [M, K] float32, packed uint8 [N, ceil(K * bits / 8)], scales / offsets float32 [N, groups] -> y [M, N]."""
-    check_inputs(x, packed, scales, offsets)
+    check_device(x, packed, scales, offsets)
     _check_group(group_size)
     if bits not in (2, 4, 8):
         raise ValueError(f"affine kernel supports 2, 4 or 8 bits, got {bits}")
@@ -177,17 +179,37 @@ def fp8_block_tile(weight, CONSTS, n, k, ok):
     return w * tl.load(s_ptr + (n // B) * s_cols + k // B, mask=ok, other=0.0)
 
 
-def fp8_block_matmul(x, weight, scale_inv, block=128):
-    """x [M, K] float32, weight float8_e4m3fn [N, K], scale_inv float32 [ceil(N/block), ceil(K/block)] -> y [M, N]."""
-    check_inputs(x, weight, scale_inv)
-    k = x.shape[1]
+@triton.jit
+def fp8_block_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, s_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK: tl.constexpr = 128, PRECISION: tl.constexpr = "ieee"):
+    """The book's W8A16 FP8 kernel, in the book's arguments: the shared tile loop with fp8_block_tile as its decoder
+    (FP8 weight tiles widened in registers and scaled by their block's factor)."""
+    dequant_matmul_kernel(x_ptr, y_ptr, M, N, K, (w_ptr, s_ptr, K, s_cols), None, fp8_block_tile, (BLOCK,), PRECISION,
+                          BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+def fp8_block_matmul(x, weight, scale_inv, block_m=None, block_n=None, block_k=None, *, block=128):
+    """x [M, K], weight float8_e4m3fn [N, K], scale_inv float32 [ceil(N/block), ceil(K/block)] -> y [M, N] in x's
+    dtype (accumulated in float32). block_m / block_n / block_k: the tile, the book's knobs (default: the engine's
+    launch_settings for this M); block: the engine's keyword for weight blocks other than 128 x 128."""
+    check_device(x, weight, scale_inv)
+    m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight must be float8_e4m3fn [N, {k}], got {weight.dtype} {tuple(weight.shape)}")
     if not isinstance(block, int) or block < 1 or tuple(scale_inv.shape) != (-(-n // block), -(-k // block)):
         raise ValueError(f"scale_inv {tuple(scale_inv.shape)} does not fit a [{n}, {k}] weight in {block}-blocks")
-    return launch_matmul(fp8_block_tile, x, n, (weight.contiguous(), scale_inv.float().contiguous(), k,
-                                                 scale_inv.shape[1]), (block,))
+    s = launch_settings(m)
+    tile = [s.block_m if block_m is None else block_m, s.block_n if block_n is None else block_n,
+            s.block_k if block_k is None else block_k]
+    if not all(isinstance(t, int) and t >= 1 and t & (t - 1) == 0 for t in tile):
+        raise ValueError(f"block_m, block_n and block_k must be powers of two, got {tile}")
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(m, tile[0]), triton.cdiv(n, tile[1]))
+    fp8_block_kernel[grid](x.contiguous(), weight.contiguous(), scale_inv.float().contiguous(), y, m, n, k,
+                           scale_inv.shape[1], BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_K=tile[2], BLOCK=block,
+                           PRECISION=s.precision, num_warps=s.num_warps, num_stages=s.num_stages)
+    return y
 
 
 @triton.jit
@@ -209,7 +231,7 @@ def mxfp4_tile(weight, CONSTS, n, k, ok):
 def mxfp4_matmul(x, blocks, scales, table):
     """x [M, K] float32, blocks uint8 [N, K/32, 16] (interleaved), scales uint8 E8M0 [N, K/32], table: the E2M1
     value of each code float32 [16] -> y [M, N]."""
-    check_inputs(x, blocks, scales)
+    check_device(x, blocks, scales)
     _check_table(table, "E2M1")
     k = x.shape[1]
     n = blocks.shape[0]
@@ -228,7 +250,7 @@ def nvfp4_tile(weight, CONSTS, n, k, ok):
 def nvfp4_matmul(x, packed, block_scale, tensor_scale, table):
     """x [M, K] float32, packed uint8 [N, K/2], block_scale float8_e4m3fn [N, K/16], tensor_scale f32, table: the
     E2M1 value of each code float32 [16] -> y [M, N]."""
-    check_inputs(x, packed, block_scale)
+    check_device(x, packed, block_scale)
     _check_table(table, "E2M1")
     k = x.shape[1]
     n = packed.shape[0]
@@ -255,7 +277,7 @@ def code_tile(weight, CONSTS, n, k, ok):
 
 def entquant_matmul(x, codes, scale, fmt="float8"):
     """x [M, K] float32, codes uint8 [N, K] (E4M3 or int8 bytes), scale float32 [N] (= 2^log_scale) -> y [M, N]."""
-    check_inputs(x, codes, scale)
+    check_device(x, codes, scale)
     k = x.shape[1]
     n = codes.shape[0]
     if codes.shape != (n, k) or scale.shape != (n,) or fmt not in ("float8", "int8"):
@@ -277,7 +299,7 @@ def nf4_tile(weight, CONSTS, n, k, ok):
 
 def nf4_matmul(x, packed, absmax, table, group_size=64):
     """x [M, K] float32, packed uint8 [N, ceil(K / 2)], absmax float32 [N, groups], table float32 [16] -> y [M, N]."""
-    check_inputs(x, packed, absmax)
+    check_device(x, packed, absmax)
     _check_table(table, "NF4")
     _check_group(group_size)
     k = x.shape[1]
@@ -332,7 +354,7 @@ def trellis_matmul(x, codes, scales, L, kbits, tile, mean, inv_std, code, hash_c
     code (engine.formats.trellis.code_stats). code "1mad": hash_constants (a, b, centre, scale), value
     (bytesum(s a + b) - centre) / scale; code "3inst": (a, b, mask, bits), value = the two float16 halves of
     ((s a + b) & mask) ^ bits, added."""
-    check_inputs(x, codes, scales)
+    check_device(x, codes, scales)
     th, tw = tile
     if codes.dim() != 3 or codes.dtype != torch.uint8 or tuple(scales.shape) != tuple(codes.shape[:2]):
         raise ValueError(f"codes must be uint8 [R, C, bytes] with scales [R, C], got {tuple(codes.shape)}, "

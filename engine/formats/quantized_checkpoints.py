@@ -1,28 +1,29 @@
-"""Quantized checkpoints: one registry of methods, one streaming loader, one atomic writer.
+"""Quantized checkpoints, the chapter's loader and writer: one registry of methods, one streaming loader, one atomic
+writer (the book's load_quantized, build, PARTS and save_quantized, for every method the engine has).
 
 All the Hugging Face formats share a structure: config.json's `quantization_config` names the method
 (`quant_method`), and each quantized linear's tensors sit under the linear's name (`...q_proj.qweight`,
 `...q_proj.scales`, ...). Everything else (embeddings, norms, layers a method left dense) is stored as usual.
 
 A method is a `CheckpointMethod` (engine.formats.base) defined in its own file; adding a format is that file plus one
-line in `METHODS` below.
+line in `METHODS` below. The loader loop itself is engine/loaders.py's (the book's `assign` / `read_config`), the
+files engine/safetensors_io.py's (`snapshot_tensors`, `save_file`). GGUF files and the layer-by-layer converter are
+engine/checkpoints/'s: they build on this module.
 """
 import hashlib
 import inspect
 import json
 import math
-from pathlib import Path
 
 import torch
 
-from ..formats import awq, entropy, fp8, gptq, lattice, nf4, trellis
-from ..formats.base import QuantLinear, linear_names, quantized_linears
-from . import compressed_tensors, gguf
+from ..loaders import (check_complete, default_dtype, install_layer, load_tensors, model_digest, place, prepare,
+                       read_config, skeleton, split_part)
 from ..qwen3 import Qwen3Config
-from .loaders import (check_complete, default_dtype, install_layer, load_dense, load_tensors, model_digest, place,
-                       prepare, read_config, skeleton, split_part)
-from .safe_writes import atomic_directory, check_output
-from .safetensors_io import DTYPE_BYTES, checkpoint_records, nbytes, save_file, tensor_specs, write_json
+from ..safe_writes import atomic_directory, check_output
+from ..safetensors_io import DTYPE_BYTES, checkpoint_records, nbytes, save_file, tensor_specs, write_json
+from . import awq, compressed_tensors, entropy, fp8, gptq, lattice, nf4, trellis
+from .base import QuantLinear, linear_names, quantized_linears
 
 METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
                                trellis.CHECKPOINT, entropy.CHECKPOINT, lattice.CHECKPOINT, nf4.CHECKPOINT)}
@@ -35,6 +36,10 @@ ALIASES = {"rtn": ("compressed-tensors", {"format": "pack-quantized"},
            "mxfp4": ("compressed-tensors", {"format": "mxfp4-pack-quantized"}, {}),
            "nvfp4": ("compressed-tensors", {"format": "nvfp4-pack-quantized"}, {}),
            "nf4": ("bitsandbytes", {}, {"group_size": 64})}
+
+
+# save_quantized's defaults for the book's two integer methods, as the book's writer has them
+BOOK_DEFAULTS = {"gptq": {"group_size": 128, "order": "natural"}, "awq": {"group_size": 128}}
 
 
 def method_options(method):
@@ -66,11 +71,43 @@ def config_digest(quantization_config):
 def method_for(quantization_config):
     if not isinstance(quantization_config, dict):
         raise ValueError("config.json has no quantization_config object: not a quantized checkpoint "
-                         "(use engine.checkpoints.loaders.load_dense for dense checkpoints)")
+                         "(use engine.loaders.load_dense for dense checkpoints)")
     name = quantization_config.get("quant_method")
     if not isinstance(name, str) or name not in METHODS:
         raise ValueError(f"unsupported quant_method {name!r}; this engine reads {sorted(METHODS)}")
     return METHODS[name]
+
+
+def _validated(method, quantization_config):
+    return method.validate(quantization_config) if method.validate else quantization_config
+
+
+def _default_parts(method):
+    """The tensors `method` stores per quantized linear in its default layout, or None where they depend on the
+    configuration (compressed-tensors' format)."""
+    config = {"quant_method": method.name}
+    try:
+        return tuple(method.parts(_validated(method, config)))
+    except (ValueError, KeyError):
+        try:
+            return tuple(method.parts(config))
+        except (ValueError, KeyError):
+            return None
+
+
+# The book's PARTS: {method: the tensors it stores per quantized linear}; METHODS[name].parts(config) gives them for
+# any configuration (GPTQ's GGML blocks, compressed-tensors' formats).
+PARTS = {name: parts for name, m in METHODS.items() if (parts := _default_parts(m)) is not None}
+
+
+def build(method, parts, q, dtype=None):
+    """The book's: one quantized linear from its checkpoint tensors. method: a quant_method name; parts {part: tensor}
+    (+ "bias"); q: the quantization_config; dtype: the dtype the layer returns (None: the activations')."""
+    entry = method_for({**q, "quant_method": method})
+    layer = entry.read(parts, _validated(entry, q))
+    if dtype is not None:
+        layer.dtype = dtype
+    return layer
 
 
 class LayerAssembler:
@@ -123,11 +160,15 @@ class LayerAssembler:
 
 
 @torch.no_grad()
-def load_quantized(directory, dtype=None, device="cpu", verify=True):
-    """A Qwen3 from a quantized checkpoint folder: the dense loader's checks and loop (engine.checkpoints.loaders.prepare,
-    load_tensors), with the method's LayerAssembler claiming the quantized linears' tensors. The
-    quantization_config is validated once, before anything is allocated. Unquantized tensors keep their stored
-    dtype (or `dtype`); quantized layers keep their own."""
+def load_quantized(directory, device="cpu", dtype=None, *, verify=True):
+    """The book's loader: a Qwen3 (or Llama / Qwen2) from a quantized checkpoint folder, any method of METHODS. The
+    dense loader's checks and loop (engine.loaders.prepare, load_tensors), with the method's LayerAssembler claiming
+    the quantized linears' tensors; a quantized layer is built as soon as all of its parts have arrived. The
+    quantization_config is validated once, before anything is allocated.
+
+    dtype: the unquantized tensors' dtype (the book's default is bfloat16; here None keeps the dtype they are stored
+    in, so a float32 checkpoint is not rounded); quantized layers keep their own codes and compute in float32.
+    verify=False skips the per-tensor SHA-256 check of files the engine wrote."""
     raw = read_config(directory)
     method = method_for(raw.get("quantization_config"))
     recorded = checkpoint_records(directory).get("engine.quantization_config_sha256")
@@ -171,19 +212,40 @@ def checkpoint_tensors(module, method, spec, prefix="", stored=None):
 
 
 @torch.no_grad()
-def save_quantized(model, directory, method, calibration_ids=None, quantization_config=None, force=False,
-                   side_files=None, **options):
-    """Write `model` as a `method` checkpoint (config.json + model.safetensors), atomically.
+def save_quantized(model, directory, method, calibration_ids=None, group_size=None, act_order=None, *,
+                   quantization_config=None, force=False, side_files=None, **options):
+    """The book's writer: `model` as a `method` checkpoint (config.json + model.safetensors), atomically.
 
-    A dense model is first quantized IN PLACE with the method's own quantizer (options such as group_size,
-    act_order go to it; calibration_ids [batch, tokens] for methods that need data); the digest of the dense model
-    is recorded in the checkpoint (engine.checkpoints.loaders.model_digest), so an evaluation can tell which model it came from. A model that is already
-    quantized (e.g. RTN or GPTQ layers written as compressed-tensors) is written as it is, with
-    `quantization_config` or the one recorded when it was quantized.
+    The book's arguments: calibration_ids [batch, tokens] for the methods that need data; group_size (None: the
+    book's 128 for gptq and awq, each other method's own default); act_order (GPTQ: True visits the columns by
+    decreasing H_ii and stores a permuted g_idx; False or None the natural order, the book's default; the engine's
+    other visits are the keyword order=). Other keywords go to the method's quantizer.
+    A dense model is first quantized IN PLACE with the method's own quantizer; the digest of the dense model is
+    recorded in the checkpoint (engine.loaders.model_digest), so an evaluation can tell which model it came from. A
+    model that is already quantized (e.g. RTN or GPTQ layers written as compressed-tensors) is written as it is,
+    with `quantization_config` or the one recorded when it was quantized.
     The save is atomic and refuses a folder that holds anything but an engine checkpoint unless force=True
-    (engine.checkpoints.safe_writes.atomic_directory); side_files(folder), if given, adds the tokenizer files to it. Returns
+    (engine.safe_writes.atomic_directory); side_files(folder), if given, adds the tokenizer files to it. Returns
     the quantization_config written.
     """
+    if calibration_ids is not None and not (isinstance(calibration_ids, torch.Tensor) and calibration_ids.dim() == 2
+                                            and not calibration_ids.dtype.is_floating_point):
+        raise ValueError(f"calibration_ids (the 4th argument) must be token ids [batch, tokens] or None, got "
+                         f"{type(calibration_ids).__name__}")
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise ValueError(f"group_size (the 5th argument) must be an int, got {group_size!r}")
+        options["group_size"] = group_size
+    if act_order is not None:
+        if not isinstance(act_order, bool):
+            raise ValueError(f"act_order (the 6th argument) is True or False, got {act_order!r}")
+        if method != "gptq":
+            raise ValueError(f"act_order is GPTQ's; method {method!r} has no column order")
+        if "order" in options and act_order:
+            raise ValueError(f"act_order=True and order={options['order']!r} ask for two visits; give one")
+        options.setdefault("order", "act_order" if act_order else "natural")
+    if method in BOOK_DEFAULTS and not quantized_linears(model):
+        options = {**BOOK_DEFAULTS[method], **options}
     method, options = resolve(method, options) if not quantized_linears(model) else (method, options)
     entry = METHODS[method]
     check_output(directory, force)                       # before minutes of quantization are spent
@@ -229,31 +291,3 @@ def checkpoint_bits(directory):
             owners.add(module)
     weights = sum(linears[m].in_features * linears[m].out_features for m in owners)
     return 8 * stored / weights if weights else None
-
-
-def load_model(path, dtype=None, device="cpu", dense=False, progress=None):
-    """Any model the engine reads: a .gguf file (gguf.py), a quantized checkpoint folder (config.json with a
-    quantization_config) or a dense one. dense=True turns every quantized layer into an nn.Linear holding its
-    dequantized weight (float32): the reference a GGUF model's own quantization defines. progress(iterable, total),
-    e.g. tqdm, wraps a GGUF file's tensors as they load."""
-    path = Path(path)
-    if path.suffix == ".gguf":
-        model = gguf.load_gguf(path, dtype or torch.float32, device, progress)
-    elif isinstance(read_config(path).get("quantization_config"), dict):
-        model = load_quantized(path, dtype, device)
-    else:
-        model = load_dense(path, dtype, device)
-    if dense:
-        for name, layer in quantized_linears(model).items():
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, _dense_linear(layer))
-    return model
-
-
-def _dense_linear(layer):
-    linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
-    with torch.no_grad():
-        linear.weight.copy_(layer.dequantize())
-        if layer.bias is not None:
-            linear.bias.copy_(layer.bias)
-    return linear

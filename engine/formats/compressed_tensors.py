@@ -29,11 +29,11 @@ computed at run time by vLLM and are not emulated here; static activation scales
 """
 import torch
 
-from ..formats.affine import AffineQuantLinear, pack_int32, unpack_int32
-from ..formats.base import CheckpointMethod, config_field, matrix_shape, quantized_linears, scale_tensor
-from ..formats.calibration import whole_model
-from ..formats.fp8 import FP8BlockLinear
-from ..formats.mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear
+from .affine import AffineQuantLinear, pack_int32, unpack_int32
+from .base import CheckpointMethod, config_field, matrix_shape, quantized_linears, scale_tensor
+from .calibration import whole_model
+from .fp8 import FP8BlockLinear
+from .mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear
 
 FORMATS = ("pack-quantized", "float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
 
@@ -200,7 +200,7 @@ def _read(p, spec):
         if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
             raise ValueError(f"weight must be float8_e4m3fn [out, in], got {w.dtype} {tuple(w.shape)}")
         shape = (-(-w.shape[0] // block), -(-w.shape[1] // block))
-        return FP8BlockLinear(w, _float_scale("weight_scale", p["weight_scale"], shape), p.get("bias"), block)
+        return FP8BlockLinear(w, _float_scale("weight_scale", p["weight_scale"], shape), p.get("bias"), block=block)
     packed = p["weight_packed"]
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise ValueError(f"weight_packed must be uint8 [out, in/2], got {packed.dtype} {tuple(packed.shape)}")
@@ -238,7 +238,7 @@ def _write_packed_int(layer, weights):
                          "points pack-quantized stores")
     zeros = layer.zeros.float()
     middle = 2 ** (bits - 1)
-    codes = torch.nn.functional.pad(layer.codes(), (0, -layer.in_features % per))
+    codes = torch.nn.functional.pad(layer.weight_codes, (0, -layer.in_features % per))
     tensors = {"weight_packed": pack_int32(codes, bits), "weight_scale": layer.scales.float(),
                "weight_shape": torch.tensor([layer.out_features, layer.in_features], dtype=torch.int64)}
     if weights.get("symmetric", True):

@@ -15,8 +15,8 @@ import re
 import torch
 from torch import nn
 
-from ..formats.base import linear_names
-from ..qwen3 import Qwen3, Qwen3Config
+from .formats.base import linear_names
+from .qwen3 import Qwen3, Qwen3Config
 from .safe_writes import atomic_directory, recover_interrupted_swap
 from .safetensors_io import (checkpoint_records, float_digest, nbytes, read_json, save_file, snapshot_tensors,
                              tensor_specs, write_json)
@@ -111,25 +111,37 @@ def prepare(directory, parts=()):
     return raw, cfg, model, specs
 
 
-def place(model, name, value, dtype, device):
-    """Put a checkpoint tensor where the model's (meta) parameter `name` is: same shape, a floating-point tensor for
-    a floating-point parameter, cast to dtype."""
-    module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    param = getattr(module, attr)
+def _check_value(name, value, param):
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(param.shape)}")
     if not value.dtype.is_floating_point or value.element_size() < 2:
         raise ValueError(f"{name}: checkpoint dtype {value.dtype} cannot fill a floating-point parameter")
     if not bool(torch.isfinite(value).all()):
         raise ValueError(f"{name}: checkpoint tensor holds NaN or infinite values")
+
+
+@torch.no_grad()
+def assign(param, value, name):
+    """The book's: copy a checkpoint tensor into an allocated parameter, in place, in the parameter's dtype. The
+    same checks as place: the model's shape, a floating-point tensor, finite values (ValueError naming `name`)."""
+    _check_value(name, value, param)
+    param.copy_(value.to(param.dtype))
+
+
+def place(model, name, value, dtype, device):
+    """Put a checkpoint tensor where the model's (meta) parameter `name` is, as a new parameter cast to dtype (the
+    engine's loop builds the model on the meta device, so nothing is allocated twice); checked as assign."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    param = getattr(module, attr)
+    _check_value(name, value, param)
     setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=param.requires_grad))
 
 
 def install_layer(model, name, layer, device="cpu"):
     """Put a quantized layer (a QuantLinear built from a format's tensors) in place of the model's nn.Linear `name`,
     which must exist and have the layer's shape."""
-    from ..formats.base import QuantLinear
+    from .formats.base import QuantLinear
     try:
         linear = model.get_submodule(name)           # (not a dict of every module: that per layer is quadratic)
     except AttributeError:
@@ -190,7 +202,7 @@ def model_digest(model):
     """SHA-256 of the weights a model computes with, as float32 (so that a lossless bf16 / f16 -> f32 load gives the
     same digest, and a quantized layer counts as its dequantized weight): the provenance a quantized checkpoint
     records, and `run.py eval` checks."""
-    from ..formats.base import QuantLinear
+    from .formats.base import QuantLinear
     tensors = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
@@ -226,7 +238,7 @@ def dense_tensors(model, dtype=None):
 
 
 def save_dense(model, directory, dtype=None, force=False, side_files=None):
-    """Write config.json + model.safetensors atomically (engine.checkpoints.safe_writes.atomic_directory: a failed or killed
+    """Write config.json + model.safetensors atomically (engine.safe_writes.atomic_directory: a failed or killed
     save leaves the old checkpoint or nothing; a folder holding other files is refused unless force=True).
     side_files(folder), if given, writes the rest of the checkpoint (tokenizer files) into the same atomic folder."""
     raw = model.cfg.to_hf()
