@@ -108,6 +108,9 @@ def build_parser():
                    help="'all' for every row, or only the rows whose label contains one of these substrings "
                         "(case-insensitive), e.g. --rows GPTQ NVFP4 \"KV cache\"")
     q.add_argument("--plot", metavar="FILE.png", help="also draw KL against bits per weight (needs matplotlib)")
+    q.add_argument("--reference-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the tiny model's reference (and the dense parts of every quantized copy): float32 (default) "
+                        "or bfloat16, as the book's table has it")
     real_eval(q)
     calib(q)
 

@@ -105,6 +105,8 @@ def cmd_quantformats(args):
     if args.model is not None:
         check_model_path(args.model)
     check_calibration(args)
+    if args.model is not None and args.reference_dtype != "float32":
+        raise ValueError("--reference-dtype is the tiny model's; a real model's reference is its own weights")
     from engine import quantformats
     if args.model is not None:
         return quantformats.real_table(args, selected)

@@ -59,6 +59,7 @@ def tiny_table(args, selected, book, n_all):
         log(f"the book's table: {len(selected)} rows (--rows all: all {n_all})")
     t0 = time.time()
     corpus, reference = tiny_setup(args.text, args.steps, args.seed)
+    reference = reference.to(getattr(torch, args.reference_dtype))
     t_trained = time.time()
     windows, calibration = corpus.eval_windows(), corpus.calibration()
     ref_logits = held_out_logits(reference, windows)

@@ -46,6 +46,7 @@ def rows():
         Row("RTN int4, g64", affine.quantize, dict(bits=4, group_size=64)),
         *gptq_order_rows(64),
         Row("AWQ int4, g64", awq.quantize, dict(group_size=64)),
+        Row("AWQ int4, g64, scales only (the book's)", awq.quantize, dict(group_size=64, clip=False)),
         Row("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
         Row("MXFP4", mx.quantize, dict(format="mxfp4")),
         Row("NVFP4", mx.quantize, dict(format="nvfp4")),
@@ -90,7 +91,7 @@ def book_rows():
 # Seconds a row takes on two idle cores (the tiny model, --impl torch), by label fragment, first match: the weights
 # of run.py's ETA (the pace of the run so far times the rows still to come). From the default table's row times at
 # load 11-15 (RTN 4 s, GPTQ 39-60, AWQ 92, EntQuant 72, with self-Hessian feedback 298, trellis L=8 27-29) scaled to
-# README's idle figures (L=16 trellis 35 s, BlockLDLQ L=16 69 s, all 57 rows 2.5 minutes). Other rows: about 1 s.
+# README's idle figures (L=16 trellis 35 s, BlockLDLQ L=16 69 s, all 58 rows 2.5 minutes). Other rows: about 1 s.
 EXPECTED_SECONDS = (("BlockLDLQ (QTIP-style), L=16", 70), ("L=16", 35), ("BlockLDLQ", 20), ("self-Hessian", 35),
                     ("self-Fisher", 20), ("EntQuant", 9), ("order search", 15), ("AWQ", 11), ("GPTQ", 6),
                     ("trellis", 3.5), ("lattice", 3), ("FP4", 1.6))

@@ -133,3 +133,17 @@ def test_llama_cpp_quantizes_iq2_only_with_our_imatrix_file(tmp_path):
     assert json.loads(done.stdout.splitlines()[-1])["imatrix_entries"] == 7
     with GGUFFile(tmp_path / "iq2.gguf") as f:
         assert {i.type_name for n, i in f.tensors.items() if n.startswith("blk.0.ffn_up")} == {"IQ2_XXS"}
+
+
+@pytest.mark.parametrize("features,usable", [("AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 |", True),
+                                             ("AVX2 = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 |", False)])
+def test_a_llama_cpp_build_with_amx_counts_as_not_installed(tmp_path, features, usable):
+    """llama-cpp-python 0.3.36 built natively on an AMX CPU segfaults on a quantized GGUF: the client check rejects
+    such a build (its system info lists AMX), so the portable build replaces it."""
+    import subprocess
+    (tmp_path / "llama_cpp.py").write_text(f"def llama_print_system_info():\n    return b'CPU : {features}'\n")
+    done = subprocess.run([sys.executable, "-c", frontier_peers.clients.LLAMA_IMPORT], cwd=tmp_path,
+                          env={"PYTHONPATH": str(tmp_path)}, capture_output=True)
+    assert (done.returncode == 0) == usable
+    flags = frontier_peers.clients.LLAMA_CMAKE_ARGS
+    assert "GGML_NATIVE=OFF" in flags and "AMX" not in flags

@@ -99,7 +99,7 @@ def test_choose_clip_never_increases_output_error():
     clip = choose_clip(w, x.T @ x / len(x), 3, 64)
     err = lambda wq: (x @ (wq - w).T).pow(2).mean()              # noqa: E731
     assert (clip <= 1).all() and (clip < 1).any()
-    assert err(fake_quantize(w, 3, 64, clip)) <= err(fake_quantize(w, 3, 64))
+    assert err(fake_quantize(w, 3, 64, clip=clip)) <= err(fake_quantize(w, 3, 64))
 
 
 @pytest.mark.parametrize("in_features, group, clipped", [(128, 64, False), (100, 32, True)])
@@ -109,7 +109,7 @@ def test_fake_quantize_is_exactly_the_stored_layer(in_features, group, clipped):
     clip = torch.rand(24, -(-in_features // group), generator=g) * 0.5 + 0.5 if clipped else None
     codes, scales, zeros = affine_codes(w, 4, group, clip)
     stored = affine.dequantize_affine(codes, scales, -zeros * scales, group)
-    assert torch.equal(fake_quantize(w, 4, group, clip), stored)
+    assert torch.equal(fake_quantize(w, 4, group, clip=clip), stored)
 
 
 @pytest.mark.parametrize("in_features, group", [(128, 64), (100, 32)])

@@ -1,5 +1,9 @@
-"""AWQ: the scale search (exact Gram-matrix error, never worse than RTN, >= 2x better with outlier channels), the
-scaling pairs with the GQA skip, the AutoAWQ GEMM layout (output 1's code in bits 16-19) and save -> load."""
+"""AWQ (chapter 39, "AWQ"): the scale search (never worse than RTN, >= 2x better with outlier channels), apply_awq,
+the AutoAWQ GEMM layout (output 1's code in bits 16-19); these are marked @book, and `pytest tests/test_ch39_awq.py
+--yours FILE` runs them on FILE's functions. Then the engine's own: the exact Gram-matrix error, the scaling pairs
+with the GQA skip, clipping, save -> load."""
+import copy
+
 import pytest
 import torch
 
@@ -9,6 +13,7 @@ from helpers import rtn_baseline
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+book = pytest.mark.book
 
 
 def outlier_inputs(tokens, n, seed, outliers=4, factor=30.0):
@@ -22,11 +27,13 @@ def output_error(x, w_hat, w):
     return (x @ (w_hat - w).T).pow(2).mean().item()
 
 
+@book("pack_awq", "unpack_awq")
 def test_pin_output_one_in_bits_16_to_19():
     codes = torch.zeros(2, 8, dtype=torch.uint8)
     codes[0, 1] = 0xF
     codes[1] = torch.arange(8)
-    packed = awq.pack_awq(codes)
+    packed = awq.pack_awq(codes, None)
+    assert packed.dtype == torch.int32 and packed.shape == (2, 1)
     assert packed[0, 0].item() == 0xF << 16
     assert packed[1, 0].item() == 0x75316420                  # nibbles hold columns 0 2 4 6 1 3 5 7
     assert torch.equal(awq.unpack_awq(packed), codes)
@@ -45,6 +52,7 @@ def test_gram_error_equals_direct_error():
     assert awq.scaled_error(w, s, stats.gram, 4, 32) == pytest.approx(direct, rel=1e-4)
 
 
+@book("search_scale")
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_awq_beats_rtn_2x_with_outlier_channels(seed):
     torch.manual_seed(seed)
@@ -56,6 +64,7 @@ def test_awq_beats_rtn_2x_with_outlier_channels(seed):
     assert alpha > 0 and awq_err * 2 <= rtn_err
 
 
+@book("search_scale")
 def test_search_never_worse_than_rtn_without_outliers():
     torch.manual_seed(4)
     x = torch.randn(512, 64)
@@ -64,6 +73,45 @@ def test_search_never_worse_than_rtn_without_outliers():
     for_s = sum(output_error(x, affine.fake_quantize(w * s, 4, 32) / s, w) for w in ws)
     for_rtn = sum(output_error(x, affine.fake_quantize(w, 4, 32), w) for w in ws)
     assert for_s <= for_rtn * (1 + 1e-5)
+
+
+@book("apply_awq")
+def test_apply_awq_quantizes_every_linear_and_protects_outlier_channels(tiny_model):
+    """A model whose norms feed a few channels 20x larger (the outliers real LLMs grow): apply_awq replaces every
+    linear by the AffineQuantLinear it returns, and its output is closer to the float model's than round-to-nearest's
+    at the same bits."""
+    torch.manual_seed(0)
+    model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[torch.randperm(norm.weight.numel())[:3]] *= 20
+    ids = torch.randint(0, 256, (4, 48))
+    with torch.no_grad():
+        reference = model(ids)
+        rtn = copy.deepcopy(model)
+        for name, linear in list(rtn.named_modules()):
+            if isinstance(linear, torch.nn.Linear) and name != "lm_head":
+                parent, _, child = name.rpartition(".")
+                setattr(rtn.get_submodule(parent), child, affine.AffineQuantLinear.from_weight(linear.weight, 4, 32))
+        rtn_error = (rtn(ids) - reference).pow(2).mean()
+        replaced = awq.apply_awq(model, ids, 4, 32)
+        assert len(replaced) == 7 * len(model.model.layers)
+        assert all(model.get_submodule(name) is layer for name, layer in replaced.items())
+        assert all(isinstance(layer, affine.AffineQuantLinear) for layer in replaced.values())
+        assert (model(ids) - reference).pow(2).mean() < 0.8 * rtn_error
+
+
+@book("to_checkpoint", "from_checkpoint")
+def test_to_checkpoint_writes_autoawq_gemm_tensors_that_read_back_exactly():
+    """qweight int32 [in, out / 8], qzeros int32 [groups, out / 8], scales f16 [groups, out]."""
+    torch.manual_seed(6)
+    layer = affine.AffineQuantLinear.from_weight(torch.randn(32, 128) * 0.05, 4, 64)
+    t = awq.to_checkpoint(layer)
+    assert t["qweight"].dtype == t["qzeros"].dtype == torch.int32 and t["scales"].dtype == torch.float16
+    assert t["qweight"].shape == (128, 4) and t["qzeros"].shape == (2, 4) and t["scales"].shape == (2, 32)
+    back = awq.from_checkpoint(t["qweight"], t["qzeros"], t["scales"], 64, None, torch.float32)
+    assert torch.equal(back.dequantize(), layer.dequantize())
 
 
 def test_checkpoint_round_trip_and_refusals():

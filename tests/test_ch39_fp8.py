@@ -1,4 +1,6 @@
-"""Chapter 39, FP8 block scales: quantize_blocks on ragged shapes, w8a8_reference, FP8BlockLinear and its kernel."""
+"""FP8 block scales (chapter 39, "FP8 checkpoints"): quantize_blocks on ragged shapes, w8a8_reference and the W8A16
+kernel, marked @book (`pytest tests/test_ch39_fp8.py --yours FILE` runs them on FILE's functions); then the
+engine's FP8BlockLinear and its checkpoint parts."""
 import pytest
 import torch
 from torch import nn
@@ -6,11 +8,14 @@ from torch import nn
 from engine.formats import base
 from engine.formats import fp8
 
+book = pytest.mark.book
+
 
 def _per_weight_scale(scale_inv, shape, block):
     return scale_inv.repeat_interleave(block, 0)[:shape[0]].repeat_interleave(block, 1)[:, :shape[1]]
 
 
+@book("quantize_blocks", "dequantize_blocks")
 @pytest.mark.parametrize("shape,block", [((130, 200), 128), ((256, 128), 128), ((5, 7), 4), ((33, 65), 32)])
 def test_quantize_blocks_ragged(shape, block):
     torch.manual_seed(0)
@@ -58,6 +63,7 @@ def _w8a8_loop(x, weight, scale_inv, block):
     return out
 
 
+@book("quantize_activations", "w8a8_reference")
 def test_w8a8_reference():
     torch.manual_seed(1)
     x, w = torch.randn(6, 256), torch.randn(200, 256) * 0.05
@@ -68,6 +74,20 @@ def test_w8a8_reference():
     rel = (y - dense).norm() / dense.norm()
     assert rel < 0.05                                 # both operands in E4M3: a few percent at most
     assert (y - x @ fp8.dequantize_blocks(q, s).T).abs().max() > 0     # activations really were rounded
+
+
+@book("fp8_block_matmul")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_w8a16_kernel_computes_x_times_the_dequantized_weight(dtype):
+    """fp8_block_matmul(x, weight, scale_inv) = x @ dequantize_blocks(weight, scale_inv)^T, returned in x's dtype
+    (a ragged last block of outputs included)."""
+    torch.manual_seed(4)
+    q, s = fp8.quantize_blocks(torch.randn(200, 256) * 0.05)
+    x = torch.randn(5, 256).to(dtype)
+    expected = x.float() @ fp8.dequantize_blocks(q, s).T
+    for y in (fp8.fp8_block_matmul(x, q, s), fp8.fp8_block_matmul(x, q, s, block_m=16, block_n=32, block_k=32)):
+        assert y.dtype == dtype and y.shape == (5, 200)
+        assert torch.allclose(y.float(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
 def test_quantize_activations_shapes():

@@ -1,12 +1,110 @@
-"""load_quantized / save_quantized: the registry, the streaming build, and a clear error for every malformed input."""
+"""Loading and writing checkpoints (chapter 39): save_quantized and load_quantized for GPTQ, AWQ and FP8 in the
+real tools' layouts, marked @book (`pytest tests/test_ch39_quantized_checkpoints.py --yours FILE` runs them on FILE's
+functions); then the engine's registry of every method, the streaming build, and a clear error for every malformed
+input."""
 import copy
 import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
+from engine.formats import quantized_checkpoints as qc
 from engine.formats.quantized_checkpoints import METHODS, load_quantized, save_quantized
 from helpers import rewrite_tensors
+
+book = pytest.mark.book
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+# ---- the chapter's checks ---------------------------------------------------------------------------------------
+
+def _saved(model, directory, method):
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(7))
+    qc.save_quantized(model, directory, method, ids, *([32] if method != "fp8" else []))
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    return json.loads((directory / "config.json").read_text()), tensors
+
+
+@book("save_quantized", "load_quantized")
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+def test_a_written_checkpoint_loads_back_close_to_the_original_model(tiny_model, tmp_path, method):
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        reference = torch.log_softmax(tiny_model(ids), -1)
+    _saved(copy.deepcopy(tiny_model), tmp_path, method)
+    loaded = qc.load_quantized(tmp_path, "cpu", torch.float32)
+    assert not any(isinstance(loaded.get_submodule(f"model.layers.0.{name}"), torch.nn.Linear) for name in LINEARS)
+    with torch.no_grad():
+        logp = torch.log_softmax(loaded(ids), -1)
+    kl = (reference.exp() * (reference - logp)).sum(-1).mean()
+    assert 0 < kl < (1e-3 if method == "fp8" else 3e-2)                    # quantized: close, not equal
+
+
+@book("save_quantized")
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+def test_the_checkpoint_holds_the_real_tools_tensors(tiny_model, tmp_path, method):
+    """The layouts of AutoGPTQ, AutoAWQ and the FP8 block checkpoints, as config.json and each linear's tensors."""
+    raw, tensors = _saved(copy.deepcopy(tiny_model), tmp_path, method)
+    q = raw["quantization_config"]
+    assert q["quant_method"] == method
+    out_f, in_f = tiny_model.model.layers[0].mlp.up_proj.weight.shape
+    parts = {k.rpartition(".")[2]: v for k, v in tensors.items() if k.startswith("model.layers.0.mlp.up_proj.")}
+    if method == "gptq":
+        assert (q["bits"], q["group_size"], q["desc_act"]) == (4, 32, False)         # the book's natural order
+        assert parts["qweight"].dtype == parts["qzeros"].dtype == parts["g_idx"].dtype == torch.int32
+        assert parts["qweight"].shape == (in_f // 8, out_f) and parts["qzeros"].shape == (in_f // 32, out_f // 8)
+        assert parts["scales"].dtype == torch.float16 and parts["scales"].shape == (in_f // 32, out_f)
+        assert torch.equal(parts["g_idx"].long(), torch.arange(in_f) // 32)
+    elif method == "awq":
+        assert (q["bits"], q["group_size"], q["zero_point"], q["version"]) == (4, 32, True, "gemm")
+        assert parts["qweight"].dtype == torch.int32 and parts["qweight"].shape == (in_f, out_f // 8)
+        assert parts["qzeros"].shape == (in_f // 32, out_f // 8) and parts["scales"].shape == (in_f // 32, out_f)
+    else:
+        assert q["weight_block_size"] == [128, 128]
+        assert parts["weight"].dtype == torch.float8_e4m3fn and parts["weight"].shape == (out_f, in_f)
+        assert parts["weight_scale_inv"].dtype == torch.float32
+        assert parts["weight_scale_inv"].shape == (-(-out_f // 128), -(-in_f // 128))
+    assert "model.embed_tokens.weight" in tensors and "model.norm.weight" in tensors          # the rest as usual
+
+
+def test_the_writer_refuses_an_option_the_method_does_not_take(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match=r"method 'fp8' takes no option 'group_size' \(the book's group_size is "):
+        save_quantized(copy.deepcopy(tiny_model), tmp_path / "x", "fp8", None, 32)
+    with pytest.raises(ValueError, match="method 'awq' takes no option 'act_order_static'"):
+        save_quantized(copy.deepcopy(tiny_model), tmp_path / "x", "awq", None, act_order_static=True)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("args,match", [((32, True), r"calibration_ids \(the 4th argument\) must be token ids"),
+                                        ((None, True), r"group_size \(the 5th argument\) must be an int"),
+                                        ((None, 32, "yes"), r"act_order \(the 6th argument\) is True or False")])
+def test_book_positions_that_do_not_fit_are_refused(tiny_model, tmp_path, args, match):
+    """save_quantized(model, dir, "gptq", 32, True) meant group 32 and act-order under another signature: here the
+    book's positions are (calibration_ids, group_size, act_order), so it is refused, not written as something else."""
+    with pytest.raises(ValueError, match=match):
+        save_quantized(copy.deepcopy(tiny_model), tmp_path / "x", "gptq", *args)
+    assert not (tmp_path / "x").exists()
+
+
+@book("load_quantized")
+def test_the_loader_refuses_what_it_cannot_read(fp8_checkpoint):
+    _edit_config(fp8_checkpoint, lambda raw: raw["quantization_config"].update(quant_method="bitnet"))
+    with pytest.raises(ValueError, match="(?i)unsupported quant_method 'bitnet'"):
+        qc.load_quantized(fp8_checkpoint)
+
+
+@book("load_quantized")
+def test_the_loader_refuses_an_unexpected_tensor(tiny_model, tmp_path):
+    _saved(copy.deepcopy(tiny_model), tmp_path, "fp8")
+    rewrite_tensors(tmp_path, lambda t: t.update({"model.layers.0.mlp.surprise": torch.zeros(3)}))
+    with pytest.raises(ValueError, match="(?i)unexpected tensor model.layers.0.mlp.surprise"):
+        qc.load_quantized(tmp_path)
+
+
+# ---- the engine's ---------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture

@@ -1,4 +1,7 @@
-"""Trellis codes (QTIP / EXL3 style): the codes, Viterbi's optimality, the bitstream, the kernel, BlockLDLQ."""
+"""Trellis codes (chapter 39, "Trellis codes: QTIP and EXL3"). First the chapter's checks, marked @book (`pytest
+tests/test_ch39_trellis.py --yours FILE` runs them on FILE's functions): Viterbi's optimality by brute force, its
+Gaussian MSE, the codebook, the random Hadamard rotation, quantize_trellis' rate and error. Then the engine's: the
+3INST code, the fast Viterbi, tail-biting, the bitstream, the kernel, BlockLDLQ."""
 import copy
 import itertools
 
@@ -8,12 +11,13 @@ import torch
 
 from engine.formats import quantized_checkpoints as registry
 from engine.formats import base
-from engine.formats import hadamard, trellis, viterbi
+from engine.formats import affine, hadamard, trellis, viterbi
 from engine.formats.base import quantized_linears
 from engine.kernels import triton_formats
 from engine.qwen3 import Qwen3, Qwen3Config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+book = pytest.mark.book
 
 
 def _1mad_by_hand(s):
@@ -35,7 +39,7 @@ def test_codes_match_their_definitions_and_codebook_is_normalized():
         assert a == pytest.approx(_1mad_by_hand(s), abs=1e-6)
         assert b == pytest.approx(_3inst_by_hand(s), abs=1e-6)
     for code in trellis.CODES:
-        table = trellis.codebook(10, code).double()
+        table = trellis.codebook(10, code=code).double()
         assert abs(table.mean()) < 1e-5 and table.std() == pytest.approx(1.0, abs=1e-5)
 
 
@@ -59,6 +63,74 @@ def _brute_force(x, table, L, K, wrap=None):
 def _is_trellis_path(states, L, K):
     return bool((states[..., 1:] >> K == states[..., :-1] % 2 ** (L - K)).all())
 
+
+# ---- the chapter's checks ---------------------------------------------------------------------------------------
+
+def _path(start, symbols, L, K):
+    """The states a start state and its K-bit symbols walk through: s_t = ((s_{t-1} << K) | b_t) mod 2^L."""
+    states = [int(start)]
+    for b in symbols.tolist():
+        states.append(((states[-1] << K) | int(b)) % 2 ** L)
+    return torch.tensor(states)
+
+
+@book("codebook")
+@pytest.mark.parametrize("L", [8, 10])
+def test_the_codebook_has_zero_mean_and_unit_variance(L):
+    table = trellis.codebook(L)
+    assert table.shape == (2 ** L,) and table.dtype == torch.float32
+    assert abs(float(table.double().mean())) < 1e-5 and float(table.double().std()) == pytest.approx(1.0, abs=1e-5)
+    assert len(set(table.tolist())) > 2 ** L // 8                          # a spread of values, not a few levels
+
+
+@book("viterbi_encode")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_viterbi_encode_is_optimal_by_brute_force(seed):
+    """Every one of the 2^4 x 2^5 codes of a 16-state, 1-bit trellis over 6 steps: none is closer to x."""
+    L, K = 4, 1
+    x = torch.randn(6, generator=torch.Generator().manual_seed(seed))
+    start, symbols, recon = trellis.viterbi_encode(x, L, K)
+    table = trellis.codebook(L)
+    assert isinstance(start, int) and symbols.shape == (5,) and recon.shape == (6,)
+    assert torch.equal(recon, table[_path(start, symbols, L, K)])          # the symbols walk the trellis
+    assert float(((x - recon) ** 2).sum()) == pytest.approx(_brute_force(x, table, L, K), rel=1e-5)
+
+
+@book("viterbi_encode")
+def test_viterbi_on_gaussian_data_beats_the_best_scalar_code():
+    """About 0.08 per unit variance at L = 8, K = 2 (2 bits per weight plus the start state), where Lloyd-Max, the
+    best 2-bit scalar code, has 0.118."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    mse = torch.stack([(trellis.viterbi_encode(row, 8, 2)[2] - row).pow(2).mean() for row in x]).mean()
+    assert mse < 0.09                                                      # (0.087 on this sample)
+
+
+@book("random_hadamard")
+def test_random_hadamard_is_orthogonal_and_spreads_an_outlier():
+    h = trellis.random_hadamard(256, seed=3)
+    assert torch.allclose(h @ h.T, torch.eye(256), atol=1e-5)
+    spike = torch.zeros(256)
+    spike[7] = 16.0
+    assert torch.allclose((h @ spike).abs(), torch.ones(256))              # one outlier, spread over all 256
+    with pytest.raises(ValueError):
+        trellis.random_hadamard(96)
+
+
+@book("quantize_trellis")
+def test_quantize_trellis_counts_its_bits_and_beats_two_bit_rtn():
+    """Rows with outliers, rotated to look Gaussian and coded at K = 2: (L + K (group - 1) + 16) / group bits, and a
+    much smaller error than round-to-nearest at 2.5 bits."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(8, 512, generator=g) * 0.02
+    w[:, torch.randperm(512, generator=g)[:6]] *= 12
+    w_hat, bits = trellis.quantize_trellis(w, 8, 2, 256, 0)
+    assert w_hat.shape == w.shape and bits == pytest.approx((8 + 2 * 255 + 16) / 256)
+    trellis_mse = (w_hat - w).pow(2).mean()
+    assert trellis_mse < 0.5 * (affine.fake_quantize(w, 2, 64) - w).pow(2).mean()
+    assert trellis_mse < 0.12 * w.pow(2).mean()
+
+
+# ---- the engine's ---------------------------------------------------------------------------------------------------
 
 def test_viterbi_is_optimal_by_brute_force():
     """Every one of the 2^4 x 2^5 codes of a 16-state, 1-bit trellis over 6 steps; three sequences in one batch."""
@@ -89,7 +161,7 @@ def test_fast_viterbi_finds_the_textbook_paths(L, K, T):
     rotated symbols) and L=16 included; many small chunks on two threads give the same answer as one."""
     torch.manual_seed(L * 10 + K)
     x = torch.randn(3, T)
-    table = trellis.codebook(L, "3inst" if L == 16 else "1mad")
+    table = trellis.codebook(L, code="3inst" if L == 16 else "1mad")
     for wrap in (None, torch.randint(0, 2 ** (L - K), (3,))):
         reference = viterbi.viterbi_reference(x, table, L, K, wrap)
         assert torch.equal(viterbi.viterbi(x, table, L, K, wrap), reference)

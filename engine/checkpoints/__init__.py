@@ -1,2 +1,2 @@
-"""Reading and writing checkpoints: the method registry, the loaders, safetensors and GGUF files, the layer-by-layer
-converter, tokenizer files, and what loads where."""
+"""Other tools' files and the big jobs: GGUF (reader, writer, tokenizer), any model by its path, the layer-by-layer
+converter, tokenizer files, and what loads where. The chapter's own loader and writer are engine/formats/'s."""

@@ -1,2 +1,2 @@
-"""The book's quantization methods, one file each, and the numerics they share (base, affine, obq, calibration,
-minifloats, hadamard, ggml); engine/checkpoints/ reads and writes them."""
+"""The book's quantization methods, one file each, the chapter's loader and writer (quantized_checkpoints), and the
+numerics they share (base, affine, obq, calibration, minifloats, hadamard, ggml)."""

@@ -29,7 +29,7 @@ from .calibration import whole_model
 
 # ---- choosing the grid ------------------------------------------------------------------------------------------
 
-def find_params(w, bits, sym=False, f16=True):
+def find_params(w, bits, *, sym=False, f16=True):
     """w [rows, n] -> (scale [rows], zero [rows]) of the affine grid covering each row's range (0 included).
     sym=True puts the zero point in the middle of the grid (GPTQ's sym option). f16=False keeps the float32 scale
     (the reference GPTQ code's, which rounds it to f16 only when it writes the file)."""
@@ -69,7 +69,7 @@ def affine_codes(weight, bits=4, group_size=64, clip=None, sym=False):
     out_f, in_f = weight.shape
     g = grouped(weight, group_size)
     fit = g if clip is None else g * clip[..., None]
-    scale, zero = find_params(fit.reshape(-1, group_size), bits, sym)
+    scale, zero = find_params(fit.reshape(-1, group_size), bits, sym=sym)
     scale, zero = scale.reshape(out_f, -1), zero.reshape(out_f, -1)
     q = (g / scale[..., None]).round().add(zero[..., None]).clamp(0, 2 ** bits - 1)
     codes = q.reshape(out_f, -1)[:, :in_f].to(torch.uint8)
@@ -98,13 +98,13 @@ def fake_quantize_grouped(g, bits=4, clip=None, sym=False):
     dequantize_affine without the codes and the per-weight copies of scales and offsets (the same float ops, so the
     same values: what the model sees)."""
     fit = g if clip is None else g * clip[..., None]
-    scale, zero = find_params(fit.reshape(-1, g.shape[-1]), bits, sym)
+    scale, zero = find_params(fit.reshape(-1, g.shape[-1]), bits, sym=sym)
     scale, zero = scale.reshape(g.shape[:2])[..., None], zero.reshape(g.shape[:2])[..., None]
     q = (g / scale).round().add(zero).clamp(0, 2 ** bits - 1)
     return q * scale + -zero * scale
 
 
-def fake_quantize(weight, bits=4, group_size=64, clip=None, sym=False):
+def fake_quantize(weight, bits=4, group_size=64, *, clip=None, sym=False):
     """Quantize and immediately dequantize: weight [out, in] -> what the model sees, float32 [out, in]."""
     return fake_quantize_grouped(grouped(weight, group_size), bits, clip, sym).flatten(1)[:, :weight.shape[1]]
 
@@ -122,7 +122,7 @@ def choose_clip_reference(weight, inputs, bits=4, group_size=64, grid=20, max_sh
     best = torch.ones(wg.shape[:2])
     for ratio in torch.linspace(1.0, 1.0 - max_shrink, grid):
         clip = torch.full(wg.shape[:2], float(ratio))
-        dw = grouped(fake_quantize(weight, bits, group_size, clip), group_size) - wg
+        dw = grouped(fake_quantize(weight, bits, group_size, clip=clip), group_size) - wg
         err = torch.einsum("tgk,ogk->tog", xg, dw).pow(2).mean(0)
         better = err < best_err
         best_err, best = torch.where(better, err, best_err), torch.where(better, clip, best)

@@ -135,7 +135,7 @@ def group_grid(w, bits, sym=False, min_zero=0, f16=True):
 
     A group whose grid would start at zero (its weights all >= 0, or nearly) gets zero = min_zero and a grid
     stretched so its top code still reaches the group's maximum: scale = max / (top - min_zero)."""
-    scale, zero = find_params(w, bits, sym, f16)
+    scale, zero = find_params(w, bits, sym=sym, f16=f16)
     if min_zero:
         top = 2 ** bits - 1
         low = zero < min_zero
@@ -261,8 +261,9 @@ def pack_gptq(codes, scales, zeros, g_idx, *, bits=4, checkpoint_format="gptq"):
     zeros = zeros.round().to(torch.int64)
     if checkpoint_format == "gptq":
         if (zeros < 1).any():
-            raise ValueError("a zero point of 0 cannot be stored in a GPTQ v1 checkpoint (0 - 1 wraps to "
-                             f"{2 ** bits - 1}); quantize with min_zero=1, use make_v1_safe, or write gptq_v2")
+            raise ValueError("a zero point of 0 cannot be stored in a GPTQ v1 checkpoint: 0 - 1 wraps to "
+                             f"{2 ** bits - 1}, which every v1 reader decodes as {2 ** bits} (the book's pack_gptq "
+                             "writes it so); quantize with min_zero=1, use make_v1_safe, or write gptq_v2")
         zeros = zeros - 1
     return {"qweight": pack_int32(codes, bits).T.contiguous(),
             "qzeros": pack_int32(zeros.T, bits).contiguous(),

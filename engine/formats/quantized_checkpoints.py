@@ -239,11 +239,12 @@ def save_quantized(model, directory, method, calibration_ids=None, group_size=No
     if act_order is not None:
         if not isinstance(act_order, bool):
             raise ValueError(f"act_order (the 6th argument) is True or False, got {act_order!r}")
-        if method != "gptq":
-            raise ValueError(f"act_order is GPTQ's; method {method!r} has no column order")
+        if method != "gptq" and act_order:
+            raise ValueError(f"act_order=True is GPTQ's; method {method!r} has no column order")
         if "order" in options and act_order:
             raise ValueError(f"act_order=True and order={options['order']!r} ask for two visits; give one")
-        options.setdefault("order", "act_order" if act_order else "natural")
+        if method == "gptq":
+            options.setdefault("order", "act_order" if act_order else "natural")
     if method in BOOK_DEFAULTS and not quantized_linears(model):
         options = {**BOOK_DEFAULTS[method], **options}
     method, options = resolve(method, options) if not quantized_linears(model) else (method, options)
@@ -251,6 +252,11 @@ def save_quantized(model, directory, method, calibration_ids=None, group_size=No
     check_output(directory, force)                       # before minutes of quantization are spent
     layers = quantized_linears(model)
     if not layers:
+        accepted = method_options(method)
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            why = " (the book's group_size is GPTQ's and AWQ's)" if "group_size" in unknown else ""
+            raise ValueError(f"method {method!r} takes no option {unknown[0]!r}{why}; it takes {sorted(accepted)}")
         model.source_digest = model_digest(model)
         quantization_config = entry.quantize(model, calibration_ids, **options)
         layers = quantized_linears(model)

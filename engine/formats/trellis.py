@@ -39,6 +39,7 @@ from . import calibration, hadamard, viterbi
 from .affine import pack_bits
 from .base import CheckpointMethod, QuantLinear, config_field
 from .obq import error_feedback, inverse_cholesky
+from .hadamard import random_hadamard  # noqa: F401  (the book imports it from here)
 
 CODES = ("1mad", "3inst")
 # Each code's hash constants (QTIP's): code_1mad / code_3inst below and the Triton kernel both take them from here.
@@ -93,7 +94,7 @@ def _codebook(L, code):
     return (raw - mean) * inv_std                          # float32 ops in this order: the kernel repeats them
 
 
-def codebook(L, code="1mad"):
+def codebook(L, *, code="1mad"):
     """The value of every L-bit state [2^L] float32: zero mean, unit variance over the states."""
     return _codebook(L, code).clone()
 

@@ -1,13 +1,17 @@
-"""Chapter 39, FP4: the E2M1 grid and its rounding, MXFP4 (both layouts), NVFP4, the FP4 layers and kernels."""
+"""FP4 (chapter 39, "FP4: MXFP4 and NVFP4"): MXFP4 in both layouts (the split one checked against GGUF's decoder) and
+NVFP4, marked @book (`pytest tests/test_ch39_fp4.py --yours FILE` runs them on FILE's functions); then the engine's
+E2M1 rounding, exponents, layers and kernels."""
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from engine.formats import base
+from engine.formats import base, ggml
 from engine.formats import mx
 from engine.kernels import triton_formats
+
+book = pytest.mark.book
 
 MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -49,6 +53,7 @@ def test_to_e2m1_is_nearest_by_brute_force():
     assert tie.sum() >= 14 and ((codes[tie] & 1) == 0).all()
 
 
+@book("quantize_mxfp4", "dequantize_mxfp4")
 @pytest.mark.parametrize("layout", ["interleaved", "split"])
 def test_mxfp4_round_trip(layout):
     torch.manual_seed(0)
@@ -67,6 +72,18 @@ def test_mxfp4_round_trip(layout):
     assert ((w - w_hat).abs() <= 2 * step).all()
 
 
+@book("quantize_mxfp4", "dequantize_mxfp4")
+def test_the_split_layout_is_ggufs_mxfp4_block():
+    """A GGUF MXFP4 block is the E8M0 byte, then the 16 bytes of the split layout (element j low, j + 16 high):
+    chapter 38's GGUF decoder reads them as dequantize_mxfp4 does."""
+    torch.manual_seed(5)
+    w = torch.randn(4, 128) * 3
+    blocks, scales = mx.quantize_mxfp4(w, "split")
+    raw = torch.cat((scales[..., None], blocks), -1).reshape(-1)                  # [4, 4 blocks, 17 bytes]
+    assert torch.equal(ggml.dequantize(raw, "MXFP4", (4, 128)), mx.dequantize_mxfp4(blocks, scales, "split"))
+
+
+@book("quantize_mxfp4", "dequantize_mxfp4")
 def test_mxfp4_layouts_hold_the_same_values():
     torch.manual_seed(1)
     w = torch.randn(3, 96)
@@ -85,6 +102,7 @@ def test_exponent_just_below_a_power_of_two():
     assert mx.quantize_mxfp4(w)[1].item() == 127                 # floor(log2(7.99..)) - 2 = 0
 
 
+@book("quantize_nvfp4", "dequantize_nvfp4")
 def test_nvfp4_round_trip():
     torch.manual_seed(2)
     w = torch.randn(40, 48) * torch.rand(40, 1) * 4
@@ -94,11 +112,18 @@ def test_nvfp4_round_trip():
     assert block_scale.float().max() == 448                      # the largest block uses E4M3's top value
     scale = (block_scale.float() * tensor_scale).repeat_interleave(16, 1)
     w_hat = mx.dequantize_nvfp4(packed, block_scale, tensor_scale)
-    assert torch.equal(mx.dequantize_nvfp4(packed.flatten(-2), block_scale, tensor_scale), w_hat)   # stored flat
     assert ((w - w_hat).abs() <= scale * 1.0 + 1e-7).all()       # half of E2M1's widest step (2), or saturation
     assert torch.equal(mx.to_e2m1(w_hat / scale) & 7, mx.to_e2m1(w / scale) & 7)   # codes are nearest
 
 
+def test_nvfp4_codes_read_as_checkpoints_store_them_flat():
+    packed, block_scale, tensor_scale = mx.quantize_nvfp4(torch.randn(8, 64))
+    assert torch.equal(mx.dequantize_nvfp4(packed.flatten(-2), block_scale, tensor_scale),
+                       mx.dequantize_nvfp4(packed, block_scale, tensor_scale))
+    assert torch.equal(mx.NVFP4Linear(packed, block_scale, tensor_scale).packed, packed.flatten(-2))
+
+
+@book("quantize_mxfp4", "dequantize_mxfp4", "quantize_nvfp4", "dequantize_nvfp4")
 def test_nvfp4_beats_mxfp4_on_gaussian_weights():
     torch.manual_seed(3)
     w = torch.randn(256, 256)
