@@ -39,7 +39,8 @@ from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from engine.data import PYDOC, SELF, Corpus, calibration_ids, default_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models  # noqa: E402
-from engine.formats import affine, awq, gptq  # noqa: E402
+from engine.formats.numerics import affine  # noqa: E402
+from engine.formats import awq, gptq  # noqa: E402
 
 OUT = Path(os.environ.get("ENGINE_CALIBRATION", Path.home() / ".cache" / "engine" / "calibration"))
 GPL3 = Path("/usr/share/common-licenses/GPL-3")

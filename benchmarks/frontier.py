@@ -42,8 +42,9 @@ import frontier_peers as peers  # noqa: E402
 import frontier_reference as reference  # noqa: E402
 from engine.checkpoints.gguf_writer import gguf_name  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, kl_per_position  # noqa: E402
-from engine.formats import affine, awq, entropy, fp8, gptq, lattice, mx, nf4, trellis  # noqa: E402
-from engine.formats.base import model_bits  # noqa: E402
+from engine.formats.numerics import affine  # noqa: E402
+from engine.formats import awq, entropy, fp8, gptq, lattice, mx, nf4, trellis  # noqa: E402
+from engine.formats.numerics.base import model_bits  # noqa: E402
 
 OUT = Path(os.environ.get("ENGINE_FRONTIER", Path.home() / ".cache" / "engine" / "frontier"))
 RATES = (2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.5, 8.0)

@@ -38,7 +38,8 @@ from engine.checkpoints import gguf, gguf_writer  # noqa: E402
 from engine.loaders import dense_tensors, load_dense, save_dense  # noqa: E402
 from engine.formats.quantized_checkpoints import load_quantized, save_quantized  # noqa: E402
 from engine.safetensors_io import INDEX, read_header, save_file, write_json  # noqa: E402
-from engine.formats import affine, ggml  # noqa: E402
+from engine.formats.numerics import affine  # noqa: E402
+from engine.formats.llama_cpp import ggml  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

@@ -28,8 +28,9 @@ from clients import VENV, client_python, compare, log, run_client  # noqa: E402
 from engine.checkpoints import gguf, gguf_tokenizer
 from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
-from engine.formats import affine, gptq  # noqa: E402
-from engine.formats.base import quantized_linears  # noqa: E402
+from engine.formats.numerics import affine  # noqa: E402
+from engine.formats import gptq  # noqa: E402
+from engine.formats.numerics.base import quantized_linears  # noqa: E402
 
 QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 

@@ -57,7 +57,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.formats import calibration, gptq
+from engine.formats.numerics import calibration
+from engine.formats import gptq
 
 # benchmark name -> (the engine's order, GPTQModel's QuantizeConfig options; None: GPTQModel has no such order)
 ORDERS = {"natural": ("natural", {}), "desc_act": ("act_order", {"act_order": True}),

@@ -173,7 +173,8 @@ def matmul_cases():
     """name -> build(w [out, in] float32) -> a layer (kernel_matmul, dequantize, storage_bits, to)."""
     import torch
     from torch import nn
-    from engine.formats import affine, fp8, mx, trellis
+    from engine.formats.numerics import affine
+    from engine.formats import fp8, mx, trellis
 
     def linear(w):
         lin = nn.utils.skip_init(nn.Linear, w.shape[1], w.shape[0], bias=False)
@@ -340,7 +341,7 @@ def quantformats(torch, impl, device, rows):
     """run.py quantformats --impl IMPL for these rows, its evaluation on `device`: {label: raw KL stats}."""
     import run
     from engine import evaluation, quantformats
-    from engine.formats.base import impl as use_impl
+    from engine.formats.numerics.base import impl as use_impl
     recorded = []
     evaluate, kl_stats = quantformats.evaluate, quantformats.kl_stats
 

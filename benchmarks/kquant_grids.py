@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from engine.checkpoints.models import load_model
-from engine.formats import ggml, gptq, gptq_ggml
-from engine.formats.calibration import capture
+from engine.formats.llama_cpp import ggml
+from engine.formats import gptq, gptq_ggml
+from engine.formats.numerics.calibration import capture
 
 
 @torch.no_grad()

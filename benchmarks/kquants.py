@@ -38,7 +38,7 @@ from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats  # noqa: E402
 from engine.formats import gptq, gptq_ggml  # noqa: E402
-from engine.formats.base import linear_names, quantized_linears  # noqa: E402
+from engine.formats.numerics.base import linear_names, quantized_linears  # noqa: E402
 from engine.qwen3 import Qwen3Config  # noqa: E402
 from engine.training import TrainConfig, trained_model  # noqa: E402
 

@@ -234,7 +234,7 @@ def cmd_quantize(args):
     from engine.formats.quantized_checkpoints import save_quantized
     from engine.checkpoints.tokenizer import export_tokenizer
     started = time.time()
-    from engine.formats.base import model_bits
+    from engine.formats.numerics.base import model_bits
     from engine.training import tiny_setup
     if args.model is None:
         corpus, model = tiny_setup(args.text, args.steps, args.seed)
@@ -306,7 +306,7 @@ def cmd_eval(args):
     from engine.checkpoints.models import load_model
     from engine.evaluation import held_out_logits, kl_stats
     from engine.quantformats import evaluate
-    from engine.formats.base import model_bits
+    from engine.formats.numerics.base import model_bits
     from engine.training import tiny_setup
     path = Path(args.checkpoint)
     source = checkpoint_source(path) if path.is_dir() else None   # a missing or broken checkpoint fails here
@@ -335,7 +335,7 @@ def eval_real(args):
     from engine.checkpoints.tokenizer import load_tokenizer
     from engine.data import Corpus, load_corpus
     from engine.evaluation import compare_models, markdown_table
-    from engine.formats.base import decoded_weights, impl, model_bits
+    from engine.formats.numerics.base import decoded_weights, impl, model_bits
     corpus = Corpus.from_text(load_corpus(args.text), load_tokenizer(ref_path))
     chunks = corpus.eval_chunks(args.ctx, args.chunks)                  # short text fails before any model loads
     source = checkpoint_source(q_path) if q_path.is_dir() else None
@@ -367,7 +367,7 @@ def cmd_generate(args):
         check_model_path(args.model)
     import torch
     from engine.checkpoints.tokenizer import encode, load_tokenizer
-    from engine.formats.base import decoded_weights, impl
+    from engine.formats.numerics.base import decoded_weights, impl
     from engine.training import tiny_setup
     started = time.time()
     # A small model's ops (and at batch 1 any model's steps are small) are too small to share between threads:

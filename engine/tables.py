@@ -2,7 +2,7 @@
 
 A row is a plain (label, quantize, options): `quantize(model, calibration_ids, **options)` is the method's entry point
 (engine/formats/<method>.py); a KV-cache row's quantize installs a quantizer on the model's K/V hook instead and
-leaves the weights dense, and its bits are the cache's total_bps (engine/formats/kv_cache.py): codes, every scale
+leaves the weights dense, and its bits are the cache's total_bps (engine/formats/kv/kv_cache.py): codes, every scale
 and zero, and the positions a window (the last R tokens) or the first keys keep exact at bf16's 16 bits, averaged
 over the cache at the evaluated length (128 tokens on the tiny model, --ctx on a real one). `book_rows()` is what
 `run.py quantformats` prints by default: the book's table (its rows in its order) and one row for each idea the
@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .formats import affine, awq, entropy, fp8, gptq, kv_baselines, kv_cache, lattice, mx, nf4, trellis
+from .formats.numerics import affine
+from .formats import awq, entropy, fp8, gptq, lattice, mx, nf4, trellis
+from .formats.kv import kv_baselines, kv_cache
 
 
 @dataclass

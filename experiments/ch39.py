@@ -28,7 +28,8 @@ from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, markdown_table  # noqa: E402
-from engine.formats import affine, awq, calibration, gptq, mx  # noqa: E402
+from engine.formats.numerics import affine, calibration  # noqa: E402
+from engine.formats import awq, gptq, mx  # noqa: E402
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")

@@ -11,8 +11,8 @@ from engine.qwen3 import Qwen3, Qwen3Config
 
 # Where the chapter's functions live in the engine: `--yours FILE` puts FILE's functions in place of these modules'
 # functions of the same names.
-BOOK_MODULES = ("engine.formats.gptq", "engine.formats.awq", "engine.formats.affine", "engine.formats.fp8",
-                "engine.formats.mx", "engine.formats.minifloats", "engine.formats.trellis", "engine.formats.hadamard",
+BOOK_MODULES = ("engine.formats.gptq", "engine.formats.awq", "engine.formats.numerics.affine", "engine.formats.fp8",
+                "engine.formats.mx", "engine.formats.numerics.minifloats", "engine.formats.trellis", "engine.formats.numerics.hadamard",
                 "engine.formats.quantized_checkpoints", "engine.kernels.triton_formats", "engine.loaders",
                 "engine.safetensors_io")
 

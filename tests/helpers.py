@@ -2,7 +2,7 @@
 import torch
 
 from engine.safetensors_io import save_file, snapshot_tensors
-from engine.formats import affine
+from engine.formats.numerics import affine
 from engine.qwen3 import Qwen3
 
 

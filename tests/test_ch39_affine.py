@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from engine.formats import affine, base
-from engine.formats.affine import (AffineQuantLinear, affine_codes, choose_clip, choose_clip_reference, fake_quantize,
+from engine.formats.numerics import affine, base
+from engine.formats.numerics.affine import (AffineQuantLinear, affine_codes, choose_clip, choose_clip_reference, fake_quantize,
                                    find_params, pack_bits, pack_int32, pack_nibbles, quantize_to_affine, unpack_bits,
                                    unpack_int32, unpack_nibbles)
-from engine.formats.base import quantized_linears
+from engine.formats.numerics.base import quantized_linears
 
 
 def test_find_params_covers_the_range_and_rounds_scales_to_f16():

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.formats import quantized_checkpoints as registry
-from engine.formats import affine, awq, calibration
+from engine.formats.numerics import affine, calibration
+from engine.formats import awq
 from helpers import rtn_baseline
 
 

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from engine.formats import compressed_tensors as ct
-from engine.formats import base
-from engine.formats import affine
-from engine.formats.affine import AffineQuantLinear
-from engine.formats.base import quantized_linears
+from engine.formats.numerics import base
+from engine.formats.numerics import affine
+from engine.formats.numerics.affine import AffineQuantLinear
+from engine.formats.numerics.base import quantized_linears
 from engine.formats.fp8 import FP8BlockLinear
 from engine.formats.mx import MXFP4Linear, NVFP4Linear
 from engine.qwen3 import Qwen3

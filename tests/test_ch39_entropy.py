@@ -11,12 +11,12 @@ import torch
 from helpers import rewrite_tensors
 from engine.coding import rans
 from engine.evaluation import kl_stats
-from engine.formats import base
+from engine.formats.numerics import base
 from engine.formats import entropy as E
 from engine.formats import entropy_feedback as F
 from engine.formats import entropy_scales as S
-from engine.formats.minifloats import round_e4m3
-from engine.formats.sensitivity import fisher_importance, self_generated_ids
+from engine.formats.numerics.minifloats import round_e4m3
+from engine.formats.numerics.sensitivity import fisher_importance, self_generated_ids
 from engine.kernels import stream_decoders
 from engine.qwen3 import Qwen3, Qwen3Config
 
@@ -253,7 +253,7 @@ def test_save_load_through_registry_gives_identical_logits(tiny_model, tmp_path)
             registry.load_quantized(tmp_path / "ckpt")
 
 
-# ---- the Fisher-weighted loss (our addition; the estimate lives in engine/formats/sensitivity.py) -----------------
+# ---- the Fisher-weighted loss (our addition; the estimate lives in engine/formats/numerics/sensitivity.py) -----------------
 
 def test_self_generated_ids_are_reproducible_and_in_vocabulary(tiny_model):
     a = self_generated_ids(tiny_model, samples=3, seq_len=10, seed=4)

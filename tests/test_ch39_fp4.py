@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.formats import base, ggml
+from engine.formats.numerics import base
+from engine.formats.llama_cpp import ggml
 from engine.formats import mx
 from engine.kernels import triton_formats
 

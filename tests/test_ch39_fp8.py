@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.formats import base
+from engine.formats.numerics import base
 from engine.formats import fp8
 
 book = pytest.mark.book

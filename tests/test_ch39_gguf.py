@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from engine.checkpoints import gguf, gguf_tokenizer, gguf_writer
-from engine.formats import base, ggml
-from engine.formats.affine import AffineQuantLinear
+from engine.formats.numerics import base
+from engine.formats.llama_cpp import ggml
+from engine.formats.numerics.affine import AffineQuantLinear
 from engine.formats.mx import MXFP4Linear
 from engine.qwen3 import Qwen3, Qwen3Config
 

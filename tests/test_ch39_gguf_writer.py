@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from engine.checkpoints import gguf, gguf_tokenizer, gguf_writer
-from engine.formats import affine, fp8, ggml, mx, nf4
-from engine.formats.affine import AffineQuantLinear
-from engine.formats.base import quantized_linears
+from engine.formats.numerics import affine
+from engine.formats import fp8, mx, nf4
+from engine.formats.llama_cpp import ggml
+from engine.formats.numerics.affine import AffineQuantLinear
+from engine.formats.numerics.base import quantized_linears
 from engine.formats.mx import dequantize_nvfp4
 from engine.qwen3 import Qwen3, Qwen3Config
 from test_ch39_gguf import bpe_metadata, gguf_bytes, write

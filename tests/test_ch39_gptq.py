@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.formats import quantized_checkpoints as registry
-from engine.formats import affine, base, calibration, gptq
+from engine.formats.numerics import affine, base, calibration
+from engine.formats import gptq
 from helpers import rtn_baseline
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.formats import hadamard
+from engine.formats.numerics import hadamard
 
 
 def sylvester(n):

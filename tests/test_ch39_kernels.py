@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.formats import affine, fp8, minifloats, mx, trellis
+from engine.formats.numerics import affine, minifloats
+from engine.formats import fp8, mx, trellis
 from engine.formats.nf4 import NF4Linear
 from engine.kernels import triton_formats
 

@@ -15,8 +15,9 @@ import torch
 
 from engine.checkpoints import gguf, gguf_writer, serving
 from engine.formats.quantized_checkpoints import load_quantized, save_quantized
-from engine.formats import bit_plan, ggml, ggml_quants, gptq, gptq_ggml
-from engine.formats.base import quantized_linears
+from engine.formats.llama_cpp import bit_plan, ggml, ggml_quants
+from engine.formats import gptq, gptq_ggml
+from engine.formats.numerics.base import quantized_linears
 from engine.qwen3 import Qwen3, Qwen3Config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

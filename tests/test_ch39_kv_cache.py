@@ -1,4 +1,4 @@
-"""KV-cache quantization (engine/formats/kv_cache.py, kv_baselines.py): HyperQuant's dither makes every inner
+"""KV-cache quantization (engine/formats/kv/kv_cache.py, kv_baselines.py): HyperQuant's dither makes every inner
 product unbiased; the baselines' grids are llama.cpp's, vLLM's and KIVI's; the residual window is exactly the
 per-query rule (exact if t - s < R) in prefill and in generate; and every stored bit is counted."""
 import math
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.coding import rice
-from engine.formats import ggml, kv_baselines, kv_cache
+from engine.formats.llama_cpp import ggml
+from engine.formats.kv import kv_baselines, kv_cache
 from engine.formats.lattice import LATTICES
 from engine.qwen3 import KVCache, Qwen3, Qwen3Config, apply_rope, rope_tables
 

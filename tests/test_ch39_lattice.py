@@ -9,9 +9,9 @@ import torch
 
 from engine.formats import quantized_checkpoints as registry
 from engine.coding import rice
-from engine.formats import base
+from engine.formats.numerics import base
 from engine.formats import lattice as L
-from engine.formats.base import quantized_linears
+from engine.formats.numerics.base import quantized_linears
 from engine.kernels import stream_decoders
 
 PAPER_RATES_21DB = {"E8": 3.74, "D4": 3.77, "A2": 3.81, "Z": 3.84}

@@ -1,10 +1,11 @@
-"""The calibration walk's speed-up (engine/formats/layer_runs.py): a layer's runs resume where the last stopped, with
+"""The calibration walk's speed-up (engine/formats/numerics/layer_runs.py): a layer's runs resume where the last stopped, with
 the same results as running the layer whole, and never from a kept tensor whose modules changed."""
 import copy
 
 import torch
 
-from engine.formats import calibration, gptq
+from engine.formats.numerics import calibration
+from engine.formats import gptq
 
 
 def _attention_runs(monkeypatch):

@@ -173,8 +173,8 @@ def test_generate_streams_each_token_as_it_is_chosen(tiny_model):
 def test_decoded_weights_are_reused_and_redone_when_the_layer_changes(tiny_model):
     """Inside decoded_weights each quantized layer decodes once; a layer whose buffers change in place decodes
     again; outside, nothing is kept. Outputs equal the undecoded path's."""
-    from engine.formats import affine
-    from engine.formats.base import decoded_weights, quantized_linears
+    from engine.formats.numerics import affine
+    from engine.formats.numerics.base import decoded_weights, quantized_linears
     affine.quantize(tiny_model, bits=4, group_size=32)
     layer = quantized_linears(tiny_model)["model.layers.0.mlp.up_proj"]
     calls = []
@@ -198,8 +198,8 @@ def test_decoded_weights_are_reused_and_redone_when_the_layer_changes(tiny_model
 
 
 def test_decoded_weights_keep_nothing_under_the_engine_implementation(tiny_model):
-    from engine.formats import affine
-    from engine.formats.base import decoded_weights, impl
+    from engine.formats.numerics import affine
+    from engine.formats.numerics.base import decoded_weights, impl
     affine.quantize(tiny_model, bits=4, group_size=32)
     with impl("engine"), decoded_weights(tiny_model) as kept:
         assert not kept

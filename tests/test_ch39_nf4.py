@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from engine.formats import base, nf4
+from engine.formats.numerics import base
+from engine.formats import nf4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

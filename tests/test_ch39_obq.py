@@ -1,9 +1,10 @@
-"""The error-feedback loop (engine/formats/obq.py): the lazy batch equals the textbook loop, on matrices wider than
+"""The error-feedback loop (engine/formats/numerics/obq.py): the lazy batch equals the textbook loop, on matrices wider than
 one block, for every caller (GPTQ, EntQuant's feedback, BlockLDLQ), and the feedback lowers the layer error."""
 import pytest
 import torch
 
-from engine.formats import entropy_feedback, gptq, obq, trellis
+from engine.formats import entropy_feedback, gptq, trellis
+from engine.formats.numerics import obq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

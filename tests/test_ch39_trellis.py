@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from engine.formats import quantized_checkpoints as registry
-from engine.formats import base
-from engine.formats import affine, hadamard, trellis, viterbi
-from engine.formats.base import quantized_linears
+from engine.formats.numerics import base
+from engine.formats.numerics import affine, hadamard
+from engine.formats import trellis, trellis_viterbi as viterbi
+from engine.formats.numerics.base import quantized_linears
 from engine.kernels import triton_formats
 from engine.qwen3 import Qwen3, Qwen3Config
 

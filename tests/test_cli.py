@@ -124,7 +124,7 @@ def test_every_cli_method_has_a_test():
 @pytest.mark.parametrize("method", sorted(CLI_METHODS))
 def test_quantize_writes_every_method_from_the_command_line(method, tmp_path, capsys):
     from engine.checkpoints.models import load_model
-    from engine.formats.base import quantized_linears
+    from engine.formats.numerics.base import quantized_linears
     flags, quant_method, fmt = CLI_METHODS[method]
     cli().main(["quantize", "--method", method, "--steps", "2", "--out", str(tmp_path / "ck"), *flags])
     qcfg = json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]

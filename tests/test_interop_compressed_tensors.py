@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from engine.formats import compressed_tensors as ct
-from engine.formats.affine import AffineQuantLinear, pack_int32
-from engine.formats.base import quantized_linears
+from engine.formats.numerics.affine import AffineQuantLinear, pack_int32
+from engine.formats.numerics.base import quantized_linears
 from engine.formats.fp8 import FP8BlockLinear
 from engine.formats.mx import E2M1, MXFP4Linear, NVFP4Linear
 

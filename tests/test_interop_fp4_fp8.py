@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.formats import fp8, mx
-from engine.formats.affine import unpack_nibbles
+from engine.formats.numerics.affine import unpack_nibbles
 
 pytestmark = pytest.mark.interop
 

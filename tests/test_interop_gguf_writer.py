@@ -14,8 +14,8 @@ import torch
 
 from engine.checkpoints import gguf, gguf_writer
 from engine.formats.quantized_checkpoints import load_quantized, save_quantized
-from engine.formats import ggml
-from engine.formats.base import quantized_linears
+from engine.formats.llama_cpp import ggml
+from engine.formats.numerics.base import quantized_linears
 from engine.formats.mx import dequantize_nvfp4
 from engine.qwen3 import Qwen3
 from test_ch39_gguf_writer import QUANTIZERS, SMALL, logits, small_model, with_f16_offsets

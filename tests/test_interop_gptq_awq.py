@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from engine.formats import quantized_checkpoints as registry
-from engine.formats import affine, awq, gptq
-from engine.formats.base import quantized_linears
+from engine.formats.numerics import affine
+from engine.formats import awq, gptq
+from engine.formats.numerics.base import quantized_linears
 
 pytestmark = pytest.mark.interop
 

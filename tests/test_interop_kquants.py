@@ -14,8 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from clients import client_python, compare, run_client  # noqa: E402
 
 from engine.checkpoints import gguf, gguf_writer  # noqa: E402
-from engine.formats import ggml_quants, gptq, gptq_ggml  # noqa: E402
-from engine.formats.base import linear_names, quantized_linears  # noqa: E402
+from engine.formats.llama_cpp import ggml_quants  # noqa: E402
+from engine.formats import gptq, gptq_ggml  # noqa: E402
+from engine.formats.numerics.base import linear_names, quantized_linears  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 
 PYTHON = client_python("llamacpp", install=False)[0]

@@ -8,7 +8,7 @@ Container (little-endian, versions 2 and 3; strings are a u64 byte length + UTF-
     tensor_count x   name string, u32 n_dims, n_dims x u64 ne (ne[0] = row length), u32 GGML type, u64 offset
     padding to `general.alignment` (default 32), then the data: each tensor at data_start + offset (aligned)
 
-The tensor with ne = [in, out] is the torch tensor [out, in]. The block formats are in engine/formats/ggml.py:
+The tensor with ne = [in, out] is the torch tensor [out, in]. The block formats are in engine/formats/llama_cpp/ggml.py:
 integer types load as AffineQuantLinear with their own codes and grid, MXFP4 / NVFP4 as MXFP4Linear / NVFP4Linear
 (NVFP4's per-tensor factor from `<name>.scale`), F32 / F16 / BF16 as dense tensors.
 Every count, length, dimension and offset is checked against the file size before anything is allocated, so a
@@ -45,8 +45,8 @@ from pathlib import Path
 
 import torch
 
-from ..formats.base import QuantLinear
-from ..formats.ggml import DENSE, GGML_TYPES, TYPE_NAMES, dequantize, quantized_linear
+from ..formats.numerics.base import QuantLinear
+from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, TYPE_NAMES, dequantize, quantized_linear
 from ..qwen3 import Qwen3Config
 from ..loaders import check_complete, check_layer_count, install_layer, place, skeleton
 

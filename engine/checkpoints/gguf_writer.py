@@ -1,5 +1,5 @@
 """GGUF writer: the engine's model, with its quantized layers kept as they are where GGML has their type, in the
-single file llama.cpp runs (the container is described in gguf.py, the blocks in engine/formats/ggml.py).
+single file llama.cpp runs (the container is described in gguf.py, the blocks in engine/formats/llama_cpp/ggml.py).
 
 Which layer becomes which GGML type, and how exactly:
 
@@ -40,9 +40,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ..formats.affine import AffineQuantLinear, unpack_nibbles
-from ..formats.base import QuantLinear
-from ..formats.ggml import DENSE, GGML_TYPES, GGMLLinear, encode
+from ..formats.numerics.affine import AffineQuantLinear, unpack_nibbles
+from ..formats.numerics.base import QuantLinear
+from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, GGMLLinear, encode
 from ..formats.mx import MXFP4Linear, NVFP4Linear
 from .gguf import ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, TENSOR_NAMES, GGUFFile
 from .gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer, gpt2_pre_tokenizer

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from ..formats.base import quantized_linears
+from ..formats.numerics.base import quantized_linears
 from ..formats.quantized_checkpoints import load_quantized
 from ..loaders import load_dense, read_config
 from . import gguf

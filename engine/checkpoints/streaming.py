@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..formats.calibration import LayerCalibration, check_ids, first_layer_batches, layer_weights, merged_config
+from ..formats.numerics.calibration import LayerCalibration, check_ids, first_layer_batches, layer_weights, merged_config
 from ..qwen3 import DecoderLayer, Qwen3Config
 from . import gguf
 from .gguf_tokenizer import gguf_tokenizer

@@ -24,11 +24,11 @@ Checkpoint (AutoAWQ GEMM, 4-bit):
 """
 import torch
 
-from . import calibration
-from .affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize,  # noqa: F401
+from .numerics import calibration
+from .numerics.affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize,  # noqa: F401
                      pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
-from .base import CheckpointMethod, config_field, scale_tensor
-from .calibration import InputStats
+from .numerics.base import CheckpointMethod, config_field, scale_tensor
+from .numerics.calibration import InputStats
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 

@@ -29,9 +29,9 @@ computed at run time by vLLM and are not emulated here; static activation scales
 """
 import torch
 
-from .affine import AffineQuantLinear, pack_int32, unpack_int32
-from .base import CheckpointMethod, config_field, matrix_shape, quantized_linears, scale_tensor
-from .calibration import whole_model
+from .numerics.affine import AffineQuantLinear, pack_int32, unpack_int32
+from .numerics.base import CheckpointMethod, config_field, matrix_shape, quantized_linears, scale_tensor
+from .numerics.calibration import whole_model
 from .fp8 import FP8BlockLinear
 from .mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear
 

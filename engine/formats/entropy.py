@@ -23,7 +23,7 @@ The matmul reads the buffer's E4M3 (or int8) bytes and applies 2^s per output ch
 
 Sensitivity (our addition, optional: sensitivity="fisher"). The reconstruction term becomes
 sum_j phi_j / Z ||W_hat_j - W_j||^2 / n_layer, phi_j / Z the diagonal Fisher information of row j on the model's own
-samples, normalized over the whole model (engine/formats/sensitivity.py): a second-order estimate of the KL that the
+samples, normalized over the whole model (engine/formats/numerics/sensitivity.py): a second-order estimate of the KL that the
 layer's error costs, so one lambda trades rate against it in every layer alike (sensitive rows get finer steps).
 
 Error feedback (our addition, optional: feedback="self"; engine/formats/entropy_feedback.py). The same scales,
@@ -44,13 +44,13 @@ import torch
 
 from ..coding.rans import PROB_BITS, RansStream, rans_decode, rans_encode_many
 from ..kernels import stream_decoders, triton_formats
-from . import calibration
-from .base import CheckpointMethod, QuantLinear, config_field, get_impl, matrix_shape, replace_linears
+from .numerics import calibration
+from .numerics.base import CheckpointMethod, QuantLinear, config_field, get_impl, matrix_shape, replace_linears
 from .entropy_feedback import check_damp, feedback_weight, parse_feedback, self_hessians
 from .entropy_rate import lambda_for_bpw, load_lambda_table
 from .entropy_scales import FORMATS, entquant_scales, super_weight_mask
-from .minifloats import E4M3_MAX
-from .sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
+from .numerics.minifloats import E4M3_MAX
+from .numerics.sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 
 
 # ---- the codes ------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ strong-Wolfe line search minimizes over s. s is rounded to float16 (what is stor
 """
 import torch
 
-from .minifloats import E4M3_MAX, round_e4m3
+from .numerics.minifloats import E4M3_MAX, round_e4m3
 
 FORMATS = {"float8": E4M3_MAX, "int8": 127.0}          # largest code magnitude
 

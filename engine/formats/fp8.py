@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from ..kernels import triton_formats
 from ..kernels.triton_formats import fp8_block_kernel, fp8_block_matmul  # noqa: F401  (the book's names)
-from .base import CheckpointMethod, QuantLinear, config_field, scale_tensor
-from .calibration import whole_model
-from .minifloats import E4M3_MAX
+from .numerics.base import CheckpointMethod, QuantLinear, config_field, scale_tensor
+from .numerics.calibration import whole_model
+from .numerics.minifloats import E4M3_MAX
 
 
 def _blocks(out_f, in_f, block):

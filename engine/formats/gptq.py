@@ -4,7 +4,7 @@ the columns not yet quantized, so that the layer's OUTPUT on calibration inputs 
     minimize ||X W_hat^T - X W^T||^2,   Hessian H = 2 X^T X / n   (the same for every output row)
     column i:  e = (w_i - quant(w_i)) / [H^-1]_ii,   w_j <- w_j - e [H^-1]_ij   for every later column j
 
-The loop itself is engine/formats/obq.py's (H^-1's Cholesky factor damped by 1% of mean(diag H), updates applied
+The loop itself is engine/formats/numerics/obq.py's (H^-1's Cholesky factor damped by 1% of mean(diag H), updates applied
 lazily a block of 128 columns at a time); this file is GPTQ's quantizer for it: each group's grid
 (affine.find_params: f16 scale, integer zero) is chosen from the group's weights as corrected when the loop enters
 the group, then every column is rounded on its group's grid. The scale is rounded to f16 when it is chosen, so GPTQ
@@ -56,11 +56,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import calibration, gptq_ggml
-from .affine import AffineQuantLinear, affine_parts, as_int32, find_params, grouped, pack_int32, unpack_int32  # noqa: F401
-from .base import CheckpointMethod, config_field, scale_tensor
-from .calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
-from .obq import error_feedback, inverse_cholesky
+from .numerics import calibration
+from . import gptq_ggml
+from .numerics.affine import AffineQuantLinear, affine_parts, as_int32, find_params, grouped, pack_int32, unpack_int32  # noqa: F401
+from .numerics.base import CheckpointMethod, config_field, scale_tensor
+from .numerics.calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
+from .numerics.obq import error_feedback, inverse_cholesky
 
 FORMATS = ("gptq", "gptq_v2")
 GGML = "ggml"                      # an engine folder of GGML blocks (gptq_ggml.py), on its way into a GGUF file

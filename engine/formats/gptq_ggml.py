@@ -26,8 +26,9 @@ Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0), and so does `ggml_type_for`.
 """
 import torch
 
-from . import bit_plan, calibration, ggml, ggml_quants
-from .obq import error_feedback, inverse_cholesky
+from .llama_cpp import bit_plan, ggml, ggml_quants
+from .numerics import calibration
+from .numerics.obq import error_feedback, inverse_cholesky
 
 # codes per type: 2^bits (Q8_0 stores int8, codes 0..255 meaning -128..127)
 LEVELS = {"Q2_K": 4, "Q3_K": 8, "Q4_K": 16, "Q5_K": 32, "Q6_K": 64, "Q4_0": 16, "Q4_1": 16, "Q5_0": 32,

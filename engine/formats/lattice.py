@@ -26,7 +26,7 @@ rice_k: that accounting reproduces the paper's 3.74 / 3.77 / 3.81 / 3.84 at 21 d
 Weights: random signs + Hadamard per tile of inputs, per-row alpha (rms), lattice + strip + Rice. The stream's CRC32
 covers the layer's lattice, shape, tile, scales and signs too, so a changed byte, or a config naming another
 lattice or tile, is refused (ValueError), never decoded into another model. The KV cache path is
-engine/formats/kv_cache.py.
+engine/formats/kv/kv_cache.py.
 """
 import json
 import math
@@ -39,10 +39,10 @@ import torch
 from ..coding.rice import (ESCAPE, RAW_BITS, RICE_K_MAX, SUBSTREAM, RiceStreams, rice_bits, rice_decode, rice_encode,
                            stream_ends, unzigzag, zigzag)
 from ..kernels import stream_decoders
-from .affine import pack_bits, unpack_bits
-from .base import CheckpointMethod, QuantLinear, config_field
-from .calibration import whole_model
-from .hadamard import fitting_tile, rotate, unrotate
+from .numerics.affine import pack_bits, unpack_bits
+from .numerics.base import CheckpointMethod, QuantLinear, config_field
+from .numerics.calibration import whole_model
+from .numerics.hadamard import fitting_tile, rotate, unrotate
 
 TABLE_PATH = Path(__file__).resolve().parents[2] / "data" / "lattice_snr_bps.json"
 

@@ -21,10 +21,10 @@ in_features, so a ragged tail is a ValueError rather than silent padding.
 import torch
 
 from ..kernels import triton_formats
-from .affine import pack_nibbles, unpack_nibbles
-from .base import QuantLinear
-from .calibration import whole_model
-from .minifloats import E2M1, E2M1_MAX, E4M3_MAX, e8m0_to_float, to_e2m1
+from .numerics.affine import pack_nibbles, unpack_nibbles
+from .numerics.base import QuantLinear
+from .numerics.calibration import whole_model
+from .numerics.minifloats import E2M1, E2M1_MAX, E4M3_MAX, e8m0_to_float, to_e2m1
 
 MX_BLOCK, NV_BLOCK = 32, 16
 LAYOUTS = ("interleaved", "split")

@@ -26,9 +26,9 @@ import json
 import torch
 
 from ..kernels import triton_formats
-from .affine import grouped, pack_bits, unpack_bits
-from .base import CheckpointMethod, QuantLinear, linear_names
-from .calibration import whole_model
+from .numerics.affine import grouped, pack_bits, unpack_bits
+from .numerics.base import CheckpointMethod, QuantLinear, linear_names
+from .numerics.calibration import whole_model
 
 NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                           -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,

@@ -23,7 +23,7 @@ from ..qwen3 import Qwen3Config
 from ..safe_writes import atomic_directory, check_output
 from ..safetensors_io import DTYPE_BYTES, checkpoint_records, nbytes, save_file, tensor_specs, write_json
 from . import awq, compressed_tensors, entropy, fp8, gptq, lattice, nf4, trellis
-from .base import QuantLinear, linear_names, quantized_linears
+from .numerics.base import QuantLinear, linear_names, quantized_linears
 
 METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
                                trellis.CHECKPOINT, entropy.CHECKPOINT, lattice.CHECKPOINT, nf4.CHECKPOINT)}

@@ -35,11 +35,12 @@ import zlib
 import torch
 
 from ..kernels import triton_formats
-from . import calibration, hadamard, viterbi
-from .affine import pack_bits
-from .base import CheckpointMethod, QuantLinear, config_field
-from .obq import error_feedback, inverse_cholesky
-from .hadamard import random_hadamard  # noqa: F401  (the book imports it from here)
+from .numerics import calibration, hadamard
+from . import trellis_viterbi as viterbi
+from .numerics.affine import pack_bits
+from .numerics.base import CheckpointMethod, QuantLinear, config_field
+from .numerics.obq import error_feedback, inverse_cholesky
+from .numerics.hadamard import random_hadamard  # noqa: F401  (the book imports it from here)
 
 CODES = ("1mad", "3inst")
 # Each code's hash constants (QTIP's): code_1mad / code_3inst below and the Triton kernel both take them from here.

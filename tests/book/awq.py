@@ -2,7 +2,7 @@
 fake_quantize, quantize_to_affine, pack_nibbles and AffineQuantLinear are chapters 20 and 38's; here the engine's."""
 import torch
 
-from engine.formats.affine import AffineQuantLinear, fake_quantize, pack_nibbles, quantize_to_affine
+from engine.formats.numerics.affine import AffineQuantLinear, fake_quantize, pack_nibbles, quantize_to_affine
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 

@@ -2,7 +2,7 @@
 to_e2m1 and E2M1 (the 16 values) are the engine's."""
 import torch
 
-from engine.formats.minifloats import E2M1, to_e2m1
+from engine.formats.numerics.minifloats import E2M1, to_e2m1
 
 
 def quantize_mxfp4(w, layout="interleaved"):

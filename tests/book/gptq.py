@@ -2,7 +2,7 @@
 find_params is chapter 20's; here the engine's."""
 import torch
 
-from engine.formats.affine import find_params
+from engine.formats.numerics.affine import find_params
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The KV-cache formats the engines people use, as quantizers on the model's KV hook (engine/formats/kv_cache.py:
+"""The KV-cache formats the engines people use, as quantizers on the model's KV hook (engine/formats/kv/kv_cache.py:
 the hook, the residual window and the bit accounting).
 
   format  engine                                    stored                                          bits / scalar
@@ -14,7 +14,7 @@ FP8: x_hat = E4M3(x / s) s with s = amax / 448. vLLM takes s from the checkpoint
 choice, slightly optimistic (no clipping ever happens), and in generate each step's tokens get their own scale.
 
 q8_0 / q4_0 are llama.cpp's reference encoders (quantize_row_q8_0_ref / q4_0_ref, in float32, which its CUDA copy
-kernels match) writing GGML blocks, decoded by engine/formats/ggml.py, so the grid is GGUF's bit for bit:
+kernels match) writing GGML blocks, decoded by engine/formats/llama_cpp/ggml.py, so the grid is GGUF's bit for bit:
     q8_0: d = amax / 127, q = roundf(x / d) (halves away from 0)
     q4_0: d = m / -8 (m the value of largest |x|), q = min(15, trunc(x / d + 8.5))
 (llama.cpp quantizes V this way only with flash attention; without it V stays f16.)
@@ -26,9 +26,9 @@ window (>= G - 1 tokens), where KIVI's own residual fills up to R tokens and is 
 """
 import torch
 
-from .ggml import dequantize
+from ..llama_cpp.ggml import dequantize
 from .kv_cache import RESIDUAL_WINDOW, KVHook, install
-from .minifloats import E4M3_MAX, round_e4m3
+from ..numerics.minifloats import E4M3_MAX, round_e4m3
 
 FP8_SCALES = ("tensor", "head")
 GGML_KV = {"q8_0": "Q8_0", "q4_0": "Q4_0"}

@@ -29,12 +29,12 @@ E_U <q, x_hat> = <q, x> for every single x, not only on average over S. Its code
 exactly as a weight's would be (engine.coding.rice.rice_bits: the bits the encoder would emit, without building the
 stream), plus 40 bits per 512-symbol sub-stream and 16 bits per vector for alpha.
 
-The formats real engines use (FP8, llama.cpp's q8_0 / q4_0, KIVI) are in engine/formats/kv_baselines.py.
+The formats real engines use (FP8, llama.cpp's q8_0 / q4_0, KIVI) are in engine/formats/kv/kv_baselines.py.
 """
 import torch
 
-from ..coding.rice import STREAM_META_BITS, SUBSTREAM, rice_bits
-from .lattice import get_lattice, lattice_scale, snr_for_rate
+from ...coding.rice import STREAM_META_BITS, SUBSTREAM, rice_bits
+from ..lattice import get_lattice, lattice_scale, snr_for_rate
 
 
 # ---- the hook and its bits ---------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ the float layer (AWQ and BlockLDLQ, as AutoAWQ does). The work is one pass of on
 linearly with depth, not as layers^2 as re-running the model from the embedding for every step would.
 
 Within a layer, a step's run may resume where the step before stopped instead of starting from the layer's input
-(the attention computed once, not once per GPTQ step): engine/formats/layer_runs.py, a speed-up with the same
+(the attention computed once, not once per GPTQ step): engine/formats/numerics/layer_runs.py, a speed-up with the same
 results, kept apart so that this file reads as the walk itself.
 """
 import torch

@@ -22,7 +22,7 @@ Codes are packed little-end first: `pack_bits` puts 8 / b codes in a byte (our r
 import torch
 import torch.nn.functional as F
 
-from ..kernels import triton_formats
+from ...kernels import triton_formats
 from .base import QuantLinear
 from .calibration import whole_model
 

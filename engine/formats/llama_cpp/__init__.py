@@ -1,0 +1,6 @@
+"""llama.cpp's GGML blocks.
+
+  ggml.py          the block table (every GGML type's id, size, layout), the reference decoders, encode, GGMLLinear
+  ggml_quants.py   llama.cpp's quantizers (ggml-quants.c), round-to-nearest and with an importance matrix, bit-exact
+  bit_plan.py      spending a bits budget: each candidate's measured error, a greedy knapsack over the linears
+"""

@@ -1,0 +1,11 @@
+"""What the methods share.
+
+  base.py          QuantLinear (torch / engine paths, bits), CheckpointMethod, decoded_weights
+  affine.py        chapter 38's AffineQuantLinear, round-to-nearest (find_params, quantize_to_affine), the packers
+  obq.py           the error-feedback loop (OBQ / GPTQ / LDLQ): textbook and lazy-batch, tested equal
+  calibration.py   a linear's input statistics (Hessian, mean |x|), captured one decoder layer at a time
+  layer_runs.py    one decoder layer run again and again on the calibration batches, reusing what has not changed
+  minifloats.py    E4M3, E2M1, E8M0: values and rounding
+  hadamard.py      the fast Walsh-Hadamard transform and random rotations
+  sensitivity.py   per-row sensitivities from self-generated text (Fisher, Hessian diagonals)
+"""
