@@ -1,23 +1,24 @@
-"""Reading and writing safetensors checkpoints without surprises.
+""".safetensors checkpoints through the `safetensors` library, and the little it leaves to a loader.
 
-Reading. A checkpoint folder holds config.json and model.safetensors (or the shards model.safetensors.index.json
-lists). A file is opened only if it is a regular file whose real path stays inside the folder (or, for a Hugging Face
-cache snapshot, inside its repository's blobs/), and its size is bounded before it is read. A safetensors file is
+The library reads and writes the files: `safe_open` validates a file's header in Rust (fuzzed upstream: the JSON,
+every dtype and shape, offsets that fit the file, cover its data section exactly and never overlap, a header under
+100 MB) and memory-maps it, so that a tensor's bytes are read only when it is asked for and its pages are dropped
+when the tensor and the file are closed; `save_file` writes tensors straight from their memory. A file is
 
     8 bytes: N (little-endian u64)   N bytes: JSON {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__"}
     then the tensors' bytes, each at data_offsets within the data section
 
-`read_header` parses and checks that header by hand (every shape, dtype and offset against the file's size), so a
-loader knows every tensor's name, dtype and shape, and can check them against config.json, before it allocates
-anything. `TensorReader` then reads tensors one at a time at those offsets with plain file reads (no memory map, so
-a long conversion does not keep every tensor it has read resident), and `snapshot_tensors` streams them all.
-
-Integrity. safetensors has no checksum. Every file the engine writes records its writer and a SHA-256 per tensor in
-the header's metadata; `snapshot_tensors` verifies each tensor as it arrives (verify=False skips it).
-
-Writing. `save_file` writes a temporary file in the target folder, each tensor's bytes straight from memory, fsyncs
-it and renames it into place.
-Whole checkpoint folders are swapped into place by safe_writes.py.
+The engine keeps what the library does not do:
+  - confinement: a file is opened only if it is a regular file whose real path stays inside the checkpoint folder
+    (or, for a Hugging Face cache snapshot, inside its repository's blobs/), never a FIFO or a device;
+  - the sharded index (model.safetensors.index.json), whose shards are checked and read in order;
+  - integrity: safetensors has no checksum, so every file the engine writes records its writer and a SHA-256 per
+    tensor in its metadata, verified as each tensor arrives (verify=False skips it): a flipped bit is a ValueError;
+  - atomic writes: a temporary file in the target folder, fsynced, renamed into place (whole checkpoint folders are
+    swapped into place by safe_writes.py);
+  - errors as a ValueError naming the file (the library raises its own SafetensorError).
+A loader reads every tensor's name, dtype and shape from the headers (tensor_specs) and checks them against
+config.json before it reads a byte of weights, so a stray tensor declared a terabyte long is refused from its header.
 """
 import contextlib
 import hashlib
@@ -29,12 +30,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file as library_save_file
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 WRITER = "engine"
 MAX_JSON_BYTES = 64 << 20                # config.json, the shard index, tokenizer.json
-MAX_HEADER_BYTES = 100 << 20             # the limit safetensors itself enforces
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
@@ -86,57 +88,30 @@ def read_json(directory, name):
 
 # ---- headers ----------------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def opened(path):
+    """`with opened(path) as f:` the library's safe_open, its errors a ValueError naming the file (a file it cannot
+    map, say one that declares a terabyte, included)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
+    except (MemoryError, RuntimeError) as e:         # the library maps the whole file before it reads the header
+        if isinstance(e, RuntimeError) and "mmap" not in str(e):
+            raise
+        raise ValueError(f"{path}: cannot map its {os.path.getsize(path)} bytes into memory ({e})") from None
+
+
 def read_header(path):
-    """({name: (dtype, shape)}, metadata {str: str}, {name: (begin, end)} absolute byte positions) of a safetensors
-    file, every entry checked against the file's size: known dtype, non-negative integer dims, offsets inside the data
-    section that hold exactly dtype x shape bytes and do not overlap. ValueError naming the file and the tensor
-    otherwise."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path} is not a valid safetensors file: shorter than its 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"{path} is not a valid safetensors file: header length {n} for a {size}-byte file")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise ValueError(f"{path} is not a valid safetensors file: header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path} is not a valid safetensors file: header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise ValueError(f"{path} is not a valid safetensors file: __metadata__ must map strings to strings")
-    data, specs, spans = size - 8 - n, {}, []
-    for name, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            ok = dtype in DTYPE_BYTES and isinstance(shape, list) and all(
-                type(d) is int and d >= 0 for d in shape) and type(begin) is int and type(end) is int
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"{path} is not a valid safetensors file: tensor {name!r} has a malformed header entry "
-                             f"{entry!r}"[:400])
-        numel = 1
-        for d in shape:
-            numel *= d
-        if not 0 <= begin <= end <= data or end - begin != numel * DTYPE_BYTES[dtype]:
-            raise ValueError(f"{path} is not a valid safetensors file: tensor {name!r} ({dtype} {shape}) does not fit "
-                             f"its offsets [{begin}, {end}) in a {data}-byte data section")
-        specs[name] = (dtype, tuple(shape))
-        spans.append((begin, end, name))
-    spans.sort()
-    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
-        if begin < end:
-            raise ValueError(f"{path} is not a valid safetensors file: tensors {a!r} and {b!r} overlap")
-    # safetensors' rule against polyglot files: the tensors cover the data section exactly, no holes, nothing after
-    covered = sum(end - begin for begin, end, _ in spans)
-    if covered != data:
-        raise ValueError(f"{path} is not a valid safetensors file: its tensors cover {covered} bytes of a "
-                         f"{data}-byte data section")
-    return specs, metadata, {name: (8 + n + begin, 8 + n + end) for begin, end, name in spans}
+    """({name: (dtype, shape)}, metadata {str: str}) of a safetensors file, from its header alone (the library checks
+    it against the file's size); ValueError naming the file otherwise."""
+    with opened(path) as f:
+        specs = {}
+        for name in f.keys():
+            part = f.get_slice(name)
+            specs[name] = (part.get_dtype(), tuple(part.get_shape()))
+        return specs, dict(f.metadata() or {})
 
 
 def checkpoint_files(directory):
@@ -209,13 +184,6 @@ def float_digest(t, chunk=1 << 22):
     return digest.hexdigest()
 
 
-TORCH_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
-                "F8_E5M2": torch.float8_e5m2, "E8M0": torch.float8_e8m0fnu, "I16": torch.int16, "U16": torch.uint16,
-                "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
-                "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64}
-SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
-
-
 def recorded_digests(path, metadata):
     """{tensor name: SHA-256} that the engine recorded in a file's metadata ({} for another writer's file)."""
     try:
@@ -229,19 +197,21 @@ def recorded_digests(path, metadata):
 
 
 class TensorReader:
-    """The tensors of a checkpoint (a folder, or one safetensors file), read one at a time with plain file reads at
-    the offsets read_header checked (no memory map: a converter's resident memory stays one tensor, not the pages of
-    every tensor it has read). read(name) returns the tensor, checked against the SHA-256 its writer recorded (if
-    the engine wrote it, unless verify=False)."""
+    """The tensors of a checkpoint (a folder, or one safetensors file), `specs` {name: (dtype, shape)} from the
+    headers, read one at a time: each read opens its file
+    (the header is parsed again, a fraction of a millisecond), memory-maps it and returns the tensor, whose pages
+    go when the tensor does, so a long conversion keeps one tensor resident, not every one it has read. read(name)
+    checks the tensor against the SHA-256 its writer recorded (if the engine wrote it, unless verify=False)."""
 
     def __init__(self, path, verify=True):
-        self.where, self.digests = {}, {}
+        self.where, self.specs, self.digests = {}, {}, {}
         for file in [Path(path)] if Path(path).is_file() else checkpoint_files(path):
-            specs, metadata, spans = read_header(file)
+            specs, metadata = read_header(file)
             twice = sorted(set(specs) & set(self.where))
             if twice:
                 raise ValueError(f"tensor {twice[0]} appears in more than one shard ({file.name})")
-            self.where.update({name: (file, specs[name], spans[name]) for name in specs})
+            self.where.update(dict.fromkeys(specs, file))
+            self.specs.update(specs)
             if verify:
                 self.digests.update(recorded_digests(file, metadata))
 
@@ -249,17 +219,9 @@ class TensorReader:
         return list(self.where)
 
     def read(self, name):
-        path, (dtype, shape), (begin, end) = self.where[name]
-        data = bytearray(end - begin)                   # read into one buffer: f.read() + bytearray() would be two
-        with open(path, "rb", buffering=0) as f:
-            f.seek(begin)
-            view, got = memoryview(data), 0
-            while got < len(data) and (n := f.readinto(view[got:])):
-                got += n
-        if got != end - begin:
-            raise ValueError(f"{path} is not a valid safetensors file: {name} is cut short (the file shrank)")
-        tensor = (torch.frombuffer(data, dtype=TORCH_DTYPES[dtype]) if data else
-                  torch.empty(0, dtype=TORCH_DTYPES[dtype])).reshape(shape)
+        path = self.where[name]
+        with opened(path) as f:
+            tensor = f.get_tensor(name)
         if name in self.digests and tensor_digest(tensor) != self.digests[name]:
             raise ValueError(f"{path.name}: tensor {name} does not match its recorded SHA-256 (the file is corrupted)")
         return tensor
@@ -308,28 +270,38 @@ def atomic_file(path):
 
 
 def save_file(tensors, path, metadata=None):
-    """Write tensors to a safetensors file atomically (a temporary file in the same folder, fsynced, renamed into
-    place), with the engine's metadata (writer, per-tensor SHA-256). Each tensor's bytes go straight from its
-    memory to the file (no serialized copy of the whole file); tensors are laid out largest element first, so that
-    every one starts at a multiple of its element size. The file's mode follows the umask."""
+    """Write tensors to a safetensors file with the library, atomically (a temporary file in the same folder,
+    fsynced, renamed into place), with the engine's metadata (writer, per-tensor SHA-256). The file's mode follows
+    the umask."""
     path = Path(path)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    header, offset = {"__metadata__": engine_metadata(tensors, metadata)}, 0
-    for name in order:
-        t = tensors[name]
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name")
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with atomic_file(path) as f:
-        f.write(struct.pack("<Q", len(head)) + head)
-        for name in order:
-            if tensors[name].numel():
-                f.write(memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy()))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        library_save_file(tensors, tmp, metadata=engine_metadata(tensors, metadata))
+        with open(tmp, "rb+") as f:
+            _sort_metadata(f)
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _sort_metadata(f):
+    """Put the header's __metadata__ entries in sorted order, in place. The library writes them in a random order
+    per process (safetensors issue #584), so the same checkpoint written twice would differ in its bytes, and a
+    resumed conversion could not be checked byte for byte against an uninterrupted one. The same entries in another
+    order take the same bytes, so the data section does not move."""
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > n:
+        raise ValueError(f"safetensors header of {n} bytes rewritten as {len(text)}: not the library's format")
+    f.seek(8)
+    f.write(text + b" " * (n - len(text)))
 
 
 def nbytes(tensors):

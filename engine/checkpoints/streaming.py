@@ -77,7 +77,7 @@ class Source:
             self.gguf = None
             self.config = read_config(self.path)
             self.reader = TensorReader(self.path)
-            self.specs = {name: spec for name, (_, spec, _) in self.reader.where.items()}
+            self.specs = dict(self.reader.specs)
             self.sizes = {n: DTYPE_BYTES[dtype] * torch.Size(shape).numel() for n, (dtype, shape) in self.specs.items()}
 
     def tensors(self, keep):
