@@ -276,7 +276,7 @@ def registered(monkeypatch):
     return registry
 
 
-@pytest.mark.parametrize("fmt", ct.FORMATS)
+@pytest.mark.parametrize("fmt", ct.CT_FORMATS)
 def test_qwen3_checkpoint_round_trip_and_kernels(tmp_path, registered, tiny_cfg, fmt):
     torch.manual_seed(0)
     tiny_model = Qwen3(dataclasses.replace(tiny_cfg, num_hidden_layers=1)).eval()    # one layer: kernels are slow

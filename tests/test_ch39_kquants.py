@@ -23,7 +23,7 @@ from engine.qwen3 import Qwen3, Qwen3Config
 pytestmark = pytest.mark.usefixtures("one_thread")
 gg = pytest.importorskip("gguf")
 
-K = ggml_quants.K_TYPES
+K = ggml.K_QUANTS
 # rows of 256: K-quants fit every linear; rows of 96 (as SmolLM2's 576): all but down_proj fall back
 K_CFG = Qwen3Config(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=64, num_hidden_layers=1)
@@ -74,7 +74,7 @@ def test_round_to_nearest_is_gguf_quantize_byte_for_byte(kind):
 @pytest.mark.interop
 @pytest.mark.skipif(libggml() is None, reason="llama.cpp's libggml-base (install the llama.cpp client: "
                     "benchmarks/clients.py)")
-@pytest.mark.parametrize("kind", ggml_quants.TYPES)
+@pytest.mark.parametrize("kind", ggml.INTEGER)
 def test_round_to_nearest_is_llama_cpps_quantizer_byte_for_byte(kind):
     """ggml_quantize_chunk without an importance matrix: quantize_row_*_ref, what llama-quantize writes."""
     lib, w = libggml(), weights()
@@ -98,7 +98,7 @@ def importance(cols, seed=3):
 @pytest.mark.interop
 @pytest.mark.skipif(libggml() is None, reason="llama.cpp's libggml-base (install the llama.cpp client: "
                     "benchmarks/clients.py)")
-@pytest.mark.parametrize("kind,cols", [*((k, 512) for k in ggml_quants.TYPES),
+@pytest.mark.parametrize("kind,cols", [*((k, 512) for k in ggml.INTEGER),
                                        *((k, 576) for k in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"))])
 def test_importance_quantizer_is_llama_cpps_with_an_imatrix_byte_for_byte(kind, cols):
     """ggml_quantize_chunk with an importance matrix: quantize_row_*_impl (576: a 32-block type's sigma2 is the
@@ -112,7 +112,7 @@ def test_importance_quantizer_is_llama_cpps_with_an_imatrix_byte_for_byte(kind, 
     assert np.array_equal(ours, theirs), f"{(ours != theirs).sum()} bytes differ"
 
 
-@pytest.mark.parametrize("kind", [k for k in ggml_quants.TYPES if k != "Q8_0"])
+@pytest.mark.parametrize("kind", [k for k in ggml.INTEGER if k != "Q8_0"])
 def test_an_importance_matrix_lowers_the_importance_weighted_error(kind):
     w, imp = torch.randn(64, 512, generator=torch.Generator().manual_seed(4)) * 0.02, importance(512)
     err = {}
@@ -168,7 +168,7 @@ def test_k_quant_blocks_decode_in_gguf_to_ggmls_formula(kind):
     assert torch.equal(ggml.dequantize(raw.reshape(-1), kind, (8, 8 * 256)), theirs.reshape(8, -1))
 
 
-@pytest.mark.parametrize("kind", ggml_quants.TYPES)
+@pytest.mark.parametrize("kind", ggml.INTEGER)
 def test_the_layer_computes_what_gguf_decodes(kind):
     w = weights(cols=256)
     raw = ggml_quants.blocks(kind, *ggml_quants.quantize(kind, w))
@@ -378,7 +378,7 @@ def test_cli_writes_a_k_quant_mix_for_llama_cpp_within_the_budget(tmp_path):
     assert out.returncode == 1 and out.stderr.startswith("error: llama.cpp: ggml_type 'Q4_Z' is not one of")
 
 
-@pytest.mark.parametrize("kind", ggml_quants.TYPES)
+@pytest.mark.parametrize("kind", ggml.INTEGER)
 def test_a_gguf_file_of_any_integer_type_is_written_back_byte_for_byte(tmp_path, kind):
     """Blocks the engine did not make (random bytes, as any tool may write them) go back out exactly as read."""
     from test_ch39_gguf import K_CFG as READ_CFG, U32, gguf_bytes, qwen3_metadata, qwen3_tensors, write

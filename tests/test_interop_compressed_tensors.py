@@ -25,7 +25,7 @@ from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpa
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-FORMATS = ct.FORMATS
+FORMATS = ct.CT_FORMATS
 
 
 def _weight(out_f, in_f, seed=0):

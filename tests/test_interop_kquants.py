@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from clients import client_python, compare, run_client  # noqa: E402
 
 from engine.checkpoints import gguf, gguf_writer  # noqa: E402
-from engine.formats.llama_cpp import ggml_quants  # noqa: E402
+from engine.formats.llama_cpp import ggml, ggml_quants  # noqa: E402
 from engine.formats import gptq, gptq_ggml  # noqa: E402
 from engine.formats.numerics.base import linear_names, quantized_linears  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
@@ -44,7 +44,7 @@ def ids(n=4, length=48, seed=1):
 def test_llama_cpp_quantizer_writes_the_engines_round_to_nearest(tmp_path):
     dense = model()
     gguf_writer.write_gguf(dense, tmp_path / "f32.gguf")
-    for kind in ggml_quants.TYPES:
+    for kind in ggml.INTEGER:
         out = tmp_path / f"{kind}.gguf"
         done = run_client(PYTHON, "quantize", tmp_path / "f32.gguf", out, kind, "--pure")[-1]
         assert done.get("status") == 0, done
@@ -57,7 +57,7 @@ def test_llama_cpp_quantizer_writes_the_engines_round_to_nearest(tmp_path):
                 assert torch.equal(f.raw(key), gptq_ggml.rtn_ggml(linear.weight, used).reshape(-1)), (kind, key)
 
 
-@pytest.mark.parametrize("kind", [*ggml_quants.K_TYPES, "mix"])
+@pytest.mark.parametrize("kind", [*ggml.K_QUANTS, "mix"])
 def test_llama_cpp_runs_the_engines_gptq_files_as_the_engine_does(tmp_path, kind):
     m = model()
     gptq.quantize(m, ids(8, 64, seed=2), ggml_type=kind, **({"bpw": 4.0} if kind == "mix" else {}))

@@ -35,7 +35,7 @@ from .numerics.calibration import whole_model
 from .fp8 import FP8BlockLinear
 from .mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear
 
-FORMATS = ("pack-quantized", "float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+CT_FORMATS = ("pack-quantized", "float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
 
 
 # ---- the config -------------------------------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def quantization_config(format="pack-quantized", bits=4, group_size=64, symmetri
         weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
                    "group_size": MX_BLOCK, "dynamic": False, "scale_dtype": "torch.uint8"}
     else:
-        raise ValueError(f"unknown compressed-tensors format {format!r}; choose from {FORMATS}")
+        raise ValueError(f"unknown compressed-tensors format {format!r}; choose from {CT_FORMATS}")
     scheme = {"targets": ["Linear"], "weights": weights, "input_activations": activations,
               "output_activations": None, "format": format}
     return {"quant_method": "compressed-tensors", "format": format, "quantization_status": "compressed",
@@ -102,8 +102,8 @@ def scheme_of(config):
         raise ValueError(f"config_groups use {len(found)} different schemes (mixed precision is not supported)")
     fmt = next(iter(found))[0]
     scheme = next(iter(groups.values()))
-    if fmt not in FORMATS:
-        raise ValueError(f"unsupported compressed-tensors format {fmt!r}; this engine reads {FORMATS}")
+    if fmt not in CT_FORMATS:
+        raise ValueError(f"unsupported compressed-tensors format {fmt!r}; this engine reads {CT_FORMATS}")
     weights, acts = scheme["weights"], scheme.get("input_activations")
     if weights.get("dynamic", False):
         raise ValueError("dynamic weight quantization stores no weights to read")

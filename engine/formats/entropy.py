@@ -48,7 +48,7 @@ from .numerics import calibration
 from .numerics.base import CheckpointMethod, QuantLinear, config_field, get_impl, matrix_shape, replace_linears
 from .entropy_feedback import check_damp, feedback_weight, parse_feedback, self_hessians
 from .entropy_rate import lambda_for_bpw, load_lambda_table
-from .entropy_scales import FORMATS, entquant_scales, super_weight_mask
+from .entropy_scales import CODE_MAX, entquant_scales, super_weight_mask
 from .numerics.minifloats import E4M3_MAX
 from .numerics.sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 
@@ -85,8 +85,8 @@ class EntQuantLinear(QuantLinear):
 
     def __init__(self, in_features, out_features, log_scale, fmt="float8", stream=None, super_index=None,
                  super_value=None, bias=None):
-        if fmt not in FORMATS:
-            raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+        if fmt not in CODE_MAX:
+            raise ValueError(f"fmt must be one of {sorted(CODE_MAX)}, got {fmt!r}")
         if tuple(log_scale.shape) != (out_features,):
             raise ValueError(f"log_scale has shape {tuple(log_scale.shape)}, expected ({out_features},)")
         super().__init__(in_features, out_features, bias)
@@ -289,8 +289,8 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
     quantization_config."""
     if (lam is None) == (bpw is None):
         raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+    if fmt not in CODE_MAX:
+        raise ValueError(f"fmt must be one of {sorted(CODE_MAX)}, got {fmt!r}")
     sensitivity, feedback = parse_sensitivity(sensitivity), parse_feedback(feedback)
     check_damp(feedback_damp)
     if feedback == "calibration":                         # block by block, as GPTQ walks the model
@@ -427,7 +427,7 @@ def _write(layer, quantization_config):
 def validate(quantization_config):
     """An EntQuant quantization_config, checked once: the code format and the table precision (both also bound to
     the streams by their checksum)."""
-    fmt = config_field(quantization_config, "fmt", "float8", str, lambda f: f in FORMATS, f"one of {sorted(FORMATS)}")
+    fmt = config_field(quantization_config, "fmt", "float8", str, lambda f: f in CODE_MAX, f"one of {sorted(CODE_MAX)}")
     prob_bits = config_field(quantization_config, "prob_bits", PROB_BITS, int, lambda p: 1 <= p <= 15, "in 1..15")
     return {**quantization_config, "fmt": fmt, "prob_bits": prob_bits}
 

@@ -13,7 +13,7 @@ import torch
 
 from .numerics.minifloats import E4M3_MAX, round_e4m3
 
-FORMATS = {"float8": E4M3_MAX, "int8": 127.0}          # largest code magnitude
+CODE_MAX = {"float8": E4M3_MAX, "int8": 127.0}          # largest code magnitude
 
 
 def quantize_codes(x, fmt):
@@ -31,12 +31,12 @@ def entquant_scales(weight, lam, fmt="float8", max_iter=500, history=100, lr=1.0
     ||Q 2^s - W||_1 / ||W||_1 + lam * R(Q) with L-BFGS (strong Wolfe). keep (bool [out, in], optional) marks
     weights stored exactly (Int8 super weights): they take no part in the loss. importance [out] (optional, from
     fisher_importance: phi_j / Z) replaces the reconstruction term by sum_j importance_j ||W_hat_j - W_j||^2 / numel."""
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+    if fmt not in CODE_MAX:
+        raise ValueError(f"fmt must be one of {sorted(CODE_MAX)}, got {fmt!r}")
     w = weight.detach().float()
     if keep is not None:
         w = w.masked_fill(keep, 0.0)
-    top = FORMATS[fmt]
+    top = CODE_MAX[fmt]
     absmax = w.abs().amax(1).clamp(min=torch.finfo(torch.float16).tiny)
     s = torch.log2(absmax / top).requires_grad_()              # start: absmax scaling, every weight representable
     norm = w.abs().sum().clamp(min=1e-30)

@@ -63,7 +63,7 @@ from .numerics.base import CheckpointMethod, config_field, scale_tensor
 from .numerics.calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
 from .numerics.obq import error_feedback, inverse_cholesky
 
-FORMATS = ("gptq", "gptq_v2")
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 GGML = "ggml"                      # an engine folder of GGML blocks (gptq_ggml.py), on its way into a GGUF file
 PACKABLE_BITS = (2, 4, 8)          # bit widths that tile an int32 word exactly (3-bit GPTQ uses a split layout)
 
@@ -249,8 +249,8 @@ def _check_bits(bits):
 
 
 def _check_format(checkpoint_format):
-    if checkpoint_format not in FORMATS:
-        raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
 
 
 def pack_gptq(codes, scales, zeros, g_idx, *, bits=4, checkpoint_format="gptq"):
@@ -414,7 +414,7 @@ def validate(qcfg):
     group_size = config_field(qcfg, "group_size", DEFAULTS["group_size"], int, lambda g: g == -1 or g >= 1,
                               "-1 or a positive int")
     fmt = config_field(qcfg, "checkpoint_format", DEFAULTS["checkpoint_format"], str,
-                       lambda f: f in (*FORMATS, GGML), f"one of {(*FORMATS, GGML)}")
+                       lambda f: f in (*CHECKPOINT_FORMATS, GGML), f"one of {(*CHECKPOINT_FORMATS, GGML)}")
     if fmt == GGML:
         gptq_ggml.check_request(qcfg.get("ggml_type"))
         return {**qcfg, "checkpoint_format": fmt}                     # bits, group_size and sym do not apply

@@ -30,9 +30,8 @@ from .llama_cpp import bit_plan, ggml, ggml_quants
 from .numerics import calibration
 from .numerics.obq import error_feedback, inverse_cholesky
 
-# codes per type: 2^bits (Q8_0 stores int8, codes 0..255 meaning -128..127)
-LEVELS = {"Q2_K": 4, "Q3_K": 8, "Q4_K": 16, "Q5_K": 32, "Q6_K": 64, "Q4_0": 16, "Q4_1": 16, "Q5_0": 32,
-          "Q5_1": 32, "Q8_0": 256}
+# codes per type: 2^bits, the digit in the type's name (Q8_0 stores int8, codes 0..255 meaning -128..127)
+LEVELS = {name: 2 ** int(name[1]) for name in ggml.INTEGER}
 TYPES = tuple(LEVELS)
 
 
@@ -119,7 +118,7 @@ def plan_mix(layer, names, bpw, max_sequences=4, imatrix=True):
     candidates = {}
     for name in names:
         linear, full = layer.module(layer.prefix + name), layer.prefix + name
-        kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in ggml_quants.K_TYPES)
+        kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in ggml.K_QUANTS)
         candidates[full] = {
             kind: (linear.weight.numel() * bits_per_weight(kind),
                    lambda lin, kind=kind, imp=importance.get(full):

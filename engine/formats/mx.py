@@ -179,15 +179,15 @@ class NVFP4Linear(QuantLinear):
         return self.packed.numel() * 8 + self.block_scale.numel() * 8 + 32
 
 
-FORMATS = {"mxfp4": (MXFP4Linear, MX_BLOCK, "e8m0"), "nvfp4": (NVFP4Linear, NV_BLOCK, "e4m3")}
+FP4_LAYERS = {"mxfp4": (MXFP4Linear, MX_BLOCK, "e8m0"), "nvfp4": (NVFP4Linear, NV_BLOCK, "e4m3")}
 
 
 def quantize_layer(layer, format="mxfp4"):
     """Replace the layer's linears (a calibration.LayerCalibration) by MXFP4Linear or NVFP4Linear layers, in place.
     Returns a quantization_config describing them (compressed-tensors checkpoints store them)."""
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {sorted(FORMATS)}, got {format!r}")
-    layer_cls, block, scale = FORMATS[format]
+    if format not in FP4_LAYERS:
+        raise ValueError(f"format must be one of {sorted(FP4_LAYERS)}, got {format!r}")
+    layer_cls, block, scale = FP4_LAYERS[format]
 
     def make(name, linear):
         if linear.in_features % block:

@@ -14,7 +14,8 @@ FP8: x_hat = E4M3(x / s) s with s = amax / 448. vLLM takes s from the checkpoint
 choice, slightly optimistic (no clipping ever happens), and in generate each step's tokens get their own scale.
 
 q8_0 / q4_0 are llama.cpp's reference encoders (quantize_row_q8_0_ref / q4_0_ref, in float32, which its CUDA copy
-kernels match) writing GGML blocks, decoded by engine/formats/llama_cpp/ggml.py, so the grid is GGUF's bit for bit:
+kernels match; the engine's one port of them is llama_cpp/ggml_quants.py) writing GGML blocks, decoded by
+llama_cpp/ggml.py, so the grid is GGUF's bit for bit:
     q8_0: d = amax / 127, q = roundf(x / d) (halves away from 0)
     q4_0: d = m / -8 (m the value of largest |x|), q = min(15, trunc(x / d + 8.5))
 (llama.cpp quantizes V this way only with flash attention; without it V stays f16.)
@@ -26,9 +27,10 @@ window (>= G - 1 tokens), where KIVI's own residual fills up to R tokens and is 
 """
 import torch
 
+from ..llama_cpp import ggml_quants
 from ..llama_cpp.ggml import dequantize
-from .kv_cache import RESIDUAL_WINDOW, KVHook, install
 from ..numerics.minifloats import E4M3_MAX, round_e4m3
+from .kv_cache import RESIDUAL_WINDOW, KVHook, install
 
 FP8_SCALES = ("tensor", "head")
 GGML_KV = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
@@ -58,34 +60,6 @@ class FP8KV(KVHook):
         return (round_e4m3(x.float() / s) * s).to(x.dtype)
 
 
-def _roundf(x):
-    """C's roundf (halves away from zero), exactly: floor(a) + floor(2 (a - floor(a))), a = |x|, signed back."""
-    a = x.abs()
-    f = a.floor()
-    return torch.copysign(f + (2 * (a - f)).floor(), x)
-
-
-def _reciprocal(d):
-    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
-
-
-def q8_0_blocks(x):
-    """x [..., 32 k] -> Q8_0 blocks uint8 [n, 34] (f16 d, 32 int8): llama.cpp's quantize_row_q8_0_ref."""
-    b = x.float().reshape(-1, QK)
-    d = b.abs().amax(1, keepdim=True) / 127
-    q = _roundf(b * _reciprocal(d)).to(torch.int8)
-    return torch.cat((d.half().view(torch.uint8), q.view(torch.uint8)), 1)
-
-
-def q4_0_blocks(x):
-    """x [..., 32 k] -> Q4_0 blocks uint8 [n, 18] (f16 d, element j in the low nibble of byte j, j + 16 in its high
-    nibble): llama.cpp's quantize_row_q4_0_ref."""
-    b = x.float().reshape(-1, QK)
-    d = b.gather(1, b.abs().argmax(1, keepdim=True)) / -8
-    q = (b * _reciprocal(d) + 8.5).trunc().clamp(max=15).to(torch.uint8)
-    return torch.cat((d.half().view(torch.uint8), q[:, :16] | (q[:, 16:] << 4)), 1)
-
-
 class GGMLKV(KVHook):
     """llama.cpp's quantized cache types: every run of 32 values along head_dim one GGML block."""
 
@@ -94,14 +68,14 @@ class GGMLKV(KVHook):
             raise ValueError(f"cache_type must be one of {list(GGML_KV)}, got {cache_type!r}")
         super().__init__(window, exact_keys)
         self.cache_type = cache_type
-        self.encode = q8_0_blocks if cache_type == "q8_0" else q4_0_blocks
 
     def quantize(self, x, layer=0, which=0):
         """x [..., d] (d a multiple of 32) -> the values its GGML blocks decode to."""
         _check_head_dim(x, QK, self.cache_type)
-        blocks = self.encode(x)
-        self.count(which, x.numel(), 8 * blocks.numel())
-        return dequantize(blocks.reshape(-1), GGML_KV[self.cache_type], x.shape).to(x.dtype)
+        kind = GGML_KV[self.cache_type]
+        raw = ggml_quants.blocks(kind, *ggml_quants.quantize(kind, x.reshape(-1, x.shape[-1])))
+        self.count(which, x.numel(), 8 * raw.numel())
+        return dequantize(raw.reshape(-1), kind, x.shape).to(x.dtype)
 
 
 def min_max_grid(groups, bits, dim):
@@ -147,11 +121,11 @@ class KIVI(KVHook):
         return x_hat.reshape(x.shape).to(x.dtype)
 
 
-FORMATS = {"fp8": FP8KV, "ggml": GGMLKV, "kivi": KIVI}
+KV_FORMATS = {"fp8": FP8KV, "ggml": GGMLKV, "kivi": KIVI}
 
 
 def kv_quantize(model, format="fp8", **options):
-    """Install one of FORMATS (options: its class's) on the model's KV hook; returns it (see .report())."""
-    if format not in FORMATS:
-        raise ValueError(f"KV format must be one of {list(FORMATS)}, got {format!r}")
-    return install(model, FORMATS[format](**options))
+    """Install one of KV_FORMATS (options: its class's) on the model's KV hook; returns it (see .report())."""
+    if format not in KV_FORMATS:
+        raise ValueError(f"KV format must be one of {list(KV_FORMATS)}, got {format!r}")
+    return install(model, KV_FORMATS[format](**options))

@@ -75,7 +75,7 @@ def _fields(data, bits, span):
     return torch.cat([(runs >> shift) & (2 ** bits - 1) for shift in range(0, 8, bits)], 2).reshape(len(data), -1)
 
 
-def _f16(blocks, at):
+def _read_f16(blocks, at):
     """The f16 at byte `at` of each block: uint8 [n, bytes] -> float32 [n, 1]. (Viewing whole rows: a copy of a
     narrow uint8 slice is far slower.)"""
     return blocks.view(torch.float16)[:, at // 2, None].float()
@@ -112,64 +112,66 @@ def _nvfp4_scales(b):
     return torch.where(s == 0x7F, 0, s).view(torch.float8_e4m3fn)
 
 
-def _q4_0(b):
-    d = _f16(b, 0)
+def _decode_q4_0(b):
+    d = _read_f16(b, 0)
     return _fields(b[:, 2:], 4, 16), d, -8 * d
 
 
-def _q4_1(b):
-    return _fields(b[:, 4:], 4, 16), _f16(b, 0), _f16(b, 2)
+def _decode_q4_1(b):
+    return _fields(b[:, 4:], 4, 16), _read_f16(b, 0), _read_f16(b, 2)
 
 
-def _q5_0(b):
-    d = _f16(b, 0)
+def _decode_q5_0(b):
+    d = _read_f16(b, 0)
     return _fields(b[:, 6:], 4, 16) | (unpack_bits(b[:, 2:6], 1, 32) << 4), d, -16 * d
 
 
-def _q5_1(b):
-    return _fields(b[:, 8:], 4, 16) | (unpack_bits(b[:, 4:8], 1, 32) << 4), _f16(b, 0), _f16(b, 2)
+def _decode_q5_1(b):
+    return _fields(b[:, 8:], 4, 16) | (unpack_bits(b[:, 4:8], 1, 32) << 4), _read_f16(b, 0), _read_f16(b, 2)
 
 
-def _q8_0(b):
-    d = _f16(b, 0)
+def _decode_q8_0(b):
+    d = _read_f16(b, 0)
     return (b.view(torch.int8)[:, 2:].short() + 128).to(torch.uint8), d, -128 * d
 
 
-def _q2_k(b):
-    scale = _f16(b, 80) * (b[:, :16] & 15).float()
-    offset = -_f16(b, 82) * (b[:, :16] >> 4).float()
+def _decode_q2_k(b):
+    scale = _read_f16(b, 80) * (b[:, :16] & 15).float()
+    offset = -_read_f16(b, 82) * (b[:, :16] >> 4).float()
     return _fields(b[:, 16:80], 2, 32), scale, offset
 
 
-def _q3_k(b):
+def _decode_q3_k(b):
     sc = _fields(b[:, 96:104], 4, 8) | (_fields(b[:, 104:108], 2, 4) << 4)          # 16 six-bit scales
-    scale = _f16(b, 108) * (sc.float() - 32)
+    scale = _read_f16(b, 108) * (sc.float() - 32)
     return _fields(b[:, 32:96], 2, 32) | (_fields(b[:, 0:32], 1, 32) << 2), scale, -4 * scale
 
 
-def _q4_k(b):
+def _decode_q4_k(b):
     sc, m = _k_scales(b[:, 4:16])
-    return _fields(b[:, 16:], 4, 32), _f16(b, 0) * sc, -_f16(b, 2) * m
+    return _fields(b[:, 16:], 4, 32), _read_f16(b, 0) * sc, -_read_f16(b, 2) * m
 
 
-def _q5_k(b):
+def _decode_q5_k(b):
     sc, m = _k_scales(b[:, 4:16])
     codes = _fields(b[:, 48:], 4, 32) | (_fields(b[:, 16:48], 1, 32) << 4)
-    return codes, _f16(b, 0) * sc, -_f16(b, 2) * m
+    return codes, _read_f16(b, 0) * sc, -_read_f16(b, 2) * m
 
 
-def _q6_k(b):
+def _decode_q6_k(b):
     codes = _fields(b[:, :128], 4, 64) | (_fields(b[:, 128:192], 2, 32) << 4)
-    scale = _f16(b, 208) * b.view(torch.int8)[:, 192:208].float()
+    scale = _read_f16(b, 208) * b.view(torch.int8)[:, 192:208].float()
     return codes, scale, -32 * scale
 
 
 # name -> (decoder, group size, bits the codes are packed with, the integer zero point; None: a free offset)
-AFFINE = {"Q4_0": (_q4_0, 32, 4, 8), "Q4_1": (_q4_1, 32, 4, None), "Q5_0": (_q5_0, 32, 8, 16),
-          "Q5_1": (_q5_1, 32, 8, None), "Q8_0": (_q8_0, 32, 8, 128), "Q2_K": (_q2_k, 16, 2, None),
-          "Q3_K": (_q3_k, 16, 4, 4), "Q4_K": (_q4_k, 32, 4, None), "Q5_K": (_q5_k, 32, 8, None),
-          "Q6_K": (_q6_k, 16, 8, 32)}
-DECODED = (*DENSE, *AFFINE, "MXFP4", "NVFP4")
+AFFINE = {"Q4_0": (_decode_q4_0, 32, 4, 8), "Q4_1": (_decode_q4_1, 32, 4, None), "Q5_0": (_decode_q5_0, 32, 8, 16),
+          "Q5_1": (_decode_q5_1, 32, 8, None), "Q8_0": (_decode_q8_0, 32, 8, 128), "Q2_K": (_decode_q2_k, 16, 2, None),
+          "Q3_K": (_decode_q3_k, 16, 4, 4), "Q4_K": (_decode_q4_k, 32, 4, None), "Q5_K": (_decode_q5_k, 32, 8, None),
+          "Q6_K": (_decode_q6_k, 16, 8, 32)}
+INTEGER = tuple(AFFINE)                               # the integer types: read, and written from codes and scales
+K_QUANTS = tuple(name for name in INTEGER if GGML_TYPES[name][1] == QK_K)
+DECODED = (*DENSE, *INTEGER, "MXFP4", "NVFP4")
 
 
 def _blocks(raw, type_name, shape):
@@ -263,8 +265,7 @@ def _f16_bytes(x):
     return x.reshape(-1, 1).half().view(torch.uint8)
 
 
-ENCODED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "NVFP4")
-K_ENCODED = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+ENCODED = (*(name for name in INTEGER if name not in K_QUANTS), "MXFP4", "NVFP4")      # encode's; encode_k: K_QUANTS
 
 
 def _check_codes(type_name, codes):
@@ -288,7 +289,7 @@ def encode(type_name, codes, scales, offsets=None):
     Scales and offsets must already be what the file stores (gguf_writer checks that before calling)."""
     if type_name not in ENCODED:
         raise ValueError(f"GGML type {type_name} cannot be written by encode (it writes {', '.join(ENCODED)}; "
-                         f"encode_k writes {', '.join(K_ENCODED)})")
+                         f"encode_k writes {', '.join(K_QUANTS)})")
     q = _check_codes(type_name, codes)
     if type_name == "NVFP4":
         s = scales.contiguous().view(torch.uint8).reshape(len(q), 4)
@@ -322,8 +323,8 @@ def encode_k(type_name, codes, d, sc, dmin=None, m=None):
       Q6_K   codes 0..63, d, sc [blocks, 16] -128..127 (int8)                        w = d * sc * (q - 32)
 
     (blocks = out * in / 256, in row order; codes [out, in].)"""
-    if type_name not in K_ENCODED:
-        raise ValueError(f"GGML type {type_name} is not a K-quant ({', '.join(K_ENCODED)})")
+    if type_name not in K_QUANTS:
+        raise ValueError(f"GGML type {type_name} is not a K-quant ({', '.join(K_QUANTS)})")
     q = _check_codes(type_name, codes)
     d = _f16_bytes(d)
     sc = sc.reshape(len(q), -1).to(torch.int16)

@@ -25,13 +25,11 @@ blocks; `FALLBACK` is llama.cpp's type for a row that is not a multiple of 256 (
 import numpy as np
 import torch
 
-from .ggml import GGML_TYPES, QK_K, encode, encode_k
+from .ggml import GGML_TYPES, INTEGER, K_QUANTS, QK_K, encode, encode_k
 
 F32 = np.float32
 EPS = 1e-15                                          # GROUP_MAX_EPS: a group below this is all zero
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-K_TYPES = tuple(name for name in TYPES if GGML_TYPES[name][1] == QK_K)
 
 
 # ---- C's float32 arithmetic ----------------------------------------------------------------------------------
@@ -54,18 +52,14 @@ def _first(x, arg):
 def _positive_max(x):
     """C's `float m = 0; if (x[i] > m) m = x[i];` over the last dim: the max, or +0 when none is positive."""
     m = x.amax(-1)
-    return _where(m > 0, m, torch.zeros(()))
+    return torch.where(m > 0, m, torch.zeros(()))
 
 
 def _signed_absmax(x):
     """x [..., n] -> (amax, the signed value of the first element reaching it) [...]: C's `if (ax > amax)` loop,
     starting from max = +0."""
     v = x.gather(-1, x.abs().argmax(-1, keepdim=True))[..., 0]
-    return v.abs(), _where(v.abs() > 0, v, torch.zeros(()))
-
-
-def _where(cond, a, b):
-    return torch.where(cond, a, b)
+    return v.abs(), torch.where(v.abs() > 0, v, torch.zeros(()))
 
 
 def _rdiv(c, t):
@@ -79,7 +73,7 @@ def _sqrt(x):
     return torch.sqrt(x.double()).float()
 
 
-def _f16(x):
+def _round_f16(x):
     """GGML_FP32_TO_FP16 then back: round to nearest f16 (ties to even)."""
     return x.half().float()
 
@@ -101,7 +95,7 @@ def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad):
     0..nmax, whose weighted error (|.| if use_mad, else squared) is lowest over the first try and nstep + 1 trial
     ranges (rmin + rdelta * is + nmax steps across [min, max]), each refit by weighted least squares."""
     lo, hi = _first(x, torch.argmin), _first(x, torch.argmax)
-    lo = _where(lo > 0, torch.zeros(()), lo)
+    lo = torch.where(lo > 0, torch.zeros(()), lo)
     sum_w, sum_x = _sum(torch.stack([w, w * x]))
     flat = hi == lo
 
@@ -125,15 +119,15 @@ def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad):
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
         positive = this_min > 0
-        this_scale = _where(positive, sum_xl / sum_l2, this_scale)
-        this_min = _where(positive, torch.zeros(()), this_min)
+        this_scale = torch.where(positive, sum_xl / sum_l2, this_scale)
+        this_min = torch.where(positive, torch.zeros(()), this_min)
         cur = error(this_scale, this_min, Laux)
         better = (D > 0) & (cur < best)
-        L = _where(better[:, None], Laux, L)
-        best = _where(better, cur, best)
-        scale, low = _where(better, this_scale, scale), _where(better, this_min, low)
-    return (_where(flat, torch.zeros(()), scale), -_where(flat, lo, low),
-            _where(flat[:, None], torch.zeros(()), L))
+        L = torch.where(better[:, None], Laux, L)
+        best = torch.where(better, cur, best)
+        scale, low = torch.where(better, this_scale, scale), torch.where(better, this_min, low)
+    return (torch.where(flat, torch.zeros(()), scale), -torch.where(flat, lo, low),
+            torch.where(flat[:, None], torch.zeros(()), L))
 
 
 def make_qx_quants(x, nmax, w=None):
@@ -148,16 +142,16 @@ def make_qx_quants(x, nmax, w=None):
 
     l, sumlx, suml2 = trial(_rdiv(-nmax, vmax))
     L = l + nmax
-    scale = _where(suml2 != 0, sumlx / suml2, torch.zeros(()))
+    scale = torch.where(suml2 != 0, sumlx / suml2, torch.zeros(()))
     best = scale * sumlx
     for step in (*range(-9, 0), *range(1, 10)):
         l, sumlx, suml2 = trial(_rdiv(-(F32(nmax) + F32(0.1) * F32(step)), vmax))
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        L = _where(better[:, None], l + nmax, L)
-        scale = _where(better, sumlx / suml2, scale)
-        best = _where(better, scale * sumlx, best)
+        L = torch.where(better[:, None], l + nmax, L)
+        scale = torch.where(better, sumlx / suml2, scale)
+        best = torch.where(better, scale * sumlx, best)
     zero = amax < EPS
-    return _where(zero, torch.zeros(()), scale), _where(zero[:, None], torch.zeros(()), L)
+    return torch.where(zero, torch.zeros(()), scale), torch.where(zero[:, None], torch.zeros(()), L)
 
 
 def make_q3_quants(x, nmax):
@@ -175,11 +169,11 @@ def make_q3_quants(x, nmax):
             new = (xi * sl2 / slx).round().clamp(-nmax, nmax - 1)
             slx2, sl22 = slx + wi * xi * new, sl2 + wi * new * new
             take = (slx > 0) & (new != li) & (sl22 > 0) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
-            L[:, i] = _where(take, new, li)
-            sumlx, suml2 = _where(take, slx2, sumlx), _where(take, sl22, suml2)
+            L[:, i] = torch.where(take, new, li)
+            sumlx, suml2 = torch.where(take, slx2, sumlx), torch.where(take, sl22, suml2)
     zero = amax < EPS
-    scale = _where(suml2 > 0, sumlx / suml2, torch.zeros(()))
-    return _where(zero, torch.zeros(()), scale), _where(zero[:, None], torch.zeros(()), L + nmax)
+    scale = torch.where(suml2 > 0, sumlx / suml2, torch.zeros(()))
+    return torch.where(zero, torch.zeros(()), scale), torch.where(zero[:, None], torch.zeros(()), L + nmax)
 
 
 def make_qp_quants(x, nmax, w):
@@ -197,7 +191,7 @@ def make_qp_quants(x, nmax, w):
         diff = x - _rdiv(1, trial)[:, None] * (trial[:, None] * x).round().clamp(max=nmax)
         mse = _sum(w * diff * diff)
         better = mse < best
-        best, iscale = _where(better, mse, best), _where(better, trial, iscale)
+        best, iscale = torch.where(better, mse, best), torch.where(better, trial, iscale)
     L = _uint8((iscale[:, None] * x).round().clamp(max=nmax))
     sumlx, suml2 = _sum(torch.stack([w * x * L, w * L * L]))
     for _ in range(5):
@@ -208,11 +202,11 @@ def make_qp_quants(x, nmax, w):
             new = (xi * sl2 / slx).round().clamp(max=nmax)
             slx2, sl22 = slx + wi * xi * new, sl2 + wi * new * new
             take = (slx > 0) & (sl2 > 0) & (new != li) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
-            L[:, i] = _where(take, new, li)
-            sumlx, suml2 = _where(take, slx2, sumlx), _where(take, sl22, suml2)
+            L[:, i] = torch.where(take, new, li)
+            sumlx, suml2 = torch.where(take, slx2, sumlx), torch.where(take, sl22, suml2)
     zero = top < EPS
-    scale = _where(suml2 > 0, sumlx / suml2, torch.zeros(()))
-    return _where(zero, torch.zeros(()), scale), _where(zero[:, None], torch.zeros(()), L)
+    scale = torch.where(suml2 > 0, sumlx / suml2, torch.zeros(()))
+    return torch.where(zero, torch.zeros(()), scale), torch.where(zero[:, None], torch.zeros(()), L)
 
 
 # ---- the super-blocks: x [blocks, 256] -> (codes [blocks, 256], fields) ------------------------------------------
@@ -223,7 +217,7 @@ def _round_codes(x, d, L, lo, hi, dm=None):
     xs = x.reshape(*d.shape, -1)
     v = (xs + dm[..., None]) / d[..., None] if dm is not None else xs / d[..., None]
     q = v.round().clamp(lo, hi) - lo
-    return _where((d == 0)[..., None], L.reshape(xs.shape), q).reshape(x.shape)
+    return torch.where((d == 0)[..., None], L.reshape(xs.shape), q).reshape(x.shape)
 
 
 def _k_asym(x, sub, nmax, scale_bits, rmin, rdelta, nstep, weights):
@@ -235,8 +229,8 @@ def _k_asym(x, sub, nmax, scale_bits, rmin, rdelta, nstep, weights):
     scales, mins = scales.reshape(n, -1), mins.reshape(n, -1)
     top = F32(2 ** scale_bits - 1)
     max_scale, max_min = _positive_max(scales), _positive_max(mins)
-    inv_scale = _where(max_scale > 0, _rdiv(top, max_scale), torch.zeros(()))
-    inv_min = _where(max_min > 0, _rdiv(top, max_min), torch.zeros(()))
+    inv_scale = torch.where(max_scale > 0, _rdiv(top, max_scale), torch.zeros(()))
+    inv_min = torch.where(max_min > 0, _rdiv(top, max_min), torch.zeros(()))
     sc = _uint8((inv_scale[:, None] * scales).round())
     m = (inv_min[:, None] * mins).round()
     m = _uint8(m) if scale_bits == 6 else m
@@ -245,7 +239,7 @@ def _k_asym(x, sub, nmax, scale_bits, rmin, rdelta, nstep, weights):
     else:                                              # Q2_K: one byte, sc | m << 4, as C stores it
         byte = (sc.long() | (m.long() << 4)) & 255
         sc, m = (byte & 15).float(), (byte >> 4).float()
-    d, dmin = _f16(max_scale / top), _f16(max_min / top)
+    d, dmin = _round_f16(max_scale / top), _round_f16(max_min / top)
     codes = _round_codes(x, d[:, None] * sc, L, 0, nmax, dmin[:, None] * m)
     return codes, dict(d=d, dmin=dmin, sc=sc, m=m)
 
@@ -255,15 +249,15 @@ def _av_plus_abs(xs):
     return _sqrt(_sum(xs * xs) / F32(xs.shape[1]))[:, None] + xs.abs()
 
 
-def _q2_k(x):
+def _quantize_q2_k(x):
     return _k_asym(x, 16, 3, 4, -0.5, 0.1, 15, torch.abs)
 
 
-def _q4_k(x):
+def _quantize_q4_k(x):
     return _k_asym(x, 32, 15, 6, -1.0, 0.1, 20, _av_plus_abs)
 
 
-def _q5_k(x):
+def _quantize_q5_k(x):
     return _k_asym(x, 32, 31, 6, -0.5, 0.1, 15, _av_plus_abs)
 
 
@@ -276,66 +270,66 @@ def _k_sym(x, search, nmax, top, *weights):
     return scales, L, amax, _rdiv(-top, max_scale)
 
 
-def _q3_k(x):
+def _quantize_q3_k(x):
     scales, L, amax, iscale = _k_sym(x, make_q3_quants, 4, 32)
     sc = _int8((iscale[:, None] * scales).round()).clamp(-32, 31) + 32
     nonzero = amax != 0
-    sc = _where(nonzero[:, None], sc, torch.zeros(()))      # C leaves the scale bytes 0: sc - 32 = -32, d = 0
-    d = _where(nonzero, _f16(_rdiv(1, iscale)), torch.zeros(()))
+    sc = torch.where(nonzero[:, None], sc, torch.zeros(()))      # C leaves the scale bytes 0: sc - 32 = -32, d = 0
+    d = torch.where(nonzero, _round_f16(_rdiv(1, iscale)), torch.zeros(()))
     return _round_codes(x, d[:, None] * (sc - 32), L, -4, 3), dict(d=d, sc=sc)
 
 
-def _q6_k(x, qw=None):
+def _quantize_q6_k(x, qw=None):
     """(With an importance matrix qw the sub-block scales weigh the error by qw itself, as llama.cpp does.)"""
     scales, L, amax, iscale = _k_sym(x, make_qx_quants, 32, 128, *([] if qw is None else [qw.reshape(-1, 16)]))
     sc = _int8((iscale[:, None] * scales).round().clamp(max=127))
-    d = _f16(_rdiv(1, iscale))
+    d = _round_f16(_rdiv(1, iscale))
     codes = _round_codes(x, d[:, None] * sc, L, -32, 31)
     zero = amax < EPS                                        # C zeroes the whole block
-    return (_where(zero[:, None], torch.zeros(()), codes),
-            dict(d=_where(zero, torch.zeros(()), d), sc=_where(zero[:, None], torch.zeros(()), sc)))
+    return (torch.where(zero[:, None], torch.zeros(()), codes),
+            dict(d=torch.where(zero, torch.zeros(()), d), sc=torch.where(zero[:, None], torch.zeros(()), sc)))
 
 
 # ---- the 32-blocks: x [blocks, 32] -> (codes, fields) ----------------------------------------------------------
 
 def _inverse(d):
-    return _where(d != 0, _rdiv(1, d), torch.zeros(()))
+    return torch.where(d != 0, _rdiv(1, d), torch.zeros(()))
 
 
-def _q4_0(x):
+def _quantize_q4_0(x):
     _, vmax = _signed_absmax(x)
     d = vmax / F32(-8)
-    return (x * _inverse(d)[:, None] + F32(8.5)).trunc().clamp(max=15), dict(d=_f16(d))
+    return (x * _inverse(d)[:, None] + F32(8.5)).trunc().clamp(max=15), dict(d=_round_f16(d))
 
 
-def _q5_0(x):
+def _quantize_q5_0(x):
     _, vmax = _signed_absmax(x)
     d = vmax / F32(-16)
-    return (x * _inverse(d)[:, None] + F32(16.5)).trunc().clamp(max=31), dict(d=_f16(d))
+    return (x * _inverse(d)[:, None] + F32(16.5)).trunc().clamp(max=31), dict(d=_round_f16(d))
 
 
-def _q4_1(x, top=15):
+def _quantize_q4_1(x, top=15):
     lo, hi = _first(x, torch.argmin), _first(x, torch.argmax)
     d = (hi - lo) / F32(top)
     q = ((x - lo[:, None]) * _inverse(d)[:, None] + F32(0.5)).trunc()
-    return (q.clamp(max=top) if top == 15 else q % 32), dict(d=_f16(d), m=_f16(lo))   # Q5_1 keeps 5 bits
+    return (q.clamp(max=top) if top == 15 else q % 32), dict(d=_round_f16(d), m=_round_f16(lo))   # Q5_1 keeps 5 bits
 
 
-def _q5_1(x):
-    return _q4_1(x, 31)
+def _quantize_q5_1(x):
+    return _quantize_q4_1(x, 31)
 
 
-def _q8_0(x):
+def _quantize_q8_0(x):
     d = x.abs().amax(1) / F32(127)
     v = x * _inverse(d)[:, None]
     q = v.round()
     tie = (v - v.trunc()).abs() == 0.5                       # roundf: ties away from zero
-    q = _where(tie, v.trunc() + v.sign(), q)
-    return q + 128, dict(d=_f16(d))
+    q = torch.where(tie, v.trunc() + v.sign(), q)
+    return q + 128, dict(d=_round_f16(d))
 
 
-QUANTIZERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-              "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+QUANTIZERS = {"Q4_0": _quantize_q4_0, "Q4_1": _quantize_q4_1, "Q5_0": _quantize_q5_0, "Q5_1": _quantize_q5_1, "Q8_0": _quantize_q8_0,
+              "Q2_K": _quantize_q2_k, "Q3_K": _quantize_q3_k, "Q4_K": _quantize_q4_k, "Q5_K": _quantize_q5_k, "Q6_K": _quantize_q6_k}
 
 
 # ---- with an importance matrix (quantize_row_*_impl: what `llama-quantize --imatrix` runs) ---------------------
@@ -362,7 +356,7 @@ def _k_asym_imatrix(x, qw, sub, nmax, top, factor):
     sw = _sum(w).reshape(n, -1)
     d, sc = make_qp_quants(scales.reshape(n, -1), top, sw)
     dmin, m = make_qp_quants(mins.reshape(n, -1), top, sw)
-    d, dmin = _f16(d), _f16(dmin)
+    d, dmin = _round_f16(d), _round_f16(dmin)
     return _round_codes(x, d[:, None] * sc, L, 0, nmax, dmin[:, None] * m), dict(d=d, dmin=dmin, sc=sc, m=m)
 
 
@@ -372,7 +366,7 @@ def _q3_k_imatrix(x, qw):
     w = _importance(xs, qw.reshape(-1, 16), _super_sigma2(x, 2, 16))
     scales, L = make_qx_quants(xs, 4, w)
     d, sc = make_qx_quants(scales.reshape(len(x), 16), 32, _sum(w).reshape(len(x), 16))
-    d = _f16(d)
+    d = _round_f16(d)
     return _round_codes(x, d[:, None] * (sc - 32), L, -4, 3), dict(d=d, sc=sc)
 
 
@@ -380,7 +374,7 @@ def _sym_imatrix(nmax):
     """Q4_0 / Q5_0: make_qx_quants' weighted search; the codes are those of the float scale, stored in f16."""
     def quantizer(x, qw, sigma2):
         scale, L = make_qx_quants(x, nmax, _importance(x, qw, sigma2))
-        return L, dict(d=_f16(scale))
+        return L, dict(d=_round_f16(scale))
     return quantizer
 
 
@@ -388,7 +382,7 @@ def _asym_imatrix(nmax):
     """Q4_1 / Q5_1: make_qkx3_quants' weighted scale and min."""
     def quantizer(x, qw, sigma2):
         scale, the_min, L = make_qkx2_quants(x, _importance(x, qw, sigma2), nmax, -0.9, 0.05, 36, use_mad=False)
-        return L, dict(d=_f16(scale), m=_f16(-the_min))
+        return L, dict(d=_round_f16(scale), m=_round_f16(-the_min))
     return quantizer
 
 
@@ -397,13 +391,13 @@ IMATRIX = {"Q4_0": _sym_imatrix(8), "Q5_0": _sym_imatrix(16), "Q4_1": _asym_imat
            "Q3_K": _q3_k_imatrix,
            "Q4_K": lambda x, qw: _k_asym_imatrix(x, qw, 32, 15, 63, 2),
            "Q5_K": lambda x, qw: _k_asym_imatrix(x, qw, 32, 31, 63, 2),
-           "Q6_K": _q6_k}
+           "Q6_K": _quantize_q6_k}
 
 
 def check_type(type_name, in_features):
     """ValueError unless llama.cpp's quantizer for `type_name` takes rows of in_features."""
     if type_name not in QUANTIZERS:
-        raise ValueError(f"GGML type {type_name!r}: the engine quantizes to {', '.join(TYPES)}")
+        raise ValueError(f"GGML type {type_name!r}: the engine quantizes to {', '.join(INTEGER)}")
     block = GGML_TYPES[type_name][1]
     if in_features % block:
         hint = f" (llama.cpp falls back to {FALLBACK[type_name]})" if type_name in FALLBACK else ""
@@ -444,7 +438,7 @@ def quantize(type_name, weight, importance=None):
 
 def blocks(type_name, codes, fields):
     """codes [out, in] + fields (from quantize) -> raw uint8 [out, row bytes] of GGML blocks."""
-    if type_name in K_TYPES:
+    if type_name in K_QUANTS:
         raw = encode_k(type_name, codes, fields["d"], fields["sc"], fields.get("dmin"), fields.get("m"))
     else:
         raw = encode(type_name, codes, fields["d"], fields.get("m"))
