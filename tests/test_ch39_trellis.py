@@ -409,7 +409,7 @@ def test_the_rotation_group_fits_any_input_width():
 
 def test_model_block_ldlq_needs_calibration_and_beats_plain_trellis(tiny_model):
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="BlockLDLQ needs calibration_ids"):
+    with pytest.raises(ValueError, match="trellis needs calibration_ids"):
         trellis.quantize(copy.deepcopy(tiny_model), None, ldlq=True, group=64)
     plain, fed_back = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
     trellis.quantize(plain, None, L=8, K=2, group=64, tile=(8, 8))

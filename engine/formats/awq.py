@@ -105,7 +105,7 @@ def quantize_layer(layer, group_size=64, bits=4, clip=True):
 def quantize(model, calibration_ids, batch_size=8, **options):
     """AWQ every decoder layer of `model` in place (engine.formats.calibration: the inputs of each layer come from
     the float layers before it); options: those of quantize_layer. Returns the quantization_config."""
-    return calibration.by_layer(model, quantize_layer, calibration_ids, "float", batch_size, "AWQ", **options)
+    return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **options)
 
 
 @torch.no_grad()

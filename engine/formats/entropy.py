@@ -36,12 +36,12 @@ seeds a bracketing search on lambda that meets a bpw target (coded bytes of ever
 """
 import functools
 import json
-import sys
 import time
 
 import numpy as np
 import torch
 
+from ..console import log
 from ..coding.rans import PROB_BITS, RansStream, rans_decode, rans_encode_many
 from ..kernels import stream_decoders, triton_formats
 from .numerics import calibration
@@ -276,6 +276,53 @@ def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, l
 
 
 @torch.no_grad()
+def check_options(lam=None, bpw=None, fmt="float8", sensitivity=None, feedback=None, feedback_damp=0.01,
+                  whole_model=True, rate=True):
+    """EntQuant's options, checked once, for both entry points -> (sensitivity, feedback) normalized. whole_model:
+    False for quantize_layer, which cannot run what needs the whole model in memory; rate=False leaves lam / bpw
+    unchecked (the converter asks what calibration a run needs before it has them checked)."""
+    if rate and (lam is None) == (bpw is None):
+        raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
+    if fmt not in CODE_MAX:
+        raise ValueError(f"fmt must be one of {sorted(CODE_MAX)}, got {fmt!r}")
+    sensitivity, feedback = parse_sensitivity(sensitivity), parse_feedback(feedback)
+    check_damp(feedback_damp)
+    if not whole_model and (sensitivity is not None or feedback == "self"):
+        raise ValueError("sensitivity='fisher' and feedback='self' need the whole model in memory to write their "
+                         "own text (engine.formats.entropy.quantize); feedback='calibration' works block by block")
+    if sensitivity is not None and feedback == "calibration":
+        raise ValueError("sensitivity='fisher' weighs the whole model's rows at once; it does not combine with "
+                         "feedback='calibration', which works block by block")
+    return sensitivity, feedback
+
+
+def _entquant(linears, lam, bpw, fmt, super_weights, max_iter, lanes, tol, sensitivity, feedback, feedback_damp,
+              importance=None, hessians=None, say=None):
+    """The one body of quantize and quantize_layer: the blocks' linears {block: [(name, linear)]} compressed at
+    lambda = lam, or at the lambda the shipped table and a search find for bpw -> (the layers {name: EntQuantLinear},
+    the quantization_config). say(text): a progress line per lambda tried."""
+    found = {}
+
+    def measure(lam_):
+        start = time.time()
+        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes, importance, hessians,
+                                      feedback_damp)
+        _, bits, count = found[lam_]
+        if say is not None:
+            say(f"entquant: lambda {lam_:.4g} -> {bits / count:.3f} bits per weight ({time.time() - start:.1f} s)")
+        return bits / count
+
+    if bpw is not None:
+        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt, sensitivity, feedback), tol=tol)
+    else:
+        measure(lam)
+    layers, bits, count = found[lam]
+    return layers, {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
+                    "sensitivity": sensitivity, "feedback": feedback,
+                    **({"feedback_damp": feedback_damp} if feedback else {}),
+                    "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
+
+
 def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", super_weights=8, max_iter=500,
              lanes=None, tol=0.05, sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64,
              feedback_damp=0.01):
@@ -287,20 +334,11 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
     diagonal added to it (see the module docstring); feedback="calibration" takes them from calibration_ids
     instead, block by block (quantize_layer on each, its lambda searched per block). Returns the
     quantization_config."""
-    if (lam is None) == (bpw is None):
-        raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
-    if fmt not in CODE_MAX:
-        raise ValueError(f"fmt must be one of {sorted(CODE_MAX)}, got {fmt!r}")
-    sensitivity, feedback = parse_sensitivity(sensitivity), parse_feedback(feedback)
-    check_damp(feedback_damp)
+    sensitivity, feedback = check_options(lam, bpw, fmt, sensitivity, feedback, feedback_damp)
     if feedback == "calibration":                         # block by block, as GPTQ walks the model
-        if sensitivity is not None:
-            raise ValueError("sensitivity='fisher' weighs the whole model's rows at once; it does not combine with "
-                             "feedback='calibration', which works block by block")
         options = dict(lam=lam, bpw=bpw, fmt=fmt, super_weights=super_weights, max_iter=max_iter, lanes=lanes,
-                       tol=tol, sensitivity=sensitivity, feedback=feedback, feedback_damp=feedback_damp)
-        config = calibration.by_layer(model, quantize_layer, calibration_ids, "quantized",
-                                      method="EntQuant with feedback='calibration'", **options)
+                       tol=tol, feedback=feedback, feedback_damp=feedback_damp)
+        config = calibration.by_layer(model, CHECKPOINT, calibration_ids, **options)
         attach_decoder(model)
         return config
     linears = _block_linears(model)
@@ -309,34 +347,17 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
     if sensitivity == "fisher":
         start = time.time()
         importance = fisher_importance(model, names, self_generated_ids(model, fisher_samples))
-        print(f"entquant: Fisher sensitivities from {fisher_samples} self-generated sequences "
-              f"({time.time() - start:.1f} s)", file=sys.stderr, flush=True)
+        log(f"entquant: Fisher sensitivities from {fisher_samples} self-generated sequences "
+            f"({time.time() - start:.1f} s)")
     if feedback == "self":
         start = time.time()
         hessians = self_hessians(model, names, self_generated_ids(model, feedback_samples))
-        print(f"entquant: Hessians from {feedback_samples} self-generated sequences ({time.time() - start:.1f} s)",
-              file=sys.stderr, flush=True)
-    found = {}
-
-    def measure(lam_):
-        start = time.time()
-        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes, importance, hessians,
-                                      feedback_damp)
-        _, bits, count = found[lam_]
-        print(f"entquant: lambda {lam_:.4g} -> {bits / count:.3f} bits per weight ({time.time() - start:.1f} s)",
-              file=sys.stderr, flush=True)
-        return bits / count
-
-    if bpw is not None:
-        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt, sensitivity, feedback), tol=tol)
-    else:
-        measure(lam)
-    layers, bits, count = found[lam]
+        log(f"entquant: Hessians from {feedback_samples} self-generated sequences ({time.time() - start:.1f} s)")
+    layers, config = _entquant(linears, lam, bpw, fmt, super_weights, max_iter, lanes, tol, sensitivity, feedback,
+                               feedback_damp, importance, hessians, say=log)
     replace_linears(model, lambda name, linear: layers[name], names=set(layers))
     attach_decoder(model)
-    return {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
-            "sensitivity": sensitivity, "feedback": feedback, **({"feedback_damp": feedback_damp} if feedback else {}),
-            "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
+    return config
 
 
 @torch.no_grad()
@@ -349,50 +370,27 @@ def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max
     before it: the block gets its own decoder and hook, so that its outputs feed the next); the Fisher-weighted loss and
     feedback="self" need the whole model (its gradients, its self-generated text) and are refused here. Returns the
     quantization_config."""
-    if (lam is None) == (bpw is None):
-        raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
-    feedback = _layer_feedback(sensitivity, feedback, feedback_damp)
+    sensitivity, feedback = check_options(lam, bpw, fmt, sensitivity, feedback, feedback_damp, whole_model=False)
     linears = {layer.index: [(name, layer.module(name)) for name in layer.linear_names()]}
     hessians = None
     if feedback == "calibration":
         stats = layer.capture([name.removeprefix(layer.prefix) for name, _ in linears[layer.index]])
         hessians = {name: s.hessian for name, s in stats.items()}
-    found = {}
-
-    def measure(lam_):
-        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes, None, hessians,
-                                      feedback_damp)
-        return found[lam_][1] / found[lam_][2]
-
-    if bpw is not None:
-        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt, None, feedback), tol=tol)
-    else:
-        measure(lam)
-    layers, bits, count = found[lam]
+    layers, config = _entquant(linears, lam, bpw, fmt, super_weights, max_iter, lanes, tol, sensitivity, feedback,
+                               feedback_damp, hessians=hessians)
     layer.replace(lambda name, linear: layers[name], names=set(layers))
     if feedback == "calibration":                 # the next block's inputs pass through this one, quantized
         named = [layers[name] for name, _ in linears[layer.index]]
         _hook_block(layer.layer, BlockDecoder({layer.index: named}), layer.index)
-    return {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
-            "sensitivity": None, "feedback": feedback, **({"feedback_damp": feedback_damp} if feedback else {}),
-            "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
-
-
-def _layer_feedback(sensitivity, feedback, feedback_damp):
-    """The feedback quantize_layer runs with; what it cannot run refused (also before any work, by the
-    converter's calibration question)."""
-    feedback = parse_feedback(feedback)
-    if parse_sensitivity(sensitivity) is not None or feedback == "self":
-        raise ValueError("sensitivity='fisher' and feedback='self' need the whole model in memory to write their "
-                         "own text (engine.formats.entropy.quantize); feedback='calibration' works block by block")
-    check_damp(feedback_damp)
-    return feedback
+    return config
 
 
 def _calibration(options):
     """The calibration inputs quantize_layer needs with these options: those the blocks quantized before it pass on
-    (feedback='calibration') or none (data-free)."""
-    feedback = _layer_feedback(options.get("sensitivity"), options.get("feedback"), options.get("feedback_damp", 0))
+    (feedback='calibration') or none (data-free); what it cannot run is refused here, before any work."""
+    _, feedback = check_options(fmt=options.get("fmt", "float8"), sensitivity=options.get("sensitivity"),
+                                feedback=options.get("feedback"), feedback_damp=options.get("feedback_damp", 0.01),
+                                whole_model=False, rate=False)
     return "quantized" if feedback == "calibration" else None
 
 

@@ -401,7 +401,7 @@ def quantize(model, calibration_ids, batch_size=8, **options):
     """GPTQ every decoder layer of `model` in place, each layer's inputs coming from the quantized layers before it
     (engine.formats.calibration); calibration_ids [B, T] go through in batches of batch_size. Options: those of
     quantize_layer. Returns the quantization_config."""
-    return calibration.by_layer(model, quantize_layer, calibration_ids, "quantized", batch_size, "GPTQ", **options)
+    return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **options)
 
 
 # ---- the registry entry -----------------------------------------------------------------------------------------

@@ -432,8 +432,7 @@ def quantize(model, calibration_ids=None, batch_size=8, **options):
     """Trellis-code every linear but lm_head in place: the whole model at once (data-free), or with ldlq=True one
     decoder layer at a time on calibration_ids [B, T]. Options: those of quantize_layer."""
     if options.get("ldlq"):
-        return calibration.by_layer(model, quantize_layer, calibration_ids, "float", batch_size, "BlockLDLQ",
-                                    **options)
+        return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **options)
     return quantize_layer(calibration.whole_model(model), **options)
 
 

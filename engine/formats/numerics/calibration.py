@@ -246,17 +246,17 @@ def whole_model(model):
     return LayerCalibration(model, 0, None, prefix="")
 
 
-def by_layer(model, quantize_layer, calibration_ids=None, inputs_from=None, batch_size=8, method="this method",
-             **options):
-    """Quantize `model` in place, one decoder layer at a time: quantize_layer(LayerCalibration, **options) on each
-    (the same function the streaming converter, engine.checkpoints.streaming.quantize_checkpoint, calls on layers read
-    from disk). Returns the quantization_config quantize_layer describes its work with."""
-    layers = decoder_layers(model, calibration_ids, batch_size, method, inputs_from)
-    bar = tqdm(layers, total=model.cfg.num_hidden_layers, desc=f"{method} layers", unit="layer", leave=False,
+def by_layer(model, method, calibration_ids=None, batch_size=8, **options):
+    """Quantize `model` in place, one decoder layer at a time: method.quantize_layer(LayerCalibration, **options) on
+    each (the same function the streaming converter, engine.checkpoints.streaming.quantize_checkpoint, calls on layers
+    read from disk), the layers' inputs as method.calibration(options) says (a CheckpointMethod states it once).
+    Returns the quantization_config quantize_layer describes its work with."""
+    layers = decoder_layers(model, calibration_ids, batch_size, method.name, method.calibration(options))
+    bar = tqdm(layers, total=model.cfg.num_hidden_layers, desc=f"{method.name} layers", unit="layer", leave=False,
                disable=None)                        # shown on a terminal only
     configs, weights = [], []
     for layer in bar:
-        configs.append(quantize_layer(layer, **options))
+        configs.append(method.quantize_layer(layer, **options))
         weights.append(layer_weights(layer))
     return merged_config(configs, weights)
 
