@@ -211,13 +211,13 @@ def bench_lattice(args):
 
 
 def bench_rans_kernel(args):
-    from engine.coding import rans
+    from engine.coding import rans, rans_fast
     from engine.kernels import stream_decoders
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = sum(o * i for o, i in tiny_linear_shapes()) // Qwen3Config().num_hidden_layers
     symbols = synthetic_block(n)
     for lanes in args.lanes or [rans.default_lanes(n)]:
-        data = rans.rans_encode(symbols, lanes=lanes)
+        data = rans_fast.rans_encode(symbols, lanes=lanes)
         stream = rans.RansStream(data)
         tensors, out = stream.tensors(device), torch.empty(n, dtype=torch.uint8, device=device)
 

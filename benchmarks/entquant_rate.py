@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.coding import rans
+from engine.coding import rans, rans_fast
 from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats
 from engine.formats.numerics import affine
@@ -132,9 +132,9 @@ def measure(args):
         block0 = m.entquant_decoder.blocks[0]
         raw, context = block0[0].stream.numpy().tobytes(), entropy.block_context(0, block0)
         stream = rans.RansStream(raw, context=context)
-        symbols = rans.rans_decode(stream)
-        enc = best_seconds(lambda: rans.rans_encode(symbols, context=context))
-        dec = best_seconds(lambda: rans.rans_decode(raw, context=context))
+        symbols = rans_fast.rans_decode(stream)
+        enc = best_seconds(lambda: rans_fast.rans_encode(symbols, context=context))
+        dec = best_seconds(lambda: rans_fast.rans_decode(raw, context=context))
         h = rans.empirical_entropy_bits(symbols) / 8
         label = (f"EntQuant Float8+ANS{' + self-Fisher' if sensitivity else ''}"
                  f"{' + self-Hessian feedback' if feedback else ''} (bpw={target})")
@@ -158,11 +158,11 @@ def coder(args):
     wait for a core."""
     for n in args.symbols:
         symbols = synthetic_block(n)
-        data = rans.rans_encode(symbols)
+        data = rans_fast.rans_encode(symbols)
         stream = rans.RansStream(data)
-        assert torch.equal(rans.rans_decode(stream), symbols)
-        dec = run_seconds(lambda: rans.rans_decode(stream), args.repeats, time.process_time)
-        enc = run_seconds(lambda: rans.rans_encode(symbols), max(1, args.repeats // 2), time.process_time)
+        assert torch.equal(rans_fast.rans_decode(stream), symbols)
+        dec = run_seconds(lambda: rans_fast.rans_decode(stream), args.repeats, time.process_time)
+        enc = run_seconds(lambda: rans_fast.rans_encode(symbols), max(1, args.repeats // 2), time.process_time)
         print(json.dumps({"symbols": n, "bits_per_symbol": round(rans.empirical_entropy_bits(symbols) / n, 3),
                           "lanes": stream.states.size, "rate_over_entropy": round(
                               8 * len(data) / rans.empirical_entropy_bits(symbols), 4),

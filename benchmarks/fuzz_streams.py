@@ -17,7 +17,8 @@ import torch
 from fuzz_checkpoints import flip, pristine  # (first: it puts the repository on sys.path)
 from engine.formats.quantized_checkpoints import load_quantized
 from engine.safetensors_io import snapshot_tensors
-from engine.coding.rans import RansStream, rans_decode, rans_decode_reference, rans_encode
+from engine.coding.rans import RansStream, rans_decode_reference
+from engine.coding.rans_fast import rans_decode, rans_encode
 from engine.coding.rice import RiceStreams, rice_decode_reference
 from engine.formats import entropy, lattice, trellis
 

@@ -138,12 +138,13 @@ def quantize_options(args):
     options = {}
     for text in args.option or []:
         key, sep, value = text.partition("=")
-        key = key.replace("-", "_")
         if not sep or not key:
             raise ValueError(f"--option wants KEY=VALUE, got {text!r}")
         if key not in accepted:
-            raise ValueError(f"--method {args.method} takes no option {key!r}; it takes {list(accepted)}")
-        options[key] = parse_value(key, value, accepted[key])
+            close = key.replace("-", "_") if key.replace("-", "_") in accepted else None
+            raise ValueError(f"--method {args.method} takes no option {key!r}"
+                             f"{f' (did you mean {close!r}?)' if close else ''}; it takes {list(accepted)}")
+        options[key] = parse_value(key, value, accepted[key].default)
     flags = (("bits", getattr(args, "bits", None)), ("group_size", args.group_size), ("order", args.order),
              ("bpw", args.bpw))
     for key, value in flags:
@@ -152,6 +153,8 @@ def quantize_options(args):
                 flag = f"--{key.replace('_', '-')}"
                 raise ValueError(f"{flag} does not apply to --method {args.method}; it takes "
                                  f"{list(accepted) or 'no options'}")
+            if key in options:
+                raise ValueError(f"--{key.replace('_', '-')} and --option {key}= both set {key}; give one")
             options[key] = value
     return options
 
@@ -199,13 +202,16 @@ def check_quantize_args(args):
     if bpw is not None and not BPW_RANGE[args.method][0] <= bpw <= BPW_RANGE[args.method][1]:
         low, high = BPW_RANGE[args.method]
         raise ValueError(f"--bpw {bpw}: {args.method} reaches {low} to {high} bits per weight")
-    method, options = resolve(args.method, options)
+    if args.method == "gptq" and {"ggml_type", "bpw"} & options.keys() and not (
+            args.target == "llama.cpp" or args.format == "gguf"):
+        raise ValueError("ggml_type and --bpw make GPTQ write llama.cpp's GGML blocks: add --target "
+                         "llama.cpp (or --format gguf)")
+    method, options = resolve(args.method, options)      # every option's range, and the method's rules
     if args.target or args.format == "gguf":
         from engine.checkpoints.serving import check_target
+        from engine.formats.quantized_checkpoints import METHODS
         options, args.format = check_target(args.target or "llama.cpp", method, options, args.format)
-    if options.get("imatrix") is False and options.get("ggml_type") is None and options.get("bpw") is None:
-        raise ValueError("--option imatrix=false picks llama.cpp's plain grid for a GGML type: it needs --option "
-                         "ggml_type=TYPE or --bpw B (--target llama.cpp)")
+        options = METHODS[method].checked(options)        # and what the target filled in
     if args.format == "gguf":
         check_file_output(args.out, args.force)
         if args.model is not None:

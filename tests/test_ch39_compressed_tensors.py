@@ -15,6 +15,18 @@ from engine.formats.mx import MXFP4Linear, NVFP4Linear
 from engine.qwen3 import Qwen3
 
 
+def parts(config):
+    return ct.CHECKPOINT.parts(ct.validate(config))
+
+
+def read(tensors, config):
+    return ct.CHECKPOINT.read(tensors, ct.validate(config))
+
+
+def write(layer, config):
+    return ct.CHECKPOINT.write(layer, ct.validate(config))
+
+
 def _affine(out_f=36, in_f=200, group=64, sym=True, seed=0):
     w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
     return AffineQuantLinear.from_weight(w, 4, group, sym=sym)
@@ -28,7 +40,7 @@ def _linear(out_f, in_f, seed=0):
 
 
 def _round_trip(layer, config):
-    return ct.read(ct.write(layer, config), config)
+    return read(write(layer, config), config)
 
 
 # ---- pack-quantized ---------------------------------------------------------------------------------------------
@@ -38,7 +50,7 @@ def test_pack_quantized_layout_by_hand():
     codes = torch.tensor([[3, 15, 0, 7, 8, 1, 9, 12, 5, 5, 2, 14, 6, 0, 11, 4]], dtype=torch.uint8)
     scales = torch.tensor([[0.5, 0.25]])
     layer = AffineQuantLinear.from_codes(codes, scales, 8, 4, zeros=torch.full_like(scales, 8))
-    t = ct.write(layer, ct.quantization_config("pack-quantized", group_size=8))
+    t = write(layer, ct.quantization_config("pack-quantized", group_size=8))
     expected = [sum(int(c) << (4 * j) for j, c in enumerate(row)) for row in codes[0].reshape(2, 8).tolist()]
     expected = [e - 2 ** 32 if e >= 2 ** 31 else e for e in expected]
     assert t["weight_packed"].dtype == torch.int32 and t["weight_packed"].tolist() == [expected]
@@ -50,7 +62,7 @@ def test_pack_quantized_layout_by_hand():
 def test_asymmetric_zero_points_packed_along_outputs():
     """weight_zero_point [ceil(out/8), groups]: output o's zero (zp + 8 = our zero) in word o // 8, bits 4 (o % 8)."""
     layer = _affine(out_f=12, in_f=64, group=32, sym=False)
-    t = ct.write(layer, ct.quantization_config("pack-quantized", group_size=32, symmetric=False))
+    t = write(layer, ct.quantization_config("pack-quantized", group_size=32, symmetric=False))
     zp = t["weight_zero_point"]
     assert zp.dtype == torch.int32 and tuple(zp.shape) == (2, 2)
     zeros = layer.zeros.long()
@@ -63,10 +75,10 @@ def test_asymmetric_zero_points_packed_along_outputs():
 def test_pack_quantized_round_trip_ragged(sym):
     layer = _affine(out_f=36, in_f=200, group=64, sym=sym)             # 200 % 8 != 0, 36 % 8 != 0, ragged group
     config = ct.quantization_config("pack-quantized", group_size=64, symmetric=sym)
-    t = ct.write(layer, config)
+    t = write(layer, config)
     assert tuple(t["weight_packed"].shape) == (36, 25) and tuple(t["weight_scale"].shape) == (36, 4)
-    assert set(t) == set(ct.parts(config))
-    back = ct.read(t, config)
+    assert set(t) == set(parts(config))
+    back = read(t, config)
     assert torch.equal(back.weight_codes, layer.weight_codes)
     assert torch.equal(back.dequantize(), layer.dequantize())
 
@@ -78,38 +90,38 @@ def test_symmetric_read_has_zero_point_eight():
 
 def test_asymmetric_layer_refused_as_symmetric_and_symmetric_fits_asymmetric():
     with pytest.raises(ValueError, match="symmetric"):
-        ct.write(_affine(sym=False), ct.quantization_config("pack-quantized", group_size=64, symmetric=True))
+        write(_affine(sym=False), ct.quantization_config("pack-quantized", group_size=64, symmetric=True))
     sym = _affine(sym=True)
     config = ct.quantization_config("pack-quantized", group_size=64, symmetric=False)
-    t = ct.write(sym, config)
-    assert torch.equal(ct.read(t, config).dequantize(), sym.dequantize())
+    t = write(sym, config)
+    assert torch.equal(read(t, config).dequantize(), sym.dequantize())
 
 
 def test_write_refuses_what_the_format_cannot_hold():
     config = ct.quantization_config("pack-quantized", group_size=64)
     layer = _affine()
     with pytest.raises(ValueError, match="group"):
-        ct.write(layer, ct.quantization_config("pack-quantized", group_size=32))
+        write(layer, ct.quantization_config("pack-quantized", group_size=32))
     permuted = AffineQuantLinear(layer.packed, layer.scales, None, 64, True, zeros=layer.zeros, in_features=200,
                                  perm=torch.randperm(200))
     with pytest.raises(ValueError, match="act-order"):
-        ct.write(permuted, config)
+        write(permuted, config)
     fractional = AffineQuantLinear(layer.packed, layer.scales, layer.offsets + 0.3 * layer.scales, 64, True,
                                    in_features=200)
     with pytest.raises(ValueError, match="free offsets"):
-        ct.write(fractional, ct.quantization_config("pack-quantized", group_size=64, symmetric=False))
+        write(fractional, ct.quantization_config("pack-quantized", group_size=64, symmetric=False))
     with pytest.raises(ValueError, match="AffineQuantLinear"):
-        ct.write(FP8BlockLinear.from_linear(_linear(8, 64)), config)
+        write(FP8BlockLinear.from_linear(_linear(8, 64)), config)
 
 
 def test_channel_strategy_and_float32_scales_read():
     """llm-compressor's channel strategy (one scale per row) and bf16 / f32 scales from real checkpoints."""
     layer = _affine(out_f=8, in_f=64, group=64)
     config = ct.quantization_config("pack-quantized", group_size=64)
-    t = ct.write(layer, config)
+    t = write(layer, config)
     config["config_groups"]["group_0"]["weights"].update(strategy="channel", group_size=None)
     t["weight_scale"] = t["weight_scale"].to(torch.bfloat16)
-    back = ct.read(t, config)
+    back = read(t, config)
     assert back.group_size == 64
     assert torch.equal(back.scales, t["weight_scale"].float())
 
@@ -119,20 +131,20 @@ def test_channel_strategy_and_float32_scales_read():
 def test_fp8_block_round_trip_ragged():
     layer = FP8BlockLinear.from_linear(_linear(130, 200))
     config = ct.quantization_config("float-quantized")
-    t = ct.write(layer, config)
+    t = write(layer, config)
     assert t["weight"].dtype == torch.float8_e4m3fn and tuple(t["weight_scale"].shape) == (2, 2)
     assert t["weight_scale"].dtype == torch.float32
-    assert torch.equal(ct.read(t, config).dequantize(), layer.dequantize())
+    assert torch.equal(read(t, config).dequantize(), layer.dequantize())
 
 
 def test_nvfp4_global_scale_is_the_reciprocal():
     layer = NVFP4Linear.from_linear(_linear(24, 64))
     config = ct.quantization_config("nvfp4-pack-quantized")
-    t = ct.write(layer, config)
+    t = write(layer, config)
     assert tuple(t["weight_packed"].shape) == (24, 32) and t["weight_scale"].dtype == torch.float8_e4m3fn
     amax = _linear(24, 64).weight.abs().max()
     assert t["weight_global_scale"].item() == pytest.approx(448 * 6 / amax.item(), rel=1e-6)
-    back = ct.read(t, config)
+    back = read(t, config)
     assert torch.equal(back.packed, layer.packed) and torch.equal(back.block_scale.view(torch.uint8), layer.block_scale.view(torch.uint8))
     # t -> 1/t -> 1/(1/t) may move t by one float32 ulp
     torch.testing.assert_close(back.dequantize(), layer.dequantize(), rtol=2e-7, atol=0)
@@ -145,20 +157,20 @@ def test_nvfp4_w4a4_checkpoint_reads_weights_only():
     config["config_groups"]["group_0"]["input_activations"] = {
         "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "dynamic": "local",
         "symmetric": True}
-    assert ct.parts(config)[-1] == "input_global_scale"
-    t = dict(ct.write(layer, config), input_global_scale=torch.tensor([7.0]))
-    assert torch.equal(ct.read(t, config).packed, layer.packed)
+    assert parts(config)[-1] == "input_global_scale"
+    t = dict(write(layer, config), input_global_scale=torch.tensor([7.0]))
+    assert torch.equal(read(t, config).packed, layer.packed)
 
 
 def test_mxfp4_round_trip_and_layout():
     layer = MXFP4Linear.from_linear(_linear(24, 64))
     config = ct.quantization_config("mxfp4-pack-quantized")
-    t = ct.write(layer, config)
+    t = write(layer, config)
     assert tuple(t["weight_packed"].shape) == (24, 32) and tuple(t["weight_scale"].shape) == (24, 2)
     # element 2j in the low nibble of byte j (the interleaved order), as E2M1 codes
     codes = torch.stack([t["weight_packed"] & 0xF, t["weight_packed"] >> 4], -1).reshape(24, 64)
     assert torch.equal(codes, torch.stack([layer.blocks & 0xF, layer.blocks >> 4], -1).reshape(24, 64))
-    assert torch.equal(ct.read(t, config).dequantize(), layer.dequantize())
+    assert torch.equal(read(t, config).dequantize(), layer.dequantize())
 
 
 # ---- configs and bad input --------------------------------------------------------------------------------------
@@ -170,13 +182,13 @@ def test_config_matches_llm_compressor_presets():
     assert g["targets"] == ["Linear"] and c["ignore"] == ["lm_head"]
     assert g["weights"] == {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                             "group_size": 128, "dynamic": False}
-    assert ct.parts(ct.quantization_config("nvfp4-pack-quantized")) == (
+    assert parts(ct.quantization_config("nvfp4-pack-quantized")) == (
         "weight_packed", "weight_scale", "weight_global_scale")
 
 
 def test_bad_configs_and_tensors_raise_value_error():
     good = ct.quantization_config("pack-quantized", group_size=64)
-    t = ct.write(_affine(), good)
+    t = write(_affine(), good)
     bad = []
     bad.append(dict(good, quant_method="gptq"))
     bad.append(dict(good, quantization_status="frozen"))
@@ -197,13 +209,13 @@ def test_bad_configs_and_tensors_raise_value_error():
                "mixed precision", "static activation", "num_bits. must be 1, 2, 4 or 8, got 3", "format 'marlin-24'"]
     for config, reason in zip(bad, reasons, strict=True):
         with pytest.raises(ValueError, match=reason):
-            ct.read(t, config)
+            read(t, config)
     for name, value, reason in [("weight_packed", t["weight_packed"][:, :-1], "weight_packed is torch.int32 \\(36, 24\\)"),
                                 ("weight_scale", t["weight_scale"][:, :2], "weight_scale is"),
                                 ("weight_shape", torch.tensor([36, 999]), "expected torch.int32 \\(36, 125\\)"),
                                 ("weight_packed", t["weight_packed"].float(), "weight_packed is torch.float32")]:
         with pytest.raises(ValueError, match=reason):
-            ct.read(dict(t, **{name: value}), good)
+            read(dict(t, **{name: value}), good)
     with pytest.raises(ValueError, match="format"):
         ct.quantization_config("int-quantized")
 
@@ -231,13 +243,13 @@ def test_fields_of_the_wrong_type_or_that_change_the_model_are_refused(change, r
 
 def test_scales_and_weight_shape_of_the_wrong_kind_are_refused():
     good = ct.quantization_config("pack-quantized", group_size=64)
-    t = ct.write(_affine(), good)
+    t = write(_affine(), good)
     for name, value, reason in [("weight_scale", t["weight_scale"].to(torch.float8_e4m3fn), "16- or 32-bit float"),
                                 ("weight_scale", t["weight_scale"].long(), "16- or 32-bit float"),
                                 ("weight_shape", t["weight_shape"][:, None], "two positive integers"),
                                 ("weight_shape", t["weight_shape"].float(), "two positive integers")]:
         with pytest.raises(ValueError, match=reason):
-            ct.read(dict(t, **{name: value}), good)
+            read(dict(t, **{name: value}), good)
 
 
 # ---- whole models -----------------------------------------------------------------------------------------------

@@ -67,5 +67,5 @@ def test_bitsandbytes_layout_round_trips_the_codes_and_absmax(tiny_model, tmp_pa
 
 
 def test_bitsandbytes_blocks_must_not_straddle_rows(tiny_model):
-    with pytest.raises(ValueError, match="blocksize 48 must be one of"):
+    with pytest.raises(ValueError, match="option group_size of method 'bitsandbytes' must be one of 32, 64"):
         nf4.bnb_quantize(tiny_model, group_size=48)

@@ -249,3 +249,45 @@ def test_model_smollm2_runs_from_the_command_line_or_says_what_to_install():
     else:
         assert out.returncode == 0, out.stderr
         assert "SmolLM2-135M-Instruct.Q4_1.gguf" in out.stderr and out.stdout.strip()
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--method", "gptq", "--option", "damp=-1"), "option damp of method 'gptq' must be a number in (0, 1]"),
+    (("--method", "gptq", "--option", "damp=1e300"), "option damp of method 'gptq' must be a number in (0, 1]"),
+    (("--method", "gptq", "--target", "llama.cpp", "--option", 'ggml_type=["Q4_K"]'),
+     "option ggml_type of method 'gptq' must be one of"),
+    (("--method", "gptq", "--option", "ggml-type=Q4_K"), "takes no option 'ggml-type' (did you mean 'ggml_type'?)"),
+    (("--method", "gptq", "--option", "ggml_type=Q4_K"), "add --target llama.cpp"),
+    (("--method", "gptq", "--bits", "9"), "option bits of method 'gptq' must be one of 2, 4, 8, got 9"),
+    (("--method", "gptq", "--option", "order=bogus"), "option order of method 'gptq' must be one of"),
+    (("--method", "gptq", "--order", "natural", "--option", "order=search"), "--order and --option order= both"),
+    (("--method", "lattice", "--option", "lattice=E9"), "option lattice of method 'lattice' must be one of"),
+    (("--method", "compressed-tensors", "--option", "format=bogus"), "option format of method 'compressed-tensors'"),
+    (("--method", "nf4", "--group-size", "48"), "option group_size of method 'bitsandbytes' must be one of 32, 64"),
+    (("--method", "entquant",), "give exactly one of lam (lambda) or bpw"),
+    (("--method", "trellis", "--option", "L=30"), "option L of method 'trellis' must be an integer in [2, 24]"),
+])
+def test_every_option_is_checked_before_the_model_is_made(tmp_path, args, message):
+    """One error line naming the option and its bound, before the tiny model is trained or read from the cache (the
+    cache is empty here, so training would have printed that it trains)."""
+    out = run("quantize", *args, "--out", str(tmp_path / "m"), "--steps", "1")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1 and message in lines[0], out.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_the_library_checks_options_where_the_cli_does(tiny_model):
+    """gptq.quantize from Python: the same table, the same refusals, before any calibration pass."""
+    import torch
+
+    from engine.formats import gptq, gptq_ggml
+    from engine.formats import entropy
+    from engine import cli
+    ids = torch.randint(0, 256, (2, 16))
+    for bad, match in ((dict(damp=-1), "damp of method 'gptq' must be a number in"),
+                       (dict(damp=float("nan")), "damp"), (dict(group_size=0), "group_size"),
+                       (dict(bogus=1), "takes no option 'bogus'"),
+                       (dict(ggml_type="Q4_K", bits=4), "takes no bits")):
+        with pytest.raises(ValueError, match=match):
+            gptq.quantize(tiny_model, ids, **bad)
+    assert cli.BPW_RANGE == {"gptq": gptq_ggml.BPW_RANGE, "entquant": entropy.BPW_RANGE}

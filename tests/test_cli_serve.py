@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.checkpoints import gguf
-from test_cli import ROOT, run
+from test_cli import run
 
 
 def test_target_refusal_names_the_reason_before_training(tmp_path):

@@ -25,6 +25,18 @@ from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpa
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
+
+def parts(config):
+    return ct.CHECKPOINT.parts(ct.validate(config))
+
+
+def read(tensors, config):
+    return ct.CHECKPOINT.read(tensors, ct.validate(config))
+
+
+def write(layer, config):
+    return ct.CHECKPOINT.write(layer, ct.validate(config))
+
 FORMATS = ct.CT_FORMATS
 
 
@@ -59,7 +71,7 @@ def test_pack_to_int32_bit_for_bit(bits, packed_dim):
 
 def test_unpack_from_int32_reads_our_weight_packed():
     layer = AffineQuantLinear.from_weight(_weight(20, 72), 4, 32, sym=True)
-    t = ct.write(layer, ct.quantization_config("pack-quantized", group_size=32))
+    t = write(layer, ct.quantization_config("pack-quantized", group_size=32))
     assert torch.equal(unpack_from_int32(t["weight_packed"], 4, (20, 72)).int(), layer.weight_codes.int() - 8)
 
 
@@ -107,10 +119,10 @@ def test_their_compressor_writes_what_we_write(fmt, sym):
     scheme = _scheme(config)
     compressor = BaseCompressor.get_value_from_registry(fmt)
     layer = _layer(fmt, sym)
-    ours = ct.write(layer, config)
+    ours = write(layer, config)
     theirs = compressor.compress(_their_state(layer, fmt, ours), scheme)
-    assert set(theirs) == set(ct.parts(config))
-    for name in ct.parts(config):
+    assert set(theirs) == set(parts(config))
+    for name in parts(config):
         a, b = ours[name], theirs[name]
         if name == "weight_scale" and fmt == "pack-quantized":
             a, b = a.float(), b.float()                                  # theirs in the dtype we passed

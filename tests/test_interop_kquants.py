@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from clients import client_python, compare, run_client  # noqa: E402
 
 from engine.checkpoints import gguf, gguf_writer  # noqa: E402
-from engine.formats.llama_cpp import ggml, ggml_quants  # noqa: E402
+from engine.formats.llama_cpp import ggml  # noqa: E402
 from engine.formats import gptq, gptq_ggml  # noqa: E402
 from engine.formats.numerics.base import linear_names, quantized_linears  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402

@@ -136,10 +136,6 @@ def gguf_options(method, options):
     if method == "gptq" and options.get("bpw") is not None:              # a K-quant mix that meets the budget
         options.setdefault("ggml_type", gptq_ggml.MIX)
     if method == "gptq" and options.get("ggml_type") is not None:        # llama.cpp's own grids: any group size
-        try:
-            gptq_ggml.check_request(options["ggml_type"])
-        except ValueError as e:
-            raise ValueError(f"llama.cpp: {e}") from None
         return options
     if method == "gptq" and options.get("bits", 4) == 8 and not options.get("sym"):
         raise ValueError("llama.cpp: 8-bit GPTQ must be symmetric (sym=true) to be Q8_0; GGML has no 8-bit offset")

@@ -161,7 +161,8 @@ class Conversion:
             raise ValueError(f"method {method} cannot quantize layer by layer")
         self.source_path, self.out, self.method = Path(source), Path(out), method
         self.force, self.override = force, override              # override: how a refusal names force (--force)
-        self.dtype, self.batch_size, self.progress, self.options = dtype, batch_size, progress, options
+        self.dtype, self.batch_size, self.progress = dtype, batch_size, progress
+        self.options = self.entry.checked(options)               # every option, before anything is opened
         self._stack = contextlib.ExitStack()
 
     def __enter__(self):

@@ -27,7 +27,7 @@ import torch
 from .numerics import calibration
 from .numerics.affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize,  # noqa: F401
                      pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
-from .numerics.base import CheckpointMethod, config_field, scale_tensor
+from .numerics.base import CheckpointMethod, bool_option, choice_option, config_field, int_option, scale_tensor
 from .numerics.calibration import InputStats
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -105,7 +105,7 @@ def quantize_layer(layer, group_size=64, bits=4, clip=True):
 def quantize(model, calibration_ids, batch_size=8, **options):
     """AWQ every decoder layer of `model` in place (engine.formats.calibration: the inputs of each layer come from
     the float layers before it); options: those of quantize_layer. Returns the quantization_config."""
-    return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **options)
+    return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
 
 
 @torch.no_grad()
@@ -206,6 +206,9 @@ def _write(layer, qcfg):
     return to_checkpoint(layer)
 
 
+OPTIONS = {"group_size": int_option(64, 1, also=(-1,)),
+           "bits": choice_option(4, (4,)),                        # AutoAWQ GEMM's files hold 4-bit codes only
+           "clip": bool_option(True)}
 CHECKPOINT = CheckpointMethod(name="awq", parts=lambda qcfg: ("qweight", "qzeros", "scales"), read=_read,
                               write=_write, quantize=quantize, validate=validate, quantize_layer=quantize_layer,
-                              calibration=lambda options: "float")
+                              calibration=lambda options: "float", options=OPTIONS)

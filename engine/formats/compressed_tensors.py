@@ -30,7 +30,8 @@ computed at run time by vLLM and are not emulated here; static activation scales
 import torch
 
 from .numerics.affine import AffineQuantLinear, pack_int32, unpack_int32
-from .numerics.base import CheckpointMethod, config_field, matrix_shape, quantized_linears, scale_tensor
+from .numerics.base import (CheckpointMethod, bool_option, choice_option, config_field, int_option, matrix_shape,
+                            quantized_linears, scale_tensor)
 from .numerics.calibration import whole_model
 from .fp8 import FP8BlockLinear
 from .mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear
@@ -290,7 +291,7 @@ def quantize_layer(layer, format="pack-quantized", group_size=64, symmetric=True
 
 def quantize(model, calibration_ids=None, **options):
     """Quantize every linear but lm_head in place (data-free: calibration_ids is not used)."""
-    return quantize_layer(whole_model(model), **options)
+    return quantize_layer(whole_model(model), **CHECKPOINT.checked(options))
 
 
 def config_for_model(model):
@@ -314,20 +315,9 @@ def config_for_model(model):
     return quantization_config(fmt, block=getattr(first, "block", 128))
 
 
-def parts(config):
-    """quantization_config -> the tensor suffixes of one quantized linear."""
-    return _parts(validate(config))
-
-
-def read(p, config):
-    """parts {suffix: tensor} + quantization_config -> the engine layer (see the module docstring for layouts)."""
-    return _read(p, validate(config))
-
-
-def write(layer, config):
-    """A quantized layer + quantization_config -> {suffix: tensor} in the config's format."""
-    return _write(layer, validate(config))
+OPTIONS = {"format": choice_option("pack-quantized", CT_FORMATS), "group_size": int_option(64, 1, also=(-1,)),
+           "symmetric": bool_option(True), "bits": choice_option(4, (1, 2, 4, 8)), "block": int_option(128, 1, 1 << 16)}
 
 
 CHECKPOINT = CheckpointMethod(name="compressed-tensors", parts=_parts, read=_read, write=_write, quantize=quantize,
-                              validate=validate, quantize_layer=quantize_layer)
+                              validate=validate, quantize_layer=quantize_layer, options=OPTIONS)

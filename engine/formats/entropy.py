@@ -35,17 +35,18 @@ Rate control (engine/formats/entropy_rate.py). lambda -> bits per weight is clos
 seeds a bracketing search on lambda that meets a bpw target (coded bytes of everything, scales included).
 """
 import functools
-import json
 import time
 
-import numpy as np
 import torch
 
 from ..console import log
-from ..coding.rans import PROB_BITS, RansStream, rans_decode, rans_encode_many
-from ..kernels import stream_decoders, triton_formats
+from ..coding.rans import PROB_BITS
+from ..coding.rans_fast import rans_encode_many
+from ..kernels import triton_formats
 from .numerics import calibration
-from .numerics.base import CheckpointMethod, QuantLinear, config_field, get_impl, matrix_shape, replace_linears
+from .numerics.base import (CheckpointMethod, QuantLinear, choice_option, config_field, int_option,
+                            matrix_shape, number_option, replace_linears)
+from .entropy_decoder import BlockDecoder, block_context
 from .entropy_feedback import check_damp, feedback_weight, parse_feedback, self_hessians
 from .entropy_rate import lambda_for_bpw, load_lambda_table
 from .entropy_scales import CODE_MAX, entquant_scales, super_weight_mask
@@ -138,67 +139,6 @@ class EntQuantLinear(QuantLinear):
     def extra_repr(self):
         bits = "?" if self.stream_bits is None else f"{self.bits_per_weight:.3f}"
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, bits={bits}"
-
-
-def block_context(index, layers, prob_bits=PROB_BITS):
-    """The side data bound to block `index`'s stream by its checksum, as bytes: the index, prob_bits and, per layer
-    (EntQuantLinear, module order), its fmt, (out, in), log2 scales (float16), super-weight indices (int32) and
-    values (float32). A changed fmt or scale, or a stream moved to another block, is then refused on load."""
-    head = json.dumps({"block": index, "prob_bits": prob_bits,
-                       "layers": [[m.fmt, m.out_features, m.in_features, m.super_index.numel()] for m in layers]})
-    side = [t for m in layers for t in (m.log_scale, m.super_index, m.super_value)]
-    return head.encode() + b"".join(t.detach().cpu().contiguous().numpy().tobytes() for t in side)
-
-
-class BlockDecoder:
-    """A model's decode machinery: the blocks' EntQuant layers {block index: [EntQuantLinear, ...]} (each block's
-    stream in its first layer), ONE uint8 buffer sized to the largest block, and the index of the block it holds.
-    Building it checks every stream against its block (weight count; checksum over the stream and block_context)
-    and binds each layer to its place in the buffer. decode(i) is what the forward pre-hook of transformer layer i
-    calls: the Triton decoder under impl "engine" (on a GPU, or under the interpreter: then all lanes in one
-    program), the NumPy decoder under impl "torch" (tests pin the two equal)."""
-
-    def __init__(self, blocks, prob_bits=PROB_BITS):
-        self.blocks = blocks
-        self.sizes = {i: sum(m.in_features * m.out_features for m in layers) for i, layers in blocks.items()}
-        self.streams, self.on_device = {}, {}                 # parsed streams; their tensors per device
-        self.buffer, self.current = None, None
-        for i, layers in blocks.items():
-            if layers[0].stream.numel() == 0 or any(m.stream.numel() for m in layers[1:]):
-                raise ValueError(f"block {i}: the block stream must sit in its first EntQuant layer, and only there")
-            try:
-                self.streams[i] = RansStream(layers[0].stream, self.sizes[i], block_context(i, layers, prob_bits))
-            except ValueError as e:
-                raise ValueError(f"EntQuant block {i} (its stream is bound to fmt, prob_bits and the layers' shapes, "
-                                 f"log2 scales and super weights): {e}") from None
-        for i, layers in blocks.items():                       # every stream checked: bind the layers
-            stream_bits, sizes = 8 * layers[0].stream.numel(), [m.in_features * m.out_features for m in layers]
-            shares = [stream_bits * s // self.sizes[i] for s in sizes]
-            shares[0] += stream_bits - sum(shares)
-            offsets = np.cumsum([0] + sizes[:-1]).tolist()
-            for m, offset, share in zip(layers, offsets, shares):
-                m.bind(self, i, offset, share)
-
-    def decode(self, index):
-        """Make the buffer hold block `index`; returns the buffer (uint8 [largest block])."""
-        head = self.blocks[index][0]
-        if self.buffer is None or self.buffer.device != head.stream.device:
-            self.buffer = torch.empty(max(self.sizes.values()), dtype=torch.uint8, device=head.stream.device)
-            self.current = None
-        if self.current != index:
-            self.current = None                                 # a failed decode leaves no block marked valid
-            stream, out = self.streams[index], self.buffer[:self.sizes[index]]
-            if get_impl() == "engine":
-                if (index, out.device) not in self.on_device:
-                    self.on_device[index, out.device] = stream.tensors(out.device)
-                stream_decoders.rans_decode(*self.on_device[index, out.device], out, stream.prob_bits)
-            else:
-                out.copy_(rans_decode(stream))
-            self.current = index
-        return self.buffer
-
-    def pre_hook(self, index, module, args):
-        self.decode(index)
 
 
 def _blocks_of(model):
@@ -334,6 +274,9 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
     diagonal added to it (see the module docstring); feedback="calibration" takes them from calibration_ids
     instead, block by block (quantize_layer on each, its lambda searched per block). Returns the
     quantization_config."""
+    CHECKPOINT.checked(dict(lam=lam, bpw=bpw, fmt=fmt, super_weights=super_weights, max_iter=max_iter, lanes=lanes,
+                            tol=tol, sensitivity=sensitivity, fisher_samples=fisher_samples, feedback=feedback,
+                            feedback_samples=feedback_samples, feedback_damp=feedback_damp))
     sensitivity, feedback = check_options(lam, bpw, fmt, sensitivity, feedback, feedback_damp)
     if feedback == "calibration":                         # block by block, as GPTQ walks the model
         options = dict(lam=lam, bpw=bpw, fmt=fmt, super_weights=super_weights, max_iter=max_iter, lanes=lanes,
@@ -441,6 +384,16 @@ def finish_loading(model, quantization_config):
     attach_decoder(model, quantization_config.get("prob_bits", PROB_BITS))
 
 
+BPW_RANGE = (1.5, 6.0)            # the bits a lambda in the shipped table reaches
+OPTIONS = {"lam": number_option(None, 0, 1e6, open_low=True), "bpw": number_option(None, *BPW_RANGE),
+           "fmt": choice_option("float8", CODE_MAX), "super_weights": int_option(8, 0, 1 << 16),
+           "max_iter": int_option(500, 1, 100_000), "lanes": int_option(None, 1, 1 << 16),
+           "tol": number_option(0.05, 0, 1, open_low=True),
+           "sensitivity": choice_option(None, ("none", "fisher")), "fisher_samples": int_option(64, 1, 1 << 16),
+           "feedback": choice_option(None, ("none", "self", "calibration")),
+           "feedback_samples": int_option(64, 1, 1 << 16), "feedback_damp": number_option(0.01, 0, 1)}
 CHECKPOINT = CheckpointMethod(name="entquant", parts=lambda quantization_config: _PARTS, read=_read, write=_write,
                               quantize=quantize, validate=validate, finish=finish_loading,
-                              quantize_layer=quantize_layer, calibration=_calibration)
+                              quantize_layer=quantize_layer, calibration=_calibration, options=OPTIONS,
+                              rules=lambda options: check_options(**{k: options[k] for k in (
+                                  "lam", "bpw", "fmt", "sensitivity", "feedback", "feedback_damp") if k in options}))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..kernels import triton_formats
 from ..kernels.triton_formats import fp8_block_kernel, fp8_block_matmul  # noqa: F401  (the book's names)
-from .numerics.base import CheckpointMethod, QuantLinear, config_field, scale_tensor
+from .numerics.base import CheckpointMethod, QuantLinear, config_field, int_option, scale_tensor
 from .numerics.calibration import whole_model
 from .numerics.minifloats import E4M3_MAX
 
@@ -151,7 +151,7 @@ def quantize_layer(layer, block=128):
 
 def quantize(model, calibration_ids=None, **options):
     """FP8 every linear but lm_head, in place (data-free: calibration_ids is not used)."""
-    return quantize_layer(whole_model(model), **options)
+    return quantize_layer(whole_model(model), **CHECKPOINT.checked(options))
 
 
 def validate(config):
@@ -178,4 +178,5 @@ def _write(layer, config):
 
 
 CHECKPOINT = CheckpointMethod(name="fp8", parts=lambda config: ("weight", "weight_scale_inv"),
-                              read=_read, write=_write, quantize=quantize, validate=validate, quantize_layer=quantize_layer)
+                              read=_read, write=_write, quantize=quantize, validate=validate, quantize_layer=quantize_layer,
+                              options={"block": int_option(128, 1, 1 << 16)})

@@ -10,31 +10,7 @@ lazily a block of 128 columns at a time); this file is GPTQ's quantizer for it: 
 the group, then every column is rounded on its group's grid. The scale is rounded to f16 when it is chosen, so GPTQ
 compensates exactly the grid its file stores.
 
-The column order, one name of ORDERS (as in AutoGPTQ / GPTQModel configs), and what each costs the checkpoint:
-
-    natural                0, 1, 2, ...                              g_idx = i // G (sorted)   loads everywhere
-    act_order              by decreasing H_ii ("desc_act"); groups   g_idx permuted, and a     vLLM refuses it
-                           are ranges of the visit                   runtime permutation       (desc_act=True)
-    act_order_static       the same visit, but each group is a       g_idx = i // G, no perm   loads everywhere
-      (the default)        range of ORIGINAL columns whose grid is   (a plain file)
-                           chosen from the weights before the loop
-    group_aware            groups of original columns by decreasing  g_idx = i // G, no perm   loads everywhere
-                           max H_ii, each group's columns by         ("GAR")
-                           decreasing H_ii; the grid when the group
-                           is entered
-    group_aware_sum        the same, groups ranked by total H_ii     g_idx = i // G, no perm
-    group_aware_reference  group_aware with the reference code's     g_idx = i // G, no perm   GPTQModel's default
-                           grid: read from the weights as they stood                           since 2025
-                           when the 128-column block began, scales
-                           rounded to f16 only for the file
-    search                 per linear, the lowest tr(E H E^T) of     g_idx = i // G, no perm   one GPTQ per
-                           SEARCHED (search_order)                                             candidate
-
-Visiting the most activated columns first leaves the most freedom to compensate their errors. Plain act-order
-minimizes the layer error best but needs its permutation; act-order with static groups comes close, below the
-group-aware order on most layers (benchmarks/gptq_order.py), at no cost in the file: the default. No single
-plain-file order is lowest on every layer, hence search. The config's desc_act is true only for the permuted layout
-(vLLM ignores g_idx when it is false); `order` records the visit.
+The column orders GPTQ can visit (natural, act-order, static groups, group-aware, search): gptq_order.py.
 
 Checkpoint (AutoGPTQ, `checkpoint_format` "gptq" = v1, the default everywhere; "gptq_v2" = raw zeros):
 
@@ -52,14 +28,17 @@ At load, `to_runtime` sorts the input columns by g_idx once so that groups are c
 AffineQuantLinear permutes the activations (x[:, perm]) instead.
 """
 import warnings
-from dataclasses import dataclass
 
 import torch
 
-from .numerics import calibration
 from . import gptq_ggml
-from .numerics.affine import AffineQuantLinear, affine_parts, as_int32, find_params, grouped, pack_int32, unpack_int32  # noqa: F401
-from .numerics.base import CheckpointMethod, config_field, scale_tensor
+from .gptq_order import DEFAULT as DEFAULT_ORDER
+from .gptq_order import ORDERS, SEARCH, SEARCHED, check_order, visit_order
+from .numerics import calibration
+from .numerics.affine import AffineQuantLinear, affine_parts, as_int32, find_params, grouped, pack_int32  # noqa: F401
+from .numerics.affine import unpack_int32
+from .numerics.base import (CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option,
+                            scale_tensor)
 from .numerics.calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
 from .numerics.obq import error_feedback, inverse_cholesky
 
@@ -68,65 +47,8 @@ GGML = "ggml"                      # an engine folder of GGML blocks (gptq_ggml.
 PACKABLE_BITS = (2, 4, 8)          # bit widths that tile an int32 word exactly (3-bit GPTQ uses a split layout)
 
 
-# ---- the column orders ------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Order:
-    """How GPTQ walks a layer: visit "natural", "act_order" (by decreasing H_ii) or "group_aware" (groups by their
-    score, then their columns by H_ii); static: grids from the weights before the loop, groups = ranges of the
-    original columns; score: the group-aware rank ("amax" or "sum" of H_ii); reference_grid: the reference code's
-    grid rule (module docstring)."""
-    visit: str = "natural"
-    static: bool = False
-    score: str = "amax"
-    reference_grid: bool = False
-
-    @property
-    def permuted(self):
-        """Whether the file needs a permuted g_idx (desc_act=true): groups are ranges of an act-order visit."""
-        return self.visit == "act_order" and not self.static
-
-
-ORDERS = {"natural": Order(),
-          "act_order": Order("act_order"),
-          "act_order_static": Order("act_order", static=True),
-          "group_aware": Order("group_aware"),
-          "group_aware_sum": Order("group_aware", score="sum"),
-          "group_aware_reference": Order("group_aware", reference_grid=True)}
-SEARCHED = ("act_order_static", "group_aware_sum", "group_aware_reference")   # all write a plain file
-SEARCH = "search"
-DEFAULTS = {"bits": 4, "group_size": 128, "order": "act_order_static", "damp": 0.01, "sym": False,
+DEFAULTS = {"bits": 4, "group_size": 128, "order": DEFAULT_ORDER, "damp": 0.01, "sym": False,
             "checkpoint_format": "gptq"}
-
-
-def check_order(order):
-    """A name of ORDERS (or an Order itself, for a walk without a name) -> its Order; ValueError otherwise."""
-    if isinstance(order, Order):
-        return order
-    if not isinstance(order, str) or order not in ORDERS:
-        raise ValueError(f"order must be one of {tuple(ORDERS)}, got {order!r}")
-    return ORDERS[order]
-
-
-def visit_order(diag, group_size, order="natural"):
-    """diag [in] = diag(H) -> the permutation [in] in which GPTQ visits the columns.
-
-    natural: 0, 1, 2, ...;  act_order: by decreasing H_ii;  group_aware (GPTQModel's "GAR"): the groups of
-    consecutive columns by decreasing score (their max H_ii, or with group_aware_sum their total: a group of many
-    moderately active inputs can outrank one with a single outlier), and within each group its columns by
-    decreasing H_ii, so that a group is still visited as one contiguous run."""
-    spec = check_order(order)
-    cols = diag.shape[0]
-    if spec.visit == "act_order":
-        return torch.argsort(diag, descending=True, stable=True)
-    if spec.visit == "natural":
-        return torch.arange(cols, device=diag.device)
-    group = torch.arange(cols, device=diag.device) // group_size
-    score = torch.zeros(int(group[-1]) + 1, device=diag.device).scatter_reduce(0, group, diag, spec.score,
-                                                                              include_self=False)
-    rank = torch.argsort(torch.argsort(score, descending=True, stable=True))      # each group's place in the visit
-    within = torch.argsort(diag, descending=True, stable=True)
-    return within[torch.argsort(rank[group[within]], stable=True)]
 
 
 # ---- the algorithm ----------------------------------------------------------------------------------------------
@@ -341,26 +263,13 @@ def permuted(options):
 
 @torch.no_grad()
 def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size"], order=DEFAULTS["order"],
-                   damp=DEFAULTS["damp"], sym=DEFAULTS["sym"], checkpoint_format=DEFAULTS["checkpoint_format"],
-                   ggml_type=None, bpw=None, imatrix=True):
+                   damp=DEFAULTS["damp"], sym=DEFAULTS["sym"], checkpoint_format=DEFAULTS["checkpoint_format"]):
     """GPTQ one decoder layer (a calibration.LayerCalibration) in place, step by step in forward order (q/k/v, o,
     gate/up, down): each step's Hessians come from the layer's inputs passed through its already-quantized earlier
     steps (GPTQModel's "true sequential"). order: a name of ORDERS, or "search" (each linear's order chosen by
     search_order, three GPTQs per linear; the file stays plain). For a v1 checkpoint (the default) every zero point
     is kept >= 1 (min_zero). Returns the quantization_config: desc_act says whether g_idx is permuted (the only
-    case that needs it), order records the visit.
-
-    ggml_type (a GGML type such as "Q4_K", or {relative linear name: type}): GPTQ's codes on llama.cpp's grid of
-    that type instead (gptq_ggml.py; bits, group_size, sym and checkpoint_format do not apply), held as GGML blocks
-    for a GGUF file; the config records the type each linear got (`ggml_types`, fallbacks included).
-    bpw=B (ggml_type "mix" or None): each linear's type chosen so that every layer meets B bits per weight with the
-    lowest measured error (gptq_ggml.plan_mix). imatrix (GGML types only): the grid llama-quantize --imatrix picks
-    with the Hessian's diagonal as the importance (True), or its plain round-to-nearest grid (False)."""
-    if ggml_type is not None or bpw is not None:
-        return _quantize_layer_ggml(layer, ggml_type, order, damp, bpw, imatrix)
-    if imatrix is not True:
-        raise ValueError(f"imatrix={imatrix!r} chooses the grid of a GGML type; it needs ggml_type or bpw "
-                         "(--target llama.cpp)")
+    case that needs it), order records the visit. GPTQ on llama.cpp's grids is gptq_ggml.quantize_layer."""
     qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
                      "desc_act": permuted({"order": order}),
                      "sym": sym, "checkpoint_format": checkpoint_format})
@@ -382,26 +291,19 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
                                  "order")}
 
 
-def _quantize_layer_ggml(layer, ggml_type, order, damp, bpw, imatrix):
-    ggml_type = gptq_ggml.MIX if ggml_type is None else ggml_type          # a bits budget alone asks for a mix
-    spec = check_order(order) if order != SEARCH else None
-    if spec is None or spec.permuted:
-        raise ValueError(f"order {order!r}: GGML blocks store no column permutation and one grid per block; use a "
-                         "plain-file order (act_order_static, natural, group_aware...)")
-    if not isinstance(imatrix, bool):
-        raise ValueError(f"imatrix must be true or false, got {imatrix!r}")
-    plan = gptq_ggml.quantize_layer(layer, ggml_type, lambda diag, group: visit_order(diag, group, order), damp,
-                                    bpw, imatrix)
-    return validate({"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
-                     "desc_act": False, "imatrix": imatrix, "ggml_types": plan,
-                     **({"bpw": bpw} if bpw is not None else {})})
+def quantize_any_layer(layer, **options):
+    """The registry's entry: GPTQ on llama.cpp's grids (gptq_ggml.quantize_layer) when the options name a GGML type
+    or a bits budget, plain GPTQ (quantize_layer) otherwise."""
+    if GGML_OPTIONS & options.keys():
+        return gptq_ggml.quantize_layer(layer, **options)
+    return quantize_layer(layer, **options)
 
 
 def quantize(model, calibration_ids, batch_size=8, **options):
     """GPTQ every decoder layer of `model` in place, each layer's inputs coming from the quantized layers before it
-    (engine.formats.calibration); calibration_ids [B, T] go through in batches of batch_size. Options: those of
-    quantize_layer. Returns the quantization_config."""
-    return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **options)
+    (engine.formats.numerics.calibration); calibration_ids [B, T] go through in batches of batch_size. Options: those
+    of quantize_layer, or gptq_ggml.quantize_layer's. Returns the quantization_config."""
+    return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
 
 
 # ---- the registry entry -----------------------------------------------------------------------------------------
@@ -471,6 +373,29 @@ def _write(layer, qcfg):
 
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
+PLAIN_OPTIONS = {"bits", "group_size", "sym", "checkpoint_format"}
+GGML_OPTIONS = {"ggml_type", "bpw", "imatrix"}
+OPTIONS = {"bits": choice_option(DEFAULTS["bits"], PACKABLE_BITS),
+           "group_size": int_option(DEFAULTS["group_size"], 1, also=(-1,)),
+           "order": choice_option(DEFAULTS["order"], (*ORDERS, SEARCH)),
+           "damp": number_option(DEFAULTS["damp"], 0, 1, open_low=True),
+           "sym": bool_option(DEFAULTS["sym"]),
+           "checkpoint_format": choice_option(DEFAULTS["checkpoint_format"], CHECKPOINT_FORMATS),
+           **gptq_ggml.OPTIONS}
+
+
+def rules(options):
+    """GPTQ's plain options and those of llama.cpp's grids do not mix (gptq_ggml.rules says the rest of the
+    latter's)."""
+    if GGML_OPTIONS & options.keys():
+        mixed = sorted(PLAIN_OPTIONS & options.keys())
+        if mixed:
+            raise ValueError(f"GPTQ on llama.cpp's grids (ggml_type, bpw) takes no {', '.join(mixed)}: the GGML "
+                             "type fixes its bits and blocks")
+        gptq_ggml.rules(options)
+
+
 CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize,
                               parts=lambda qcfg: gptq_ggml.PARTS if qcfg["checkpoint_format"] == GGML else PARTS,
-                              validate=validate, quantize_layer=quantize_layer, calibration=lambda options: "quantized")
+                              validate=validate, quantize_layer=quantize_any_layer,
+                              calibration=lambda options: "quantized", options=OPTIONS, rules=rules)

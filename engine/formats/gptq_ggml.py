@@ -26,8 +26,11 @@ Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0), and so does `ggml_type_for`.
 """
 import torch
 
+from .gptq_order import DEFAULT as DEFAULT_ORDER
+from .gptq_order import ORDERS, SEARCH, visit_order
 from .llama_cpp import bit_plan, ggml, ggml_quants
 from .numerics import calibration
+from .numerics.base import Option, bool_option, number_option
 from .numerics.obq import error_feedback, inverse_cholesky
 
 # codes per type: 2^bits, the digit in the type's name (Q8_0 stores int8, codes 0..255 meaning -128..127)
@@ -97,11 +100,16 @@ MIX = "mix"                        # ggml_type="mix": a type per linear (Q2_K ..
 
 def check_request(ggml_type):
     """ValueError unless ggml_type is a type of TYPES, MIX, or {linear name: type of TYPES}."""
-    named = ggml_type.values() if isinstance(ggml_type, dict) else [] if ggml_type == MIX else [ggml_type]
-    bad = [t for t in named if t not in LEVELS]
-    if bad or not isinstance(ggml_type, (str, dict)):
-        raise ValueError(f"ggml_type {(bad or [ggml_type])[0]!r} is not one of {TYPES} (or {MIX!r} with a bpw "
-                         "budget, or a dict of linear name -> type)")
+    if isinstance(ggml_type, dict):
+        named = list(ggml_type.values())
+    elif isinstance(ggml_type, str):
+        named = [] if ggml_type == MIX else [ggml_type]
+    else:
+        named = [ggml_type]
+    bad = [t for t in named if not isinstance(t, str) or t not in LEVELS]
+    if bad:
+        raise ValueError(f"ggml_type {bad[0]!r} is not one of {TYPES} (or {MIX!r} with a bpw budget, or a dict of "
+                         "linear name -> type)")
     return ggml_type
 
 
@@ -133,17 +141,41 @@ def plan_mix(layer, names, bpw, max_sequences=4, imatrix=True):
     return {name.removeprefix(layer.prefix): kind for name, kind in chosen.items()}
 
 
+BPW_RANGE = (2.625, 8.5)           # Q2_K's bits per weight to Q8_0's: what a mix of these types can reach
+OPTIONS = {"ggml_type": Option(None, lambda t: isinstance(t, (str, dict)), f"one of {TYPES}, {MIX!r} or a dict"),
+           "bpw": number_option(None, *BPW_RANGE),
+           "imatrix": bool_option(True)}
+
+
+def rules(options):
+    """What GPTQ on GGML grids needs of its options (the type, the budget, the grid, the order) together."""
+    ggml_type, bpw = options.get("ggml_type"), options.get("bpw")
+    if ggml_type is None and bpw is None:
+        raise ValueError(f"imatrix={options.get('imatrix')!r} chooses the grid of a GGML type; it needs ggml_type "
+                         "or bpw (--target llama.cpp)")
+    if ggml_type is not None:
+        check_request(ggml_type)
+    if (ggml_type in (None, MIX)) != (bpw is not None):
+        raise ValueError(f"ggml_type={MIX!r} needs a bits budget (bpw), and a GPTQ bits budget picks GGML types: "
+                         f"ggml_type={MIX!r} (what --target llama.cpp --bpw B asks for); got ggml_type={ggml_type!r}, "
+                         f"bpw={bpw!r}")
+    order = options.get("order", DEFAULT_ORDER)
+    if order == SEARCH or (order in ORDERS and ORDERS[order].permuted):
+        raise ValueError(f"order {order!r}: GGML blocks store no column permutation and one grid per block; use a "
+                         "plain-file order (act_order_static, natural, group_aware...)")
+
+
 @torch.no_grad()
-def quantize_layer(layer, ggml_type, visit, damp=0.01, bpw=None, imatrix=True):
+def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=None, imatrix=True):
     """GPTQ one decoder layer (a calibration.LayerCalibration) onto GGML blocks, in place, step by step in forward
     order as gptq.quantize_layer does. ggml_type: one type for every linear (each falling back as llama.cpp does),
-    {relative linear name: type}, or MIX: the types plan_mix picks for `bpw` bits per weight over the layer (so every
-    layer, and the model, meets it). visit(diag, group_size) -> the column permutation. Returns {relative name: the
-    type written} (the layer's plan)."""
+    {relative linear name: type}, or MIX (or None with bpw): the types plan_mix picks for `bpw` bits per weight over
+    the layer (so every layer, and the model, meets it). order: a plain-file visit of gptq_order.ORDERS. imatrix:
+    the grid llama-quantize --imatrix picks with the Hessian's diagonal as the importance (True), or its plain
+    round-to-nearest grid (False). Returns the quantization_config, with the type each linear got (ggml_types)."""
+    ggml_type = MIX if ggml_type is None else ggml_type
+    rules(dict(ggml_type=ggml_type, order=order, bpw=bpw, imatrix=imatrix))
     names = [n for step in calibration.SEQUENTIAL_STEPS for n in step]
-    if (ggml_type == MIX) != (bpw is not None):
-        raise ValueError(f"ggml_type={MIX!r} needs a bits budget (bpw), and a GPTQ bits budget picks GGML types: "
-                         f"ggml_type={MIX!r} (what --target llama.cpp --bpw B asks for)")
     if ggml_type == MIX:
         wanted = plan_mix(layer, names, bpw, imatrix=imatrix)
     else:
@@ -154,11 +186,13 @@ def quantize_layer(layer, ggml_type, visit, damp=0.01, bpw=None, imatrix=True):
 
         def make(name, linear, hessians=hessians):
             kind, H = plan[name.removeprefix(layer.prefix)], hessians[name]
-            raw = gptq_ggml(linear.weight, H, kind, visit(torch.diag(H), group_size(kind)), damp, imatrix=imatrix)
+            perm = visit_order(torch.diag(H), group_size(kind), order)
+            raw = gptq_ggml(linear.weight, H, kind, perm, damp, imatrix=imatrix)
             return ggml_layer(raw, kind, linear.in_features, linear.bias)
 
         layer.replace(make, names=hessians)
-    return plan
+    return {"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
+            "desc_act": False, "imatrix": imatrix, "ggml_types": plan, **({"bpw": bpw} if bpw is not None else {})}
 
 
 # ---- the engine folder on the way to a GGUF file (gptq.py's checkpoint_format "ggml") ----------------------------

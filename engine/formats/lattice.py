@@ -40,7 +40,7 @@ from ..coding.rice import (ESCAPE, RAW_BITS, RICE_K_MAX, SUBSTREAM, RiceStreams,
                            stream_ends, unzigzag, zigzag)
 from ..kernels import stream_decoders
 from .numerics.affine import pack_bits, unpack_bits
-from .numerics.base import CheckpointMethod, QuantLinear, config_field
+from .numerics.base import CheckpointMethod, Option, QuantLinear, choice_option, config_field, int_option
 from .numerics.calibration import whole_model
 from .numerics.hadamard import fitting_tile, rotate, unrotate
 
@@ -386,7 +386,7 @@ def quantize_layer(layer, lattice="E8", bps=3.0, tile=128, seed=0):
 
 def quantize(model, calibration_ids=None, **options):
     """Quantize every linear but lm_head in place (data-free: calibration_ids is unused)."""
-    return quantize_layer(whole_model(model), **options)
+    return quantize_layer(whole_model(model), **CHECKPOINT.checked(options))
 
 
 def validate(config):
@@ -426,5 +426,15 @@ def _read(parts, config):
     return layer
 
 
+def _rules(options):
+    check_tile(options.get("tile", 128))
+    snr_for_rate(options.get("bps", 3.0), options.get("lattice", "E8"))        # the rate each lattice's table covers
+
+
+OPTIONS = {"lattice": choice_option("E8", LATTICES), "tile": int_option(128, 2, 1 << 16),
+           "bps": Option(3.0, lambda b: isinstance(b, (int, float)) and not isinstance(b, bool),
+                         "a number of bits per scalar in the lattice's calibrated range"),
+           "seed": int_option(0, 0, (1 << 63) - 1)}
 CHECKPOINT = CheckpointMethod(name="lattice", parts=lambda config: _PARTS, read=_read, write=_write,
-                              quantize=quantize, validate=validate, quantize_layer=quantize_layer)
+                              quantize=quantize, validate=validate, quantize_layer=quantize_layer, options=OPTIONS,
+                              rules=_rules)

@@ -27,7 +27,7 @@ import torch
 
 from ..kernels import triton_formats
 from .numerics.affine import grouped, pack_bits, unpack_bits
-from .numerics.base import CheckpointMethod, QuantLinear, linear_names
+from .numerics.base import CheckpointMethod, QuantLinear, choice_option, linear_names
 from .numerics.calibration import whole_model
 
 NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -180,8 +180,9 @@ def bnb_quantize_layer(layer, group_size=64):
 
 def bnb_quantize(model, calibration_ids=None, **options):
     """NF4 every linear but lm_head in bitsandbytes' blocks, in place (data-free)."""
-    return bnb_quantize_layer(whole_model(model), **options)
+    return bnb_quantize_layer(whole_model(model), **CHECKPOINT.checked(options))
 
 
 CHECKPOINT = CheckpointMethod(name="bitsandbytes", parts=bnb_parts, read=bnb_read, write=bnb_write,
-                              quantize=bnb_quantize, validate=bnb_validate, quantize_layer=bnb_quantize_layer)
+                              quantize=bnb_quantize, validate=bnb_validate, quantize_layer=bnb_quantize_layer,
+                              options={"group_size": choice_option(64, BNB_BLOCKSIZES)})

@@ -10,8 +10,8 @@ line in `METHODS` below. The loader loop itself is engine/loaders.py's (the book
 files engine/safetensors_io.py's (`snapshot_tensors`, `save_file`). GGUF files and the layer-by-layer converter are
 engine/checkpoints/'s: they build on this module.
 """
+import dataclasses
 import hashlib
-import inspect
 import json
 import math
 
@@ -43,23 +43,27 @@ BOOK_DEFAULTS = {"gptq": {"group_size": 128, "order": "natural"}, "awq": {"group
 
 
 def method_options(method):
-    """{keyword: default} a method (or alias) takes: those of its quantize_layer (or quantize) but the calibration."""
+    """{keyword: Option} a method (or alias) takes: its CheckpointMethod's declared options (an alias: the ones it
+    leaves to the user, with its defaults)."""
     if method in ALIASES:
-        return dict(ALIASES[method][2])
+        target, _, defaults = ALIASES[method]
+        return {k: dataclasses.replace(METHODS[target].options[k], default=v) for k, v in defaults.items()}
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted({*METHODS, *ALIASES})}")
-    entry = METHODS[method]
-    params = list(inspect.signature(entry.quantize_layer or entry.quantize).parameters.values())[1:]
-    return {p.name: p.default for p in params if p.name != "calibration_ids" and p.kind is p.POSITIONAL_OR_KEYWORD}
+    return dict(METHODS[method].options)
 
 
 def resolve(method, options):
-    """(registry method, its options) for a method name or alias and the options a user gave."""
+    """(registry method, its options) for a method name or alias and the options a user gave, checked (the one
+    check of a method's options: CheckpointMethod.checked); an alias's fixed options cannot be set."""
+    accepted = method_options(method)                   # an unknown name is a ValueError
+    unknown = sorted(set(options) - set(accepted))
+    if method in ALIASES and unknown:
+        raise ValueError(f"method {method!r} takes no option {unknown[0]!r}; it takes {sorted(accepted)}")
     if method not in ALIASES:
-        method_options(method)                          # an unknown name is a ValueError
-        return method, dict(options)
+        return method, METHODS[method].checked(dict(options))
     target, fixed, defaults = ALIASES[method]
-    return target, {**defaults, **options, **fixed}
+    return target, METHODS[target].checked({**defaults, **options, **fixed})
 
 
 def config_digest(quantization_config):
@@ -245,18 +249,21 @@ def save_quantized(model, directory, method, calibration_ids=None, group_size=No
             raise ValueError(f"act_order=True and order={options['order']!r} ask for two visits; give one")
         if method == "gptq":
             options.setdefault("order", "act_order" if act_order else "natural")
-    if method in BOOK_DEFAULTS and not quantized_linears(model):
-        options = {**BOOK_DEFAULTS[method], **options}
-    method, options = resolve(method, options) if not quantized_linears(model) else (method, options)
-    entry = METHODS[method]
-    check_output(directory, force)                       # before minutes of quantization are spent
     layers = quantized_linears(model)
     if not layers:
-        accepted = method_options(method)
-        unknown = sorted(set(options) - set(accepted))
-        if unknown:
-            why = " (the book's group_size is GPTQ's and AWQ's)" if "group_size" in unknown else ""
-            raise ValueError(f"method {method!r} takes no option {unknown[0]!r}{why}; it takes {sorted(accepted)}")
+        defaults = dict(BOOK_DEFAULTS.get(method, {}))
+        if method == "gptq" and gptq.GGML_OPTIONS & options.keys():
+            defaults.pop("group_size")                   # a GGML type fixes its own blocks
+        options = {**defaults, **options}
+        if "group_size" in options and "group_size" not in method_options(method):
+            raise ValueError(f"method {method!r} takes no option 'group_size' (the book's group_size is GPTQ's and "
+                             f"AWQ's); it takes {sorted(method_options(method))}")
+        method, options = resolve(method, options)          # every option checked before any work
+    elif method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; a quantized model is written as one of {sorted(METHODS)}")
+    entry = METHODS[method]
+    check_output(directory, force)                       # before minutes of quantization are spent
+    if not layers:
         model.source_digest = model_digest(model)
         quantization_config = entry.quantize(model, calibration_ids, **options)
         layers = quantized_linears(model)

@@ -29,16 +29,14 @@ whole: with U = chol(H^-1) upper, W[:, rest] -= (W_B - Q_B) U_BB^-1 U_B,rest (th
 columns).
 """
 import functools
-import json
-import zlib
 
 import torch
 
 from ..kernels import triton_formats
 from .numerics import calibration, hadamard
 from . import trellis_viterbi as viterbi
-from .numerics.affine import pack_bits
-from .numerics.base import CheckpointMethod, QuantLinear, config_field
+from .trellis_stream import pack_stream, stream_bits, stream_checksum, stream_states
+from .numerics.base import CheckpointMethod, Option, QuantLinear, bool_option, choice_option, config_field, int_option
 from .numerics.obq import error_feedback, inverse_cholesky
 from .numerics.hadamard import random_hadamard  # noqa: F401  (the book imports it from here)
 
@@ -148,43 +146,6 @@ def viterbi_path(x, L=8, K=2, *, code="1mad", tail_biting=False, wrap_window=Non
             path = search(x, threads=threads)
         out = path, table[path]
     return tuple(t[0] for t in out) if single else out
-
-
-# ---- the bitstream ------------------------------------------------------------------------------------------------
-
-def stream_bits(L, K, T, tail_biting):
-    """Bits in one tile's stream (before padding to whole bytes)."""
-    return K * T if tail_biting else L + K * (T - 1)
-
-
-def pack_stream(states, L, K, tail_biting):
-    """states [B, T] -> uint8 [B, ceil(bits / 8)]: the integer N whose L-bit field at bit K(T-1-t) is s_t."""
-    B = states.shape[0]
-    sym = (states & (2 ** K - 1)).flip(-1)                   # b_{T-1} lands in the lowest bits
-    if not tail_biting:
-        sym = sym[:, :-1]
-    bits = ((sym[..., None] >> torch.arange(K)) & 1).reshape(B, -1)
-    if not tail_biting:
-        bits = torch.cat((bits, (states[:, :1] >> torch.arange(L)) & 1), 1)
-    return pack_bits(bits, 1)
-
-
-def stream_states(codes, L, K, T, tail_biting):
-    """Inverse of pack_stream: uint8 [B, nbytes] -> states [B, T]. State t is the L-bit field at bit o = K(T-1-t),
-    read from four bytes starting at byte o // 8 (circularly: a tail-biting stream wraps around)."""
-    nbits = stream_bits(L, K, T, tail_biting)
-    nbytes = -(-nbits // 8)
-    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != nbytes:
-        raise ValueError(f"a stream of L={L}, K={K}, T={T} ({'tail-biting' if tail_biting else 'free start'}) "
-                         f"is {nbytes} uint8 bytes per tile, got {codes.dtype} {tuple(codes.shape)}")
-    if tail_biting and nbits % 8:
-        raise ValueError(f"a tail-biting stream must fill whole bytes, K*T = {nbits}")
-    if nbits % 8 and bool((codes[:, -1] >> (nbits % 8)).any()):
-        raise ValueError("corrupted stream: padding bits after the last symbol are not zero")
-    o = K * (T - 1 - torch.arange(T))
-    idx = (o[:, None] // 8 + torch.arange(4)) % nbytes                       # [T, 4]
-    word = (codes.long()[:, idx] << (8 * torch.arange(4))).sum(-1)           # [B, T]
-    return (word >> (o % 8)) & (2 ** L - 1)
 
 
 # ---- rotation -----------------------------------------------------------------------------------------------------
@@ -325,16 +286,6 @@ def block_ldlq(weight, hessian, L=8, K=2, group=256, seed=0, code="1mad", tail_b
 
 # ---- the layer ----------------------------------------------------------------------------------------------------
 
-def stream_checksum(codes, scales, L, K, code, tail_biting, tile, group, seed):
-    """CRC32 of a layer's codes uint8 [R, C, bytes] and scales f16 [R, C], and of the fields their meaning depends
-    on."""
-    head = json.dumps([L, K, code, bool(tail_biting), list(tile), group, seed, list(codes.shape)]).encode()
-    crc = zlib.crc32(head)
-    for t in (codes, scales):
-        crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
-    return crc
-
-
 class TrellisLinear(QuantLinear):
     """Trellis streams per tile + f16 scales; the rotation is rebuilt from its seed.
 
@@ -432,8 +383,8 @@ def quantize(model, calibration_ids=None, batch_size=8, **options):
     """Trellis-code every linear but lm_head in place: the whole model at once (data-free), or with ldlq=True one
     decoder layer at a time on calibration_ids [B, T]. Options: those of quantize_layer."""
     if options.get("ldlq"):
-        return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **options)
-    return quantize_layer(calibration.whole_model(model), **options)
+        return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
+    return quantize_layer(calibration.whole_model(model), **CHECKPOINT.checked(options))
 
 
 def _is_tile(tile):
@@ -466,7 +417,18 @@ def _write(layer, q):
     return {"trellis_codes": layer.codes, "trellis_scales": layer.scales, "trellis_crc": layer.crc}
 
 
+def _rules(options):
+    _check_code(options.get("L", 8), options.get("K", 2), options.get("code", "1mad"))
+    if options.get("group") is not None:
+        hadamard.check_power_of_two(options["group"])
+
+
+OPTIONS = {"L": int_option(8, 2, 24), "K": int_option(2, 1, 8), "code": choice_option("1mad", CODES),
+           "tail_biting": bool_option(False),
+           "tile": Option(None, lambda t: isinstance(t, (list, tuple)) and _is_tile(tuple(t)), "[rows, cols]"),
+           "group": int_option(None, 2, 1 << 16), "seed": int_option(0, 0, (1 << 63) - 1), "ldlq": bool_option(False)}
 CHECKPOINT = CheckpointMethod(name="trellis", parts=lambda q: ("trellis_codes", "trellis_scales", "trellis_crc"),
                               read=_read, write=_write, quantize=quantize, validate=validate,
                               quantize_layer=quantize_layer,
-                              calibration=lambda options: "float" if options.get("ldlq") else None)
+                              calibration=lambda options: "float" if options.get("ldlq") else None,
+                              options=OPTIONS, rules=_rules)

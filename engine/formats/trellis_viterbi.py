@@ -212,7 +212,7 @@ def _search_chunk(x, table, L, K, wrap, best, step):
     (m_0: 0, or inf off the pinned start), from which the traceback recomputes the J candidates of the one state it
     follows."""
     B, T = x.shape
-    S, H, J = 2 ** L, 2 ** (L - K), 2 ** K
+    H, J = 2 ** (L - K), 2 ** K
     position, state = state_layout(L, K)
     values = table[state]                                            # the value at each position
     xt = x.T.contiguous()                                            # [T, B]: step t's inputs are contiguous

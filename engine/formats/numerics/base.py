@@ -18,7 +18,9 @@ buffers (their storage and version counters), so a layer whose buffers change, i
 again; the copies are dropped when the block ends.
 """
 import contextlib
-from dataclasses import dataclass
+import difflib
+import math
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -234,6 +236,10 @@ class CheckpointMethod:
                 read from disk one at a time
       calibration  options -> None (data-free), "quantized" or "float": which calibration inputs each layer needs
                 (those that passed through the quantized layers before it, or through the float ones)
+      options   {keyword: Option}: every option quantize / quantize_layer take, its default and the values it accepts
+      rules     optional options -> None: what the options must satisfy together (ValueError naming them)
+    `checked(options)` applies both: the one check of a method's options, made by the CLI before anything loads and
+    by the library (save_quantized, the converter, each method's quantize) before any work.
     """
     name: str
     parts: Callable
@@ -244,3 +250,63 @@ class CheckpointMethod:
     finish: Callable | None = None
     quantize_layer: Callable | None = None
     calibration: Callable = lambda options: None
+    options: dict = field(default_factory=dict)
+    rules: Callable | None = None
+
+    def checked(self, options):
+        """options {keyword: value} -> the same, once every keyword is one this method takes and every value one it
+        accepts, and the options agree (rules); a ValueError naming the keyword, the value and what it must be
+        otherwise."""
+        for key, value in options.items():
+            if key not in self.options:
+                close = difflib.get_close_matches(key.replace("-", "_"), list(self.options), 1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"method {self.name!r} takes no option {key!r}{hint}; it takes {sorted(self.options)}")
+            option = self.options[key]
+            if not (value is None and option.default is None) and not option.accepts(value):
+                raise ValueError(f"option {key} of method {self.name!r} must be {option.expect}, got {value!r}"[:300])
+        if self.rules is not None:
+            self.rules(options)
+        return options
+
+
+@dataclass(frozen=True)
+class Option:
+    """One keyword a quantizer takes: its default, and the values it accepts (`accepts(value)`, described by
+    `expect` in the error that refuses one). A default of None means "not given", always accepted."""
+    default: object
+    accepts: Callable
+    expect: str
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def int_option(default, low, high=None, also=()):
+    """An int in [low, high] (high None: no bound), or one of the values `also` (e.g. -1: one group per row)."""
+    bound = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    return Option(default, lambda v: (_is_int(v) and v >= low and (high is None or v <= high)) or (
+        _is_int(v) and v in also), bound + (f" (or {', '.join(map(str, also))})" if also else ""))
+
+
+def number_option(default, low, high=None, open_low=False):
+    """A finite number in [low, high] ((low, high] with open_low; high None: no bound)."""
+    left = "(" if open_low else "["
+    bound = f"a number in {left}{low}, {high}]" if high is not None else f"a number {'>' if open_low else '>='} {low}"
+    return Option(default, lambda v: _is_number(v) and (v > low if open_low else v >= low) and (
+        high is None or v <= high), bound)
+
+
+def choice_option(default, choices):
+    choices = tuple(choices)
+    return Option(default, lambda v: isinstance(v, (str, bool, int)) and v in choices,
+                  f"one of {', '.join(map(repr, choices))}")
+
+
+def bool_option(default):
+    return Option(default, lambda v: isinstance(v, bool), "true or false")

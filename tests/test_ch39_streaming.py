@@ -82,7 +82,7 @@ def test_entquant_with_calibration_feedback_streams_too(three_layers, source, id
     in_memory = save_quantized(copy.deepcopy(three_layers), tmp_path / "mem", "entquant", ids, **options)
     streamed = quantize_checkpoint(source, tmp_path / "disk", "entquant", ids, progress=False, **options)
     assert streamed == in_memory and streamed["feedback"] == "calibration"
-    plain = save_quantized(copy.deepcopy(three_layers), tmp_path / "plain", "entquant", ids, lam=14.5, max_iter=5)
+    save_quantized(copy.deepcopy(three_layers), tmp_path / "plain", "entquant", ids, lam=14.5, max_iter=5)
     assert not torch.equal(_tensors(tmp_path / "plain")["model.layers.2.self_attn.q_proj.weight_stream"],
                            _tensors(tmp_path / "disk")["model.layers.2.self_attn.q_proj.weight_stream"])
     a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "disk")
