@@ -252,41 +252,38 @@ def current_umask():
 
 
 @contextlib.contextmanager
-def atomic_file(path):
-    """`with atomic_file(path) as f:` writes a binary file atomically: f is a temporary file in the same folder,
-    fsynced, given the umask's mode and renamed to `path` when the block ends; removed if it raises."""
+def atomic_path(path):
+    """`with atomic_path(path) as tmp:` what is written to the file `tmp` (in the same folder) is fsynced, given the
+    umask's mode and renamed to `path` when the block ends; removed if it raises."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def save_file(tensors, path, metadata=None):
-    """Write tensors to a safetensors file with the library, atomically (a temporary file in the same folder,
-    fsynced, renamed into place), with the engine's metadata (writer, per-tensor SHA-256). The file's mode follows
-    the umask."""
-    path = Path(path)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        library_save_file(tensors, tmp, metadata=engine_metadata(tensors, metadata))
-        with open(tmp, "rb+") as f:
-            _sort_metadata(f)
+        yield Path(tmp)
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_file(path):
+    """`with atomic_file(path) as f:` writes a binary file atomically (atomic_path), f open for writing."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        yield f
+
+
+def save_file(tensors, path, metadata=None):
+    """Write tensors to a safetensors file with the library, atomically (atomic_path), with the engine's metadata
+    (writer, per-tensor SHA-256)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    with atomic_path(path) as tmp:
+        library_save_file(tensors, tmp, metadata=engine_metadata(tensors, metadata))
+        with open(tmp, "rb+") as f:
+            _sort_metadata(f)
 
 
 def _sort_metadata(f):

@@ -1,9 +1,9 @@
 """Small helpers several test files share."""
 import torch
 
-from engine.safetensors_io import save_file, snapshot_tensors
 from engine.formats.numerics import affine
 from engine.qwen3 import Qwen3
+from engine.safetensors_io import save_file, snapshot_tensors
 
 
 def rewrite_tensors(directory, change):
@@ -22,3 +22,10 @@ def rtn_baseline(model, held_out, group_size=32):
     rtn.load_state_dict(model.state_dict())
     affine.quantize(rtn, bits=4, group_size=group_size)
     return reference, (rtn(held_out) - reference).pow(2).mean()
+
+
+def method_io(method):
+    """(parts, read, write) of a CheckpointMethod, each validating the quantization_config it is given first."""
+    return (lambda config: method.parts(method.validate(config)),
+            lambda tensors, config: method.read(tensors, method.validate(config)),
+            lambda layer, config: method.write(layer, method.validate(config)))

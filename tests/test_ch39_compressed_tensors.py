@@ -6,25 +6,15 @@ import torch
 from torch import nn
 
 from engine.formats import compressed_tensors as ct
-from engine.formats.numerics import base
-from engine.formats.numerics import affine
-from engine.formats.numerics.affine import AffineQuantLinear
-from engine.formats.numerics.base import quantized_linears
 from engine.formats.fp8 import FP8BlockLinear
 from engine.formats.mx import MXFP4Linear, NVFP4Linear
+from engine.formats.numerics import affine, base
+from engine.formats.numerics.affine import AffineQuantLinear
+from engine.formats.numerics.base import quantized_linears
 from engine.qwen3 import Qwen3
+from helpers import method_io
 
-
-def parts(config):
-    return ct.CHECKPOINT.parts(ct.validate(config))
-
-
-def read(tensors, config):
-    return ct.CHECKPOINT.read(tensors, ct.validate(config))
-
-
-def write(layer, config):
-    return ct.CHECKPOINT.write(layer, ct.validate(config))
+parts, read, write = method_io(ct.CHECKPOINT)
 
 
 def _affine(out_f=36, in_f=200, group=64, sym=True, seed=0):

@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 from engine.formats import compressed_tensors as ct
-from engine.formats.numerics.affine import AffineQuantLinear, pack_int32
-from engine.formats.numerics.base import quantized_linears
 from engine.formats.fp8 import FP8BlockLinear
 from engine.formats.mx import E2M1, MXFP4Linear, NVFP4Linear
+from engine.formats.numerics.affine import AffineQuantLinear, pack_int32
+from engine.formats.numerics.base import quantized_linears
+from helpers import method_io
 
 pytestmark = [pytest.mark.interop,
               pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")]
@@ -25,17 +26,7 @@ from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpa
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-
-def parts(config):
-    return ct.CHECKPOINT.parts(ct.validate(config))
-
-
-def read(tensors, config):
-    return ct.CHECKPOINT.read(tensors, ct.validate(config))
-
-
-def write(layer, config):
-    return ct.CHECKPOINT.write(layer, ct.validate(config))
+parts, read, write = method_io(ct.CHECKPOINT)
 
 FORMATS = ct.CT_FORMATS
 
