@@ -206,12 +206,12 @@ def check_quantize_args(args):
             args.target == "llama.cpp" or args.format == "gguf"):
         raise ValueError("ggml_type and --bpw make GPTQ write llama.cpp's GGML blocks: add --target "
                          "llama.cpp (or --format gguf)")
-    method, options = resolve(args.method, options)      # every option's range, and the method's rules
+    method, options = resolve(args.method, options)
     if args.target or args.format == "gguf":
         from engine.checkpoints.serving import check_target
-        from engine.formats.quantized_checkpoints import METHODS
         options, args.format = check_target(args.target or "llama.cpp", method, options, args.format)
-        options = METHODS[method].checked(options)        # and what the target filled in
+    from engine.formats.quantized_checkpoints import METHODS
+    options = METHODS[method].checked(options)            # every option's range, and the method's rules, once
     if args.format == "gguf":
         check_file_output(args.out, args.force)
         if args.model is not None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.checkpoints import gguf, gguf_writer, serving
-from engine.formats.quantized_checkpoints import load_quantized, resolve, save_quantized
+from engine.formats.quantized_checkpoints import METHODS, load_quantized, save_quantized
 from engine.formats.llama_cpp import bit_plan, ggml, ggml_quants
 from engine.formats import gptq, gptq_ggml
 from engine.formats.numerics.base import quantized_linears
@@ -286,9 +286,9 @@ def test_bad_ggml_requests_are_refused_before_any_work():
     with pytest.raises(ValueError, match="only llama.cpp loads"):
         serving.check_target("vllm", "gptq", {"ggml_type": "Q4_K"})
     with pytest.raises(ValueError, match="ggml_type 'Q9_K' is not one of"):          # the one check of options
-        resolve("gptq", {"ggml_type": "Q9_K"})
+        METHODS["gptq"].checked({"ggml_type": "Q9_K"})
     with pytest.raises(ValueError, match=r"option ggml_type of method 'gptq' must be one of .*, got \['Q4_K'\]"):
-        resolve("gptq", {"ggml_type": ["Q4_K"]})
+        METHODS["gptq"].checked({"ggml_type": ["Q4_K"]})
     with pytest.raises(ValueError, match="ggml_type 'Q4_X' is not one of"):
         gptq.validate({"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": "Q4_X"})
     with pytest.raises(ValueError, match="imatrix=False chooses the grid of a GGML type"):

@@ -54,16 +54,17 @@ def method_options(method):
 
 
 def resolve(method, options):
-    """(registry method, its options) for a method name or alias and the options a user gave, checked (the one
-    check of a method's options: CheckpointMethod.checked); an alias's fixed options cannot be set."""
+    """(registry method, options) for a method name or alias and the options a user gave: an alias's defaults and
+    fixed options filled in (an alias's fixed options cannot be set). Not yet checked: METHODS[method].checked is the
+    one check, made once every option is known."""
     accepted = method_options(method)                   # an unknown name is a ValueError
-    unknown = sorted(set(options) - set(accepted))
-    if method in ALIASES and unknown:
-        raise ValueError(f"method {method!r} takes no option {unknown[0]!r}; it takes {sorted(accepted)}")
     if method not in ALIASES:
-        return method, METHODS[method].checked(dict(options))
+        return method, dict(options)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"method {method!r} takes no option {unknown[0]!r}; it takes {sorted(accepted)}")
     target, fixed, defaults = ALIASES[method]
-    return target, METHODS[target].checked({**defaults, **options, **fixed})
+    return target, {**defaults, **options, **fixed}
 
 
 def config_digest(quantization_config):
@@ -258,7 +259,8 @@ def save_quantized(model, directory, method, calibration_ids=None, group_size=No
         if "group_size" in options and "group_size" not in method_options(method):
             raise ValueError(f"method {method!r} takes no option 'group_size' (the book's group_size is GPTQ's and "
                              f"AWQ's); it takes {sorted(method_options(method))}")
-        method, options = resolve(method, options)          # every option checked before any work
+        method, options = resolve(method, options)
+        options = METHODS[method].checked(options)          # every option checked before any work
     elif method not in METHODS:
         raise ValueError(f"unknown method {method!r}; a quantized model is written as one of {sorted(METHODS)}")
     entry = METHODS[method]
