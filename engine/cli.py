@@ -375,7 +375,22 @@ def cmd_generate(args):
     from engine.checkpoints.tokenizer import encode, load_tokenizer
     from engine.formats.numerics.base import decoded_weights, impl
     from engine.training import tiny_setup
+    from engine.checkpoints.models import model_config
+    from engine.qwen3 import Qwen3Config
     started = time.time()
+    # The model's context bounds the prompt and the new tokens, as llama.cpp's context does: checked before the
+    # model loads (the prompt's tokens from the tokenizer, the context from the config alone).
+    tokenizer = load_tokenizer(args.model)
+    ids = encode(tokenizer, args.prompt.encode("utf-8"))[None]
+    if ids.numel() == 0:
+        raise ValueError("--prompt is empty")
+    context = (Qwen3Config() if args.model is None else model_config(args.model)).max_position_embeddings
+    if ids.shape[1] >= context:
+        raise ValueError(f"--prompt is {ids.shape[1]} tokens, and the model's context is {context}: shorten it")
+    if ids.shape[1] + args.max_new_tokens > context:
+        log(f"generating at most {context - ids.shape[1]} tokens: the model's context is {context} and the prompt "
+            f"is {ids.shape[1]}")
+        args.max_new_tokens = context - ids.shape[1]
     # A small model's ops (and at batch 1 any model's steps are small) are too small to share between threads:
     # they only wait on each other, 4-10x slower on a loaded 2-core machine (measured); a big model's weights need
     # every core's memory bandwidth. Small: under SMALL_MODEL bytes on disk.
@@ -384,17 +399,12 @@ def cmd_generate(args):
         torch.set_num_threads(1)
     if args.model is None:
         _, model = tiny_setup(args.text, args.steps, args.seed)  # (training, when not cached, on every thread)
-        tokenizer = load_tokenizer(None)                  # bytes
         torch.set_num_threads(1)
     else:
         from engine.checkpoints.models import load_model
-        tokenizer = load_tokenizer(args.model)
         log(f"loading {args.model} ...")
         model = load_model(args.model, progress=lambda it, total: bar(it, total=total, desc="loading",
                                                                       unit="tensor", leave=False))
-    ids = encode(tokenizer, args.prompt.encode("utf-8"))[None]
-    if ids.numel() == 0:
-        raise ValueError("--prompt is empty")
     loaded = time.time()
     generator = torch.Generator().manual_seed(args.seed)
     state = {"first": None, "new": []}

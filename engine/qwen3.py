@@ -251,7 +251,16 @@ class Qwen3(nn.Module):
     def generate(self, ids, max_new_tokens, temperature=0.0, generator=None, on_token=None):
         """Greedy (temperature 0) or sampled continuation with a KV cache: ids [B, T] -> [B, T + max_new_tokens].
         on_token(ids [B, 1]) is called with each new token as soon as it is chosen (to stream it). Logits that are
-        not finite (a forward pass that overflowed float32) are a ValueError, not a token picked from NaNs."""
+        not finite (a forward pass that overflowed float32) are a ValueError, not a token picked from NaNs. The prompt
+        and the new tokens must fit the model's context (max_position_embeddings): beyond it a ValueError, before any
+        work. Any temperature > 0 samples (the logits are shifted by their maximum before they are divided, so that a
+        tiny temperature is greedy rather than NaN)."""
+        context = self.cfg.max_position_embeddings
+        if ids.shape[1] + max_new_tokens > context:
+            raise ValueError(f"the prompt's {ids.shape[1]} tokens and {max_new_tokens} new ones exceed the model's "
+                             f"context of {context} tokens")
+        if not (temperature >= 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         cache = KVCache(self.cfg.num_hidden_layers)
         logits = self(ids, cache)[:, -1]
         out = [ids]
@@ -260,7 +269,8 @@ class Qwen3(nn.Module):
                 raise ValueError(f"the model's logits are not finite at new token {step}: its forward pass "
                                  "overflowed float32 or computed with a NaN; nothing is generated from them")
             if temperature > 0:
-                probs = (logits.float() / temperature).softmax(-1)
+                shifted = logits.double() - logits.double().amax(-1, keepdim=True)     # float64: 5e-324 is
+                probs = (shifted / temperature).softmax(-1)                              # a temperature there
                 nxt = torch.multinomial(probs, 1, generator=generator)
             else:
                 nxt = logits.argmax(-1, keepdim=True)

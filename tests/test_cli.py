@@ -291,3 +291,23 @@ def test_the_library_checks_options_where_the_cli_does(tiny_model):
         with pytest.raises(ValueError, match=match):
             gptq.quantize(tiny_model, ids, **bad)
     assert cli.BPW_RANGE == {"gptq": gptq_ggml.BPW_RANGE, "entquant": entropy.BPW_RANGE}
+
+
+def test_generate_is_bounded_by_the_models_context_and_samples_at_any_temperature():
+    """A prompt past the context is one error line before the model loads; new tokens stop at the context; a
+    temperature as small as a double can be (5e-324) samples the greedy token instead of NaNs."""
+    long = run("generate", "--prompt", "a" * 5000, "--steps", "1")
+    assert long.returncode == 1 and long.stderr.strip().splitlines()[-1] == \
+        "error: --prompt is 5000 tokens, and the model's context is 4096: shorten it"
+    assert "training" not in long.stderr and "using cached model" not in long.stderr
+    greedy = run("generate", "--prompt", "The", "--max-new-tokens", "6", "--steps", "1")
+    tiny = run("generate", "--prompt", "The", "--max-new-tokens", "6", "--steps", "1", "--temperature", "5e-324")
+    assert greedy.returncode == tiny.returncode == 0 and tiny.stdout == greedy.stdout, tiny.stderr
+
+
+def test_generate_stops_at_the_context(tiny_model):
+    import torch
+    ids = torch.zeros(1, tiny_model.cfg.max_position_embeddings - 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="exceed the model's context of"):
+        tiny_model.generate(ids, 3)
+    assert tiny_model.generate(ids[:, :8], 2, temperature=1e-45).shape == (1, 10)

@@ -7,6 +7,7 @@ import torch
 from ..formats.numerics.base import quantized_linears
 from ..formats.quantized_checkpoints import load_quantized
 from ..loaders import load_dense, read_config
+from ..qwen3 import Qwen3Config
 from . import gguf
 
 
@@ -36,3 +37,12 @@ def _dense_linear(layer):
         if layer.bias is not None:
             linear.bias.copy_(layer.bias)
     return linear
+
+
+def model_config(path):
+    """The Qwen3Config of the model at `path` (a .gguf file or a folder), from its header or config.json alone."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        with gguf.GGUFFile(path) as f:
+            return Qwen3Config.from_hf(gguf.hf_config(f))
+    return Qwen3Config.from_hf(read_config(path))
