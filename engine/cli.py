@@ -80,16 +80,35 @@ def check_file_output(path, force, flag="--out"):
 
 # ---- a real model's calibration ----------------------------------------------------------------------------------
 
+# Holding the calibration: each sequence's hidden states, in float32, about this many times over (a layer's inputs,
+# its outputs, and the attention and residual states layer_runs keeps to avoid recomputing them).
+CALIBRATION_COPIES = 4
+
+
 def check_calibration(args):
     """--calib's sources, checked before anything loads (a missing or empty file is one error); without --model
-    there is nothing it would calibrate, so it is refused rather than silently ignored."""
-    if args.calib is None:
-        return
-    if args.model is None:
+    there is nothing it would calibrate, so it is refused rather than silently ignored. With --model, the sequences
+    must fit the model's context (--calib-len) and their hidden states the memory this machine has."""
+    if args.calib is not None and args.model is None:
         raise ValueError("--calib calibrates a real model (--model PATH); the tiny model calibrates on its own "
                          "training text (--text FILE)")
-    from engine.data import check_sources
-    check_sources(args.calib)
+    if args.calib is not None:
+        from engine.data import check_sources
+        check_sources(args.calib)
+    if args.model is None or getattr(args, "calib_len", None) is None:
+        return
+    from engine.checkpoints.models import model_config
+    from engine.formats.numerics.base import available_memory
+    cfg = model_config(args.model)
+    if args.calib_len > cfg.max_position_embeddings:
+        raise ValueError(f"--calib-len {args.calib_len} is longer than the model's context "
+                         f"({cfg.max_position_embeddings} tokens)")
+    need = args.calib_samples * args.calib_len * cfg.hidden_size * 4 * CALIBRATION_COPIES
+    free = available_memory()
+    if free is not None and need > free:
+        raise ValueError(f"--calib-samples {args.calib_samples} x --calib-len {args.calib_len} needs about "
+                         f"{need / 2 ** 30:.1f} GiB for the hidden states (hidden size {cfg.hidden_size}); "
+                         f"{free / 2 ** 30:.1f} GiB is available")
 
 
 # ---- quantformats -----------------------------------------------------------------------------------------------

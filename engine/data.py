@@ -187,8 +187,8 @@ def calibration_ids(sources, tokenizer, seq_len=512, n=32, seed=1234, model=None
     if seq_len < 2:
         raise ValueError(f"calibration sequences need at least 2 tokens, got seq_len={seq_len}")
     shares = [n // len(sources) + (k < n % len(sources)) for k in range(len(sources))]
-    texts = {s: Corpus.from_text(default_corpus() if s == PYDOC else Path(s).read_bytes(), tokenizer)
-             for s in sources if s != SELF}                   # every file tokenized before the model loads
+    texts = {s: _calibration_text(s, tokenizer, share * seq_len)                  # tokenized before the model loads
+             for s, share in zip(sources, shares) if s != SELF}
     for source, corpus in texts.items():
         if len(corpus.train) <= seq_len:
             raise ValueError(f"--calib {source}: its training part ({len(corpus.train)} tokens: the last tenth is "
@@ -210,6 +210,30 @@ def calibration_ids(sources, tokenizer, seq_len=512, n=32, seed=1234, model=None
     names = [f"{s} (seed {seed + k})" if s == SELF else s if s == PYDOC else Path(s).name
              for k, s in enumerate(sources)]
     return Calibration(ids, " + ".join(names), tensor_digest(ids))
+
+
+def calibration_bytes(tokens):
+    """How much of a file a calibration of `tokens` tokens reads: 16 bytes a token (about four times the text the
+    windows take, at ~4 bytes a token of prose), at least 2 MiB and at most 64 MiB, so that a huge file costs no
+    more time and memory than that (tokenizing costs some hundred bytes a token)."""
+    return min(max(16 * tokens, 2 << 20), 64 << 20)
+
+
+def _calibration_text(source, tokenizer, tokens):
+    """The Corpus of a calibration source ("pydoc" or a file, its first calibration_bytes(tokens)); a file the
+    tokenizer cannot take is a ValueError naming it (the Rust tokenizer panics on some input: not an Exception)."""
+    if source == PYDOC:
+        data = default_corpus()
+    else:
+        with open(source, "rb") as f:
+            data = f.read(calibration_bytes(tokens))
+    try:
+        return Corpus.from_text(data, tokenizer)
+    except BaseException as e:                       # pyo3's PanicException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)):
+            raise
+        raise ValueError(f"--calib {source}: the tokenizer cannot read it ({type(e).__name__}: "
+                         f"{str(e)[:120]})") from None
 
 
 def real_calibration(sources, tokenizer, seq_len, n, model, one_thread=False):

@@ -176,3 +176,39 @@ def test_a_gguf_refuses_records_that_are_not_engine_strings_before_writing(tmp_p
     with pytest.raises(ValueError, match="records must map 'engine.\\*' names to strings"):
         write_gguf(tiny_model, tmp_path / "m.gguf", records=records)
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_huge_file_is_read_only_as_far_as_the_calibration_needs(tmp_path):
+    """2 sequences of 8 tokens read calibration_bytes(16) = 2 MiB: a file whose text changes after that contributes
+    nothing from beyond it (red when the whole file is read: words from the tail would be sampled too)."""
+    from engine.data import calibration_bytes
+    limit = calibration_bytes(16)
+    head = ("w1 " * (limit // 3 + 1)).encode()
+    path = tmp_path / "huge.txt"
+    path.write_bytes(head + b"w2 " * (limit // 3))
+    ids = calibration_ids([str(path)], _word_tokenizer(bos=False), seq_len=8, n=2).ids
+    assert set(ids.flatten().tolist()) == {2}                    # w1 only
+    assert calibration_bytes(10 ** 9) == 64 << 20
+
+
+def test_a_file_the_tokenizer_cannot_take_is_one_error(tmp_path, monkeypatch):
+    class Panic(BaseException):                                  # what pyo3 raises when the Rust tokenizer panics
+        pass
+
+    def panics(*args, **kwargs):
+        raise Panic("tokenizer panicked")
+    path = _file(tmp_path, "a.txt", ["w1"], ["w2"])
+    monkeypatch.setattr(Corpus, "from_text", panics)
+    with pytest.raises(ValueError, match=r"a\.txt: the tokenizer cannot read it \(Panic: tokenizer panicked\)"):
+        calibration_ids([str(path)], _word_tokenizer(), seq_len=8, n=2)
+
+
+@pytest.mark.parametrize("args,match", [(("--calib-samples", "1000000000"), "needs about .* GiB for the hidden"),
+                                        (("--calib-len", "100000"), "is longer than the model's context")])
+def test_calibration_sizes_beyond_memory_or_context_are_refused_first(tmp_path, tiny_model, args, match):
+    save_dense(tiny_model, tmp_path / "dense")
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), "quantize", "--model", str(tmp_path / "dense"),
+                          "--method", "gptq", *args, "--out", str(tmp_path / "q")], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert out.returncode == 1 and re.search(match, out.stderr.strip().splitlines()[-1]), out.stderr
+    assert not (tmp_path / "q").exists() and "calibration:" not in out.stderr
