@@ -283,3 +283,20 @@ def test_a_changed_engine_file_is_refused(tmp_path, change):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=match):
         gguf.load_gguf(path)
+
+
+@pytest.mark.parametrize("key,skip", [("llama.attention.head_count_kv", 0), ("llama.rope.freq_base", 0),
+                                      ("tokenizer.ggml.model", 8)])            # a string: its length, then its text
+def test_a_changed_metadata_value_of_an_engine_file_is_refused(tmp_path, key, skip):
+    """The tensors' digests cannot see a changed head count (it changes how llama's q / k rows are unpermuted: other
+    weights from the same bytes), RoPE base or tokenizer: the metadata digest does."""
+    torch.manual_seed(0)
+    model = Qwen3(Qwen3Config(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, num_hidden_layers=1)).eval()
+    gguf_writer.write_gguf(model, tmp_path / "m.gguf")
+    data = bytearray((tmp_path / "m.gguf").read_bytes())
+    at = data.index(key.encode()) + len(key) + 4 + skip             # the value, after the key and its type
+    data[at] ^= 1
+    (tmp_path / "m.gguf").write_bytes(data)
+    with pytest.raises(ValueError, match="metadata .* is not what its writer recorded"):
+        gguf.load_gguf(tmp_path / "m.gguf")

@@ -22,6 +22,8 @@ match its digest, so a changed type, shape or offset, or a flipped bit, is a Val
 have no such key and load as before. llama.cpp's quantizer copies every metadata key of its input into the file it
 writes, its own tensors and `general.file_type` with them: so the writer also records the file type it wrote
 (`engine.file_type`), and where the two differ the digests describe the input, not this file, and are not used.
+The metadata itself (the architecture, head counts, RoPE, the tokenizer: what turns the bytes into a model) is
+covered by `engine.metadata_sha256`, the SHA-256 of every other key-value entry as stored, in order.
 
 Names: llama.cpp's `blk.N.attn_q` is Hugging Face's `model.layers.N.self_attn.q_proj` and so on (TENSOR_NAMES);
 `token_embd`, `output_norm`, `output` are the embedding, the final norm and lm_head (absent: tied). For the `llama`
@@ -51,7 +53,7 @@ from ..qwen3 import Qwen3Config
 from ..loaders import check_complete, check_layer_count, install_layer, place, skeleton
 
 MAGIC, DEFAULT_ALIGNMENT, MAX_NESTING = b"GGUF", 32, 8
-DIGESTS, DIGESTS_FILE_TYPE = "engine.tensor_sha256", "engine.file_type"
+DIGESTS, DIGESTS_FILE_TYPE, METADATA_DIGEST = "engine.tensor_sha256", "engine.file_type", "engine.metadata_sha256"
 MAX_HEADER_BYTES = 256 << 20        # metadata + tensor table: a few MB in real files (the vocabulary is the most)
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
@@ -155,12 +157,14 @@ class GGUFFile:
         header = len(cur.buf)                           # the smallest key/value and tensor entry take 13 and 32 bytes
         if n_kv * 13 > header or n_tensors * 32 > header:
             raise ValueError(f"GGUF: {n_kv} metadata entries and {n_tensors} tensors cannot fit in {header} bytes")
-        self.metadata = {}
+        self.metadata, spans = {}, {}
         for _ in range(n_kv):
+            start = cur.pos
             key = cur.string("metadata key")
             if key in self.metadata:
                 raise ValueError(f"GGUF: metadata key {key!r} appears twice")
             self.metadata[key] = cur.value(cur.scalar("I", key), key)
+            spans[key] = (start, cur.pos)                                # as stored: what METADATA_DIGEST covers
         self.alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if type(self.alignment) is not int or self.alignment < 1 or self.alignment & (self.alignment - 1):
             raise ValueError(f"GGUF: general.alignment must be a power of two, got {self.alignment!r}")
@@ -191,7 +195,7 @@ class GGUFFile:
                 raise ValueError(f"GGUF: tensor {name} appears twice")
             self.tensors[name] = TensorInfo(name, type_name, tuple(reversed(ne)), data_start + offset, nbytes)
         self._check_spans()
-        self.digests = self._recorded_digests()
+        self.digests = self._recorded_digests(cur.buf, spans)
 
     def _check_spans(self):
         """No two tensors overlap, and none is followed by more than padding: each span holds exactly what its
@@ -204,15 +208,24 @@ class GGUFFile:
                 raise ValueError(f"GGUF: tensor {a.name} ({a.type_name} {list(a.shape)}: {a.nbytes} bytes) does not "
                                  f"fill the {b.offset - a.offset} bytes before the next tensor ({b.name})")
 
-    def _recorded_digests(self):
+    def _recorded_digests(self, buf, spans):
         """{tensor name: SHA-256} recorded by the engine's writer ({} for another tool's file), each entry checked
-        against the tensor table."""
+        against the tensor table; and the metadata entries (spans {key: (start, end)} in buf) against theirs."""
         entries = self.metadata.get(DIGESTS)
         written = self.metadata.get(DIGESTS_FILE_TYPE, self.metadata.get("general.file_type"))
         if entries is None or written != self.metadata.get("general.file_type"):      # requantized by llama.cpp
             return {}
         if not isinstance(entries, list) or len(entries) != len(self.tensors):
             raise ValueError(f"GGUF: {DIGESTS} must hold one entry per tensor ({len(self.tensors)})")
+        recorded = self.metadata.get(METADATA_DIGEST)
+        if recorded is not None:                        # (files written before it was recorded have none)
+            covered = hashlib.sha256()
+            for key, (start, end) in spans.items():
+                if key not in (DIGESTS, DIGESTS_FILE_TYPE, METADATA_DIGEST):
+                    covered.update(buf[start:end])
+            if covered.hexdigest() != recorded:
+                raise ValueError(f"GGUF: the metadata of {self.path} is not what its writer recorded "
+                                 f"({METADATA_DIGEST} differs): the file was changed")
         digests = {}
         for entry, info in zip(entries, self.tensors.values()):
             described = f"{info.name} {info.type_name} {'x'.join(map(str, info.shape))}"

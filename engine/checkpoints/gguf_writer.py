@@ -44,7 +44,8 @@ from ..formats.numerics.affine import AffineQuantLinear, unpack_nibbles
 from ..formats.numerics.base import QuantLinear
 from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, GGMLLinear, encode
 from ..formats.mx import MXFP4Linear, NVFP4Linear
-from .gguf import ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, TENSOR_NAMES, GGUFFile
+from .gguf import (ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, METADATA_DIGEST, TENSOR_NAMES,
+                   GGUFFile)
 from .gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer, gpt2_pre_tokenizer
 from ..safe_writes import check_free_space, is_disk_full, space_error
 from ..safetensors_io import atomic_file, check_records
@@ -364,9 +365,11 @@ def write_container(path, metadata, tensors, force=False):
     path = Path(path)
     if path.is_dir() or (path.exists() and not force):
         raise ValueError(f"output {path} exists; choose another path or pass force=True (--force)")
+    entries = b"".join(_string(key) + _value(key, value) for key, value in metadata.items())
     metadata = {**metadata, DIGESTS: [f"{name} {kind} {'x'.join(map(str, shape))} "
                                       f"{hashlib.sha256(raw.contiguous().numpy()).hexdigest()}"
-                                      for name, kind, shape, raw in tensors]}
+                                      for name, kind, shape, raw in tensors],
+                METADATA_DIGEST: hashlib.sha256(entries).hexdigest()}
     if "general.file_type" in metadata:                      # which file the digests are for (gguf.py, Integrity)
         metadata[DIGESTS_FILE_TYPE] = metadata["general.file_type"]
     head = bytearray(b"GGUF" + struct.pack("<IQQ", VERSION, len(tensors), len(metadata)))
