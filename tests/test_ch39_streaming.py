@@ -273,3 +273,18 @@ def test_a_disk_that_fills_up_keeps_the_finished_layers_and_the_next_run_resumes
     assert f"resuming {tmp_path / 'out'}: layer 0 of 3 was written by an earlier run" in capfd.readouterr().err
     assert [p.read_bytes() for p in sorted((tmp_path / "out").iterdir())] == \
         [p.read_bytes() for p in sorted((tmp_path / "whole").iterdir())]
+
+
+@pytest.mark.parametrize("bad_id", [256, 10 ** 6, 2 ** 31 - 1])
+def test_a_tokenizer_with_ids_beyond_the_vocabulary_is_refused_before_any_work(three_layers, tmp_path, bad_id):
+    """Even for a data-free method, which never tokenizes: the tokenizer would be copied into the output, and
+    `generate` on it would fail on its first use of that id."""
+    from engine.checkpoints.tokenizer import export_tokenizer
+    save_dense(three_layers, tmp_path / "src", side_files=lambda folder: export_tokenizer(None, folder))
+    spec = json.loads((tmp_path / "src" / "tokenizer.json").read_text())
+    spec["added_tokens"].append({"id": bad_id, "content": "<extra>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    (tmp_path / "src" / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=f"token '<extra>' has id {bad_id}, beyond the model's vocabulary of 256"):
+        quantize_checkpoint(tmp_path / "src", tmp_path / "out", "fp8", progress=False)
+    assert not (tmp_path / "out").exists()

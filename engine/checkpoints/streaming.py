@@ -88,6 +88,11 @@ class Source:
                 if keep(name):
                     yield name, self.reader.read(name)
 
+    def has_tokenizer(self):
+        if self.gguf is None:
+            return (self.path / "tokenizer.json").exists()
+        return "tokenizer.ggml.tokens" in self.gguf.metadata
+
     def tokenizer(self):
         """The model's tokenizers.Tokenizer (ids beyond the embedding's rows refused, as load_tokenizer does)."""
         if self.gguf is None:
@@ -177,6 +182,8 @@ class Conversion:
             self.model = skeleton(self.cfg)
             if self.source.gguf is None:
                 check_shapes(self.model, self.source.specs, self.source_path)
+            if self.source.has_tokenizer():
+                self.source.tokenizer()          # an id beyond the vocabulary: refused now, not copied into the output
             self.mode = self.entry.calibration(self.options)
         except BaseException:
             self._stack.close()
