@@ -142,8 +142,8 @@ def folder_linears(path):
             parts.setdefault(module, {})[kind] = value
         fmt = config.get("checkpoint_format", "gptq")
         weights = {m: gptq.dequantize_gptq(*gptq.unpack_gptq(p["qweight"], p["qzeros"], p["scales"], p["g_idx"],
-                                                                bits=config["bits"], checkpoint_format=fmt)) for m, p in parts.items()
-                   if "qweight" in p}
+                                                                bits=config["bits"], checkpoint_format=fmt))
+                   for m, p in parts.items() if "qweight" in p}
     else:
         model = load_model(path)
         weights = {name: layer.dequantize().float() for name, layer in quantized_linears(model).items()}

@@ -36,10 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # The engine's names this script uses, in one place (imported lazily: torch must not load before the flags are read).
 NAMES = {
     "entquant_quantize": "engine.formats.entropy:quantize", "EntQuantLinear": "engine.formats.entropy:EntQuantLinear",
-    "block_context": "engine.formats.entropy_decoder:block_context", "encode_weight": "engine.formats.entropy:encode_weight",
+    "block_context": "engine.formats.entropy_decoder:block_context",
+    "encode_weight": "engine.formats.entropy:encode_weight",
     "decode_weight": "engine.formats.entropy:decode_weight", "NF4Linear": "engine.formats.nf4:NF4Linear",
     "rans_encode": "engine.coding.rans_fast:rans_encode", "RansStream": "engine.coding.rans:RansStream",
-    "rans_decode_cpu": "engine.coding.rans_fast:rans_decode", "lattice_quantize_weight": "engine.formats.lattice:quantize_weight",
+    "rans_decode_cpu": "engine.coding.rans_fast:rans_decode",
+    "lattice_quantize_weight": "engine.formats.lattice:quantize_weight",
     "rice_substream": "engine.coding.rice:SUBSTREAM", "rice_escape": "engine.coding.rice:ESCAPE",
     "rice_raw_bits": "engine.coding.rice:RAW_BITS", "rice_stream_ends": "engine.coding.rice:stream_ends",
 }

@@ -12,7 +12,7 @@ on; it is where the damage of quantization is measured:
 
 Calibration of a real model (calibration_ids) reads its sequences from one or more sources, each contributing an
 equal share of them: a file (windows of its training part), "pydoc" (the built-in corpus' training part), or "self"
-(text the model writes itself from a random first token: engine/formats/numerics/sensitivity.py). What was used is kept as a
+(text the model writes itself from a random first token: numerics/sensitivity.py). What was used is kept as a
 name and the SHA-256 of the ids, which the checkpoint writers record beside the source model's digest.
 """
 import hashlib

@@ -12,9 +12,9 @@ from engine.qwen3 import Qwen3, Qwen3Config
 # Where the chapter's functions live in the engine: `--yours FILE` puts FILE's functions in place of these modules'
 # functions of the same names.
 BOOK_MODULES = ("engine.formats.gptq", "engine.formats.awq", "engine.formats.numerics.affine", "engine.formats.fp8",
-                "engine.formats.mx", "engine.formats.numerics.minifloats", "engine.formats.trellis", "engine.formats.numerics.hadamard",
-                "engine.formats.quantized_checkpoints", "engine.kernels.triton_formats", "engine.loaders",
-                "engine.safetensors_io")
+                "engine.formats.mx", "engine.formats.numerics.minifloats", "engine.formats.trellis",
+                "engine.formats.numerics.hadamard", "engine.formats.quantized_checkpoints",
+                "engine.kernels.triton_formats", "engine.loaders", "engine.safetensors_io")
 
 
 def pytest_addoption(parser):
@@ -46,7 +46,7 @@ def pytest_configure(config):
 def pytest_report_header(config):
     if config.yours is not None:
         path, own = config.yours
-        return f"--yours {path}: in place of the engine's {', '.join(sorted(own)) or 'nothing (it defines no function)'}"
+        return f"--yours {path}: in place of the engine's {', '.join(sorted(own)) or 'nothing (no function in it)'}"
 
 
 @pytest.fixture(autouse=True)

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from engine.formats.numerics import affine, base
-from engine.formats.numerics.affine import (AffineQuantLinear, affine_codes, choose_clip, choose_clip_reference, fake_quantize,
-                                   find_params, pack_bits, pack_int32, pack_nibbles, quantize_to_affine, unpack_bits,
-                                   unpack_int32, unpack_nibbles)
+from engine.formats.numerics.affine import (AffineQuantLinear, affine_codes, choose_clip, choose_clip_reference,
+                                            fake_quantize, find_params, pack_bits, pack_int32, pack_nibbles,
+                                            quantize_to_affine, unpack_bits, unpack_int32, unpack_nibbles)
 from engine.formats.numerics.base import quantized_linears
 
 

@@ -253,7 +253,7 @@ def test_save_load_through_registry_gives_identical_logits(tiny_model, tmp_path)
             registry.load_quantized(tmp_path / "ckpt")
 
 
-# ---- the Fisher-weighted loss (our addition; the estimate lives in engine/formats/numerics/sensitivity.py) -----------------
+# ---- the Fisher-weighted loss (our addition; the estimate lives in numerics/sensitivity.py) -----------------
 
 def test_self_generated_ids_are_reproducible_and_in_vocabulary(tiny_model):
     a = self_generated_ids(tiny_model, samples=3, seq_len=10, seed=4)

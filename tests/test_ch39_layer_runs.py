@@ -1,4 +1,4 @@
-"""The calibration walk's speed-up (engine/formats/numerics/layer_runs.py): a layer's runs resume where the last stopped, with
+"""The calibration walk's speed-up (numerics/layer_runs.py): a layer's runs resume where the last stopped, with
 the same results as running the layer whole, and never from a kept tensor whose modules changed."""
 import copy
 

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from engine.formats import awq, fp8, gptq, mx, trellis
 from engine.formats import quantized_checkpoints as qc
-from engine.formats.numerics.affine import AffineQuantLinear, fake_quantize, find_params, pack_nibbles, quantize_to_affine
+from engine.formats.numerics.affine import (AffineQuantLinear, fake_quantize, find_params, pack_nibbles,
+                                            quantize_to_affine)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""The error-feedback loop (engine/formats/numerics/obq.py): the lazy batch equals the textbook loop, on matrices wider than
+"""The error-feedback loop (numerics/obq.py): the lazy batch equals the textbook loop, on matrices wider than
 one block, for every caller (GPTQ, EntQuant's feedback, BlockLDLQ), and the feedback lowers the layer error."""
 import pytest
 import torch

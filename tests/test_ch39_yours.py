@@ -13,7 +13,7 @@ BOOK = ROOT / "tests" / "book"
 
 # section -> (the listing file, one line of it, the same line with a mistake)
 MISTAKES = {
-    "gptq": ("gptq.py", "        W[:, i2:] -= Err @ Hinv[i1:i2, i2:]", "        pass"),               # no feedback past a block
+    "gptq": ("gptq.py", "        W[:, i2:] -= Err @ Hinv[i1:i2, i2:]", "        pass"),     # no feedback past a block
     "awq": ("awq.py", "AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)", "AWQ_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)"),
     "fp8": ("fp8.py", "E4M3_MAX = 448.0", "E4M3_MAX = 240.0"),                                  # E4M3FNUZ's max
     "fp4": ("fp4.py", "        codes = torch.cat((low, high), -1)", "        codes = torch.cat((high, low), -1)"),

@@ -23,7 +23,7 @@ The matmul reads the buffer's E4M3 (or int8) bytes and applies 2^s per output ch
 
 Sensitivity (our addition, optional: sensitivity="fisher"). The reconstruction term becomes
 sum_j phi_j / Z ||W_hat_j - W_j||^2 / n_layer, phi_j / Z the diagonal Fisher information of row j on the model's own
-samples, normalized over the whole model (engine/formats/numerics/sensitivity.py): a second-order estimate of the KL that the
+samples, normalized over the whole model (numerics/sensitivity.py): a second-order estimate of the KL that the
 layer's error costs, so one lambda trades rate against it in every layer alike (sensitive rows get finer steps).
 
 Error feedback (our addition, optional: feedback="self"; engine/formats/entropy_feedback.py). The same scales,

@@ -10,7 +10,7 @@ order and, after each column i, spreading its error over the columns not yet qua
 leaves the later columns to cancel what column i got wrong (Frantar et al., GPTQ; the loop is obq.py's). The
 quantizer is EntQuant's own (E4M3 or int8 at the row's fixed scale 2^s), so the format, the storage and the decoder
 stay exactly the paper's; only which code each weight gets changes, and the entropy of the codes with it (the lambda
-search then meets the rate). To stay data-free, X is text the model writes itself (engine/formats/numerics/sensitivity.py's self_generated_ids):
+search then meets the rate). To stay data-free, X is text the model writes itself (numerics/sensitivity.py's self_generated_ids):
 no calibration text is read. The Hessians are those of the float model, all captured in one pass.
 
 feedback="calibration" gives up data-freedom for Hessians of real text: X is calibration text, the hidden states that

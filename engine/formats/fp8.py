@@ -178,5 +178,5 @@ def _write(layer, config):
 
 
 CHECKPOINT = CheckpointMethod(name="fp8", parts=lambda config: ("weight", "weight_scale_inv"),
-                              read=_read, write=_write, quantize=quantize, validate=validate, quantize_layer=quantize_layer,
-                              options={"block": int_option(128, 1, 1 << 16)})
+                              read=_read, write=_write, quantize=quantize, validate=validate,
+                              quantize_layer=quantize_layer, options={"block": int_option(128, 1, 1 << 16)})

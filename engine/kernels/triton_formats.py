@@ -129,7 +129,7 @@ def _check_group(group_size):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Affine integer codes (RTN, GPTQ, AWQ): W[n, k] = q[n, k] * scale[n, k // G] + offset[n, k // G]
-# q is packed along k, 8 // BITS codes per byte, low bits first (engine.formats.numerics.affine.pack_bits). G and BITS are
+# q is packed along k, 8 // BITS codes per byte, low bits first (affine.pack_bits). G and BITS are
 # compile-time constants: an integer division by a run-time value costs a GPU some twenty instructions per weight.
 
 

@@ -328,8 +328,9 @@ def _quantize_q8_0(x):
     return q + 128, dict(d=_round_f16(d))
 
 
-QUANTIZERS = {"Q4_0": _quantize_q4_0, "Q4_1": _quantize_q4_1, "Q5_0": _quantize_q5_0, "Q5_1": _quantize_q5_1, "Q8_0": _quantize_q8_0,
-              "Q2_K": _quantize_q2_k, "Q3_K": _quantize_q3_k, "Q4_K": _quantize_q4_k, "Q5_K": _quantize_q5_k, "Q6_K": _quantize_q6_k}
+QUANTIZERS = {"Q4_0": _quantize_q4_0, "Q4_1": _quantize_q4_1, "Q5_0": _quantize_q5_0, "Q5_1": _quantize_q5_1,
+              "Q8_0": _quantize_q8_0, "Q2_K": _quantize_q2_k, "Q3_K": _quantize_q3_k, "Q4_K": _quantize_q4_k,
+              "Q5_K": _quantize_q5_k, "Q6_K": _quantize_q6_k}
 
 
 # ---- with an importance matrix (quantize_row_*_impl: what `llama-quantize --imatrix` runs) ---------------------
