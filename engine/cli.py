@@ -95,11 +95,12 @@ def check_calibration(args):
     if args.calib is not None:
         from engine.data import check_sources
         check_sources(args.calib)
-    if args.model is None or getattr(args, "calib_len", None) is None:
-        return
-    from engine.checkpoints.models import model_config
+
+
+def check_calibration_size(args, cfg):
+    """--calib-len within the model's context (cfg: its Qwen3Config, read from its header or config.json alone) and
+    --calib-samples' hidden states within the memory this machine has: checked before the model loads."""
     from engine.formats.numerics.base import available_memory
-    cfg = model_config(args.model)
     if args.calib_len > cfg.max_position_embeddings:
         raise ValueError(f"--calib-len {args.calib_len} is longer than the model's context "
                          f"({cfg.max_position_embeddings} tokens)")
@@ -128,6 +129,8 @@ def cmd_quantformats(args):
         raise ValueError("--reference-dtype is the tiny model's; a real model's reference is its own weights")
     from engine import quantformats
     if args.model is not None:
+        from engine.checkpoints.models import model_config
+        check_calibration_size(args, model_config(args.model))
         return quantformats.real_table(args, selected)
     quantformats.tiny_table(args, selected, book, len(rows))
 
@@ -247,6 +250,7 @@ def convert(args, out, method, options, force=False):
     with Conversion(args.model, out, method, force=force, override="--force", **options) as conversion:
         if not conversion.needs_data:
             return conversion.run()
+        check_calibration_size(args, conversion.cfg)
         from engine.data import real_calibration
         calibration = real_calibration(args.calib, conversion.source.tokenizer(), args.calib_len, args.calib_samples,
                                        conversion.float_model, one_thread=model_bytes(args.model) < SMALL_MODEL)
