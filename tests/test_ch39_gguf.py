@@ -272,6 +272,26 @@ def test_kernel_equals_reference_on_gguf_layouts(type_name):
     assert torch.allclose(y, x @ layer.dequantize().T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("type_name", [t for t in ggml.DECODED if t not in ggml.DENSE])
+def test_random_bytes_of_every_quantized_type_are_refused_or_decode_finite(type_name):
+    """Any bytes a file holds: a layer is built only when every weight it decodes to is finite (random f16 scales
+    are NaN or infinite now and then, an E8M0 scale of 2^126 times a code of 4 overflows float32), and then it holds
+    exactly the reference decoder's weights."""
+    _, block, size = ggml.GGML_TYPES[type_name]
+    g, outcomes = torch.Generator().manual_seed(0), {"refused": 0, "built": 0}
+    for _ in range(100):
+        raw = torch.randint(0, 256, (2 * 2 * size,), generator=g, dtype=torch.uint8)
+        try:
+            layer = ggml.quantized_linear(raw, type_name, (2, 2 * block))
+        except ValueError:
+            outcomes["refused"] += 1
+            continue
+        outcomes["built"] += 1
+        assert torch.isfinite(layer.dequantize()).all()
+        assert torch.equal(layer.dequantize(), ggml.dequantize(raw, type_name, (2, 2 * block)))
+    assert outcomes["built"] > 0, outcomes
+
+
 def test_unsupported_type_is_named():
     with pytest.raises(ValueError, match="GGML type IQ2_XXS is not supported"):
         ggml.dequantize(torch.zeros(66, dtype=torch.uint8), "IQ2_XXS", (1, 256))

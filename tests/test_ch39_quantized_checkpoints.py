@@ -4,13 +4,16 @@ functions); then the engine's registry of every method, the streaming build, and
 input."""
 import copy
 import json
+import math
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from engine.formats import quantized_checkpoints as qc
+from engine.formats.numerics.base import QuantLinear
 from engine.formats.quantized_checkpoints import METHODS, load_quantized, save_quantized
+from engine.safetensors_io import snapshot_tensors
 from helpers import rewrite_tensors
 
 book = pytest.mark.book
@@ -144,6 +147,50 @@ def test_every_method_writes_its_quant_method_and_reloads_identically(name, tiny
     assert json.loads((tmp_path / name / "config.json").read_text())["quantization_config"] == qcfg
     with torch.no_grad():
         assert torch.equal(loaded(ids), tiny_model(ids))
+
+
+def _extremes(t):
+    """What a corrupt or hostile file can hold in tensor t: NaN, infinities and the dtype's largest numbers in a
+    floating part; all-ones bytes (a float8's NaN, the largest codes) in the others."""
+    if t.dtype.is_floating_point and t.element_size() > 1:
+        return [math.nan, math.inf, torch.finfo(t.dtype).max, -torch.finfo(t.dtype).max]
+    return [0x7F, 0xFF]
+
+
+def _with(t, value):
+    t = t.clone()
+    if t.dtype.is_floating_point and t.element_size() > 1:
+        t.view(-1)[:4] = value
+    else:
+        t.view(torch.uint8).view(-1)[:4] = value
+    return t
+
+
+CT_FORMATS = ("float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+
+
+@pytest.mark.parametrize("name,options", [*sorted(CHEAP_OPTIONS.items()),
+                                          *(("compressed-tensors", dict(format=f)) for f in CT_FORMATS)])
+def test_no_load_returns_a_model_with_non_finite_weights(name, options, tiny_model, tmp_path):
+    """Every part of a quantized linear set to NaN, infinity, the largest number or all-ones bytes (digests
+    rewritten, as a tool that wrote such values would): the load is refused, or every weight the model computes
+    with (each quantized layer's decoded weight included) is finite."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    save_quantized(copy.deepcopy(tiny_model), tmp_path, name, calibration_ids=ids, **options)
+    pristine = dict(snapshot_tensors(tmp_path))
+    parts = [n for n in pristine if n.startswith("model.layers.0.mlp.down_proj.")]
+    refused = 0
+    for part in parts:
+        for value in _extremes(pristine[part]):
+            rewrite_tensors(tmp_path, lambda tensors: tensors.update(pristine, **{part: _with(pristine[part], value)}))
+            try:
+                model = load_quantized(tmp_path)
+            except ValueError:
+                refused += 1
+                continue
+            decoded = [m.dequantize() for m in model.modules() if isinstance(m, QuantLinear)]
+            assert all(torch.isfinite(t).all() for t in [*model.parameters(), *decoded]), (part, value)
+    assert parts and refused > 0
 
 
 def test_save_then_load_gives_identical_logits(tiny_model, fp8_model, fp8_checkpoint):

@@ -126,6 +126,10 @@ class MXFP4Linear(QuantLinear):
         super().__init__(scales.shape[1] * MX_BLOCK, scales.shape[0], bias)
         self.register_buffer("blocks", blocks.contiguous())
         self.register_buffer("scales", scales.contiguous())
+        # OCP allows scales up to 2^127, but 4 x 2^126 is already past float32's largest number: such a block
+        # decodes to infinities. Only a file with a scale byte >= 253 pays for the full decode that finds them.
+        if (scales >= 253).any() and not bool(torch.isfinite(self.dequantize()).all()):
+            raise ValueError("MXFP4 weight: an E8M0 scale of 2^126 or more times its E2M1 codes overflows float32")
 
     @classmethod
     def from_linear(cls, linear):
