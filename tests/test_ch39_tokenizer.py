@@ -155,3 +155,18 @@ def test_an_added_token_beyond_the_vocabulary_is_refused_when_the_tokenizer_load
     tokenizer_with_added_token(tmp_path / "ck", token_id)
     with pytest.raises(ValueError, match=f"'<\\|fuzz\\|>' has id {token_id}, beyond the model's vocabulary of 256"):
         load_tokenizer(tmp_path / "ck")
+
+
+def test_an_added_token_on_an_id_another_token_holds_is_refused_where_the_library_moves_it(tmp_path, tiny_model):
+    """red before: id 255 is byte 255's, the tokenizers library silently gives "<|fuzz|>" id 256 instead, and the
+    check read the file's 255 and let the tokenizer through"""
+    import sys
+    from pathlib import Path
+    from engine.loaders import save_dense
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fuzz_checkpoints import tokenizer_with_added_token
+    save_dense(tiny_model, tmp_path / "ck")
+    tokenizer_with_added_token(tmp_path / "ck", 255)
+    with pytest.raises(ValueError, match="'<\\|fuzz\\|>' has id 256 \\(tokenizer.json gives it id 255, which another "
+                                         "token holds"):
+        load_tokenizer(tmp_path / "ck")

@@ -103,10 +103,13 @@ def check_vocabulary(tok, vocab_size, where, declared=None):
     place; the file's own number is the one to name)."""
     if type(vocab_size) is not int:
         return tok
-    ids = {**tok.get_vocab(with_added_tokens=True), **(declared or {})}
-    name, top = max(ids.items(), key=lambda item: item[1], default=(None, -1))
+    declared = declared or {}
+    ids = [*declared.items(), *tok.get_vocab(with_added_tokens=True).items()]   # both: either can be the larger
+    name, top = max(ids, key=lambda item: item[1], default=(None, -1))
     if top >= vocab_size:
-        raise ValueError(f"{where}: token {name!r} has id {top}, beyond the model's vocabulary of {vocab_size} "
+        moved = f" (tokenizer.json gives it id {declared[name]}, which another token holds: the tokenizers library " \
+                "renumbered it)" if declared.get(name, top) != top else ""
+        raise ValueError(f"{where}: token {name!r} has id {top}{moved}, beyond the model's vocabulary of {vocab_size} "
                          "(vocab_size): the tokenizer does not belong to this model")
     return tok
 
