@@ -131,11 +131,11 @@ def build_parser():
                    help=f"one of: {', '.join(METHODS)} (see above)")
     z.add_argument("--out", required=True, metavar="DIR",
                    help="the checkpoint folder to write (a FILE.gguf with --format gguf or --target llama.cpp)")
-    z.add_argument("--bits", type=int, help="rtn, gptq, compressed-tensors: bits per code (rtn: 4 or 2; gptq: 2, 3, "
-                                            "4 or 8; default 4)")
+    z.add_argument("--bits", type=int, help="rtn, gptq, compressed-tensors: bits per code (rtn: 4 or 2; gptq: 2, 4 or "
+                                            "8; default 4)")
     z.add_argument("--group-size", type=int, metavar="G",
                    help=f"weights per scale group: rtn / gptq / awq / compressed-tensors one of {list(GROUP_SIZES)} "
-                        "(-1: one group per row; default 64, gptq / awq 128), nf4 a power of two 32..4096 "
+                        "(-1: one group per row; default 64, gptq 128), nf4 a power of two 32..4096 "
                         "(default 64)")
     orders = "; ".join(f"{name}: {text}" for name, text in GPTQ_ORDERS.items())
     z.add_argument("--order", metavar="ORDER", help=f"gptq's column order, one of {', '.join(GPTQ_ORDERS)} or "

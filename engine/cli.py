@@ -72,6 +72,9 @@ def check_file_output(path, force, flag="--out"):
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{flag} {path} is a folder; a GGUF output is one file ({flag} FILE.gguf)")
+    if path.suffix != ".gguf":
+        raise ValueError(f"{flag} {path}: a GGUF file's name ends in .gguf (the engine's --model tells the format "
+                         "by it)")
     if path.exists() and not force:
         raise ValueError(f"{flag} {path} exists; choose another path or pass --force")
     if not path.resolve().parent.is_dir():
@@ -221,7 +224,7 @@ def check_quantize_args(args):
         raise ValueError("--group-size -1: rtn takes a positive group size (compressed-tensors' per-row "
                          "strategy is --method compressed-tensors)")
     bpw = options.get("bpw")
-    if bpw is not None and not BPW_RANGE[args.method][0] <= bpw <= BPW_RANGE[args.method][1]:
+    if isinstance(bpw, (int, float)) and not BPW_RANGE[args.method][0] <= bpw <= BPW_RANGE[args.method][1]:
         low, high = BPW_RANGE[args.method]
         raise ValueError(f"--bpw {bpw}: {args.method} reaches {low} to {high} bits per weight")
     if args.method == "gptq" and {"ggml_type", "bpw"} & options.keys() and not (

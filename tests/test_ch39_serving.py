@@ -95,6 +95,11 @@ def test_written_checkpoints_are_read_by_kind_and_units(written):
     ("llama.cpp", "gptq", {"order": "act_order"}, "gguf", "no permutation"),
     ("llama.cpp", "fp8", {}, "gguf", "no FP8 type"),
     ("llama.cpp", "entquant", {}, "gguf", "only this engine"),
+    ("llama.cpp", "bitsandbytes", {}, "gguf", "no NF4 type"),                 # red before: refused after quantizing
+    ("llama.cpp", "gptq", {"bits": 2}, "gguf", "not 2-bit asymmetric"),
+    ("llama.cpp", "compressed-tensors", {"bits": 2}, "gguf", "not 2-bit symmetric"),
+    ("llama.cpp", "compressed-tensors", {"bits": 8, "symmetric": False}, "gguf", r"not 8-bit asymmetric.*sym=true"),
+    ("llama.cpp", "gptq", {"bits": 8}, "gguf", "not 8-bit asymmetric ones .sym=true"),
     ("vllm", "gptq", {"sym": True}, "gguf", "--format gguf is for llama.cpp"),
 ])
 def test_target_refuses_what_it_cannot_load_naming_why(target, method, options, fmt, match):
@@ -126,6 +131,8 @@ def test_table_and_serve_line():
     assert "| gptq asym | loads | refuses (" in table
     raw = config({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True})
     assert serving.vllm_serve_command("ck", raw) == "vllm serve ck --quantization gptq --tensor-parallel-size 4"
+    blocks = config({"quant_method": "fp8", "weight_block_size": [1000, 1000]})   # red before: max() of nothing
+    assert serving.vllm_serve_command("ck", blocks).startswith("none: vLLM would refuse ck (q_proj: ")
 
 
 def test_the_serving_page_carries_the_table():

@@ -207,6 +207,18 @@ def test_errors_name_what_is_actually_wrong(tmp_path):
         assert "force=True" not in out.stderr and "training" not in out.stderr
 
 
+def test_a_gguf_output_without_the_gguf_suffix_is_refused_before_loading(tmp_path, tiny_model):
+    """red before: --format gguf --out o wrote a GGUF file named `o`, which the engine's --model then read as a
+    folder"""
+    from engine.loaders import save_dense
+    save_dense(tiny_model, tmp_path / "dense")
+    for argv in (["quantize", "--model", str(tmp_path / "dense"), "--method", "mxfp4", "--format", "gguf", "--out"],
+                 ["export", str(tmp_path / "dense"), "--gguf"]):
+        out = run(*argv, str(tmp_path / "o"))
+        assert out.returncode == 1 and "a GGUF file's name ends in .gguf" in out.stderr, out.stderr
+        assert not (tmp_path / "o").exists() and "layers" not in out.stderr
+
+
 def test_export_refuses_a_folder_as_gguf_before_loading(tmp_path, tiny_model):
     from engine.loaders import save_dense
     save_dense(tiny_model, tmp_path / "dense")
@@ -266,6 +278,10 @@ def test_model_smollm2_runs_from_the_command_line_or_says_what_to_install():
     (("--method", "nf4", "--group-size", "48"), "option group_size of method 'bitsandbytes' must be one of 32, 64"),
     (("--method", "entquant",), "give exactly one of lam (lambda) or bpw"),
     (("--method", "trellis", "--option", "L=30"), "option L of method 'trellis' must be an integer in [2, 24]"),
+    (("--method", "gptq", "--target", "llama.cpp", "--option", "bpw=x"),      # red before: a TypeError traceback
+     "option bpw of method 'gptq' must be a number in [2.625, 8.5], got 'x'"),
+    (("--method", "nf4", "--target", "llama.cpp"), "GGML has no NF4 type"),   # red before: refused after the work
+    (("--method", "gptq", "--bits", "2", "--target", "llama.cpp"), "not 2-bit asymmetric ones"),
 ])
 def test_every_option_is_checked_before_the_model_is_made(tmp_path, args, message):
     """One error line naming the option and its bound, before the tiny model is trained or read from the cache (the

@@ -137,10 +137,16 @@ def gguf_options(method, options):
         options.setdefault("ggml_type", gptq_ggml.MIX)
     if method == "gptq" and options.get("ggml_type") is not None:        # llama.cpp's own grids: any group size
         return options
-    if method == "gptq" and options.get("bits", 4) == 8 and not options.get("sym"):
-        raise ValueError("llama.cpp: 8-bit GPTQ must be symmetric (sym=true) to be Q8_0; GGML has no 8-bit offset")
-    if method in ("gptq", "awq") or (method == "compressed-tensors" and
-                                      options.get("format", "pack-quantized") == "pack-quantized"):
+    if method == "bitsandbytes":
+        raise ValueError("llama.cpp: GGML has no NF4 type (nf4 is bitsandbytes' layout, for transformers)")
+    integer = method in ("gptq", "awq") or (method == "compressed-tensors" and
+                                           options.get("format", "pack-quantized") == "pack-quantized")
+    sym = options.get("sym", False) if method == "gptq" else options.get("symmetric", True)
+    if integer and (options.get("bits", 4) not in (4, 8) or (options.get("bits", 4) == 8 and not sym)):
+        raise ValueError(f"llama.cpp: GGML's blocks of 32 hold 4-bit codes (Q4_0, Q4_1) or symmetric 8-bit ones "
+                         f"(Q8_0), not {options['bits']}-bit {'symmetric' if sym else 'asymmetric'} ones"
+                         + (" (sym=true makes them symmetric)" if options["bits"] == 8 else ""))
+    if integer:
         if options.setdefault("group_size", 32) != 32:
             raise ValueError(f"llama.cpp: GGML's Q4_0 / Q4_1 / Q8_0 blocks hold 32 weights, not group size "
                              f"{options['group_size']}")
@@ -276,9 +282,13 @@ def tp_degrees(config, degrees=(1, 2, 4, 8)):
 
 
 def vllm_serve_command(directory, config=None):
-    """The `vllm serve` line for a checkpoint, at the largest tensor-parallel degree it supports."""
+    """The `vllm serve` line for a checkpoint, at the largest tensor-parallel degree it supports (or why it has
+    none: its blocks or groups do not tile this model's merged layers)."""
     config = config or read_config(directory)
-    degrees = [tp for tp, reasons in tp_degrees(config).items() if not reasons]
+    degrees = tp_degrees(config)
+    if all(degrees.values()):
+        return f"none: vLLM would refuse {directory} ({'; '.join(degrees[1])})"
+    degrees = [tp for tp, reasons in degrees.items() if not reasons]
     method = (config.get("quantization_config") or {}).get("quant_method")
     return (f"vllm serve {directory}" + (f" --quantization {method}" if method else "")
             + f" --tensor-parallel-size {max(degrees)}")
