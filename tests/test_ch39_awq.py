@@ -176,3 +176,17 @@ def test_model_save_load_and_quality(tiny_model, tmp_path):
         ours = tiny_model(held_out)
         assert torch.equal(registry.load_quantized(tmp_path)(held_out), ours)
     assert (ours - reference).pow(2).mean() < rtn_error
+
+
+def test_group_size_minus_one_is_one_group_per_row_as_autoawq_writes_it(tiny_model, tmp_path):
+    """red before: the option table took -1 (AutoAWQ's per-row groups, which the reader reads) and the quantizer
+    refused it after the model was loaded"""
+    calibration = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
+    qcfg = registry.save_quantized(tiny_model, tmp_path, "awq", calibration, group_size=-1)
+    assert qcfg["group_size"] == -1
+    loaded = registry.load_quantized(tmp_path)
+    for name, layer in registry.quantized_linears(loaded).items():
+        assert layer.scales.shape == (layer.out_features, 1), name
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), tiny_model(ids))

@@ -86,19 +86,24 @@ def quantize_layer(layer, group_size=64, bits=4, clip=True):
         raise ValueError(f"clip must be true or false, got {clip!r}")
     stats = layer.capture([names[0] for _, _, names in SCALING_PAIRS])
     clips = {}
+
+    def group(linear):                                  # -1: AutoAWQ's one group per row
+        return linear.in_features if group_size == -1 else group_size
+
     for norm, previous, names in SCALING_PAIRS:
         linears = [layer.layer.get_submodule(n) for n in names]
         inputs = stats[layer.prefix + names[0]]
         s = torch.ones(linears[0].in_features)
         previous = previous and layer.layer.get_submodule(previous)
         if previous is None or previous.out_features == linears[0].in_features:      # GQA: v's rows feed
-            s, _ = search_scale([lin.weight for lin in linears], inputs, bits, group_size)  # several heads
+            s, _ = search_scale([lin.weight for lin in linears], inputs, bits, group(linears[0]))  # several heads
             _fold_scale(norm and layer.layer.get_submodule(norm), previous, linears, s)
         # AutoAWQ's clipping search, on the scaled weights: their inputs x / s have the Gram matrix G / (s s^T)
         gram = inputs.gram / (s[:, None] * s[None, :])
         for name, linear in zip(names, linears):
-            clips[layer.prefix + name] = choose_clip(linear.weight.detach(), gram, bits, group_size) if clip else None
-    layer.replace(lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group_size, clip=clips[name]))
+            clips[layer.prefix + name] = (choose_clip(linear.weight.detach(), gram, bits, group(linear))
+                                          if clip else None)
+    layer.replace(lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group(linear), clip=clips[name]))
     return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
 
 
