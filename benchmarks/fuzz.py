@@ -1,7 +1,7 @@
 """Fuzz campaign: mutated checkpoints of every method, corrupted streams of every coder, and a crash campaign.
 
     python benchmarks/fuzz.py [--checkpoint-cases 2000] [--stream-cases 20000] [--seed 0] [--timeout 20]
-                              [--memory-gib 3] [--workers 2] [--crash-kills 0] [--faults] [--case N]
+                              [--memory-gib 3] [--workers 2] [--crash-kills 0] [--faults] [--input-cases 0] [--case N]
 
 What is mutated: benchmarks/fuzz_checkpoints.py (every method's checkpoint, dense, sharded and GGUF files) and
 benchmarks/fuzz_streams.py (rANS, Rice and trellis streams). This file runs the cases and counts the outcomes.
@@ -28,6 +28,10 @@ complete new checkpoint, and after the next complete save no `.DIR.*` entry may 
 Writer faults (--faults): benchmarks/fuzz_writers.py, `run.py` killed at each rename of a conversion, two writers
 into one folder, a full disk (a real tmpfs), --out equal to the source, the user's files inside a checkpoint;
 counted: mixed or incomplete checkpoints accepted, user files lost, tracebacks (all must be 0).
+
+What a user types (--input-cases N): benchmarks/fuzz_inputs.py, `run.py quantize --model` with hostile option
+values, calibration files and tokenizers' added-token ids: each refused with one `error:` line before the model's
+weights are read, in bounded time and memory, or accepted and its checkpoint loads with finite weights.
 """
 
 import argparse
@@ -53,6 +57,7 @@ import torch
 
 from fuzz_checkpoints import TARGETS, build, checkpoint_cases, forward, load, mutate_checkpoint, pristine
 from fuzz_streams import STREAMS, corrupt_layer, corrupt_rans, pristine_streams, stream_cases
+from fuzz_inputs import campaign as inputs_campaign, report as inputs_report
 from fuzz_writers import faults_campaign
 from engine.loaders import load_dense
 from engine.formats.quantized_checkpoints import load_quantized
@@ -390,6 +395,7 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--crash-kills", type=int, default=0, help="also kill this many run.py quantize overwrites")
     parser.add_argument("--faults", action="store_true", help="also run the writer faults (fuzz_writers.py)")
+    parser.add_argument("--input-cases", type=int, default=0, help="also run this many fuzz_inputs.py commands")
     parser.add_argument("--case", type=int, help="run only case N (checkpoint cases first), here, with a traceback")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="fuzz-"))
@@ -423,6 +429,9 @@ def main(argv=None):
         if args.faults:
             counts = faults_campaign(seed=args.seed, log=lambda m: print(m, file=sys.stderr))
             print("\nwriter faults:", json.dumps(counts, indent=1))
+        if args.input_cases:
+            results = inputs_campaign(root / "inputs", args.input_cases, seed=args.seed, workers=args.workers)
+            print("\nwhat a user types:\n" + inputs_report(results))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

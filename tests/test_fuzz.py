@@ -1,6 +1,7 @@
 """The fuzz campaign of benchmarks/fuzz.py at CI size: a few hundred mutated checkpoints of every method and a few
-hundred corrupted streams of every coder, each in a worker with a timeout and a memory cap, with a fixed seed; and a
-slice of the writer faults (the model as its own output, the user's files inside a checkpoint)."""
+hundred corrupted streams of every coder, each in a worker with a timeout and a memory cap, with a fixed seed; a
+slice of the writer faults (the model as its own output, the user's files inside a checkpoint); and of what a user
+types (benchmarks/fuzz_inputs.py: option values, calibration files, tokenizers' added-token ids)."""
 import sys
 from collections import Counter
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import fuzz  # noqa: E402  (spawned workers import it by this name too: they inherit sys.path)
+import fuzz_inputs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -41,3 +43,17 @@ def test_writer_faults_lose_and_mix_nothing(tmp_path):
     zeros = ("mixed or incomplete checkpoints accepted", "user files lost", "tracebacks",
              "failures that are not one error: line")
     assert {k: counts[k] for k in zeros} == dict.fromkeys(zeros, 0), counts
+
+
+@pytest.mark.parametrize("kind", fuzz_inputs.KINDS)
+def test_what_a_user_types_is_refused_early_in_one_line_or_accepted_and_loads(tmp_path, kind):
+    """30 commands of one kind (option values, calibration files, tokenizers' added-token ids): each refused with
+    one error: line before the model's weights are read, under 1 GiB and the timeout, or accepted with a checkpoint
+    that loads finite. Faults of these kinds the campaign found at larger sizes, now fixed: bpw=x a TypeError, an
+    added token on id 255 accepted, --format gguf to a name without .gguf, nf4 for llama.cpp refused after the load;
+    a seed of 30 is a sample, so the tests that pin each fix live beside its code."""
+    results = fuzz_inputs.campaign(tmp_path, 30, (kind,), seed=0, timeout=120, memory_gib=1.0, workers=2)
+    outcomes = Counter(r[1] for r in results)
+    assert not set(outcomes) & set(fuzz_inputs.FAILURES), fuzz_inputs.report(results)
+    assert outcomes["refused"] >= 10, fuzz_inputs.report(results)
+    assert max(r[3] for r in results if r[1] == "refused") < 30, fuzz_inputs.report(results)
