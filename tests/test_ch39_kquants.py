@@ -391,3 +391,28 @@ def test_a_gguf_file_of_any_integer_type_is_written_back_byte_for_byte(tmp_path,
     assert report["types"] == {kind: 14}
     with gguf.GGUFFile(source) as f:
         assert all(torch.equal(f.raw(name), raw) for name, type_name, _, raw in written if type_name == kind)
+
+
+@pytest.mark.parametrize("source", ["gguf", "folder"])
+def test_export_refuses_a_source_whose_digests_do_not_match(tmp_path, source):
+    """`export` reads through the verified loaders: one flipped byte in a quantized tensor of an engine GGUF or an
+    engine checkpoint folder is refused naming the tensor, and no output is written (a copy without the check would
+    carry the damage into a new GGUF with fresh digests)."""
+    torch.manual_seed(0)
+    model = Qwen3(K_CFG).eval()
+    if source == "gguf":
+        gguf_writer.write_gguf(quantized_model(K_CFG, "Q4_K")[0], tmp_path / "src")
+        with gguf.GGUFFile(tmp_path / "src") as f:
+            info = f.tensors[gguf_writer.gguf_name("model.layers.0.mlp.down_proj.weight")]
+            at = info.offset + info.nbytes // 2
+        target = tmp_path / "src"
+    else:
+        save_quantized(model, tmp_path / "src", "gptq", calibration_ids(), ggml_type="Q4_K")
+        target = next((tmp_path / "src").glob("*.safetensors"))
+        at = target.stat().st_size - 7                                   # inside the last tensor's bytes
+    data = bytearray(target.read_bytes())
+    data[at] ^= 0x10
+    target.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256|digest|SHA-256"):
+        serving.export_gguf(tmp_path / "src", tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()
