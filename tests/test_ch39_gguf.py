@@ -23,7 +23,9 @@ FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 U32, I32, F32, BOOL, STR, ARR = 4, 5, 6, 7, 8, 9
 # byte offsets of the f16 fields of each block type (random bytes there could be NaN / inf)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-              "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "MXFP4": []}
+              "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "MXFP4": [],
+              "IQ4_NL": [0], "IQ4_XS": [0], "IQ1_M": [],
+              **dict.fromkeys(["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S"], [0])}
 
 
 # ---- writing GGUF by hand ---------------------------------------------------------------------------------------
@@ -68,6 +70,11 @@ def random_blocks(type_name, rows, row_length, seed=0, scale=0.01):
         blocks[:, at:at + 2] = d.view(torch.uint8).reshape(-1, 2)
     if type_name == "MXFP4":
         blocks[:, 0] = torch.randint(110, 130, (len(blocks),), generator=g).to(torch.uint8)
+    if type_name == "IQ1_M":                       # d's 16 bits in the top nibbles of the last four u16, lowest first
+        d = (torch.randn(len(blocks), generator=g) * scale).half().view(torch.int16).int() & 0xFFFF
+        for k in range(4):
+            top = ((d >> (4 * k)) & 15).to(torch.uint8) << 4
+            blocks[:, 49 + 2 * k] = (blocks[:, 49 + 2 * k] & 15) | top
     return blocks.reshape(-1)
 
 
@@ -293,8 +300,8 @@ def test_random_bytes_of_every_quantized_type_are_refused_or_decode_finite(type_
 
 
 def test_unsupported_type_is_named():
-    with pytest.raises(ValueError, match="GGML type IQ2_XXS is not supported"):
-        ggml.dequantize(torch.zeros(66, dtype=torch.uint8), "IQ2_XXS", (1, 256))
+    with pytest.raises(ValueError, match="GGML type TQ2_0 is not supported"):
+        ggml.dequantize(torch.zeros(66, dtype=torch.uint8), "TQ2_0", (1, 256))
     with pytest.raises(ValueError, match="do not hold a tensor"):
         ggml.dequantize(torch.zeros(17, dtype=torch.uint8), "Q4_0", (1, 32))
 

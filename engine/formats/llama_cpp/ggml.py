@@ -19,13 +19,21 @@ holds 256 weights in sub-blocks of 16 or 32 with their own scales. Every integer
   Q5_K   256  176    as Q4_K + 32 B high bits                    d * sc * q - dmin * m      32     8-bit
   Q6_K   256  210    128 B low nibbles, 64 B 2-bit high, 16 int8 sc, f16 d
                                                                  d * sc * (q - 32)          16     8-bit
+  IQ4_NL 32   18     f16 d, 16 B nibbles                         d * K[q]                   32     8-bit
+  IQ4_XS 256  136    f16 d, u16 scales_h, 4 B scales_l, 128 B nibbles
+                                                                 d * (l - 32) * K[q]        32     8-bit
+  IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (256, 1.56 to 3.44 bits): codebook types, read only; each is
+         an integer grid too, levels +- a codebook point's (iq_low.py)            16 / 32 8-bit
   MXFP4  32   17     E8M0 byte e, 16 B nibbles                   E2M1(q) * 2^(e - 127)      -> MXFP4Linear
   NVFP4  64   36     4 E4M3 scales (one per 16), 32 B nibbles    E2M1(q) * s_16 * t         -> NVFP4Linear
 
 (Q3_K's stored bit is "not 4": q = low 2 bits + 4 * high bit, minus 4. NVFP4's per-tensor factor t is not in the
-blocks: llama.cpp keeps it in a separate F32 [1] tensor `<name>.scale` and multiplies the matmul's output by it.) Products of an f16 and a small integer are
-exact in float32, so q * scale + offset gives exactly ggml's float32 values (as numbers: ggml's d * (q - 8) is -0
-where this is +0). Codes of 5 and 6 bits are held one per byte in memory (the engine packs 1, 2, 4 or 8 bits), scales
+blocks: llama.cpp keeps it in a separate F32 [1] tensor `<name>.scale` and multiplies the matmul's output by it.)
+The IQ4 types are not integer grids: K = kvalues_iq4nl, 16 fixed levels (-127 ... 113) denser near zero; the engine
+holds K[q] + 128 as an 8-bit code with the zero point 128, so they too are affine layers (IQ4_XS's six-bit l of each
+32 weights: low 4 bits in scales_l, sub-block 2i low and 2i + 1 high, top 2 bits at bit 2j of scales_h). Products of
+an f16 and a small integer are exact in float32, so q * scale + offset gives exactly ggml's float32 values (as
+numbers: ggml's d * (q - 8) is -0 where this is +0). Codes of 5 and 6 bits are held one per byte in memory (the engine packs 1, 2, 4 or 8 bits), scales
 and offsets as float32; what a layer costs (storage_bits) is its blocks' size, super-block scales packed as stored.
 
 Bit order: ggml never interleaves neighbours. In a run of S bytes, bits [f*b, f*b + b) of byte j hold element
@@ -41,14 +49,15 @@ their layers the same way, from blocks.
 
 The writer's side is the inverse of the decoders: `encode` for the 32-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4,
 NVFP4: codes, per-block scale and offset), `encode_k` for the K-quants (codes, the super-block's f16 d / dmin and
-its integer sub-block scales / mins); ggml_quants.py holds llama.cpp's own quantizers that choose
-them, engine/checkpoints/gguf_writer.py decides which layer goes where.
+its integer sub-block scales / mins), `encode_iq4` for IQ4_NL / IQ4_XS; ggml_quants.py and iq4.py hold llama.cpp's
+own quantizers that choose them, engine/checkpoints/gguf_writer.py decides which layer goes where.
 """
 import torch
 
 from ..numerics.affine import AffineQuantLinear, pack_bits, pack_nibbles, unpack_bits
 from ..numerics.minifloats import E2M1, e8m0_to_float
 from ..mx import MXFP4Linear, NVFP4Linear
+from . import iq_low
 
 QK_K = 256
 
@@ -164,14 +173,38 @@ def _decode_q6_k(b):
     return codes, scale, -32 * scale
 
 
-# name -> (decoder, group size, bits the codes are packed with, the integer zero point; None: a free offset)
+IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])   # K
+IQ4_ZERO = 128
+
+
+def _iq4_codes(nibbles):
+    """uint8 [n, runs * 16] of level indices -> the engine's codes K[q] + 128, uint8 [n, runs * 32]."""
+    return (IQ4_LEVELS[_fields(nibbles, 4, 16).long()] + IQ4_ZERO).to(torch.uint8)
+
+
+def _decode_iq4_nl(b):
+    d = _read_f16(b, 0)
+    return _iq4_codes(b[:, 2:]), d, -IQ4_ZERO * d
+
+
+def _decode_iq4_xs(b):
+    l_j = unpack_bits(b[:, 4:8], 4, 8) | (unpack_bits(b[:, 2:4], 2, 8) << 4)
+    scale = _read_f16(b, 0) * (l_j.float() - 32)
+    return _iq4_codes(b[:, 8:]), scale, -IQ4_ZERO * scale
+
+
+# name -> (decoder, group size, bits the codes are held with, the integer zero point; None: a free offset)
 AFFINE = {"Q4_0": (_decode_q4_0, 32, 4, 8), "Q4_1": (_decode_q4_1, 32, 4, None), "Q5_0": (_decode_q5_0, 32, 8, 16),
           "Q5_1": (_decode_q5_1, 32, 8, None), "Q8_0": (_decode_q8_0, 32, 8, 128), "Q2_K": (_decode_q2_k, 16, 2, None),
           "Q3_K": (_decode_q3_k, 16, 4, 4), "Q4_K": (_decode_q4_k, 32, 4, None), "Q5_K": (_decode_q5_k, 32, 8, None),
-          "Q6_K": (_decode_q6_k, 16, 8, 32)}
-INTEGER = tuple(AFFINE)                               # the integer types: read, and written from codes and scales
+          "Q6_K": (_decode_q6_k, 16, 8, 32), "IQ4_NL": (_decode_iq4_nl, 32, 8, IQ4_ZERO),
+          "IQ4_XS": (_decode_iq4_xs, 32, 8, IQ4_ZERO),
+          **{name: (decode, group, 8, zero) for name, (decode, group, zero) in iq_low.DECODERS.items()}}
+IQ4 = ("IQ4_NL", "IQ4_XS")
+IQ_LOW = tuple(iq_low.DECODERS)                       # read only: llama.cpp's 1- to 3-bit codebook types
+INTEGER = tuple(n for n in AFFINE if n not in IQ4 + IQ_LOW)   # integer types: read, and written from codes and scales
 K_QUANTS = tuple(name for name in INTEGER if GGML_TYPES[name][1] == QK_K)
-DECODED = (*DENSE, *INTEGER, "MXFP4", "NVFP4")
+DECODED = (*DENSE, *AFFINE, "MXFP4", "NVFP4")
 
 
 def _blocks(raw, type_name, shape):
@@ -265,7 +298,7 @@ def _f16_bytes(x):
     return x.reshape(-1, 1).half().view(torch.uint8)
 
 
-ENCODED = (*(name for name in INTEGER if name not in K_QUANTS), "MXFP4", "NVFP4")      # encode's; encode_k: K_QUANTS
+ENCODED = (*(name for name in INTEGER if name not in K_QUANTS), "MXFP4", "NVFP4")   # encode's (encode_k, encode_iq4)
 
 
 def _check_codes(type_name, codes):
@@ -343,3 +376,24 @@ def encode_k(type_name, codes, d, sc, dmin=None, m=None):
     else:
         parts = [_unfields(q & 15, 4, 64), _unfields(q >> 4, 2, 32), sc.to(torch.int8).view(torch.uint8), d]
     return torch.cat(parts, 1).reshape(-1)
+
+
+def encode_iq4(type_name, codes, d, l_j=None):
+    """IQ4 codes and grid -> raw uint8 [nbytes], the inverse of the decoders:
+
+      IQ4_NL   codes [out, in] in K + 128, d [blocks] (f16 values)                       w = d * (code - 128)
+      IQ4_XS   codes in K + 128, d [blocks] (f16 values), l_j [blocks, 8] 0..63          w = d (l_j - 32) (code - 128)
+    """
+    if type_name not in IQ4:
+        raise ValueError(f"GGML type {type_name} is not one of {', '.join(IQ4)}")
+    q = _check_codes(type_name, codes).long()
+    lut = torch.full((256,), -1, dtype=torch.int16)
+    lut[IQ4_LEVELS + IQ4_ZERO] = torch.arange(16, dtype=torch.int16)
+    index = lut[q]
+    if (index < 0).any():
+        raise ValueError(f"{type_name}: a code is not one of the levels kvalues_iq4nl + 128")
+    parts = [_f16_bytes(d)]
+    if type_name == "IQ4_XS":
+        l_j = l_j.reshape(len(q), 8).to(torch.uint8)
+        parts += [pack_bits(l_j >> 4, 2), pack_bits(l_j & 15, 4)]
+    return torch.cat([*parts, _unfields(index.to(torch.uint8), 4, 16)], 1).reshape(-1)

@@ -16,76 +16,21 @@ descent on the codes) are followed line by line. With an importance matrix (llam
 column j) every search weighs a weight's error by imp_j sqrt(sigma2 + x^2) instead, searches longer (37 trial
 grids), and the super-block's integer scales and mins are fitted by weighted error (make_qp_quants) rather than
 set from the largest. Being bit-exact needs float32 arithmetic in C's order: every sum
-is accumulated element by element (`_sum`), constants are float32, round() is nearest-even as nearest_int is.
+is accumulated element by element (`c_sum`), constants are float32, round() is nearest-even as nearest_int is.
 (C's truncating casts and roundf differ from nearest-even: the 32-blocks use them, and so does this file.)
 
-`quantize(type_name, weight, importance=None)` returns the codes and the stored fields that ggml.encode / ggml.encode_k turn into
-blocks; `FALLBACK` is llama.cpp's type for a row that is not a multiple of 256 (llama-quant.cpp).
+`quantize(type_name, weight, importance=None)` returns the codes and the stored fields that ggml.encode /
+ggml.encode_k / ggml.encode_iq4 turn into blocks (IQ4_NL / IQ4_XS: iq4.py's quantizer); `FALLBACK` is llama.cpp's
+type for a row that is not a multiple of its block (llama-quant.cpp).
 """
-import numpy as np
 import torch
 
-from .ggml import GGML_TYPES, INTEGER, K_QUANTS, QK_K, encode, encode_k
+from .c_float import F32, c_sum, first_of, positive_max, rdiv, round_f16, signed_absmax, sqrtf, to_int8, to_uint8
+from . import iq4
+from .ggml import GGML_TYPES, INTEGER, IQ4, K_QUANTS, QK_K, encode, encode_iq4, encode_k
 
-F32 = np.float32
 EPS = 1e-15                                          # GROUP_MAX_EPS: a group below this is all zero
-FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-
-
-# ---- C's float32 arithmetic ----------------------------------------------------------------------------------
-
-def _sum(t):
-    """t [..., n] -> [...]: sum over the last dim in C's order, (((0 + t0) + t1) + ...), in float32. (Stack several
-    sums into one t: the loop is the cost.)"""
-    acc = torch.zeros(t.shape[:-1])
-    for column in t.movedim(-1, 0).contiguous():
-        acc += column
-    return acc
-
-
-def _first(x, arg):
-    """x [..., n] -> [...]: the first element that argmax / argmin picks (C's `if (x[i] < min) min = x[i]` keeps
-    the first of equal values, which matters for the sign of a zero)."""
-    return x.gather(-1, arg(x, -1, keepdim=True))[..., 0]
-
-
-def _positive_max(x):
-    """C's `float m = 0; if (x[i] > m) m = x[i];` over the last dim: the max, or +0 when none is positive."""
-    m = x.amax(-1)
-    return torch.where(m > 0, m, torch.zeros(()))
-
-
-def _signed_absmax(x):
-    """x [..., n] -> (amax, the signed value of the first element reaching it) [...]: C's `if (ax > amax)` loop,
-    starting from max = +0."""
-    v = x.gather(-1, x.abs().argmax(-1, keepdim=True))[..., 0]
-    return v.abs(), torch.where(v.abs() > 0, v, torch.zeros(()))
-
-
-def _rdiv(c, t):
-    """c / t for a float32 constant c, divided as C divides (torch's `number / tensor` multiplies by a reciprocal,
-    which rounds twice)."""
-    return torch.full_like(t, float(c)) / t
-
-
-def _sqrt(x):
-    """sqrtf, correctly rounded (torch's float32 sqrt on CPU is not always)."""
-    return torch.sqrt(x.double()).float()
-
-
-def _round_f16(x):
-    """GGML_FP32_TO_FP16 then back: round to nearest f16 (ties to even)."""
-    return x.half().float()
-
-
-def _uint8(v):
-    """C's conversion of an int to uint8 (modulo 256)."""
-    return torch.remainder(v, 256)
-
-
-def _int8(v):
-    """C's conversion of an int to int8 (modulo 256, signed)."""
-    return torch.remainder(v + 128, 256) - 128
+FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
 
 
 # ---- the sub-block searches ---------------------------------------------------------------------------------
@@ -94,9 +39,9 @@ def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad):
     """x, w [n, k] -> (scale [n], the_min [n], L [n, k]): the asymmetric grid x ~ scale * L - the_min, L in
     0..nmax, whose weighted error (|.| if use_mad, else squared) is lowest over the first try and nstep + 1 trial
     ranges (rmin + rdelta * is + nmax steps across [min, max]), each refit by weighted least squares."""
-    lo, hi = _first(x, torch.argmin), _first(x, torch.argmax)
+    lo, hi = first_of(x, torch.argmin), first_of(x, torch.argmax)
     lo = torch.where(lo > 0, torch.zeros(()), lo)
-    sum_w, sum_x = _sum(torch.stack([w, w * x]))
+    sum_w, sum_x = c_sum(torch.stack([w, w * x]))
     flat = hi == lo
 
     def codes(iscale, low):
@@ -104,17 +49,17 @@ def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad):
 
     def error(scale, low, L):
         diff = scale[:, None] * L + low[:, None] - x
-        return _sum(w * (diff.abs() if use_mad else diff * diff))
+        return c_sum(w * (diff.abs() if use_mad else diff * diff))
 
-    iscale = _rdiv(nmax, hi - lo)
-    scale = _rdiv(1, iscale)
+    iscale = rdiv(nmax, hi - lo)
+    scale = rdiv(1, iscale)
     L = codes(iscale[:, None], lo)
     best, low = error(scale, lo, L), lo
     for step in range(nstep + 1):
         # as in C, each trial spans [the best min so far, max]: min moves when a trial wins
-        Laux = codes(_rdiv(F32(rmin) + F32(rdelta) * F32(step) + F32(nmax), hi - low)[:, None], low)
+        Laux = codes(rdiv(F32(rmin) + F32(rdelta) * F32(step) + F32(nmax), hi - low)[:, None], low)
         wl = w * Laux
-        sum_l, sum_l2, sum_xl = _sum(torch.stack([wl, wl * Laux, wl * x]))
+        sum_l, sum_l2, sum_xl = c_sum(torch.stack([wl, wl * Laux, wl * x]))
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
@@ -133,19 +78,19 @@ def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad):
 def make_qx_quants(x, nmax, w=None):
     """x [n, k] -> (scale [n], L [n, k] in 0..2 nmax - 1): the symmetric grid x ~ scale * (L - nmax), the best of
     19 trial scales by weighted least squares (rmse_type 1: weights w [n, k], or x^2 without an importance matrix)."""
-    amax, vmax = _signed_absmax(x)
+    amax, vmax = signed_absmax(x)
     w = x * x if w is None else w
 
     def trial(iscale):
         l = (iscale[:, None] * x).round().clamp(-nmax, nmax - 1)
-        return l, *_sum(torch.stack([w * x * l, w * l * l]))
+        return l, *c_sum(torch.stack([w * x * l, w * l * l]))
 
-    l, sumlx, suml2 = trial(_rdiv(-nmax, vmax))
+    l, sumlx, suml2 = trial(rdiv(-nmax, vmax))
     L = l + nmax
     scale = torch.where(suml2 != 0, sumlx / suml2, torch.zeros(()))
     best = scale * sumlx
     for step in (*range(-9, 0), *range(1, 10)):
-        l, sumlx, suml2 = trial(_rdiv(-(F32(nmax) + F32(0.1) * F32(step)), vmax))
+        l, sumlx, suml2 = trial(rdiv(-(F32(nmax) + F32(0.1) * F32(step)), vmax))
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
         L = torch.where(better[:, None], l + nmax, L)
         scale = torch.where(better, sumlx / suml2, scale)
@@ -157,10 +102,10 @@ def make_qx_quants(x, nmax, w=None):
 def make_q3_quants(x, nmax):
     """x [n, k] -> (scale [n], L [n, k] in 0..2 nmax - 1): the symmetric grid x ~ scale * (L - nmax) from
     round-to-nearest at scale max / -nmax, then up to 5 passes of coordinate descent on each code (x^2 weights)."""
-    amax, vmax = _signed_absmax(x)
-    L = (_rdiv(-nmax, vmax)[:, None] * x).round().clamp(-nmax, nmax - 1)
+    amax, vmax = signed_absmax(x)
+    L = (rdiv(-nmax, vmax)[:, None] * x).round().clamp(-nmax, nmax - 1)
     w = x * x
-    sumlx, suml2 = _sum(torch.stack([w * x * L, w * L * L]))
+    sumlx, suml2 = c_sum(torch.stack([w * x * L, w * L * L]))
     for _ in range(5):                                 # a pass that changes nothing leaves the next one nothing to do
         for i in range(x.shape[1]):
             xi, wi, li = x[:, i], w[:, i], L[:, i]
@@ -180,20 +125,20 @@ def make_qp_quants(x, nmax, w):
     """x, w [n, k], x >= 0 -> (scale [n], L [n, k] in 0..nmax): the grid x ~ scale * L through 0 (a super-block's
     sub-block scales or mins under an importance matrix), the best of 9 trial scales by w-weighted error, then up to
     5 passes of coordinate descent on each code."""
-    top = _positive_max(x)
-    iscale = _rdiv(nmax, top)
-    L = _uint8((iscale[:, None] * x).round())
-    scale = _rdiv(1, iscale)
+    top = positive_max(x)
+    iscale = rdiv(nmax, top)
+    L = to_uint8((iscale[:, None] * x).round())
+    scale = rdiv(1, iscale)
     diff = x - scale[:, None] * L
-    best = _sum(w * diff * diff)
+    best = c_sum(w * diff * diff)
     for step in (*range(-4, 0), *range(1, 5)):
         trial = (F32(0.1) * F32(step) + F32(nmax)) / top
-        diff = x - _rdiv(1, trial)[:, None] * (trial[:, None] * x).round().clamp(max=nmax)
-        mse = _sum(w * diff * diff)
+        diff = x - rdiv(1, trial)[:, None] * (trial[:, None] * x).round().clamp(max=nmax)
+        mse = c_sum(w * diff * diff)
         better = mse < best
         best, iscale = torch.where(better, mse, best), torch.where(better, trial, iscale)
-    L = _uint8((iscale[:, None] * x).round().clamp(max=nmax))
-    sumlx, suml2 = _sum(torch.stack([w * x * L, w * L * L]))
+    L = to_uint8((iscale[:, None] * x).round().clamp(max=nmax))
+    sumlx, suml2 = c_sum(torch.stack([w * x * L, w * L * L]))
     for _ in range(5):
         for i in range(x.shape[1]):
             xi, wi, li = x[:, i], w[:, i], L[:, i]
@@ -228,25 +173,25 @@ def _k_asym(x, sub, nmax, scale_bits, rmin, rdelta, nstep, weights):
     scales, mins, L = make_qkx2_quants(xs, weights(xs), nmax, rmin, rdelta, nstep, use_mad=scale_bits == 4)
     scales, mins = scales.reshape(n, -1), mins.reshape(n, -1)
     top = F32(2 ** scale_bits - 1)
-    max_scale, max_min = _positive_max(scales), _positive_max(mins)
-    inv_scale = torch.where(max_scale > 0, _rdiv(top, max_scale), torch.zeros(()))
-    inv_min = torch.where(max_min > 0, _rdiv(top, max_min), torch.zeros(()))
-    sc = _uint8((inv_scale[:, None] * scales).round())
+    max_scale, max_min = positive_max(scales), positive_max(mins)
+    inv_scale = torch.where(max_scale > 0, rdiv(top, max_scale), torch.zeros(()))
+    inv_min = torch.where(max_min > 0, rdiv(top, max_min), torch.zeros(()))
+    sc = to_uint8((inv_scale[:, None] * scales).round())
     m = (inv_min[:, None] * mins).round()
-    m = _uint8(m) if scale_bits == 6 else m
+    m = to_uint8(m) if scale_bits == 6 else m
     if scale_bits == 6:
         sc, m = sc.clamp(max=63), m.clamp(max=63)
     else:                                              # Q2_K: one byte, sc | m << 4, as C stores it
         byte = (sc.long() | (m.long() << 4)) & 255
         sc, m = (byte & 15).float(), (byte >> 4).float()
-    d, dmin = _round_f16(max_scale / top), _round_f16(max_min / top)
+    d, dmin = round_f16(max_scale / top), round_f16(max_min / top)
     codes = _round_codes(x, d[:, None] * sc, L, 0, nmax, dmin[:, None] * m)
     return codes, dict(d=d, dmin=dmin, sc=sc, m=m)
 
 
 def _av_plus_abs(xs):
     """Q4_K / Q5_K's weights: sqrt(mean x^2) + |x|."""
-    return _sqrt(_sum(xs * xs) / F32(xs.shape[1]))[:, None] + xs.abs()
+    return sqrtf(c_sum(xs * xs) / F32(xs.shape[1]))[:, None] + xs.abs()
 
 
 def _quantize_q2_k(x):
@@ -266,24 +211,24 @@ def _k_sym(x, search, nmax, top, *weights):
     iscale = -top / (the sub-block scale of largest magnitude) -> (scales [n, 16], L, amax, iscale)."""
     scales, L = search(x.reshape(-1, 16), nmax, *weights)
     scales = scales.reshape(len(x), 16)
-    amax, max_scale = _signed_absmax(scales)
-    return scales, L, amax, _rdiv(-top, max_scale)
+    amax, max_scale = signed_absmax(scales)
+    return scales, L, amax, rdiv(-top, max_scale)
 
 
 def _quantize_q3_k(x):
     scales, L, amax, iscale = _k_sym(x, make_q3_quants, 4, 32)
-    sc = _int8((iscale[:, None] * scales).round()).clamp(-32, 31) + 32
+    sc = to_int8((iscale[:, None] * scales).round()).clamp(-32, 31) + 32
     nonzero = amax != 0
     sc = torch.where(nonzero[:, None], sc, torch.zeros(()))      # C leaves the scale bytes 0: sc - 32 = -32, d = 0
-    d = torch.where(nonzero, _round_f16(_rdiv(1, iscale)), torch.zeros(()))
+    d = torch.where(nonzero, round_f16(rdiv(1, iscale)), torch.zeros(()))
     return _round_codes(x, d[:, None] * (sc - 32), L, -4, 3), dict(d=d, sc=sc)
 
 
 def _quantize_q6_k(x, qw=None):
     """(With an importance matrix qw the sub-block scales weigh the error by qw itself, as llama.cpp does.)"""
     scales, L, amax, iscale = _k_sym(x, make_qx_quants, 32, 128, *([] if qw is None else [qw.reshape(-1, 16)]))
-    sc = _int8((iscale[:, None] * scales).round().clamp(max=127))
-    d = _round_f16(_rdiv(1, iscale))
+    sc = to_int8((iscale[:, None] * scales).round().clamp(max=127))
+    d = round_f16(rdiv(1, iscale))
     codes = _round_codes(x, d[:, None] * sc, L, -32, 31)
     zero = amax < EPS                                        # C zeroes the whole block
     return (torch.where(zero[:, None], torch.zeros(()), codes),
@@ -293,26 +238,26 @@ def _quantize_q6_k(x, qw=None):
 # ---- the 32-blocks: x [blocks, 32] -> (codes, fields) ----------------------------------------------------------
 
 def _inverse(d):
-    return torch.where(d != 0, _rdiv(1, d), torch.zeros(()))
+    return torch.where(d != 0, rdiv(1, d), torch.zeros(()))
 
 
 def _quantize_q4_0(x):
-    _, vmax = _signed_absmax(x)
+    _, vmax = signed_absmax(x)
     d = vmax / F32(-8)
-    return (x * _inverse(d)[:, None] + F32(8.5)).trunc().clamp(max=15), dict(d=_round_f16(d))
+    return (x * _inverse(d)[:, None] + F32(8.5)).trunc().clamp(max=15), dict(d=round_f16(d))
 
 
 def _quantize_q5_0(x):
-    _, vmax = _signed_absmax(x)
+    _, vmax = signed_absmax(x)
     d = vmax / F32(-16)
-    return (x * _inverse(d)[:, None] + F32(16.5)).trunc().clamp(max=31), dict(d=_round_f16(d))
+    return (x * _inverse(d)[:, None] + F32(16.5)).trunc().clamp(max=31), dict(d=round_f16(d))
 
 
 def _quantize_q4_1(x, top=15):
-    lo, hi = _first(x, torch.argmin), _first(x, torch.argmax)
+    lo, hi = first_of(x, torch.argmin), first_of(x, torch.argmax)
     d = (hi - lo) / F32(top)
     q = ((x - lo[:, None]) * _inverse(d)[:, None] + F32(0.5)).trunc()
-    return (q.clamp(max=top) if top == 15 else q % 32), dict(d=_round_f16(d), m=_round_f16(lo))   # Q5_1 keeps 5 bits
+    return (q.clamp(max=top) if top == 15 else q % 32), dict(d=round_f16(d), m=round_f16(lo))   # Q5_1 keeps 5 bits
 
 
 def _quantize_q5_1(x):
@@ -325,7 +270,7 @@ def _quantize_q8_0(x):
     q = v.round()
     tie = (v - v.trunc()).abs() == 0.5                       # roundf: ties away from zero
     q = torch.where(tie, v.trunc() + v.sign(), q)
-    return q + 128, dict(d=_round_f16(d))
+    return q + 128, dict(d=round_f16(d))
 
 
 QUANTIZERS = {"Q4_0": _quantize_q4_0, "Q4_1": _quantize_q4_1, "Q5_0": _quantize_q5_0, "Q5_1": _quantize_q5_1,
@@ -340,12 +285,12 @@ QUANTIZERS = {"Q4_0": _quantize_q4_0, "Q4_1": _quantize_q4_1, "Q5_0": _quantize_
 # sub-blocks' summed weights (make_qp_quants) instead of set from the largest one.
 
 def _importance(x, qw, sigma2):
-    return qw * _sqrt(sigma2 + x * x)
+    return qw * sqrtf(sigma2 + x * x)
 
 
 def _super_sigma2(x, factor, sub):
     """x [super-blocks, 256] -> sigma2 per sub-block [super-blocks * 256 / sub, 1]: factor * mean x^2."""
-    return (F32(factor) * _sum(x * x) / F32(QK_K)).repeat_interleave(QK_K // sub)[:, None]
+    return (F32(factor) * c_sum(x * x) / F32(QK_K)).repeat_interleave(QK_K // sub)[:, None]
 
 
 def _k_asym_imatrix(x, qw, sub, nmax, top, factor):
@@ -354,10 +299,10 @@ def _k_asym_imatrix(x, qw, sub, nmax, top, factor):
     n, xs = len(x), x.reshape(-1, sub)
     w = _importance(xs, qw.reshape(-1, sub), _super_sigma2(x, factor, sub))
     scales, mins, L = make_qkx2_quants(xs, w, nmax, -0.9, 0.05, 36, use_mad=False)
-    sw = _sum(w).reshape(n, -1)
+    sw = c_sum(w).reshape(n, -1)
     d, sc = make_qp_quants(scales.reshape(n, -1), top, sw)
     dmin, m = make_qp_quants(mins.reshape(n, -1), top, sw)
-    d, dmin = _round_f16(d), _round_f16(dmin)
+    d, dmin = round_f16(d), round_f16(dmin)
     return _round_codes(x, d[:, None] * sc, L, 0, nmax, dmin[:, None] * m), dict(d=d, dmin=dmin, sc=sc, m=m)
 
 
@@ -366,8 +311,8 @@ def _q3_k_imatrix(x, qw):
     xs = x.reshape(-1, 16)
     w = _importance(xs, qw.reshape(-1, 16), _super_sigma2(x, 2, 16))
     scales, L = make_qx_quants(xs, 4, w)
-    d, sc = make_qx_quants(scales.reshape(len(x), 16), 32, _sum(w).reshape(len(x), 16))
-    d = _round_f16(d)
+    d, sc = make_qx_quants(scales.reshape(len(x), 16), 32, c_sum(w).reshape(len(x), 16))
+    d = round_f16(d)
     return _round_codes(x, d[:, None] * (sc - 32), L, -4, 3), dict(d=d, sc=sc)
 
 
@@ -375,7 +320,7 @@ def _sym_imatrix(nmax):
     """Q4_0 / Q5_0: make_qx_quants' weighted search; the codes are those of the float scale, stored in f16."""
     def quantizer(x, qw, sigma2):
         scale, L = make_qx_quants(x, nmax, _importance(x, qw, sigma2))
-        return L, dict(d=_round_f16(scale))
+        return L, dict(d=round_f16(scale))
     return quantizer
 
 
@@ -383,7 +328,7 @@ def _asym_imatrix(nmax):
     """Q4_1 / Q5_1: make_qkx3_quants' weighted scale and min."""
     def quantizer(x, qw, sigma2):
         scale, the_min, L = make_qkx2_quants(x, _importance(x, qw, sigma2), nmax, -0.9, 0.05, 36, use_mad=False)
-        return L, dict(d=_round_f16(scale), m=_round_f16(-the_min))
+        return L, dict(d=round_f16(scale), m=round_f16(-the_min))
     return quantizer
 
 
@@ -397,8 +342,8 @@ IMATRIX = {"Q4_0": _sym_imatrix(8), "Q5_0": _sym_imatrix(16), "Q4_1": _asym_imat
 
 def check_type(type_name, in_features):
     """ValueError unless llama.cpp's quantizer for `type_name` takes rows of in_features."""
-    if type_name not in QUANTIZERS:
-        raise ValueError(f"GGML type {type_name!r}: the engine quantizes to {', '.join(INTEGER)}")
+    if type_name not in QUANTIZERS and type_name not in IQ4:
+        raise ValueError(f"GGML type {type_name!r}: the engine quantizes to {', '.join(INTEGER + IQ4)}")
     block = GGML_TYPES[type_name][1]
     if in_features % block:
         hint = f" (llama.cpp falls back to {FALLBACK[type_name]})" if type_name in FALLBACK else ""
@@ -425,6 +370,9 @@ def quantize(type_name, weight, importance=None):
     block = GGML_TYPES[type_name][1]
     w = weight.detach().float()
     x = w.reshape(-1, block).contiguous()
+    if type_name in IQ4:
+        imp = None if importance is None else check_importance(importance, w.shape[1])
+        return iq4.quantize(type_name, w, imp)
     if importance is None or type_name == "Q8_0":
         codes, fields = QUANTIZERS[type_name](x)
     else:
@@ -432,14 +380,16 @@ def quantize(type_name, weight, importance=None):
         if block == QK_K:
             codes, fields = IMATRIX[type_name](x, qw)
         else:                                                # sigma2: the mean x^2 of the whole row
-            sigma2 = (_sum(w * w) / F32(w.shape[1])).repeat_interleave(w.shape[1] // block)[:, None]
+            sigma2 = (c_sum(w * w) / F32(w.shape[1])).repeat_interleave(w.shape[1] // block)[:, None]
             codes, fields = IMATRIX[type_name](x, qw, sigma2)
     return codes.reshape(weight.shape).to(torch.uint8), fields
 
 
 def blocks(type_name, codes, fields):
     """codes [out, in] + fields (from quantize) -> raw uint8 [out, row bytes] of GGML blocks."""
-    if type_name in K_QUANTS:
+    if type_name in IQ4:
+        raw = encode_iq4(type_name, codes, fields["d"], fields.get("l"))
+    elif type_name in K_QUANTS:
         raw = encode_k(type_name, codes, fields["d"], fields["sc"], fields.get("dmin"), fields.get("m"))
     else:
         raw = encode(type_name, codes, fields["d"], fields.get("m"))
