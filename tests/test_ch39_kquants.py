@@ -194,7 +194,7 @@ def test_gptq_on_a_ggml_grid_keeps_llama_cpps_imatrix_scales_and_lowers_the_laye
     x^2 llama-imatrix records); only the codes differ."""
     w, H = torch.randn(32, 256, generator=torch.Generator().manual_seed(2)) * 0.05, hessian(256)
     rtn = gptq_ggml.rtn_ggml(w, kind, torch.diag(H) / 2)
-    ours = gptq_ggml.gptq_ggml(w, H, kind, gptq.visit_order(torch.diag(H), 32, "act_order"))
+    ours = gptq_ggml.gptq_ggml(w, H, kind, gptq.visit_order(torch.diag(H), 32, "act_order"), refit=False)
     shape = tuple(w.shape)
     _, rtn_scale, rtn_offset = ggml.grid(rtn.reshape(-1), kind, shape)
     codes, scale, offset = ggml.grid(ours.reshape(-1), kind, shape)
@@ -210,8 +210,25 @@ def test_gptq_without_correlated_inputs_is_llama_cpps_imatrix_round_to_nearest(k
     """With H = I no error is fed forward: each weight is rounded on the stored grid, as llama.cpp rounds it with
     an importance matrix of equal entries."""
     w = weights(cols=256)
-    ours = gptq_ggml.gptq_ggml(w, torch.eye(256), kind)
+    ours = gptq_ggml.gptq_ggml(w, torch.eye(256), kind, refit=False)
     assert torch.equal(ours, gptq_ggml.rtn_ggml(w, kind, torch.full((256,), 0.5)))
+
+
+@pytest.mark.parametrize("kind", gptq_ggml.REFIT)
+def test_refit_scales_keep_the_codes_and_lower_every_rows_layer_error(kind):
+    """The scales refit to GPTQ's codes by least squares in H's norm, rounded to f16 and kept per row only where
+    they help: the codes and the integer sub-block scales stay, no row's error rises, the layer's falls."""
+    w, H = torch.randn(48, 512, generator=torch.Generator().manual_seed(2)) * 0.05, hessian(512)
+    perm = gptq.visit_order(torch.diag(H), 32, "act_order")
+    before, after = (gptq_ggml.gptq_ggml(w, H, kind, perm, refit=r) for r in (False, True))
+    shape = tuple(w.shape)
+    assert torch.equal(ggml.grid(before.reshape(-1), kind, shape)[0], ggml.grid(after.reshape(-1), kind, shape)[0])
+    rows = {}
+    for name, raw in (("before", before), ("after", after)):
+        w_hat = ggml.dequantize(raw.reshape(-1), kind, shape)
+        rows[name] = torch.tensor([gptq.layer_error(w_hat[i:i + 1], w[i:i + 1], H) for i in range(len(w))])
+    assert (rows["after"] <= rows["before"]).all()
+    assert (rows["after"] < rows["before"]).sum() >= len(w) // 4, rows      # Q6_K's 16 sub-scales leave least
 
 
 def test_gptq_without_an_imatrix_keeps_llama_cpps_plain_grid():
@@ -374,7 +391,7 @@ def test_cli_writes_a_k_quant_mix_for_llama_cpp_within_the_budget(tmp_path):
         keys = [k for k in f.tensors if k.split(".")[-2] in gguf.LINEARS]
         types = {f.tensors[k].type_name for k in keys}
         bits = sum(f.raw(k).numel() * 8 for k in keys) / sum(int(np.prod(f.tensors[k].shape)) for k in keys)
-    assert bits <= 4.25 and len(types) > 1 and types <= set(K)
+    assert bits <= 4.25 and len(types) > 1 and types <= {*K, *ggml.IQ4}
     out = run("quantize", "--method", "gptq", "--target", "llama.cpp", "--option", "ggml_type=Q4_Z",
               "--out", str(tmp_path / "bad.gguf"))
     assert out.returncode == 1 and out.stderr.startswith("error: ggml_type 'Q4_Z' is not one of")

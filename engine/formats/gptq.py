@@ -374,7 +374,7 @@ def _write(layer, qcfg):
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 PLAIN_OPTIONS = {"bits", "group_size", "sym", "checkpoint_format"}
-GGML_OPTIONS = {"ggml_type", "bpw", "imatrix"}
+GGML_OPTIONS = {"ggml_type", "bpw", "imatrix", "refit"}
 OPTIONS = {"bits": choice_option(DEFAULTS["bits"], PACKABLE_BITS),
            "group_size": int_option(DEFAULTS["group_size"], 1, also=(-1,)),
            "order": choice_option(DEFAULTS["order"], (*ORDERS, SEARCH)),

@@ -28,20 +28,28 @@ import torch
 
 from .gptq_order import DEFAULT as DEFAULT_ORDER
 from .gptq_order import ORDERS, SEARCH, visit_order
-from .llama_cpp import bit_plan, ggml, ggml_quants
+from .llama_cpp import bit_plan, ggml, ggml_quants, iq4
 from .numerics import calibration
 from .numerics.base import Option, bool_option, number_option
 from .numerics.obq import error_feedback, inverse_cholesky
 
-# codes per type: 2^bits, the digit in the type's name (Q8_0 stores int8, codes 0..255 meaning -128..127)
+# codes per integer type: 2^bits, the digit in the type's name (Q8_0 stores int8, codes 0..255 meaning -128..127);
+# the IQ4 types' codes are the 16 levels K + 128 (ggml.IQ4_LEVELS)
 LEVELS = {name: 2 ** int(name[1]) for name in ggml.INTEGER}
-TYPES = tuple(LEVELS)
+TYPES = (*LEVELS, *ggml.IQ4)
+
+
+def nearest_code(type_name, t):
+    """t [...]: weights in code units, (w - offset) / scale -> the nearest code of the type's grid."""
+    if type_name in ggml.IQ4:
+        return iq4.K[iq4.best_index(t - ggml.IQ4_ZERO)] + ggml.IQ4_ZERO
+    return t.round().clamp(0, LEVELS[type_name] - 1)
 
 
 def ggml_type_for(type_name, in_features):
     """The type llama.cpp writes for a row of in_features when `type_name` is asked for: the type itself, or its
     fallback when the row is not a multiple of its block (ValueError if neither fits)."""
-    if type_name not in LEVELS:
+    if type_name not in TYPES:
         raise ValueError(f"ggml_type must be one of {TYPES}, got {type_name!r}")
     if in_features % ggml.GGML_TYPES[type_name][1] and type_name in ggml_quants.FALLBACK:
         type_name = ggml_quants.FALLBACK[type_name]
@@ -55,10 +63,11 @@ def group_size(type_name):
 
 
 @torch.no_grad()
-def gptq_ggml(weight, hessian, type_name, perm=None, damp=0.01, block=128, imatrix=True):
+def gptq_ggml(weight, hessian, type_name, perm=None, damp=0.01, block=128, imatrix=True, refit=True):
     """weight [out, in], hessian [in, in] = 2 X^T X / n -> raw uint8 [out, row bytes]: GGML blocks of `type_name`
     on llama.cpp's grid with GPTQ's codes. perm [in]: the visit order (None: natural; any permutation writes a
-    plain file, since the grids do not depend on it). imatrix=False: llama.cpp's plain grid, no importance."""
+    plain file, since the grids do not depend on it). imatrix=False: llama.cpp's plain grid, no importance.
+    refit: then each block's f16 scale refit to the codes (refit_scales; the types of REFIT)."""
     out_f, cols = weight.shape
     if hessian.shape != (cols, cols):
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({cols}, {cols})")
@@ -72,16 +81,50 @@ def gptq_ggml(weight, hessian, type_name, perm=None, damp=0.01, block=128, imatr
     group = perm // group_size(type_name)                # each visited column's grid
     s, o, fixed = scale[:, group], offset[:, group], rtn[:, perm].float()
     codes = torch.empty(out_f, cols)
-    top = LEVELS[type_name] - 1
 
     def quantize(j, current):
-        q = ((current(j, j + 1)[:, 0] - o[:, j]) / s[:, j]).round().clamp(0, top)
+        q = nearest_code(type_name, (current(j, j + 1)[:, 0] - o[:, j]) / s[:, j])
         q = torch.where(s[:, j] == 0, fixed[:, j], q)    # a zero step: every code is the offset
         codes[:, j] = q
         return (q * s[:, j] + o[:, j])[:, None]
 
     error_feedback(W[:, perm], inverse_cholesky(H[perm][:, perm], damp), quantize, block=block)
-    return ggml_quants.blocks(type_name, codes[:, torch.argsort(perm)].to(torch.uint8), fields)
+    codes = codes[:, torch.argsort(perm)].to(torch.uint8)
+    if refit and type_name in REFIT:
+        fields = refit_scales(W, H, type_name, codes, fields)
+    return ggml_quants.blocks(type_name, codes, fields)
+
+
+# the types whose grid is one f16 d per block (per super-block, times fixed integer sub-block scales m):
+# w = d * m_g * (code - zero); m_g from the stored fields, 1 where there are none
+REFIT = {"Q4_0": None, "Q5_0": None, "Q8_0": None, "IQ4_NL": None, "Q3_K": lambda f: f["sc"].float() - 32,
+         "Q6_K": lambda f: f["sc"].float(), "IQ4_XS": lambda f: f["l"].float() - 32}
+
+
+def refit_scales(weight, hessian, type_name, codes, fields):
+    """GPTQ's codes kept, each block's f16 d refit to them: per row, the d [blocks] minimizing the layer error
+    (w_hat - w) H (w_hat - w)^T with w_hat = sum_b d_b u_b, u_b the row's (code - zero) * m_g on block b, is the
+    solution of A d = r, A_bc = u_b H u_c^T, r_b = u_b H w^T. Rounded to f16, it replaces a row's d only where that
+    lowers the row's error. weight [out, in], codes [out, in] -> fields with the new d (the same dict otherwise)."""
+    out_f, cols = weight.shape
+    _, block, _ = ggml.GGML_TYPES[type_name]
+    group, zero, nb = ggml.AFFINE[type_name][1], ggml.AFFINE[type_name][3], cols // block
+    u = codes.float() - zero
+    if REFIT[type_name] is not None:
+        u = u * REFIT[type_name](fields).reshape(out_f, -1).repeat_interleave(group, 1)
+    U, Hb = u.reshape(out_f, nb, block), hessian.float().reshape(nb, block, nb, block)
+    T = torch.einsum("rai,aibj->rabj", U, Hb)                          # [out, blocks, blocks, block]
+    A = torch.einsum("rabj,rbj->rab", T, U)
+    r = torch.einsum("rabj,rbj->ra", T, weight.float().reshape(out_f, nb, block))
+    ridge = 1e-6 * A.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-30)[:, None, None] * torch.eye(nb)
+    new = torch.linalg.solve(A + ridge, r).half().float()
+    old = fields["d"].reshape(out_f, nb)
+
+    def error(d):                                                     # the row's error, up to w H w^T
+        return torch.einsum("ra,rab,rb->r", d, A, d) - 2 * (d * r).sum(1)
+
+    better = torch.isfinite(new).all(1) & (error(new) < error(old))
+    return {**fields, "d": torch.where(better[:, None], new, old).reshape(fields["d"].shape)}
 
 
 def rtn_ggml(weight, type_name, importance=None):
@@ -95,7 +138,7 @@ def ggml_layer(raw, type_name, in_features, bias=None):
     return ggml.quantized_linear(raw.reshape(-1), type_name, (raw.shape[0], in_features), bias)
 
 
-MIX = "mix"                        # ggml_type="mix": a type per linear (Q2_K ... Q6_K) chosen to meet a bpw budget
+MIX = "mix"                # ggml_type="mix": a type per linear (Q2_K ... Q6_K, IQ4) chosen to meet a bpw budget
 
 
 def check_request(ggml_type):
@@ -106,7 +149,7 @@ def check_request(ggml_type):
         named = [] if ggml_type == MIX else [ggml_type]
     else:
         named = [ggml_type]
-    bad = [t for t in named if not isinstance(t, str) or t not in LEVELS]
+    bad = [t for t in named if not isinstance(t, str) or t not in TYPES]
     if bad:
         raise ValueError(f"ggml_type {bad[0]!r} is not one of {TYPES} (or {MIX!r} with a bpw budget, or a dict of "
                          "linear name -> type)")
@@ -126,7 +169,7 @@ def plan_mix(layer, names, bpw, max_sequences=4, imatrix=True):
     candidates = {}
     for name in names:
         linear, full = layer.module(layer.prefix + name), layer.prefix + name
-        kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in ggml.K_QUANTS)
+        kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in (*ggml.K_QUANTS, *ggml.IQ4))
         candidates[full] = {
             kind: (linear.weight.numel() * bits_per_weight(kind),
                    lambda lin, kind=kind, imp=importance.get(full):
@@ -144,15 +187,18 @@ def plan_mix(layer, names, bpw, max_sequences=4, imatrix=True):
 BPW_RANGE = (2.625, 8.5)           # Q2_K's bits per weight to Q8_0's: what a mix of these types can reach
 OPTIONS = {"ggml_type": Option(None, lambda t: isinstance(t, (str, dict)), f"one of {TYPES}, {MIX!r} or a dict"),
            "bpw": number_option(None, *BPW_RANGE),
-           "imatrix": bool_option(True)}
+           "imatrix": bool_option(True),
+           "refit": bool_option(True)}
 
 
 def rules(options):
     """What GPTQ on GGML grids needs of its options (the type, the budget, the grid, the order) together."""
     ggml_type, bpw = options.get("ggml_type"), options.get("bpw")
     if ggml_type is None and bpw is None:
-        raise ValueError(f"imatrix={options.get('imatrix')!r} chooses the grid of a GGML type; it needs ggml_type "
-                         "or bpw (--target llama.cpp)")
+        key = "imatrix" if "imatrix" in options else "refit"
+        does = "chooses the grid" if key == "imatrix" else "refits the scales"
+        raise ValueError(f"{key}={options.get(key)!r} {does} of a GGML type; it needs ggml_type or bpw (--target "
+                         "llama.cpp)")
     if ggml_type is not None:
         check_request(ggml_type)
     if (ggml_type in (None, MIX)) != (bpw is not None):
@@ -166,13 +212,14 @@ def rules(options):
 
 
 @torch.no_grad()
-def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=None, imatrix=True):
+def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=None, imatrix=True, refit=True):
     """GPTQ one decoder layer (a calibration.LayerCalibration) onto GGML blocks, in place, step by step in forward
     order as gptq.quantize_layer does. ggml_type: one type for every linear (each falling back as llama.cpp does),
     {relative linear name: type}, or MIX (or None with bpw): the types plan_mix picks for `bpw` bits per weight over
     the layer (so every layer, and the model, meets it). order: a plain-file visit of gptq_order.ORDERS. imatrix:
     the grid llama-quantize --imatrix picks with the Hessian's diagonal as the importance (True), or its plain
-    round-to-nearest grid (False). Returns the quantization_config, with the type each linear got (ggml_types)."""
+    round-to-nearest grid (False). refit: each block's f16 d refit to GPTQ's codes where that helps (refit_scales).
+    Returns the quantization_config, with the type each linear got (ggml_types)."""
     ggml_type = MIX if ggml_type is None else ggml_type
     rules(dict(ggml_type=ggml_type, order=order, bpw=bpw, imatrix=imatrix))
     names = [n for step in calibration.SEQUENTIAL_STEPS for n in step]
@@ -187,12 +234,13 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
         def make(name, linear, hessians=hessians):
             kind, H = plan[name.removeprefix(layer.prefix)], hessians[name]
             perm = visit_order(torch.diag(H), group_size(kind), order)
-            raw = gptq_ggml(linear.weight, H, kind, perm, damp, imatrix=imatrix)
+            raw = gptq_ggml(linear.weight, H, kind, perm, damp, imatrix=imatrix, refit=refit)
             return ggml_layer(raw, kind, linear.in_features, linear.bias)
 
         layer.replace(make, names=hessians)
     return {"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
-            "desc_act": False, "imatrix": imatrix, "ggml_types": plan, **({"bpw": bpw} if bpw is not None else {})}
+            "desc_act": False, "imatrix": imatrix, "refit": refit, "ggml_types": plan,
+            **({"bpw": bpw} if bpw is not None else {})}
 
 
 # ---- the engine folder on the way to a GGUF file (gptq.py's checkpoint_format "ggml") ----------------------------
@@ -214,7 +262,7 @@ def read_parts(parts):
     if raw.dtype != torch.uint8 or raw.dim() != 2 or kind.dtype != torch.int32 or kind.numel() != 1:
         raise ValueError("GPTQ ggml_blocks must be 2-D uint8 and ggml_type one int32")
     name = ggml.TYPE_NAMES.get(int(kind), "?")
-    if name not in LEVELS:
+    if name not in TYPES:
         raise ValueError(f"GPTQ ggml_type {int(kind)} ({name}) is not one of {TYPES}")
     _, block, size = ggml.GGML_TYPES[name]
     if raw.shape[1] % size:
