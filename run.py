@@ -20,6 +20,9 @@ from pathlib import Path
 from engine import cli
 from engine.cli import BPW_RANGE, GROUP_SIZES
 
+EMBEDDING_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q5_0", "Q4_0", "IQ4_NL", "IQ4_XS",
+                   "llama.cpp")
+
 # The names argparse shows are literals here, so that --help never imports torch; tests/test_cli.py checks each one
 # against the registry (engine.formats.quantized_checkpoints.METHODS, ALIASES) and GPTQ's ORDERS (engine.formats.gptq).
 METHODS = {
@@ -153,6 +156,10 @@ def build_parser():
                                                      "work) what it cannot; llama.cpp writes a GGUF file")
     z.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
                    help="safetensors: a Hugging Face checkpoint folder (default); gguf: one llama.cpp file")
+    z.add_argument("--embedding-type", choices=EMBEDDING_TYPES, metavar="TYPE",
+                   help="GGUF only: the token embedding's (and an untied output's) GGML type, one of "
+                        f"{', '.join(EMBEDDING_TYPES)}; llama.cpp: what llama-quantize gives them, Q6_K or Q8_0 "
+                        "(default with --target llama.cpp; else F32)")
     z.add_argument("--force", action="store_true", help="replace --out even if it holds other files")
     tiny(z, "the tiny model trains on this file's bytes (with --model it is not used: see --calib)")
     calib(z)
@@ -161,6 +168,9 @@ def build_parser():
                 "Write a checkpoint folder or .gguf file as one GGUF file, its quantized layers in their GGML types.")
     x.add_argument("source", metavar="SOURCE", help="a checkpoint folder (dense or quantized) or a .gguf file")
     x.add_argument("--gguf", required=True, metavar="FILE", help="the GGUF file to write")
+    x.add_argument("--embedding-type", choices=EMBEDDING_TYPES, default="F32", metavar="TYPE",
+                   help="the token embedding's (and an untied output's) GGML type (default F32; llama.cpp: "
+                        "llama-quantize's choice, Q6_K or Q8_0)")
     x.add_argument("--force", action="store_true", help="replace FILE if it exists")
 
     e = command("eval", "KL of a quantized checkpoint against its reference",

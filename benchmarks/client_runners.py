@@ -143,7 +143,8 @@ def convert(args):
 
 def quantize(args):
     """llama_model_quantize to TYPE (any LLAMA_FTYPE_MOSTLY_<TYPE>: Q4_K_M, IQ2_XXS, ...; or a bare Q3_K / Q4_K /
-    Q5_K); embedding and output kept in F32. --pure: every linear in TYPE (or llama.cpp's fallback type), no mix.
+    Q5_K); embedding and output kept in F32 (--own-embedding: the types llama-quantize gives them). --pure: every
+    linear in TYPE (or llama.cpp's fallback type), no mix.
     --imatrix FILE: an importance matrix in llama.cpp's GGUF imatrix format, read and normalized exactly as
     llama-quantize's load_imatrix does (in_sum2 / counts per tensor) and passed as params.imatrix."""
     import llama_cpp
@@ -153,7 +154,8 @@ def quantize(args):
     name = kind if hasattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}") else f"{kind}_S"
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
     params.pure = "--pure" in args
-    params.token_embedding_type = params.output_tensor_type = 0    # F32, as the engine's exports keep them
+    if "--own-embedding" not in args:
+        params.token_embedding_type = params.output_tensor_type = 0    # F32, as the engine's exports keep them
     params.nthread = 2
     keep = []                                    # the arrays params.imatrix points into must outlive the call
     if "--imatrix" in args:

@@ -237,7 +237,11 @@ def check_quantize_args(args):
         options, args.format = check_target(args.target or "llama.cpp", method, options, args.format)
     from engine.formats.quantized_checkpoints import METHODS
     options = METHODS[method].checked(options)            # every option's range, and the method's rules, once
+    if args.embedding_type is not None and args.format != "gguf":
+        raise ValueError("--embedding-type sets a GGUF file's embedding type: add --target llama.cpp (or --format "
+                         "gguf)")
     if args.format == "gguf":
+        args.embedding_type = args.embedding_type or ("llama.cpp" if args.target == "llama.cpp" else "F32")
         check_file_output(args.out, args.force)
         if args.model is not None:
             from engine.safe_writes import check_apart
@@ -274,7 +278,7 @@ def cmd_quantize(args):
         if args.format == "gguf":
             from engine.checkpoints.gguf_writer import write_gguf
             REGISTRY[method].quantize(model, corpus.calibration(), **options)
-            report = write_gguf(model, args.out, force=args.force)
+            report = write_gguf(model, args.out, force=args.force, embedding_type=args.embedding_type)
             log(f"wrote {args.out}: {json.dumps(report)}")
             return summarize_output(args.out, model_bits(model), started)
         from engine.loaders import model_digest
@@ -288,7 +292,8 @@ def cmd_quantize(args):
             import tempfile
             with tempfile.TemporaryDirectory(dir=Path(args.out).resolve().parent, prefix=".gguf-") as tmp:
                 convert(args, Path(tmp) / "ck", method, options)
-                report = export_gguf(Path(tmp) / "ck", args.out, force=args.force)
+                report = export_gguf(Path(tmp) / "ck", args.out, force=args.force,
+                                     embedding_type=args.embedding_type)
             log(f"wrote {args.out}: {json.dumps(report)}")
             return summarize_output(args.out, None, started)
         qcfg = convert(args, args.out, method, options, args.force)
@@ -324,7 +329,8 @@ def cmd_export(args):
     check_file_output(args.gguf, args.force, "--gguf")
     from engine.checkpoints.serving import export_gguf
     log(f"loading {source} ...")
-    log(f"wrote {args.gguf}: {json.dumps(export_gguf(args.source, args.gguf, force=args.force))}")
+    report = export_gguf(args.source, args.gguf, force=args.force, embedding_type=args.embedding_type)
+    log(f"wrote {args.gguf}: {json.dumps(report)}")
 
 
 def cmd_eval(args):

@@ -300,3 +300,37 @@ def test_a_changed_metadata_value_of_an_engine_file_is_refused(tmp_path, key, sk
     (tmp_path / "m.gguf").write_bytes(data)
     with pytest.raises(ValueError, match="metadata .* is not what its writer recorded"):
         gguf.load_gguf(tmp_path / "m.gguf")
+
+
+def test_embedding_types_follow_llama_quantizes_rule():
+    """llama-quant.cpp: the output (and a tied embedding) Q6_K, Q8_0 in a Q8_0 file or where a row is not a multiple
+    of 256; an untied embedding the file's type, with the linears' fallback."""
+    from collections import Counter
+    rule = gguf_writer.embedding_types
+    assert rule(Counter({"IQ4_XS": 5, "IQ4_NL": 9}), 576, tied=True) == ("Q8_0", None)      # SmolLM2
+    assert rule(Counter({"Q4_K": 7}), 2048, tied=True) == ("Q6_K", None)
+    assert rule(Counter({"Q8_0": 7}), 2048, tied=True) == ("Q8_0", None)
+    assert rule(Counter({"Q4_K": 7}), 4096, tied=False) == ("Q4_K", "Q6_K")                # Llama
+    assert rule(Counter({"Q4_K": 7}), 576, tied=False) == ("Q5_0", "Q8_0")
+    assert rule(Counter({"MXFP4": 7}), 4096, tied=False) == ("Q6_K", "Q6_K")
+    assert rule(Counter(), 4096, tied=True) == (None, None)                              # a dense model
+
+
+@pytest.mark.parametrize("embedding_type,expected", [("llama.cpp", "Q6_K"), ("Q8_0", "Q8_0"), ("IQ4_NL", "IQ4_NL"),
+                                                     (None, "F32"), ("F16", "F16")])
+def test_the_embedding_is_written_in_its_type_and_reads_back_as_its_blocks_decode(tmp_path, embedding_type,
+                                                                                   expected):
+    torch.manual_seed(0)
+    model = Qwen3(dataclasses.replace(SMALL, hidden_size=256, head_dim=64)).eval()
+    affine.quantize(model, bits=4, group_size=32, sym=True)
+    gguf_writer.write_gguf(model, tmp_path / "m.gguf", embedding_type=embedding_type)
+    loaded = gguf.load_gguf(tmp_path / "m.gguf")
+    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+        info = f.tensors["token_embd.weight"]
+        assert info.type_name == expected
+        stored = ggml.dequantize(f.raw(info.name), info.type_name, info.shape).float()
+    assert torch.equal(loaded.model.embed_tokens.weight, stored)
+    if expected not in ("F32", "F16"):
+        assert not torch.equal(stored, model.model.embed_tokens.weight)          # it really is quantized
+    with pytest.raises(ValueError, match="embedding_type must be one of"):
+        gguf_writer.write_gguf(model, tmp_path / "x.gguf", embedding_type="Q7_K")

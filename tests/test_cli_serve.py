@@ -27,9 +27,19 @@ def test_quantize_writes_gguf_and_export_rewrites_it(tmp_path):
     out = run("export", str(tmp_path / "q4_0.gguf"), "--gguf", str(tmp_path / "again.gguf"))
     assert out.returncode == 0, out.stderr
     with gguf.GGUFFile(tmp_path / "q4_0.gguf") as a, gguf.GGUFFile(tmp_path / "again.gguf") as b:
-        assert all(torch.equal(a.raw(name), b.raw(name)) for name in a.tensors)      # the same blocks, byte for byte
+        assert a.tensors["token_embd.weight"].type_name == "Q6_K"      # --target llama.cpp: llama-quantize's choice
+        assert b.tensors["token_embd.weight"].type_name == "F32"       # export's default: the embedding as loaded
+        assert torch.equal(gguf.load_gguf(tmp_path / "q4_0.gguf").model.embed_tokens.weight.reshape(-1),
+                           b.raw("token_embd.weight").view(torch.float32))
+        assert all(torch.equal(a.raw(name), b.raw(name)) for name in a.tensors if name != "token_embd.weight")
         assert {k: v for k, v in a.metadata.items() if k.startswith("tokenizer.")} == \
             {k: v for k, v in b.metadata.items() if k.startswith("tokenizer.")}
+
+
+def test_embedding_type_is_refused_where_no_gguf_file_is_written(tmp_path):
+    out = run("quantize", "--method", "rtn", "--embedding-type", "Q8_0", "--out", str(tmp_path / "ck"))
+    assert out.returncode == 1 and "--embedding-type sets a GGUF file's embedding type" in out.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_boolean_options_parse_as_json_booleans():

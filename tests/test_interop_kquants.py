@@ -1,8 +1,9 @@
 """llama.cpp itself on the engine's GGML files: its own quantizer (llama_model_quantize of the engine's F32 export,
-pure types) writes the bytes of the engine's round-to-nearest, and it runs the engine's GPTQ K-quant files as the
-engine does: greedy continuations equal, KL against the engine's forward of the same file at llama.cpp's
-activation-rounding floor (it rounds activations to 8 bits in quantized dot products). llama.cpp runs in its client
-venv (benchmarks/clients.py installs it); skipped without it."""
+pure types, IQ4 included) writes the bytes of the engine's round-to-nearest, and it runs the engine's GPTQ K-quant
+and IQ4 files as the engine does: greedy continuations equal, KL against the engine's forward of the same file at
+llama.cpp's activation-rounding floor (it rounds activations to 8 bits in quantized dot products); the engine reads
+llama.cpp's files of every IQ type as llama.cpp runs them, and gives the embedding the type llama-quantize does.
+llama.cpp runs in its client venv (benchmarks/clients.py installs it); skipped without it."""
 import sys
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def ids(n=4, length=48, seed=1):
 def test_llama_cpp_quantizer_writes_the_engines_round_to_nearest(tmp_path):
     dense = model()
     gguf_writer.write_gguf(dense, tmp_path / "f32.gguf")
-    for kind in ggml.INTEGER:
+    for kind in (*ggml.INTEGER, *ggml.IQ4):
         out = tmp_path / f"{kind}.gguf"
         done = run_client(PYTHON, "quantize", tmp_path / "f32.gguf", out, kind, "--pure")[-1]
         assert done.get("status") == 0, done
@@ -57,7 +58,7 @@ def test_llama_cpp_quantizer_writes_the_engines_round_to_nearest(tmp_path):
                 assert torch.equal(f.raw(key), gptq_ggml.rtn_ggml(linear.weight, used).reshape(-1)), (kind, key)
 
 
-@pytest.mark.parametrize("kind", [*ggml.K_QUANTS, "mix"])
+@pytest.mark.parametrize("kind", [*ggml.K_QUANTS, *ggml.IQ4, "mix"])
 def test_llama_cpp_runs_the_engines_gptq_files_as_the_engine_does(tmp_path, kind):
     m = model()
     gptq.quantize(m, ids(8, 64, seed=2), ggml_type=kind, **({"bpw": 4.0} if kind == "mix" else {}))
@@ -90,3 +91,48 @@ def test_the_dense_export_runs_in_llama_cpp_at_float32_agreement(tmp_path):
         ours = torch.log_softmax(gguf.load_gguf(tmp_path / "f32.gguf")(x).double(), -1)
     assert compare(ours, np.load(tmp_path / "theirs.npy"))["kl"] < 1e-6
 
+
+
+@pytest.mark.parametrize("ftype,kind", [(t, t) for t in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ3_S",
+                                                         "IQ4_NL", "IQ4_XS")] + [("IQ2_M", "IQ2_S")])
+def test_the_engine_reads_llama_cpps_iq_files_as_llama_cpp_runs_them(tmp_path, ftype, kind):
+    """llama-quantize --pure --imatrix of an F32 file into each IQ type (its IQ2_M file type is made of IQ2_S): the
+    engine's layers hold exactly gguf-py's dequantized weights, and its forward agrees with llama.cpp's run."""
+    import frontier
+    dense = model()
+    gguf_writer.write_gguf(dense, tmp_path / "f32.gguf")
+    frontier.write_imatrix(frontier.importance(dense, ids(8, 64, seed=2)), tmp_path / "imatrix.gguf", 8, 64)
+    path = tmp_path / f"{kind}.gguf"
+    done = run_client(PYTHON, "quantize", tmp_path / "f32.gguf", path, ftype, "--pure",
+                      "--imatrix", tmp_path / "imatrix.gguf")[-1]
+    assert done.get("status") == 0, done
+    loaded = gguf.load_gguf(path)
+    gg = pytest.importorskip("gguf")
+    with gguf.GGUFFile(path) as f:
+        types = set()
+        for name, layer in quantized_linears(loaded).items():
+            info = f.tensors[gguf_writer.gguf_name(name + ".weight")]
+            theirs = gg.quants.dequantize(f.raw(info.name).numpy(), gg.GGMLQuantizationType[info.type_name])
+            theirs = torch.from_numpy(np.array(theirs)).reshape(layer.out_features, -1)
+            assert torch.equal(layer.dequantize(), theirs), name
+            types.add(info.type_name)
+    assert kind in types
+    x = ids()
+    np.save(tmp_path / "ids.npy", x.numpy())
+    done = run_client(PYTHON, "llamacpp", tmp_path / "ids.npy", tmp_path / "theirs.npy", path)[-1]
+    assert "refused" not in done, done
+    with torch.no_grad():
+        ours = torch.log_softmax(loaded(x).double(), -1)
+    assert compare(ours, np.load(tmp_path / "theirs.npy"))["kl"] < FLOOR
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "IQ4_XS", "Q8_0"])
+def test_embedding_types_are_the_ones_llama_quantize_chooses(tmp_path, ftype):
+    from collections import Counter
+    gguf_writer.write_gguf(model(), tmp_path / "f32.gguf")
+    done = run_client(PYTHON, "quantize", tmp_path / "f32.gguf", tmp_path / "q.gguf", ftype, "--own-embedding")[-1]
+    assert done.get("status") == 0, done
+    with gguf.GGUFFile(tmp_path / "q.gguf") as f:
+        linears = Counter(i.type_name for n, i in f.tensors.items() if n.startswith("blk.") and len(i.shape) == 2)
+        assert f.tensors["token_embd.weight"].type_name == \
+            gguf_writer.embedding_types(linears, CFG.hidden_size, tied=True)[0], linears

@@ -5,7 +5,7 @@ Which layer becomes which GGML type, and how exactly:
 
   engine layer                                        GGML   stored                       exact?
   GGMLLinear (read from GGUF, or GPTQ on a GGML grid) its    its own blocks, as they are  yes, byte for byte
-                                                      type   (Q4_0 ... Q8_0, Q2_K ... Q6_K)
+                                                      type   (Q4_0 ... Q8_0, K-quants, IQ4, ...)
   AffineQuantLinear 4-bit, g32, zero 8 (symmetric)    Q4_0   d = scale                    yes: the same codes, bit for bit
   AffineQuantLinear 4-bit, g32, other zeros           Q4_1   d = scale, m = f16(offset)   codes and scales yes; the offset
                                                                                           -zero * scale is rounded to f16
@@ -13,6 +13,8 @@ Which layer becomes which GGML type, and how exactly:
   MXFP4Linear                                         MXFP4  E8M0 byte, split nibbles     yes
   NVFP4Linear (in % 64 == 0)                          NVFP4  4 E4M3 per 64 + `.scale`     yes (the tensor scale in F32)
   dense weights                                       F32 / F16 / BF16 (norms and biases always F32)
+  token embedding (+ an untied lm_head)               dense, or embedding_type: llama.cpp's round-to-nearest in a GGML
+                                                      type ("llama.cpp": Q6_K / Q8_0, what llama-quantize gives it)
 
 The Q4_1 offset: offset = -zero * scale is a float32 (an f16 times an integer up to 15) and Q4_1 keeps it as an f16,
 so it moves by at most half an f16 ulp of |offset| <= 15 * scale: below 2^-11 * 15 = 0.73% of one quantization step
@@ -42,7 +44,8 @@ import torch
 
 from ..formats.numerics.affine import AffineQuantLinear, unpack_nibbles
 from ..formats.numerics.base import QuantLinear
-from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, GGMLLinear, encode
+from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, INTEGER, IQ4, QK_K, GGMLLinear, encode
+from ..formats.llama_cpp.ggml_quants import FALLBACK, blocks, check_type, quantize
 from ..formats.mx import MXFP4Linear, NVFP4Linear
 from .gguf import (ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, METADATA_DIGEST, TENSOR_NAMES,
                    GGUFFile)
@@ -55,7 +58,8 @@ log = logging.getLogger(__name__)
 ALIGNMENT, VERSION = 32, 3
 U32, I32, F32, BOOL, STRING, ARRAY, U64 = 4, 5, 6, 7, 8, 9, 10
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11,
-              "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "BF16": 32, "MXFP4": 38, "NVFP4": 39}   # K: llama.cpp's _S
+              "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32, "MXFP4": 38,
+              "NVFP4": 39}                                   # K: llama.cpp's _S
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 # llama.cpp's pre-tokenizer fingerprint text (convert_hf_to_gguf.py, get_vocab_base_pre)
 CHKTXT = ("\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d\U0001f32b\ufe0f "
@@ -148,12 +152,43 @@ def _dense(value, kind, name):
     return kind if value.dim() > 1 else "F32", out.contiguous().view(torch.uint8).reshape(-1)
 
 
-def model_tensors(model, dense_type="F32", fallback=None):
+LLAMA_CPP = "llama.cpp"                  # embedding_type: the type llama-quantize gives the embedding and output
+EMBEDDING_TYPES = (*DENSE, *INTEGER, *IQ4, LLAMA_CPP)
+
+
+def embedding_types(linear_types, row, tied):
+    """llama-quantize's types for (token_embd, output) in a file whose linears are mostly of one type
+    (llama-quant.cpp, llama_tensor_get_type_impl): the output, and a tied embedding, Q6_K, or Q8_0 where the file is
+    Q8_0 or a row is not a multiple of 256 (Q6_K's block: it falls back to Q8_0); an untied embedding the file's
+    type, falling back as linears do. A file without quantized linears keeps them dense (None)."""
+    if not linear_types:
+        return None, None
+    base = linear_types.most_common(1)[0][0]
+    output = "Q8_0" if row % QK_K or base == "Q8_0" else "Q6_K"
+    if tied:
+        return output, None
+    if base not in INTEGER + IQ4:
+        return output, output
+    return (FALLBACK.get(base, base) if row % GGML_TYPES[base][1] else base), output
+
+
+def _quantized_embedding(value, kind, name):
+    """An embedding or output matrix [rows, hidden] -> (kind, raw): llama.cpp's round-to-nearest, no importance
+    matrix (llama-imatrix records none for them)."""
+    check_type(kind, value.shape[1])
+    return kind, blocks(kind, *quantize(kind, value.detach().float())).reshape(-1)
+
+
+def model_tensors(model, dense_type="F32", fallback=None, embedding_type=None):
     """(GGUF tensors [(name, GGML type, torch shape, raw uint8)], report) for `model`: quantized linears in their
-    GGML type (or `fallback`, logged, for a layer GGML cannot hold), everything else dense."""
+    GGML type (or `fallback`, logged, for a layer GGML cannot hold), everything else dense, but for the token
+    embedding and an untied lm_head where embedding_type names a GGML type (LLAMA_CPP: llama-quantize's choice,
+    `embedding_types`; None: dense_type)."""
     if dense_type not in DENSE or (fallback is not None and fallback not in DENSE):
         raise ValueError(f"dense_type and fallback must be one of {sorted(DENSE)} (fallback also None), got "
                          f"{dense_type!r} and {fallback!r}")
+    if embedding_type is not None and embedding_type not in EMBEDDING_TYPES:
+        raise ValueError(f"embedding_type must be one of {EMBEDDING_TYPES} or None, got {embedding_type!r}")
     cfg = model.cfg
     if cfg.model_type not in ARCHITECTURES:
         raise ValueError(f"model_type {cfg.model_type!r} has no GGUF architecture here ({sorted(ARCHITECTURES)})")
@@ -188,11 +223,18 @@ def model_tensors(model, dense_type="F32", fallback=None):
             add(f"{name}.scale", "F32", (1,), scale.contiguous().view(torch.uint8))
         if layer.bias is not None:
             add(f"{name}.bias", "F32", (layer.out_features,), _dense(layer.bias, "F32", name)[1])
+    if embedding_type == LLAMA_CPP:
+        linears = Counter({k: n for k, n in report["types"].items() if k not in DENSE})
+        chosen = embedding_types(linears, cfg.hidden_size, cfg.tie_word_embeddings)
+    else:
+        chosen = (embedding_type, embedding_type)
+    embeddings = dict(zip(("model.embed_tokens.weight", "lm_head.weight"), chosen))
     for name, value in model.state_dict().items():
         module = name.rpartition(".")[0]
         if module in quantized or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        kind, raw = _dense(value, dense_type, name)
+        kind = embeddings.get(name) or dense_type
+        kind, raw = _dense(value, kind, name) if kind in DENSE else _quantized_embedding(value, kind, name)
         add(name, kind, value.shape, raw)
         if value.dim() == 2 and gguf_name(name).split(".")[-2] in LINEARS:
             report["types"][kind] += 1
@@ -398,10 +440,12 @@ def write_container(path, metadata, tensors, force=False):
 
 
 def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, force=False, name="engine",
-               records=None):
+               records=None, embedding_type=None):
     """Write `model` (dense or quantized, llama / qwen2 / qwen3) as a GGUF file that llama.cpp runs. tokenizer: a
     .gguf file or a folder with tokenizer.json to take the vocabulary from (None: the byte model's). records:
-    provenance strings stored as they are ({"engine.calibration": ...}). Returns a report: {"types": {GGML type:
+    provenance strings stored as they are ({"engine.calibration": ...}). embedding_type: the token embedding's (and
+    an untied lm_head's) type: None (dense_type), a GGML type, or "llama.cpp" (the types llama-quantize gives them,
+    Q6_K or Q8_0: a file the size of llama.cpp's). Returns a report: {"types": {GGML type:
     linears}, "fallbacks": {layer: reason}, "offset_shift": Q4_1's largest offset shift in quantization steps}."""
     records = check_records(records)
     path = Path(path)
@@ -409,7 +453,7 @@ def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, for
         raise ValueError(f"output {path} is a directory; a GGUF file needs a file name (never replaced by one)")
     if path.exists() and not force:
         raise ValueError(f"output {path} exists; choose another path or pass force=True (--force)")
-    tensors, report = model_tensors(model, dense_type, fallback)
+    tensors, report = model_tensors(model, dense_type, fallback, embedding_type)
     metadata = model_metadata(model.cfg, name)
     metadata["general.file_type"] = FILE_TYPES[report["types"].most_common(1)[0][0]] if report["types"] else 0
     metadata.update(tokenizer_metadata(model.cfg, tokenizer))

@@ -208,7 +208,7 @@ def load_checkpoint(source, dtype=None):
     return load_dense(source, dtype)
 
 
-def export_gguf(source, path, dense_type="F32", fallback=None, force=False):
+def export_gguf(source, path, dense_type="F32", fallback=None, force=False, embedding_type=None):
     """`run.py export SOURCE --gguf PATH`: the checkpoint at `source` as a GGUF file, its quantized layers in their
     GGML types (gguf_writer), the tokenizer taken from the source (the byte model's when it has none), and the
     folder's calibration records (engine.calibration, engine.calibration_sha256) as metadata of the same names."""
@@ -216,7 +216,7 @@ def export_gguf(source, path, dense_type="F32", fallback=None, force=False):
     records = {k: v for k, v in checkpoint_records(source).items() if k.startswith("engine.calibration")} \
         if Path(source).is_dir() else {}
     return write_gguf(load_checkpoint(source), path, tokenizer=source, dense_type=dense_type, fallback=fallback,
-                      force=force, records=records)
+                      force=force, records=records, embedding_type=embedding_type)
 
 
 # ---- tensor parallelism -----------------------------------------------------------------------------------------
