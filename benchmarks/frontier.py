@@ -66,12 +66,22 @@ ENGINE_ROWS = [   # (label, quantize(model, calibration, **options), options): c
     # importance, its blocks; a row not a multiple of 256 gets llama.cpp's fallback type, as the GGUF file would),
     # and a mix of those types at a bits budget picked by measured error
     *[(f"GPTQ on llama.cpp's {t} imatrix grid", gptq.quantize, dict(ggml_type=t))
-      for t in ("Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")],
-    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}", gptq.quantize, dict(bpw=b)) for b in (5.5, 4.5, 4.4, 3.5)],
+      for t in ("Q6_K", "Q5_K", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K")],
+    *[(f"GPTQ on llama.cpp's IQ4_XS imatrix grid, damp {d}", gptq.quantize, dict(ggml_type="IQ4_XS", damp=d))
+      for d in (0.1, 0.3)],
+    *[(f"GPTQ on llama.cpp's {t} imatrix grid, damp 0.1", gptq.quantize, dict(ggml_type=t, damp=0.1))
+      for t in ("Q5_K", "Q4_K")],
+    ("GPTQ on llama.cpp's imatrix grids, IQ4_NL, down_proj Q3_K, damp 0.1", gptq.quantize,
+     dict(damp=0.1, ggml_type={**dict.fromkeys(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"], "IQ4_NL"),
+                               "mlp.down_proj": "Q3_K"})),
+    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}", gptq.quantize, dict(bpw=b)) for b in (6.0, 5.5, 4.5, 4.4, 3.5)],
     *[(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (4.0, 3.0, 2.0)],
     *[(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.05)) for b in (4.0, 3.0, 2.1)],
     *[(f"EntQuant + calibration-Hessian feedback, ~{b} bpw", entropy.quantize,
-       dict(bpw=b, tol=0.05, feedback="calibration")) for b in (3.0, 2.1)],
+       dict(bpw=b, tol=0.05, feedback="calibration")) for b in (4.0, 3.0, 2.1)],
+    *[(f"EntQuant + calibration-Hessian feedback, ~{b} bpw, damp 0.1", entropy.quantize,
+       dict(bpw=b, tol=0.05, feedback="calibration", feedback_damp=0.1)) for b in (4.2, 4.0)],
     ("trellis BlockLDLQ, L=8, K=3", trellis.quantize, dict(L=8, K=3, ldlq=True)),
     ("trellis BlockLDLQ, L=8, K=2", trellis.quantize, dict(L=8, K=2, ldlq=True)),
 ]
