@@ -3,6 +3,7 @@ quantize (where it has one) and llama.cpp's own libggml-base (through ctypes, wh
 every layout read back by gguf-py's dequantize, GPTQ's codes on the same grids (the same scales, a lower layer
 error), the GGUF file and checkpoint folder round trips, and llama.cpp's fallback for rows not a multiple of 256.
 (llama.cpp running the files: tests/test_interop_kquants.py.)"""
+import copy
 import ctypes
 import dataclasses
 import itertools
@@ -332,6 +333,14 @@ def test_choose_spends_the_budget_where_the_error_falls_most():
         bit_plan.choose(table, 299)
 
 
+def test_choose_spends_what_the_greedy_walk_leaves_on_the_best_change_that_fits():
+    # a's hull step lo -> hi does not fit; mid, off a's hull, does, and saves more than anything else left
+    table = {"a": {"lo": (100, 10.0), "mid": (220, 6.0), "hi": (300, 1.0)},
+             "b": {"lo": (100, 5.0), "mid": (110, 4.9)}}
+    assert bit_plan.choose(table, 330) == {"a": "mid", "b": "mid"}
+    assert bit_plan.choose(table, 400) == {"a": "hi", "b": "lo"}
+
+
 def test_choose_is_never_worse_than_any_choice_it_could_afford_on_small_tables():
     g = torch.Generator().manual_seed(3)
     for _ in range(20):
@@ -363,6 +372,28 @@ def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
         gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix", bpw=2.5)
     with pytest.raises(ValueError, match="needs a bits budget"):
         gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix")
+
+
+@pytest.mark.parametrize("budget,single", [(4.5, "Q4_K"), (5.5, "Q5_K")])
+def test_a_budget_is_spent_within_one_percent_and_beats_the_single_type_of_its_size(budget, single):
+    torch.manual_seed(0)
+    model = Qwen3(K_CFG).eval()
+    ids = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        reference = torch.log_softmax(model(ids), -1)
+
+    def quantized(**options):
+        m = copy.deepcopy(model)
+        gptq.quantize(m, calibration_ids(), **options)
+        layers = quantized_linears(m).values()
+        bits = sum(q.storage_bits() for q in layers) / sum(q.in_features * q.out_features for q in layers)
+        with torch.no_grad():
+            kl = float((reference.exp() * (reference - torch.log_softmax(m(ids), -1))).sum(-1).mean())
+        return bits, kl
+
+    (mix_bits, mix_kl), (bits, kl) = quantized(bpw=budget), quantized(ggml_type=single)
+    assert 0.99 * budget <= mix_bits <= budget and bits == budget
+    assert mix_kl < kl, (mix_kl, kl)
 
 
 @pytest.mark.parametrize("method, bpw, reach", [("gptq", "9", "2.625 to 8.5"), ("gptq", "2.5", "2.625 to 8.5"),

@@ -9,8 +9,8 @@ linear writes into, so the costs of q_proj and down_proj are in one currency):
 
 Then a multiple-choice knapsack, solved greedily on each linear's lower convex hull of (bits, cost): start every
 linear at its cheapest option and keep taking the upgrade with the largest cost saved per bit spent while the
-budget allows. (On the hull the greedy choice is optimal for the budget it ends at, up to the last upgrade that no
-longer fits.) llama.cpp's `_M` mixes hand-pick such upgrades (more bits for attn_v and ffn_down); here the
+budget allows (on the hull the greedy choice is optimal for the budget it ends at), then spend what is left on the
+single changes that save the most error while any fits. llama.cpp's `_M` mixes hand-pick such upgrades (more bits for attn_v and ffn_down); here the
 calibration data picks them.
 """
 import heapq
@@ -61,7 +61,20 @@ def choose(table, budget_bits):
             spent += extra
             step[name] = k + 1
             offer(name)
-    return {name: hulls[name][step[name]][2] for name in hulls}
+    chosen = {name: hulls[name][step[name]][2] for name in hulls}
+    # the greedy walk stops at the first hull step that does not fit; what is left buys, while anything fits, the
+    # change (to any option, on or off the hull) that saves the most error
+    while True:
+        best = None
+        for name, options in table.items():
+            b0, c0 = options[chosen[name]]
+            for option, (b, c) in options.items():
+                if c < c0 and spent - b0 + b <= budget_bits and (best is None or c - c0 < best[0]):
+                    best = (c - c0, name, option, b - b0)
+        if best is None:
+            return chosen
+        _, name, option, extra = best
+        chosen[name], spent = option, spent + extra
 
 
 @torch.no_grad()
