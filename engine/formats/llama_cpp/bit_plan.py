@@ -10,8 +10,8 @@ linear writes into, so the costs of q_proj and down_proj are in one currency):
 Then a multiple-choice knapsack, solved greedily on each linear's lower convex hull of (bits, cost): start every
 linear at its cheapest option and keep taking the upgrade with the largest cost saved per bit spent while the
 budget allows (on the hull the greedy choice is optimal for the budget it ends at), then spend what is left on the
-single changes that save the most error while any fits. llama.cpp's `_M` mixes hand-pick such upgrades (more bits for attn_v and ffn_down); here the
-calibration data picks them.
+single changes that save the most error while any fits. llama.cpp's `_M` mixes hand-pick such upgrades (more bits
+for attn_v and ffn_down); here the calibration data picks them.
 """
 import heapq
 

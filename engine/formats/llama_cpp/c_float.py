@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 F32 = np.float32
+EPS = 1e-15                 # ggml-quants.c's GROUP_MAX_EPS: a block whose largest |x| is below it is all zero
 
 
 def c_sum(t):

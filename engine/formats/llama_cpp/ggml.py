@@ -33,8 +33,9 @@ The IQ4 types are not integer grids: K = kvalues_iq4nl, 16 fixed levels (-127 ..
 holds K[q] + 128 as an 8-bit code with the zero point 128, so they too are affine layers (IQ4_XS's six-bit l of each
 32 weights: low 4 bits in scales_l, sub-block 2i low and 2i + 1 high, top 2 bits at bit 2j of scales_h). Products of
 an f16 and a small integer are exact in float32, so q * scale + offset gives exactly ggml's float32 values (as
-numbers: ggml's d * (q - 8) is -0 where this is +0). Codes of 5 and 6 bits are held one per byte in memory (the engine packs 1, 2, 4 or 8 bits), scales
-and offsets as float32; what a layer costs (storage_bits) is its blocks' size, super-block scales packed as stored.
+numbers: ggml's d * (q - 8) is -0 where this is +0). Codes of 5 and 6 bits are held one per byte in memory (the
+engine packs 1, 2, 4 or 8 bits), scales and offsets as float32; what a layer costs (storage_bits) is its blocks'
+size, super-block scales packed as stored.
 
 Bit order: ggml never interleaves neighbours. In a run of S bytes, bits [f*b, f*b + b) of byte j hold element
 f * S + j (`_fields`): Q4_0 nibbles are element j low, j + 16 high (S = 16, the "split" layout of mx.py); Q4_K / Q5_K

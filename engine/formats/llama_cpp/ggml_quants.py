@@ -25,11 +25,10 @@ type for a row that is not a multiple of its block (llama-quant.cpp).
 """
 import torch
 
-from .c_float import F32, c_sum, first_of, positive_max, rdiv, round_f16, signed_absmax, sqrtf, to_int8, to_uint8
+from .c_float import EPS, F32, c_sum, first_of, positive_max, rdiv, round_f16, signed_absmax, sqrtf, to_int8, to_uint8
 from . import iq4
 from .ggml import GGML_TYPES, INTEGER, IQ4, K_QUANTS, QK_K, encode, encode_iq4, encode_k
 
-EPS = 1e-15                                          # GROUP_MAX_EPS: a group below this is all zero
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
 
 

@@ -16,10 +16,9 @@ is ggml's from-float for activations: not what a file holds, not ported.)
 """
 import torch
 
-from .c_float import F32, c_sum, signed_absmax, sqrtf
+from .c_float import EPS, F32, c_sum, rdiv, signed_absmax, sqrtf
 from .ggml import GGML_TYPES, IQ4, IQ4_LEVELS, IQ4_ZERO
 
-EPS = 1e-15                                          # GROUP_MAX_EPS: a block below this is all zero
 K = IQ4_LEVELS.float()
 NTRY = 7
 
@@ -35,7 +34,7 @@ def best_index(x):
 def reciprocal(t):
     """C's `d ? 1/d : 0.f`."""
     nonzero = t != 0
-    return torch.where(nonzero, torch.ones_like(t) / torch.where(nonzero, t, 1), 0)
+    return torch.where(nonzero, rdiv(1, torch.where(nonzero, t, 1)), 0)
 
 
 def _fit(x, e, inv):
@@ -50,11 +49,11 @@ def block_scales(x, e):
     """The search of one block of 32: x, e [n, 32] -> d [n] (0 for a block whose largest |x| is below EPS)."""
     amax, m = signed_absmax(x)
     empty = amax < EPS
-    sqx, sq2 = _fit(x, e, reciprocal(m / torch.full_like(m, 127.0))[:, None])
+    sqx, sq2 = _fit(x, e, reciprocal(m / torch.full_like(m, 127.0))[:, None])          # d = -m / K[0]
     d = torch.where(sq2 > 0, sqx / sq2, 0)
     best = d * sqx
     for t in range(-NTRY, NTRY + 1):
-        sqx, sq2 = _fit(x, e, (torch.full_like(m, float(t - 127)) / torch.where(empty, 1, m))[:, None])
+        sqx, sq2 = _fit(x, e, rdiv(t - 127, torch.where(empty, 1, m))[:, None])            # 1/d = (t + K[0]) / m
         better = (sq2 > 0) & (sqx * sqx > best * sq2)
         d = torch.where(better, sqx / sq2, d)
         best = torch.where(better, d * sqx, best)
