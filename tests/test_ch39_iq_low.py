@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine.formats.llama_cpp import iq_low
+from test_ch39_kquants import libggml
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 gg = pytest.importorskip("gguf")
@@ -22,12 +23,6 @@ TYPES = tuple(iq_low.DECODERS)
 CLIENTS = Path(os.environ.get("ENGINE_CLIENTS", Path.home() / ".cache/engine/clients")) / "llamacpp"
 # f16 scales at the edges: zeros of both signs, the smallest subnormal and normal, the largest finite
 EDGES = [0.0, -0.0, 2.0 ** -24, -(2.0 ** -14), 65504.0, -65504.0, 1.0, -3.140625]
-
-
-def libggml():
-    """llama.cpp's libggml-base from the llama-cpp-python client (benchmarks/clients.py), or None."""
-    found = sorted(CLIENTS.glob("venv/lib/python3*/site-packages/llama_cpp/lib/libggml-base.so"))
-    return ctypes.CDLL(str(found[0])) if found else None
 
 
 def random_blocks(kind, n=64, seed=0):
