@@ -20,8 +20,8 @@ from pathlib import Path
 from engine import cli
 from engine.cli import BPW_RANGE, GROUP_SIZES
 
-EMBEDDING_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q5_0", "Q4_0", "IQ4_NL", "IQ4_XS",
-                   "llama.cpp")
+EMBEDDING_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K", "IQ4_NL", "IQ4_XS", "llama.cpp")
 
 # The names argparse shows are literals here, so that --help never imports torch; tests/test_cli.py checks each one
 # against the registry (engine.formats.quantized_checkpoints.METHODS, ALIASES) and GPTQ's ORDERS (engine.formats.gptq).

@@ -103,6 +103,8 @@ def test_method_and_order_names_are_the_registry_names():
     run_cli = cli()
     assert set(run_cli.METHODS) == set(METHODS) | set(ALIASES)
     assert tuple(run_cli.GPTQ_ORDERS) == tuple(gptq.ORDERS)
+    from engine.checkpoints.gguf_writer import EMBEDDING_TYPES
+    assert run_cli.EMBEDDING_TYPES == EMBEDDING_TYPES
 
 
 # cheap settings per method on the book's tiny model (2 training steps); the checkpoint's quant_method (and format)
