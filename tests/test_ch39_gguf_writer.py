@@ -334,3 +334,12 @@ def test_the_embedding_is_written_in_its_type_and_reads_back_as_its_blocks_decod
         assert not torch.equal(stored, model.model.embed_tokens.weight)          # it really is quantized
     with pytest.raises(ValueError, match="embedding_type must be one of"):
         gguf_writer.write_gguf(model, tmp_path / "x.gguf", embedding_type="Q7_K")
+
+
+def test_an_embedding_type_the_hidden_size_cannot_hold_falls_back_as_llama_quantize_does(tmp_path, caplog):
+    model = small_model(kind="Q4_0")                                       # hidden 64: no room for Q6_K's 256
+    with caplog.at_level(logging.WARNING):
+        gguf_writer.write_gguf(model, tmp_path / "m.gguf", embedding_type="Q6_K")
+    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+        assert f.tensors["token_embd.weight"].type_name == "Q8_0"
+    assert "Q6_K needs rows of a multiple of 256, got 64; written as Q8_0" in caplog.text

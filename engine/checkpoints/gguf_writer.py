@@ -174,7 +174,12 @@ def embedding_types(linear_types, row, tied):
 
 def _quantized_embedding(value, kind, name):
     """An embedding or output matrix [rows, hidden] -> (kind, raw): llama.cpp's round-to-nearest, no importance
-    matrix (llama-imatrix records none for them)."""
+    matrix (llama-imatrix records none for them); a hidden size that is not a multiple of the type's block takes
+    its fallback type, as llama-quantize does (logged)."""
+    if value.shape[1] % GGML_TYPES[kind][1] and kind in FALLBACK:
+        log.warning("%s: %s needs rows of a multiple of %d, got %d; written as %s", name, kind,
+                    GGML_TYPES[kind][1], value.shape[1], FALLBACK[kind])
+        kind = FALLBACK[kind]
     check_type(kind, value.shape[1])
     return kind, blocks(kind, *quantize(kind, value.detach().float())).reshape(-1)
 
