@@ -464,3 +464,20 @@ def test_export_refuses_a_source_whose_digests_do_not_match(tmp_path, source):
     with pytest.raises(ValueError, match="sha256|digest|SHA-256"):
         serving.export_gguf(tmp_path / "src", tmp_path / "out.gguf")
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_cli_refuses_a_budget_the_row_widths_cannot_meet_before_quantizing(tmp_path):
+    """Rows of 96 (not a multiple of 256) have no GGML type below 4.5 bits: a --bpw under what the cheapest types
+    reach is one error line from the config alone, and nothing is written."""
+    from engine.formats.gptq_ggml import check_budget
+    from engine.loaders import save_dense
+    from test_cli import run
+    with pytest.raises(ValueError, match=r"allow no GGML mix below 4\.\d+ bits per weight"):
+        check_budget(FALLBACK_CFG, 4.0)
+    check_budget(K_CFG, 2.7)                                     # rows of 256: Q2_K's 2.625 bits are reachable
+    torch.manual_seed(0)
+    save_dense(Qwen3(FALLBACK_CFG).eval(), tmp_path / "m")
+    out = run("quantize", "--model", str(tmp_path / "m"), "--method", "gptq", "--target", "llama.cpp", "--bpw",
+              "3.0", "--calib", "self", "--out", str(tmp_path / "q.gguf"))
+    assert out.returncode == 1 and "allow no GGML mix below" in out.stderr.splitlines()[-1], out.stderr
+    assert not (tmp_path / "q.gguf").exists()

@@ -184,6 +184,31 @@ def plan_mix(layer, names, bpw, max_sequences=4, imatrix=True):
     return {name.removeprefix(layer.prefix): kind for name, kind in chosen.items()}
 
 
+def check_budget(cfg, bpw):
+    """ValueError unless a GGML mix of cfg's decoder linears can meet bpw: each linear at the cheapest type its row
+    width allows (a row that is not a multiple of 256 has nothing below 4.5 bits). From the config alone, so a
+    conversion refuses before it reads a weight."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (inter, hidden), (inter, hidden), (hidden, inter)]
+    total = 0.0
+    for out_f, in_f in shapes:
+        fits = []
+        for t in (*ggml.K_QUANTS, *ggml.IQ4):
+            try:
+                fits.append(bits_per_weight(ggml_type_for(t, in_f)))
+            except ValueError:
+                pass
+        if not fits:
+            raise ValueError(f"--bpw {bpw}: rows of {in_f} weights hold no GGML block (a multiple of 32 is needed)")
+        total += out_f * in_f * min(fits)
+    low = total / sum(o * i for o, i in shapes)
+    if bpw < low:
+        raise ValueError(f"--bpw {bpw}: this model's rows ({hidden}, {q}, {inter} wide) allow no GGML mix below "
+                         f"{low:.3f} bits per weight (a row that is not a multiple of 256 has no type under 4.5 bits; "
+                         "llama.cpp's own low-bit files fall back the same way)")
+
+
 BPW_RANGE = (2.625, 8.5)           # Q2_K's bits per weight to Q8_0's: what a mix of these types can reach
 OPTIONS = {"ggml_type": Option(None, lambda t: isinstance(t, (str, dict)), f"one of {TYPES}, {MIX!r} or a dict"),
            "bpw": number_option(None, *BPW_RANGE),
