@@ -146,7 +146,7 @@ def build_parser():
     (e_low, e_high), (g_low, g_high) = BPW_RANGE["entquant"], BPW_RANGE["gptq"]
     z.add_argument("--bpw", type=float, metavar="B", help=f"entquant: target bits per weight, {e_low} to {e_high} "
                                                           "(lambda found by bisection); gptq --target llama.cpp: a "
-                                                          "GGML type per linear (Q2_K ... Q6_K) by measured error, "
+                                                          "GGML type per linear (Q2_K ... Q6_K, IQ4) by measured error, "
                                                           f"every layer within B bits per weight, {g_low} to {g_high}")
     z.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="any other option of the method (repeatable), e.g. sym=true (gptq), format=nvfp4-pack-"
