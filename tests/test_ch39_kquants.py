@@ -232,6 +232,20 @@ def test_refit_scales_keep_the_codes_and_lower_every_rows_layer_error(kind):
     assert (rows["after"] < rows["before"]).sum() >= len(w) // 4, rows      # Q6_K's 16 sub-scales leave least
 
 
+def test_refit_scales_in_row_chunks_equal_the_whole_layer_at_once(monkeypatch):
+    """The refit's working set is bounded (a 14336-wide layer would otherwise need rows x blocks x in floats at
+    once): solved a few rows at a time, the same scales come out. (Not asserted bit for bit: a BLAS may sum a
+    matrix product of 3 rows in another order than one of 20, and an f16 rounding can then flip.)"""
+    w, H = torch.randn(20, 512, generator=torch.Generator().manual_seed(3)) * 0.05, hessian(512)
+    codes, fields = ggml_quants.quantize("IQ4_NL", w, torch.diag(H) / 2)
+    whole = gptq_ggml.refit_scales(w, H, "IQ4_NL", codes, fields)["d"]
+    monkeypatch.setattr(gptq_ggml, "REFIT_SCALARS", 3 * 16 * 512)          # 3 rows at a time, a ragged last chunk
+    chunked = gptq_ggml.refit_scales(w, H, "IQ4_NL", codes, fields)["d"]
+    assert (chunked == whole).float().mean() > 0.97
+    assert ((chunked - whole).abs() <= whole.abs() * 2 ** -10).all()        # at most one f16 step apart
+    assert (whole != fields["d"]).float().mean() > 0.5                     # the refit changed most scales
+
+
 def test_gptq_without_an_imatrix_keeps_llama_cpps_plain_grid():
     w, H = torch.randn(32, 256, generator=torch.Generator().manual_seed(2)) * 0.05, hessian(256)
     ours = gptq_ggml.gptq_ggml(w, H, "Q4_K", imatrix=False)

@@ -101,6 +101,9 @@ REFIT = {"Q4_0": None, "Q5_0": None, "Q8_0": None, "IQ4_NL": None, "Q3_K": lambd
          "Q6_K": lambda f: f["sc"].float(), "IQ4_XS": lambda f: f["l"].float() - 32}
 
 
+REFIT_SCALARS = 2 ** 24          # refit_scales' working set (float32s): 64 MiB, whatever the layer's size
+
+
 def refit_scales(weight, hessian, type_name, codes, fields):
     """GPTQ's codes kept, each block's f16 d refit to them: per row, the d [blocks] minimizing the layer error
     (w_hat - w) H (w_hat - w)^T with w_hat = sum_b d_b u_b, u_b the row's (code - zero) * m_g on block b, is the
@@ -112,19 +115,22 @@ def refit_scales(weight, hessian, type_name, codes, fields):
     u = codes.float() - zero
     if REFIT[type_name] is not None:
         u = u * REFIT[type_name](fields).reshape(out_f, -1).repeat_interleave(group, 1)
-    U, Hb = u.reshape(out_f, nb, block), hessian.float().reshape(nb, block, nb, block)
-    T = torch.einsum("rai,aibj->rabj", U, Hb)                          # [out, blocks, blocks, block]
-    A = torch.einsum("rabj,rbj->rab", T, U)
-    r = torch.einsum("rabj,rbj->ra", T, weight.float().reshape(out_f, nb, block))
-    ridge = 1e-6 * A.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-30)[:, None, None] * torch.eye(nb)
-    new = torch.linalg.solve(A + ridge, r).half().float()
-    old = fields["d"].reshape(out_f, nb)
+    U, W, Hb = u.reshape(out_f, nb, block), weight.float().reshape(out_f, nb, block), \
+        hessian.float().reshape(nb, block, nb, block)
+    old, chosen = fields["d"].reshape(out_f, nb), []
+    for at in range(0, out_f, max(1, REFIT_SCALARS // (nb * cols))):     # rows at a time: T is rows x blocks x in
+        rows = slice(at, at + max(1, REFIT_SCALARS // (nb * cols)))
+        T = torch.einsum("rai,aibj->rabj", U[rows], Hb)
+        A, r = torch.einsum("rabj,rbj->rab", T, U[rows]), torch.einsum("rabj,rbj->ra", T, W[rows])
+        ridge = 1e-6 * A.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-30)[:, None, None] * torch.eye(nb)
+        new = torch.linalg.solve(A + ridge, r).half().float()
 
-    def error(d):                                                     # the row's error, up to w H w^T
-        return torch.einsum("ra,rab,rb->r", d, A, d) - 2 * (d * r).sum(1)
+        def error(d, A=A, r=r):                                       # each row's error, up to w H w^T
+            return torch.einsum("ra,rab,rb->r", d, A, d) - 2 * (d * r).sum(1)
 
-    better = torch.isfinite(new).all(1) & (error(new) < error(old))
-    return {**fields, "d": torch.where(better[:, None], new, old).reshape(fields["d"].shape)}
+        better = torch.isfinite(new).all(1) & (error(new) < error(old[rows]))
+        chosen.append(torch.where(better[:, None], new, old[rows]))
+    return {**fields, "d": torch.cat(chosen).reshape(fields["d"].shape)}
 
 
 def rtn_ggml(weight, type_name, importance=None):
@@ -139,6 +145,7 @@ def ggml_layer(raw, type_name, in_features, bias=None):
 
 
 MIX = "mix"                # ggml_type="mix": a type per linear (Q2_K ... Q6_K, IQ4) chosen to meet a bpw budget
+MIX_TYPES = (*ggml.K_QUANTS, *ggml.IQ4)          # a mix's candidates, each falling back as llama.cpp does
 
 
 def check_request(ggml_type):
@@ -169,7 +176,7 @@ def plan_mix(layer, names, bpw, max_sequences=4, imatrix=True):
     candidates = {}
     for name in names:
         linear, full = layer.module(layer.prefix + name), layer.prefix + name
-        kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in (*ggml.K_QUANTS, *ggml.IQ4))
+        kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in MIX_TYPES)
         candidates[full] = {
             kind: (linear.weight.numel() * bits_per_weight(kind),
                    lambda lin, kind=kind, imp=importance.get(full):
@@ -194,7 +201,7 @@ def check_budget(cfg, bpw):
     total = 0.0
     for out_f, in_f in shapes:
         fits = []
-        for t in (*ggml.K_QUANTS, *ggml.IQ4):
+        for t in MIX_TYPES:
             try:
                 fits.append(bits_per_weight(ggml_type_for(t, in_f)))
             except ValueError:
