@@ -89,6 +89,16 @@ def build_parser():
         g.add_argument("--ctx", type=int, default=512, help="tokens per held-out chunk (default 512)")
         g.add_argument("--chunks", type=int, default=8, help="held-out chunks to score (default 8)")
 
+    def kv(p):
+        g = p.add_argument_group("the KV cache")
+        g.add_argument("--kv-cache", metavar="SPEC",
+                       help="keep K and V coded: e8:3 (HyperQuant's E8 lattice at 3 Rice bits per scalar; d4, a2, z "
+                            "too; options ,window=32 ,rotation=qjl|signs|none ,exact_keys=N), q8_0 / q4_0 "
+                            "(llama.cpp's), fp8 / fp8:head (vLLM's), kivi:2 / kivi:4, bf16 / f16. Default: exact "
+                            "float32")
+        g.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                       help="read a prompt N tokens at a time (default 512): attention's scores stay [N, context]")
+
     def calib(p):
         g = p.add_argument_group("calibration of a real model (with --model; GPTQ, AWQ, BlockLDLQ, EntQuant feedback)")
         g.add_argument("--calib", nargs="+", metavar="SOURCE",
@@ -185,24 +195,28 @@ def build_parser():
             "held-out evaluation text (default: the built-in corpus)")
     impl(e)
     real_eval(e)
+    kv(e)
 
     g = command("generate", "continue a prompt", "Continue a prompt with the model's own tokenizer, printing each "
                                                  "token as it comes.")
     model(g)
-    g.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="the text to continue")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="the text to continue, from a file (UTF-8)")
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0: greedy (default); above 0: sample from softmax(logits / T)")
     tiny(g, "the tiny model's training text (default: the built-in corpus)",
          "the sampling seed, and the tiny model's training seed (default 0)")
     impl(g)
+    kv(g)
     return parser
 
 
 def check_numbers(parser, args):
     if not 1 <= getattr(args, "steps", 1) <= 10 ** 6:
         parser.error("--steps must be >= 1 (and at most 10^6)")
-    for name in ("ctx", "chunks", "calib_samples", "calib_len", "max_new_tokens"):
+    for name in ("ctx", "chunks", "calib_samples", "calib_len", "max_new_tokens", "prefill_chunk"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if getattr(args, "temperature", 0.0) < 0 or not math.isfinite(getattr(args, "temperature", 0.0)):

@@ -3,6 +3,8 @@ imports nothing from the engine) and writes full-vocabulary log-probs, float32 [
 log P(next | ids[:t+1]); it prints one JSON line per model, {"model", ...timings} or {"model", "refused": line}.
 
     llamacpp     IDS OUT MODEL.gguf [--kv f32|f16] [--greedy N PROMPTS.npy TOKENS_OUT.npy]
+    llamacpp-kv  IDS MODEL.gguf OUT.json [--types f16 q8_0 q4_0] [--from F] [--ubatch 512]
+                                                        KL of llama.cpp's quantized KV caches against its f16 one
     convert      HF_DIR OUT.gguf TOKENIZER_DIR          llama.cpp's own convert_hf_to_gguf.py (a second reader)
     quantize     IN.gguf OUT.gguf TYPE [--imatrix F] [--pure]
                                                         llama.cpp's own quantizer (llama_model_quantize), the
@@ -110,6 +112,47 @@ def llamacpp(args):
         llm.close()
         return np.stack(rows), info
     return each_model([(model, out)], run)
+
+
+def llamacpp_kv(args):
+    """IDS MODEL OUT.json [--types f16 q8_0 q4_0] [--from F] [--ubatch 512]: one sequence per row of IDS read with
+    each KV cache type (flash attention on, as llama.cpp needs to quantize V), scored at positions F.. against the
+    first type's run; one JSON line per type with the KL mean, its standard error, perplexity and seconds."""
+    import llama_cpp
+    ids_path, model, out = args[:3]
+    types = args[args.index("--types") + 1:] if "--types" in args else ["f16", "q8_0", "q4_0"]
+    types = types[:next((i for i, t in enumerate(types) if t.startswith("--")), len(types))]
+    first = int(args[args.index("--from") + 1]) if "--from" in args else 0
+    ubatch = int(args[args.index("--ubatch") + 1]) if "--ubatch" in args else 512
+    ggml = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
+    ids = np.load(ids_path)
+    reference, rows = None, []
+    for kind in types:
+        t0 = time.perf_counter()
+        llm = llama_cpp.Llama(model_path=model, n_ctx=ids.shape[1], n_batch=ubatch, n_ubatch=ubatch,
+                              logits_all=True, type_k=ggml[kind], type_v=ggml[kind], flash_attn=True, n_threads=2,
+                              n_threads_batch=2, seed=0, verbose=False)
+        logprobs = []
+        for row in ids:
+            llm.reset()
+            llm.eval(row.tolist())
+            logprobs.append(normalized(llm.scores[first:len(row) - 1]))
+        llm.close()
+        logprobs = np.stack(logprobs)                                    # [N, T - 1 - first, V]
+        targets = ids[:, first + 1:]
+        nll = -np.take_along_axis(logprobs, targets[..., None], -1)[..., 0]
+        row = {"model": model, "kv": kind, "version": llama_cpp.__version__, "ctx": int(ids.shape[1]),
+               "positions": int(nll.size), "ppl": float(np.exp(nll.mean())),
+               "seconds": round(time.perf_counter() - t0, 1)}
+        if reference is None:
+            reference = logprobs
+        else:
+            kl = (np.exp(reference) * (reference - logprobs)).sum(-1, dtype=np.float64).reshape(-1)
+            row.update(kl=float(kl.mean()), kl_stderr=float(kl.std() / len(kl) ** 0.5), against=types[0])
+        rows.append(row)
+        say(**row)
+    Path(out).write_text(json.dumps(rows, indent=1))
+    return 0
 
 
 def convert(args):
@@ -335,7 +378,8 @@ def transformers_(args):
     return each_model(pairs_of(args[1:]), run)
 
 
-COMMANDS = {"llamacpp": llamacpp, "convert": convert, "quantize": quantize, "vllm": vllm, "ortgenai": ortgenai,
+COMMANDS = {"llamacpp": llamacpp, "llamacpp-kv": llamacpp_kv,
+            "convert": convert, "quantize": quantize, "vllm": vllm, "ortgenai": ortgenai,
             "transformers": transformers_}
 
 if __name__ == "__main__":

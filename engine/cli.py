@@ -81,6 +81,30 @@ def check_file_output(path, force, flag="--out"):
         raise ValueError(f"{flag} {path}: no folder {path.resolve().parent} to write it into")
 
 
+def check_kv_cache(args, context, head_dim, flag_context="the model's context"):
+    """--kv-cache SPEC -> its quantizer (None without one), parsed before any model loads: heads it cannot code
+    and a window the context cannot pass (nothing would ever be coded) are refused."""
+    if getattr(args, "kv_cache", None) is None:
+        return None
+    from engine.formats.kv.kv_store import parse_kv_spec
+    quantizer = parse_kv_spec(args.kv_cache)
+    try:
+        quantizer.check_head_dim(head_dim)
+    except ValueError as e:
+        raise ValueError(f"--kv-cache {args.kv_cache}: {e}") from None
+    if quantizer.window >= context:
+        raise ValueError(f"--kv-cache {args.kv_cache}: its window of {quantizer.window} exact positions is not shorter "
+                         f"than {flag_context} ({context} tokens): nothing would be coded")
+    return quantizer
+
+
+def kv_summary(spec, cache):
+    """One line: what a stored cache holds against bf16 for the same positions."""
+    held, bf16 = cache.nbytes()["total"], cache.bf16_bytes()
+    return (f"KV cache {spec}: {held / 2 ** 20:.2f} MiB held for {cache.length} positions, {held / bf16:.1%} of a bf16 "
+            f"cache's {bf16 / 2 ** 20:.2f} MiB")
+
+
 # ---- a real model's calibration ----------------------------------------------------------------------------------
 
 # Holding the calibration: each sequence's hidden states, in float32, about this many times over (a layer's inputs,
@@ -337,6 +361,8 @@ def cmd_export(args):
 
 
 def cmd_eval(args):
+    if args.kv_cache is not None and args.model is None:
+        raise ValueError("--kv-cache evaluates a real model's cache: eval --model M --kv-cache SPEC")
     if args.model is not None or args.quantized is not None:
         return eval_real(args)
     if args.checkpoint is None:
@@ -366,10 +392,15 @@ def cmd_eval(args):
 
 
 def eval_real(args):
-    if args.model is None or args.quantized is None:
-        raise ValueError("eval needs both --model REF and --quantized Q")
-    ref_path, q_path = check_model_path(args.model), check_model_path(args.quantized, "--quantized")
+    if args.model is None or args.quantized is None and args.kv_cache is None:
+        raise ValueError("eval needs both --model REF and --quantized Q (or --model M --kv-cache SPEC: M's coded cache "
+                         "against its exact one)")
+    ref_path = check_model_path(args.model)
+    q_path = None if args.quantized is None else check_model_path(args.quantized, "--quantized")
     check_text(args.text)
+    if args.kv_cache is not None:
+        from engine.checkpoints.models import model_config
+        check_kv_cache(args, args.ctx, model_config(ref_path).head_dim, "--ctx")
     import torch
     from engine.loaders import checkpoint_source, model_digest
     from engine.checkpoints.models import load_model
@@ -379,30 +410,56 @@ def eval_real(args):
     from engine.formats.numerics.base import decoded_weights, impl, model_bits
     corpus = Corpus.from_text(load_corpus(args.text), load_tokenizer(ref_path))
     chunks = corpus.eval_chunks(args.ctx, args.chunks)                  # short text fails before any model loads
-    source = checkpoint_source(q_path) if q_path.is_dir() else None
+    source = checkpoint_source(q_path) if q_path is not None and q_path.is_dir() else None
     log(f"loading {ref_path} ...")
     reference = load_model(ref_path, torch.float32, dense=True)
     if source is not None and source != model_digest(reference):
         raise ValueError(f"{q_path} was quantized from another model (digest {source[:12]}) than {ref_path} "
                          f"({model_digest(reference)[:12]})")
-    log(f"loading {q_path} ...")
-    quantized = load_model(q_path)
+    if q_path is not None:
+        log(f"loading {q_path} ...")
+    quantized = reference if q_path is None else load_model(q_path)
     bits = model_bits(quantized)
+    scored, kv = quantized, {}
+    if args.kv_cache is not None:                     # each chunk read through a fresh stored cache, as a prefill
+        from engine.formats.kv.kv_store import parse_kv_spec, stored_logits
+
+        def scored(ids):
+            kv["quantizer"] = parse_kv_spec(args.kv_cache)
+            logits, kv["cache"] = stored_logits(quantized, ids, kv["quantizer"], args.prefill_chunk)
+            return logits
     with impl(args.impl), decoded_weights(quantized):
-        stats = compare_models(reference, quantized, chunks, impl=args.impl,
+        stats = compare_models(reference, scored, chunks, impl=args.impl,
                                progress=lambda it: bar(it, desc="evaluating", unit="chunk"))
-    result = {"reference": str(ref_path), "quantized": str(q_path), "bits": bits and round(bits, 3), **stats}
+    label = q_path.name if q_path is not None else ref_path.name
+    result = {"reference": str(ref_path), "quantized": str(q_path or ref_path), "bits": bits and round(bits, 3)}
+    if kv:
+        label += f" + KV {args.kv_cache}"
+        held = kv["cache"].nbytes()["total"]
+        result.update(kv_cache=args.kv_cache, kv_bits=round(kv["quantizer"].report()["total_bps"], 3),
+                      kv_bytes=held, kv_bf16_bytes=kv["cache"].bf16_bytes())
+    result.update(stats)
     print(json.dumps(result))
-    print(markdown_table([{**result, "model": q_path.name}]))
+    print(markdown_table([{**result, "model": label}]))
     log(f"summary: KL {stats['kl_nats']:.4f} ± {stats['kl_stderr']:.4f} nats per token (p99 "
         f"{stats['kl_p99']:.3f}), perplexity {stats['ppl']:.2f} vs {stats['ppl_ref']:.2f} for the reference, same top "
         f"token {stats['same_top_pct']:.1f}%, on {stats['positions']} positions"
         + (f"; {bits:.3f} bits per quantized weight" if bits else ""))
+    if kv:
+        log(kv_summary(args.kv_cache, kv["cache"]) + f"; {result['kv_bits']} bits per K/V scalar counted")
 
 
 def cmd_generate(args):
+    if args.prompt_file is not None:
+        check_text(args.prompt_file, "--prompt-file")
+        try:
+            args.prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") \
+                from None
     if not args.prompt:
-        raise ValueError("--prompt is empty")
+        raise ValueError("--prompt is empty" if args.prompt_file is None else
+                         f"--prompt-file {args.prompt_file} is empty")
     check_text(args.text)
     if args.model is not None:
         check_model_path(args.model)
@@ -419,13 +476,15 @@ def cmd_generate(args):
     ids = encode(tokenizer, args.prompt.encode("utf-8"))[None]
     if ids.numel() == 0:
         raise ValueError("--prompt is empty")
-    context = (Qwen3Config() if args.model is None else model_config(args.model)).max_position_embeddings
+    cfg = Qwen3Config() if args.model is None else model_config(args.model)
+    context = cfg.max_position_embeddings
     if ids.shape[1] >= context:
         raise ValueError(f"--prompt is {ids.shape[1]} tokens, and the model's context is {context}: shorten it")
     if ids.shape[1] + args.max_new_tokens > context:
         log(f"generating at most {context - ids.shape[1]} tokens: the model's context is {context} and the prompt "
             f"is {ids.shape[1]}")
         args.max_new_tokens = context - ids.shape[1]
+    quantizer = check_kv_cache(args, context, cfg.head_dim)
     # A small model's ops (and at batch 1 any model's steps are small) are too small to share between threads:
     # they only wait on each other, 4-10x slower on a loaded 2-core machine (measured); a big model's weights need
     # every core's memory bandwidth. Small: under SMALL_MODEL bytes on disk.
@@ -456,7 +515,12 @@ def cmd_generate(args):
         with impl(args.impl), decoded_weights(model, progress=lambda it: bar(it, desc="decoding weights",
                                                                                 unit="layer", leave=False)) as kept:
             decoded = time.time()
-            model.generate(ids, args.max_new_tokens, args.temperature, generator, on_token=show)
+            cache = None
+            if quantizer is not None:
+                from engine.formats.kv.kv_store import install
+                cache = install(model, quantizer)
+            model.generate(ids, args.max_new_tokens, args.temperature, generator, on_token=show, cache=cache,
+                           prefill_chunk=args.prefill_chunk)
     finally:
         torch.set_num_threads(threads)
     sys.stdout.buffer.write(b"\n")
@@ -466,6 +530,8 @@ def cmd_generate(args):
     log(f"load {loaded - started:.1f} s, " + (f"decode weights {decoded - loaded:.1f} s, " if kept else "")
         + f"first token {state['first'] - decoded:.2f} s after that, {n} tokens in {done - decoded:.1f} s "
         f"({n / max(done - decoded, 1e-9):.1f} tokens/s)")
+    if cache is not None:
+        log(kv_summary(args.kv_cache, cache))
 
 
 def model_bytes(path):

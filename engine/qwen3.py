@@ -106,6 +106,20 @@ class KVCache:
         keys[index], values[index] = k, v
         return k, v
 
+    def windowed(self, index, k, v, fn, window):
+        """The new k, v [B, kv_heads, t, d] under a windowed transform fn -> the exact K, V of every position and the
+        coded ones (exact where fn has not coded them yet), [B, kv_heads, L, d] each. A cache that stores only the
+        codes (engine/formats/kv/kv_store.py) gives the same four, its exact K/V filled with codes where no query
+        reads them any more."""
+        k, v = self.update(index, k, v)
+        done = self.coded_length(index)
+        k_hat, v_hat = self.update(index, *fn(k[:, :, done:], v[:, :, done:], index, done), coded=True)
+        n = k_hat.shape[2]
+        if k.shape[2] - n > window:
+            raise ValueError(f"the KV transform left {k.shape[2] - n} positions uncoded, more than its window "
+                             f"of {window}")
+        return k, v, torch.cat((k_hat, k[:, :, n:]), 2), torch.cat((v_hat, v[:, :, n:]), 2)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen3Config, index: int):
@@ -129,44 +143,44 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_transform is not None and self.kv_window is None:
             k, v = self.kv_transform(k, v, self.index)
-        if cache is not None:
+        coded = None
+        if self.kv_window is not None:                   # without a cache: one forward's own, thrown away after
+            k, v, *coded = (cache or KVCache(self.index + 1)).windowed(self.index, k, v, self.kv_transform,
+                                                                       self.kv_window)
+        elif cache is not None:
             k, v = cache.update(self.index, k, v)
         past = k.shape[2] - t
         causal = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
-        coded = None
-        if self.kv_window is not None:
-            far = torch.ones_like(causal).tril(past - self.kv_window)       # t - s >= window: the coded K/V
-            coded = (*self._coded(k, v, cache), far)
+        if coded is not None:
+            coded.append(torch.ones_like(causal).tril(past - self.kv_window))  # t - s >= window: the coded K/V
         out = self._attend(q, k, v, causal, coded)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def _coded(self, k, v, cache):
-        """Windowed transform: its coded K/V [B, kv_heads, L, d] where it has coded them, the exact ones after."""
-        done = 0 if cache is None else cache.coded_length(self.index)
-        k_hat, v_hat = self.kv_transform(k[:, :, done:], v[:, :, done:], self.index, done)
-        if cache is not None:
-            k_hat, v_hat = cache.update(self.index, k_hat, v_hat, coded=True)
-        n = k_hat.shape[2]
-        if k.shape[2] - n > self.kv_window:
-            raise ValueError(f"the KV transform left {k.shape[2] - n} positions uncoded, more than its window "
-                             f"of {self.kv_window}")
-        return torch.cat((k_hat, k[:, :, n:]), 2), torch.cat((v_hat, v[:, :, n:]), 2)
-
     def _attend(self, q, k, v, causal, coded=None):
         """Causal grouped-query attention [B, heads, T, d]. coded = (k_hat, v_hat, far): where far [T, L], the
-        score comes from k_hat and the weight multiplies v_hat."""
+        score comes from k_hat and the weight multiplies v_hat. Where a query can look, far holds whole columns
+        [0, a) (older than every query's window) and none of [b, L): only the band [a, b), at most T wide, needs
+        both K/V (a decode step's band is one column)."""
         cfg = self.cfg
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        scores = (q @ k.transpose(-1, -2) * cfg.head_dim ** -0.5).float()   # as transformers' eager path
         if coded is not None:
             k_hat, v_hat, far = coded
-            k_hat, v_hat = k_hat.repeat_interleave(groups, 1), v_hat.repeat_interleave(groups, 1)
-            scores = torch.where(far, (q @ k_hat.transpose(-1, -2) * cfg.head_dim ** -0.5).float(), scores)
+            a, b = int((far | ~causal).all(0).sum()), int((far & causal).any(0).sum())    # (the future is masked)
+            k = torch.cat((k_hat[:, :, :a], k[:, :, a:]), 2)
+            v = torch.cat((v_hat[:, :, :a], v[:, :, a:]), 2)
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scores = (q @ k.transpose(-1, -2) * cfg.head_dim ** -0.5).float()   # as transformers' eager path
+        if coded is not None and b > a:
+            band = far[:, a:b]
+            k_band = k_hat[:, :, a:b].repeat_interleave(groups, 1)
+            scores[..., a:b] = torch.where(band, (q @ k_band.transpose(-1, -2) * cfg.head_dim ** -0.5).float(),
+                                           scores[..., a:b])
         p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        if coded is None:
-            return p.to(v.dtype) @ v
-        return p.masked_fill(far, 0).to(v.dtype) @ v + p.masked_fill(~far, 0).to(v.dtype) @ v_hat
+        out = p.to(v.dtype) @ v
+        if coded is not None and b > a:
+            v_band = (v_hat[:, :, a:b] - v[:, :, a:b][:, ::groups]).repeat_interleave(groups, 1)
+            out = out + p[..., a:b].masked_fill(~band, 0).to(v.dtype) @ v_band
+        return out
 
 
 class MLP(nn.Module):
@@ -248,21 +262,31 @@ class Qwen3(nn.Module):
             layer.self_attn.kv_transform, layer.self_attn.kv_window = fn, None if fn is None else window
 
     @torch.no_grad()
-    def generate(self, ids, max_new_tokens, temperature=0.0, generator=None, on_token=None):
+    def generate(self, ids, max_new_tokens, temperature=0.0, generator=None, on_token=None, cache=None,
+                 prefill_chunk=None):
         """Greedy (temperature 0) or sampled continuation with a KV cache: ids [B, T] -> [B, T + max_new_tokens].
         on_token(ids [B, 1]) is called with each new token as soon as it is chosen (to stream it). Logits that are
         not finite (a forward pass that overflowed float32) are a ValueError, not a token picked from NaNs. The prompt
         and the new tokens must fit the model's context (max_position_embeddings): beyond it a ValueError, before any
         work. Any temperature > 0 samples (the logits are shifted by their maximum before they are divided, so that a
-        tiny temperature is greedy rather than NaN)."""
+        tiny temperature is greedy rather than NaN). cache: an empty cache to fill (default a KVCache; a stored KV
+        cache, engine/formats/kv/kv_store.py); prefill_chunk: read the prompt this many tokens at a time, so that
+        attention's scores are [chunk, T] rather than [T, T] (a long prompt's peak memory)."""
         context = self.cfg.max_position_embeddings
         if ids.shape[1] + max_new_tokens > context:
             raise ValueError(f"the prompt's {ids.shape[1]} tokens and {max_new_tokens} new ones exceed the model's "
                              f"context of {context} tokens")
         if not (temperature >= 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        cache = KVCache(self.cfg.num_hidden_layers)
-        logits = self(ids, cache)[:, -1]
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a positive integer or None, got {prefill_chunk!r}")
+        cache = KVCache(self.cfg.num_hidden_layers) if cache is None else cache
+        if cache.length:
+            raise ValueError(f"generate needs an empty cache; this one holds {cache.length} positions")
+        chunk = prefill_chunk or ids.shape[1]
+        for first in range(0, ids.shape[1], chunk):
+            logits = self(ids[:, first:first + chunk], cache)[:, -1]
         out = [ids]
         for step in range(max_new_tokens):
             if not bool(torch.isfinite(logits).all()):

@@ -132,6 +132,50 @@ def test_ggml_blocks_are_llama_cpps(name, reference):
     assert np.array_equal(blocks.numpy().reshape(-1), theirs.reshape(-1))
 
 
+def ggml_gen_hadamard(n):
+    """llama.cpp's ggml_gen_hadamard (llama-kv-cache.cpp), transcribed: the orthonormal Sylvester matrix."""
+    h = torch.zeros(n, n, dtype=torch.float64)
+    h[0, 0] = 1 / n ** 0.5
+    s = 1
+    while s < n:
+        h[s:2 * s, :s], h[:s, s:2 * s], h[s:2 * s, s:2 * s] = h[:s, :s], h[:s, :s], -h[:s, :s]
+        s *= 2
+    return h
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_ggml_cache_rotates_each_head_as_llama_cpp_does(d):
+    """K in chunks of the largest power of two dividing head_dim, V in chunks of 64, by H / sqrt(n); decoding
+    rotates back (H is its own inverse). Without it (rotation none) the blocks are x's own."""
+    x = torch.randn(2, 3, 5, d, generator=torch.Generator().manual_seed(d))
+    kv = kv_baselines.GGMLKV("q4_0", key_order="halves")
+    for which, n in ((0, d), (1, 64)):
+        h = ggml_gen_hadamard(n).float()
+        rotated = (x.unflatten(-1, (-1, n)) @ h.T).flatten(-2)
+        blocks = ggml_quants.blocks("Q4_0", *ggml_quants.quantize("Q4_0", rotated.reshape(-1, d)))
+        expected = (ggml.dequantize(blocks.reshape(-1), "Q4_0", x.shape).unflatten(-1, (-1, n)) @ h).flatten(-2)
+        assert torch.allclose(kv.quantize(x, which=which), expected, atol=1e-5, rtol=0)
+    plain = kv_baselines.GGMLKV("q4_0", rotation="none")
+    blocks = ggml_quants.blocks("Q4_0", *ggml_quants.quantize("Q4_0", x.reshape(-1, d)))
+    assert torch.equal(plain.quantize(x), ggml.dequantize(blocks.reshape(-1), "Q4_0", x.shape))
+
+
+def test_llama_keys_are_blocked_in_llama_cpps_interleaved_order():
+    """llama.cpp's converter makes each rotated pair (i, i + d/2) of a Llama head adjacent; its K blocks (and the
+    Hadamard chunks) are cut in that order. install() settles key_order "auto" by the model's type."""
+    x = torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(5))
+    pairs = x.unflatten(-1, (2, 32)).transpose(-1, -2).flatten(-2)             # [x_0, x_32, x_1, x_33, ...]
+    halves = kv_baselines.GGMLKV("q4_0", key_order="halves")
+    interleaved = kv_baselines.GGMLKV("q4_0", key_order="interleaved")
+    back = halves.quantize(pairs).unflatten(-1, (32, 2)).transpose(-1, -2).flatten(-2)
+    assert torch.equal(interleaved.quantize(x, which=0), back)
+    assert torch.equal(interleaved.quantize(x, which=1), halves.quantize(x, which=1))      # V is not permuted
+    for model_type, order in (("llama", "interleaved"), ("qwen3", "halves")):
+        kv = kv_baselines.GGMLKV("q4_0")
+        kv_cache.install(Qwen3(Qwen3Config(model_type=model_type, num_hidden_layers=1)), kv)
+        assert kv.key_order == order
+
+
 def test_q8_0_rounds_halves_away_from_zero():
     x = torch.zeros(32)
     x[:4] = torch.tensor([127.0, 0.5, -2.5, 1.5])

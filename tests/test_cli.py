@@ -329,3 +329,45 @@ def test_generate_stops_at_the_context(tiny_model):
     with pytest.raises(ValueError, match="exceed the model's context of"):
         tiny_model.generate(ids, 3)
     assert tiny_model.generate(ids[:, :8], 2, temperature=1e-45).shape == (1, 10)
+
+
+def test_generate_and_eval_run_on_a_coded_kv_cache(tmp_path, tiny_model):
+    """--kv-cache SPEC: generate keeps the coded cache and says what it holds against bf16; eval --model M
+    --kv-cache SPEC scores M's coded cache against its exact one."""
+    from engine.loaders import save_dense
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    out = run("generate", "--prompt-file", str(prompt), "--max-new-tokens", "8", "--steps", "1", "--kv-cache",
+              "e8:3,window=4", "--prefill-chunk", "64")
+    assert out.returncode == 0, out.stderr
+    assert "KV cache e8:3,window=4: " in out.stderr and "of a bf16 cache's" in out.stderr
+    save_dense(tiny_model, tmp_path / "dense")
+    out = run("eval", "--model", str(tmp_path / "dense"), "--kv-cache", "e8:3,window=8", "--ctx", "128", "--chunks",
+              "2", "--prefill-chunk", "32")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[0])
+    # head_dim 16: the f16 scale of each head vector alone costs 1 bit per scalar, the window of 8 bf16 more
+    assert result["kv_cache"] == "e8:3,window=8" and 4 < result["kv_bits"] < 8 and result["kl_nats"] > 0
+    assert result["kv_bytes"] < result["kv_bf16_bytes"] and "KV cache e8:3,window=8: " in out.stderr
+
+
+def test_bad_kv_cache_arguments_are_one_line_before_any_model_loads(tmp_path, tiny_model):
+    from engine.loaders import save_dense
+    save_dense(tiny_model, tmp_path / "dense")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    cases = [(["generate", "--prompt", "The", "--kv-cache", "e9:3"], "unknown cache 'e9'"),
+             (["generate", "--prompt", "The", "--kv-cache", "e8:3,window=5000"],
+              "its window of 5000 exact positions is not shorter than the model's context (4096 tokens)"),
+             (["generate", "--prompt", "The", "--kv-cache", "e8:9"], "outside the calibrated range"),
+             (["generate", "--prompt-file", str(tmp_path / "none.txt")], "--prompt-file"),
+             (["generate", "--prompt-file", str(tmp_path / "latin1.txt")], "not UTF-8 text"),
+             (["eval", "--kv-cache", "q4_0"], "--kv-cache evaluates a real model's cache"),
+             (["eval", "--model", str(tmp_path / "dense"), "--kv-cache", "e8:3", "--ctx", "32"],
+              "is not shorter than --ctx (32 tokens)"),
+             (["eval", "--model", str(tmp_path / "dense"), "--kv-cache", "q4_0"],
+              "q4_0 needs head_dim to be a multiple of 32, got 16")]
+    for argv, message in cases:
+        out = run(*argv, "--steps", "1")
+        last = out.stderr.strip().splitlines()[-1]
+        assert out.returncode == 1 and last.startswith("error: ") and message in last, (argv, out.stderr)
+        assert "loading" not in out.stderr and "Traceback" not in out.stderr

@@ -73,23 +73,35 @@ def rice_decode(streams, levels=(0,)):
     (cut from 5 bytes); the unary run is the window's count of leading zeros (a 16-bit lookup table: a valid codeword
     has its '1' there). Needs whole vectors: count and substream multiples of len(levels)."""
     streams.validate()
+    return decode_lockstep(streams.payload.numpy(), streams.offsets.numpy(), streams.stream_ends().numpy(),
+                           streams.rice_ks.numpy(), streams.count, streams.substream, levels)
+
+
+def decode_lockstep(payload, offsets, ends, rice_ks, count, substream=SUBSTREAM, levels=(0,)):
+    """rice_decode's body on NumPy arrays, with each sub-stream's end given (so that sub-streams cut from several
+    streams, each padded to whole bytes, decode in one lockstep: the KV cache's pages): payload uint8 [bytes],
+    offsets / ends [streams] (start and end bits), rice_ks uint8 [streams] -> symbols [count] int64. Every sub-stream
+    but the last holds `substream` symbols; each start must lie inside the payload."""
     n = len(levels)
-    if streams.count % n or streams.substream % n:
-        raise ValueError(f"{streams.count} symbols in sub-streams of {streams.substream} are not whole vectors of {n}")
-    S = streams.substream
-    nb = streams.payload.numel()
-    # win40[i] = bytes i..i+4 big-endian. Zero padding past the end: validate() keeps every start inside the payload
-    # and a step moves at most 32 bits, so even a corrupt sub-stream never indexes past 4 S more bytes.
+    if count % n or substream % n:
+        raise ValueError(f"{count} symbols in sub-streams of {substream} are not whole vectors of {n}")
+    S = substream
+    nb = payload.size
+    ns = offsets.size
+    pos = offsets.astype(np.int64)
+    if ns != -(-count // S) or rice_ks.size != ns or ends.size != ns or ns and not 0 <= pos.min() <= pos.max() < 8 * nb:
+        raise ValueError(f"{ns} sub-streams with {rice_ks.size} Rice parameters and {ends.size} ends do not hold "
+                         f"{count} symbols of a {nb}-byte payload")
+    # win40[i] = bytes i..i+4 big-endian. Zero padding past the end: every start lies inside the payload and a step
+    # moves at most 32 bits, so even a corrupt sub-stream never indexes past 4 S more bytes.
     b = np.zeros(nb + 4 * S + 16, dtype=np.int64)
-    b[:nb] = streams.payload.numpy()
+    b[:nb] = payload
     n40 = nb + 4 * S + 8
     win40 = b[:n40] << 32 | b[1:n40 + 1] << 24 | b[2:n40 + 2] << 16 | b[3:n40 + 3] << 8 | b[4:n40 + 4]
-    ns = streams.streams
-    pos = streams.offsets.numpy().astype(np.int64)
-    packed = streams.rice_ks.numpy().astype(np.int64)
+    packed = rice_ks.astype(np.int64)
     rice_k = np.stack([packed & 7, (packed >> 3) & 7])                          # [2 levels, streams]
     shift, mask, length_k = 31 - rice_k, (1 << rice_k) - 1, rice_k + 1
-    last_count = streams.count - (ns - 1) * S
+    last_count = count - (ns - 1) * S
     out = np.zeros((S, ns), dtype=np.int64)
     bad = np.zeros(ns, dtype=bool)
     for j in range(S):
@@ -110,13 +122,12 @@ def rice_decode(streams, levels=(0,)):
             out[j, :lanes] = np.where(esc, w & ((1 << RAW_BITS) - 1), out[j, :lanes])
             length = np.where(esc, ESCAPE + 1 + RAW_BITS, length)
         p += length
-    ends = streams.stream_ends().numpy()
     wrong = bad | (pos != ends)
     if wrong.any():
         i = int(np.flatnonzero(wrong)[0])
         raise ValueError(f"sub-stream {i} does not decode to its boundary (ends at bit {pos[i]}, expected {ends[i]}): "
                          f"stream is corrupt")
-    return torch.from_numpy(out.T.reshape(-1)[:streams.count].copy())
+    return torch.from_numpy(out.T.reshape(-1)[:count].copy())
 
 
 def zigzag(n):

@@ -21,5 +21,6 @@
   numerics/                  what the methods share: base, affine, obq, calibration, layer_runs, minifloats,
                              hadamard, sensitivity
   llama_cpp/                 llama.cpp's blocks: ggml (decoders), ggml_quants (quantizers), bit_plan
-  kv/                        the KV cache: kv_cache (the lattice cache, the hook), kv_baselines (FP8, q8_0, q4_0, KIVI)
+  kv/                        the KV cache: kv_cache (the lattice cache, the hook), kv_baselines (FP8, q8_0, q4_0, KIVI),
+                             kv_store (the cache that holds codes: generate / eval --kv-cache)
 """

@@ -18,7 +18,17 @@ kernels match; the engine's one port of them is llama_cpp/ggml_quants.py) writin
 llama_cpp/ggml.py, so the grid is GGUF's bit for bit:
     q8_0: d = amax / 127, q = roundf(x / d) (halves away from 0)
     q4_0: d = m / -8 (m the value of largest |x|), q = min(15, trunc(x / d + 8.5))
-(llama.cpp quantizes V this way only with flash attention; without it V stays f16.)
+(llama.cpp quantizes V this way only with flash attention; without it V stays f16.) llama.cpp (since its PR 21038,
+in the version benchmarks/clients.py builds) rotates each head before a quantized cache stores it: K in chunks of
+the largest power of two >= 64 dividing head_dim, V in chunks of 64, by the orthonormal Sylvester Hadamard matrix
+H / sqrt(n) (its own inverse; Q gets the same rotation, the attention output V's back), when head_dim is a multiple
+of 64 (LLAMA_ATTN_ROT_DISABLE=1 turns it off): rotation "hadamard" (the default) does the same (on SmolLM2 it is
+what makes q4_0's KL a third of the unrotated blocks', in llama.cpp and here). Which 32 values share a block
+depends on the model's RoPE in llama.cpp: Qwen2 / Qwen3 rotate the halves of a head (NEOX, as transformers), so a
+block is 32 consecutive values as here; for Llama its converter permutes q_proj / k_proj so that each rotated pair is
+adjacent (element 2i = transformers' i, 2i + 1 = i + d / 2) and K's blocks are cut in that order, which keeps a
+pair's two values (one frequency) in one block. key_order "interleaved" codes K that way ("auto": as llama.cpp would
+for the model it is installed on).
 
 KIVI: asymmetric b-bit, x_hat = q s + z, z = min, s = (max - min) / (2^b - 1), both f16, q = clamp(round((x - z) /
 s)); K grouped per channel over G consecutive tokens (so blocks of G tokens are coded together), V per token over
@@ -29,17 +39,21 @@ import torch
 
 from ..llama_cpp import ggml_quants
 from ..llama_cpp.ggml import dequantize
+from ..numerics.affine import pack_bits, unpack_bits
+from ..numerics.hadamard import fwht
 from ..numerics.minifloats import E4M3_MAX, round_e4m3
 from .kv_cache import RESIDUAL_WINDOW, KVHook, install
 
 FP8_SCALES = ("tensor", "head")
 GGML_KV = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
+GGML_KV_VALUES = {"q8_0": 34, "q4_0": 18}          # bytes of a 32-value block
+KEY_ORDERS = ("auto", "halves", "interleaved")
 QK = 32                    # values per GGML block
 
 
-def _check_head_dim(x, multiple, what):
-    if x.shape[-1] % multiple:
-        raise ValueError(f"{what} needs head_dim to be a multiple of {multiple}, got {x.shape[-1]}")
+def _check_head_dim(d, multiple, what):
+    if d % multiple:
+        raise ValueError(f"{what} needs head_dim to be a multiple of {multiple}, got {d}")
 
 
 class FP8KV(KVHook):
@@ -51,41 +65,80 @@ class FP8KV(KVHook):
         super().__init__(window, exact_keys)
         self.scale = scale
 
-    def quantize(self, x, layer=0, which=0):
-        """x [B, kv_heads, n, d] -> E4M3(x / s) s, s = amax / 448 over the tensor or over each head."""
+    def encode(self, x, layer=0, which=0):
+        """x [B, kv_heads, n, d] -> {"e4m3": float8_e4m3fn codes of x / s, "scale": s float32 [B, kv_heads, n, 1]}
+        with s = amax / 448 over the tensor or over each head (kept with each token: a stored cache's calls each
+        have their own)."""
         dims = (0, 1, 2, 3) if self.scale == "tensor" else (0, 2, 3)
         amax = x.float().abs().amax(dims, keepdim=True)
         s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
         self.count(which, x.numel(), 8 * x.numel() + 32 * s.numel())
-        return (round_e4m3(x.float() / s) * s).to(x.dtype)
+        return {"e4m3": round_e4m3(x.float() / s).to(torch.float8_e4m3fn),
+                "scale": s.expand(*x.shape[:-1], 1).contiguous()}
+
+    def decode(self, codes, layer=0, which=0):
+        return codes["e4m3"].float() * codes["scale"]
 
 
 class GGMLKV(KVHook):
     """llama.cpp's quantized cache types: every run of 32 values along head_dim one GGML block."""
 
-    def __init__(self, cache_type="q8_0", window=0, exact_keys=0):
+    def __init__(self, cache_type="q8_0", window=0, exact_keys=0, key_order="auto", rotation="hadamard"):
         if cache_type not in GGML_KV:
             raise ValueError(f"cache_type must be one of {list(GGML_KV)}, got {cache_type!r}")
+        if key_order not in KEY_ORDERS:
+            raise ValueError(f"key_order must be one of {KEY_ORDERS}, got {key_order!r}")
+        if rotation not in ("hadamard", "none"):
+            raise ValueError(f"rotation must be 'hadamard' (llama.cpp's) or 'none', got {rotation!r}")
         super().__init__(window, exact_keys)
-        self.cache_type = cache_type
+        self.cache_type, self.key_order, self.rotation = cache_type, key_order, rotation
 
-    def quantize(self, x, layer=0, which=0):
-        """x [..., d] (d a multiple of 32) -> the values its GGML blocks decode to."""
-        _check_head_dim(x, QK, self.cache_type)
+    def adopt(self, cfg):
+        """On a model: "auto" becomes llama.cpp's order for it (interleaved for Llama, halves for Qwen)."""
+        if self.key_order == "auto":
+            self.key_order = "interleaved" if cfg.model_type == "llama" else "halves"
+
+    def check_head_dim(self, d):
+        _check_head_dim(d, QK, self.cache_type)
+
+    def _interleaved(self, which):
+        return which == 0 and self.key_order == "interleaved"
+
+    def _rotate(self, x, which):
+        """x [..., d] -> x H / sqrt(n) per chunk of n (llama.cpp's rotation; its own inverse), or x."""
+        d = x.shape[-1]
+        if self.rotation == "none" or d % 64:
+            return x
+        n = 64 if which == 1 else d & -d                  # V: 64; K: the largest power of two dividing d
+        return (fwht(x.float().unflatten(-1, (-1, n))) / n ** 0.5).flatten(-2)
+
+    def encode(self, x, layer=0, which=0):
+        """x [..., d] (d a multiple of 32) -> {"blocks": uint8 [..., d / 32 * block bytes]}: its GGML blocks."""
+        self.check_head_dim(x.shape[-1])
+        if self._interleaved(which):                  # [x_0, x_{d/2}, x_1, x_{d/2+1}, ...]
+            x = x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+        x = self._rotate(x, which)
         kind = GGML_KV[self.cache_type]
         raw = ggml_quants.blocks(kind, *ggml_quants.quantize(kind, x.reshape(-1, x.shape[-1])))
         self.count(which, x.numel(), 8 * raw.numel())
-        return dequantize(raw.reshape(-1), kind, x.shape).to(x.dtype)
+        return {"blocks": raw.reshape(*x.shape[:-1], -1)}
+
+    def decode(self, codes, layer=0, which=0):
+        raw = codes["blocks"]
+        per_block = raw.shape[-1] * QK // GGML_KV_VALUES[self.cache_type]
+        x = self._rotate(dequantize(raw.reshape(-1), GGML_KV[self.cache_type], (*raw.shape[:-1], per_block)), which)
+        return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2) if self._interleaved(which) else x
 
 
-def min_max_grid(groups, bits, dim):
-    """groups [...] -> their values on KIVI's grid over `dim`: z = min, s = (max - min) / (2^b - 1), both f16."""
+def min_max_codes(groups, bits, dim):
+    """groups [...] -> KIVI's codes over `dim`: q uint8 = clamp(round((x - z) / s), 0, 2^b - 1), z = min and
+    s = (max - min) / (2^b - 1) (1 where that is 0), both f16 (keepdim)."""
     top = 2 ** bits - 1
     g = groups.float()
-    z = g.amin(dim, keepdim=True).half().float()
-    s = ((g.amax(dim, keepdim=True) - z) / top).half().float()
+    z = g.amin(dim, keepdim=True).half()
+    s = ((g.amax(dim, keepdim=True) - z.float()) / top).half()
     s = torch.where(s > 0, s, torch.ones_like(s))
-    return ((g - z) / s).round().clamp(0, top) * s + z
+    return ((g - z.float()) / s.float()).round().clamp(0, top).to(torch.uint8), s, z
 
 
 class KIVI(KVHook):
@@ -104,24 +157,57 @@ class KIVI(KVHook):
                              f"holding later tokens (need window >= {group - 1})")
         self.bits, self.group = bits, group
 
-    def quantize(self, x, layer=0, which=0):
-        """x [B, kv_heads, n, d] (n a multiple of group for K) -> x_hat."""
+    def check_head_dim(self, d):
+        _check_head_dim(d, min(self.group, d), "KIVI values")
+
+    def encode(self, x, layer=0, which=0):
+        """x [B, kv_heads, n, d] (n a multiple of group for K) -> {"q": the codes, bits-packed along d, "scale",
+        "zero": f16 [B, kv_heads, n / group, d] for K, [B, kv_heads, n, d / min(group, d)] for V}."""
         b, h, n, d = x.shape
         if which == 0:
             if n % self.group:
                 raise ValueError(f"KIVI keys come in groups of {self.group} tokens, got {n}")
-            x_hat = min_max_grid(x.reshape(b, h, n // self.group, self.group, d), self.bits, 3)
-            groups = n // self.group * d
+            q, s, z = min_max_codes(x.reshape(b, h, n // self.group, self.group, d), self.bits, 3)
         else:
             g = min(self.group, d)
-            _check_head_dim(x, g, "KIVI values")
-            x_hat = min_max_grid(x.reshape(b, h, n, d // g, g), self.bits, 4)
-            groups = n * (d // g)
-        self.count(which, x.numel(), self.bits * x.numel() + 32 * b * h * groups)         # + f16 scale and zero
-        return x_hat.reshape(x.shape).to(x.dtype)
+            self.check_head_dim(d)
+            q, s, z = min_max_codes(x.reshape(b, h, n, d // g, g), self.bits, 4)
+        s, z = s.reshape(b, h, s.shape[2], -1), z.reshape(b, h, z.shape[2], -1)      # drop the group's axis
+        self.count(which, x.numel(), self.bits * x.numel() + 32 * s.numel())             # + f16 scale and zero
+        return {"q": pack_bits(q.reshape(x.shape), self.bits), "scale": s, "zero": z}
+
+    def decode(self, codes, layer=0, which=0):
+        q, s, z = codes["q"], codes["scale"], codes["zero"]
+        b, h, n = q.shape[:3]
+        d = q.shape[-1] * 8 // self.bits
+        q = unpack_bits(q, self.bits, d).float()
+        if which == 0:
+            x = q.reshape(b, h, n // self.group, self.group, d) * s.float()[:, :, :, None] + z.float()[:, :, :, None]
+        else:
+            g = min(self.group, d)
+            x = q.reshape(b, h, n, d // g, g) * s.float()[..., None] + z.float()[..., None]
+        return x.reshape(b, h, n, d)
 
 
-KV_FORMATS = {"fp8": FP8KV, "ggml": GGMLKV, "kivi": KIVI}
+class DenseKV(KVHook):
+    """The values themselves in bf16 or f16 (vLLM's and llama.cpp's default caches): the stored cache's baseline."""
+    DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+    def __init__(self, dtype="bf16", window=0):
+        if dtype not in self.DTYPES:
+            raise ValueError(f"dense KV dtype must be one of {list(self.DTYPES)}, got {dtype!r}")
+        super().__init__(window)
+        self.dtype = self.DTYPES[dtype]
+
+    def encode(self, x, layer=0, which=0):
+        self.count(which, x.numel(), 16 * x.numel())
+        return {"values": x.to(self.dtype)}
+
+    def decode(self, codes, layer=0, which=0):
+        return codes["values"].float()
+
+
+KV_FORMATS = {"fp8": FP8KV, "ggml": GGMLKV, "kivi": KIVI, "dense": DenseKV}
 
 
 def kv_quantize(model, format="fp8", **options):

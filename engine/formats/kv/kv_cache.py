@@ -31,9 +31,11 @@ stream), plus 40 bits per 512-symbol sub-stream and 16 bits per vector for alpha
 
 The formats real engines use (FP8, llama.cpp's q8_0 / q4_0, KIVI) are in engine/formats/kv/kv_baselines.py.
 """
+import numpy as np
 import torch
 
-from ...coding.rice import STREAM_META_BITS, SUBSTREAM, rice_bits
+from ...coding.rice import ESCAPE, RAW_BITS, STREAM_META_BITS, SUBSTREAM, decode_lockstep, rice_bits, rice_encode
+from ...kernels import stream_decoders
 from ..lattice import get_lattice, lattice_scale, snr_for_rate
 
 
@@ -45,8 +47,12 @@ RESIDUAL_WINDOW = 32        # HyperQuant's protocol: the last 32 tokens in bf16
 
 class KVHook:
     """The windowed KV hook and its bit accounting, shared by every KV quantizer. A subclass sets `block` (tokens
-    coded jointly) and gives quantize(x, layer, which) -> x_hat for x [B, kv_heads, n, d] (n a multiple of block,
-    which 0 for K and 1 for V), calling self.count(which, scalars, bits) with everything it stores for them."""
+    coded jointly) and gives encode(x, layer, which) -> codes (a dict of tensors [B, kv_heads, n', ...] whose axis 2
+    runs over tokens, n' = n or n / block: what a cache stores; it calls self.count(which, scalars, bits) with every
+    bit of them) and decode(codes, layer, which) -> x_hat [B, kv_heads, n, d], for x [B, kv_heads, n, d] (n a
+    multiple of block; which 0 for K, 1 for V). quantize is decode(encode(x)). pack / unpack turn codes into the
+    bytes of a stored cache's pages and back (engine/formats/kv/kv_store.py): by default each tensor's bytes, token
+    by token, so that pages append along the token axis."""
     block = 1
 
     def __init__(self, window=0, exact_keys=0):
@@ -59,27 +65,52 @@ class KVHook:
         self.coded = [[0, 0], [0, 0]]            # K, V: [scalars coded, bits stored for them]
         self.cache = [0, 0, 0]                   # scalars in the forwards' final caches: exact, coded K, coded V
 
+    def adopt(self, cfg):
+        """Called when installed on a model (its Qwen3Config): a format whose layout depends on it settles it."""
+
+    def check_head_dim(self, d):
+        """ValueError if heads of d values cannot be coded (checked from a model's config before it loads)."""
+
     def count(self, which, scalars, bits):
         self.coded[which][0] += scalars
         self.coded[which][1] += bits
 
-    def __call__(self, k, v, layer_index, start):
-        """k, v [B, kv_heads, n, d] of positions start..start+n-1 -> coded k, v of the first n // block * block."""
+    def quantize(self, x, layer=0, which=0):
+        """x [B, kv_heads, n, d] -> the values its codes decode to (x's dtype)."""
+        return self.decode(self.encode(x, layer, which), layer, which).to(x.dtype)
+
+    def encode_call(self, k, v, layer, start):
+        """One call of the hook on k, v [B, kv_heads, n, d] of positions start.. -> (m, exact, k_codes, v_codes): the
+        first m = n // block * block positions are coded, the keys of the first `exact` of them kept exact (those
+        before exact_keys); k_codes covers positions start + exact .. start + m, v_codes start .. start + m (None
+        when empty)."""
         b, h, n, d = k.shape
         self._count_cache(b * h * d, start + n)
         m = n // self.block * self.block
         exact = min(max(self.exact_keys - start, 0), m)
-        k_hat = torch.cat((k[:, :, :exact], self._code(k[:, :, exact:m], layer_index, 0)), 2)
-        return k_hat, self._code(v[:, :, :m], layer_index, 1)
+        k_codes = self.encode(k[:, :, exact:m], layer, 0) if m > exact else None
+        return m, exact, k_codes, self.encode(v[:, :, :m], layer, 1) if m else None
 
-    def _code(self, x, layer, which):
-        return self.quantize(x, layer, which) if x.shape[2] else x
+    def __call__(self, k, v, layer_index, start):
+        """k, v [B, kv_heads, n, d] of positions start..start+n-1 -> coded k, v of the first n // block * block."""
+        m, exact, k_codes, v_codes = self.encode_call(k, v, layer_index, start)
+        k_hat = k[:, :, exact:m] if k_codes is None else self.decode(k_codes, layer_index, 0).to(k.dtype)
+        v_hat = v[:, :, :m] if v_codes is None else self.decode(v_codes, layer_index, 1).to(v.dtype)
+        return torch.cat((k[:, :, :exact], k_hat), 2), v_hat
 
     def _count_cache(self, per_position, length):
         exact_k, exact_v = min(length, self.window + self.exact_keys), min(length, self.window)
         self.cache[0] += per_position * (exact_k + exact_v)
         self.cache[1] += per_position * (length - exact_k)
         self.cache[2] += per_position * (length - exact_v)
+
+    def pack(self, codes):
+        """codes -> {name: uint8 array}: the bytes one page of the stored cache holds."""
+        return {name: _token_major(t) for name, t in codes.items()}
+
+    def unpack(self, pages, like):
+        """{name: uint8 array of every page's bytes}, like (codes of one page: dtypes and shapes) -> the codes."""
+        return {name: _from_token_major(pages[name], t) for name, t in like.items()}
 
     def report(self):
         """coded_bps (bits per coded scalar, everything stored with the codes included), total_bps (the caches'
@@ -95,8 +126,20 @@ class KVHook:
                 "exact_fraction": exact / max(stored, 1)}
 
 
+def _token_major(t):
+    """[B, H, n', ...] -> its bytes with the token axis first (uint8 NumPy), so that pages concatenate."""
+    return t.movedim(2, 0).contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _from_token_major(data, like):
+    """Inverse of _token_major for tensors shaped as `like` but for the token axis (a copy, not a view of data)."""
+    flat = torch.from_numpy(data.copy()).view(like.dtype)
+    return flat.reshape(-1, like.shape[0], like.shape[1], *like.shape[3:]).movedim(0, 2)
+
+
 def install(model, quantizer):
     """Put a KVHook on the model's attention (weights untouched); returns it (see .report())."""
+    quantizer.adopt(model.cfg)
     model.set_kv_transform(quantizer, window=quantizer.window)
     return quantizer
 
@@ -152,36 +195,106 @@ class KVQuantizer(KVHook):
                 self.rotations[key] = None
         return self.rotations[key]
 
-    def quantize(self, x, layer=0, which=0):
-        """x [..., d] -> x_hat [..., d] (same dtype); d must be a multiple of the lattice dimension."""
+    def _scale(self, alpha):
+        """alpha (f16) -> the float32 scale alpha beta (1 where alpha is 0) that codes are multiplied by."""
+        return torch.where(alpha > 0, alpha.double() * self.beta, torch.ones_like(alpha, dtype=torch.float64)).float()
+
+    def check_head_dim(self, d):
+        if d % self.lat.n:
+            raise ValueError(f"head_dim {d} is not a multiple of {self.lat.name}'s dimension {self.lat.n}")
+
+    def encode(self, x, layer=0, which=0):
+        """x [B, H, n, d] -> {"symbols": int16 (int32 if one needs it) [B, H, n, d] (the lattice codes stripped to
+        the Rice coder's symbols), "alpha": f16 [B, H, n, 1]} (+ "dither": the noise U, float64, never stored); d
+        must be a multiple of the lattice dimension."""
         d, n = x.shape[-1], self.lat.n
-        if d % n:
-            raise ValueError(f"head_dim {d} is not a multiple of {self.lat.name}'s dimension {n}")
+        self.check_head_dim(d)
         s = self._rotation(layer, which, d)
         y = x.double() if s is None else x.double() @ s.T
-        alpha = y.pow(2).mean(-1, keepdim=True).sqrt().half().double()
-        scale = torch.where(alpha > 0, alpha * self.beta, torch.ones_like(alpha))
-        axis = torch.tensor(self.lat.axis, dtype=torch.float64)
-        z = (y / scale).reshape(*y.shape[:-1], d // n, n)
-        u = voronoi_dither(z.shape[:-1], self.lat, self.noise) if self.dither else torch.zeros_like(z)
-        codes = self.lat.closest_point(z + u)
-        y_hat = (codes * axis - u).reshape(y.shape) * scale
-        self._count_codes(codes, d, which)
-        x_hat = y_hat if s is None else y_hat @ s
-        return x_hat.to(x.dtype)
+        alpha = y.pow(2).mean(-1, keepdim=True).sqrt().half()
+        z = (y / self._scale(alpha).double()).reshape(*y.shape[:-1], d // n, n)
+        codes = {"alpha": alpha}
+        if self.dither:
+            codes["dither"] = voronoi_dither(z.shape[:-1], self.lat, self.noise)
+            z = z + codes["dither"]
+        symbols = self.lat.strip(self.lat.closest_point(z).reshape(-1, n))
+        self._count_codes(symbols, d, which)
+        small = symbols.numel() == 0 or int(symbols.max()) < 1 << 15          # nearly always: half the tail's bytes
+        codes["symbols"] = symbols.reshape(x.shape).to(torch.int16 if small else torch.int32)
+        return codes
 
-    def _count_codes(self, codes, d, which):
-        scalars = codes.numel()
-        payload = rice_bits(self.lat.strip(codes.reshape(-1, self.lat.n)), self.lat.levels)
+    def decode(self, codes, layer=0, which=0):
+        """codes (encode's, or unpack's with "points" already decoded by the kernel) -> x_hat [B, H, n, d]
+        (float64 when rotated or dithered, else float32): points = codes * axis * scale in float32, as the Triton
+        decoder computes them."""
+        scale = self._scale(codes["alpha"])
+        if "points" in codes:
+            y_hat = codes["points"]
+        else:
+            shape = codes["symbols"].shape
+            points = self.lat.unstrip(codes["symbols"].reshape(-1, self.lat.n)).reshape(shape)
+            axis = torch.tensor(self.lat.axis * (shape[-1] // self.lat.n))
+            if "dither" in codes:
+                y_hat = (points * axis.double() - codes["dither"].reshape(shape)) * scale.double()
+            else:
+                y_hat = points.float() * axis * scale
+        s = self._rotation(layer, which, y_hat.shape[-1])
+        return y_hat if s is None else y_hat.double() @ s
+
+    def _count_codes(self, symbols, d, which):
+        scalars = symbols.numel()
+        payload = rice_bits(symbols, self.lat.levels)
         metadata = STREAM_META_BITS * -(-scalars // SUBSTREAM) + 16 * (scalars // d)        # + alphas
         self.stats["scalars"] += scalars
         self.stats["payload_bits"] += payload
         self.stats["metadata_bits"] += metadata
         self.count(which, scalars, payload + metadata)
 
+    def pack(self, codes):
+        """A page: the symbols as Rice sub-streams (page-local start bits, the page's bit count), the alphas."""
+        if "dither" in codes:
+            raise ValueError("a dithered lattice cache cannot be stored: its noise U is drawn, not kept")
+        if codes["symbols"].numel() % SUBSTREAM:
+            raise ValueError(f"a page of {codes['symbols'].numel()} symbols is not whole {SUBSTREAM}-symbol "
+                             "sub-streams")
+        streams = rice_encode(codes["symbols"].reshape(-1), self.lat.levels)
+        return {"payload": streams.payload.numpy(), "offsets": streams.offsets.numpy().view(np.uint8),
+                "rice_ks": streams.rice_ks.numpy(), "bits": np.array([streams.total_bits], np.int64).view(np.uint8),
+                "alpha": _token_major(codes["alpha"])}
+
+    def unpack(self, pages, like, kernel=False):
+        """Every page's sub-streams decoded in one lockstep (NumPy, or the Triton decoder with kernel=True, which
+        also multiplies the points out: "points" instead of "symbols")."""
+        payload, first_bit = pages["payload"], 8 * pages.starts["payload"]
+        offsets = pages["offsets"].view(np.int32).astype(np.int64)
+        per_page = np.diff(pages.starts["offsets"] // 4, append=offsets.size)        # sub-streams of each page
+        offsets += np.repeat(first_bit, per_page)                                      # bits in the whole payload
+        ends = np.append(offsets[1:], 0)                                               # the next sub-stream's start,
+        ends[np.cumsum(per_page) - 1] = first_bit + pages["bits"].view(np.int64)      # or the page's end
+        alpha = _from_token_major(pages["alpha"], like["alpha"])
+        shape = (*alpha.shape[:-1], like["symbols"].shape[-1])
+        count = alpha.numel() * shape[-1]
+        if kernel:                                      # the scales in the streams' order: page after page
+            tokens = (per_page * SUBSTREAM // (shape[0] * shape[1] * shape[-1])).tolist()
+            scales = torch.cat([page.reshape(-1) for page in self._scale(alpha).split(tokens, 2)])
+            points = stream_decoders.lattice_decode(
+                torch.from_numpy(payload.copy()), torch.from_numpy(offsets.astype(np.int32)),
+                torch.from_numpy(pages["rice_ks"].copy()), count, torch.from_numpy(ends), self.lat, scales,
+                shape[-1], SUBSTREAM, ESCAPE, RAW_BITS)
+            return {"alpha": alpha, "points": _pages_to_tokens(points, per_page, shape)}
+        symbols = decode_lockstep(payload, offsets, ends, pages["rice_ks"], count, SUBSTREAM, self.lat.levels)
+        return {"alpha": alpha, "symbols": _pages_to_tokens(symbols, per_page, shape)}
+
     def report(self):
         """KVHook's report and payload_bps (the Rice payload alone, per coded scalar)."""
         return {"payload_bps": self.stats["payload_bits"] / max(self.stats["scalars"], 1), **super().report()}
+
+
+def _pages_to_tokens(flat, per_page, shape):
+    """flat [count]: pages one after another, each [B, H, n_page, d] -> [B, H, n, d] (shape)."""
+    b, h, _, d = shape
+    sizes = (per_page * SUBSTREAM).tolist()
+    return torch.cat([part.reshape(b, h, -1, d) for part in flat.split(sizes)], 2)
 
 
 def kv_quantize(model, lattice="E8", bps=3.0, rotation="none", dither=False, seed=0, window=RESIDUAL_WINDOW,

@@ -1,0 +1,296 @@
+"""A KV cache that holds codes, not values: what `run.py generate / eval --kv-cache SPEC` run on.
+
+kv_cache.py's hook decides, per query t and position s, whether attention reads the exact K/V (t - s < window) or
+the coded ones; a plain KVCache keeps both. StoredKVCache keeps, per layer:
+
+    exact     K and V of the last `window` positions (and of any not coded yet), in the model's dtype; the keys of
+              the first `exact_keys` positions
+    pages     every coded position, as the bytes of its format: Rice sub-streams + f16 scales for HyperQuant's
+              lattice, GGML blocks for q8_0 / q4_0, E4M3 bytes + scales for fp8, packed codes + f16 scales and zeros
+              for KIVI. Each page holds a whole number of `page_tokens` tokens (so that a lattice page is whole
+              512-symbol sub-streams) and a CRC32 per array, checked on every read
+    tail      the codes of the < page_tokens positions coded since the last page (as tensors, until a page fills)
+
+Each forward codes what the hook would (the same calls, so the same codes), appends them, and reads the layer's
+pages back: one lockstep Rice decode over all of a layer's sub-streams (NumPy, or the Triton decoder with
+kernel=True), then the format's decode. Attention then sees what the simulated hook gives: exact K/V where a query
+is within the window, decoded ones elsewhere; the positions whose exact values are gone are read by no query.
+Memory is what the pages, the tail and the window hold (nbytes), against bf16_bytes, a bf16 cache of the length.
+
+SPEC (parse_kv_spec): NAME[:VALUE][,key=value...]
+    e8:3 d4:3.5 a2:4 z:5    HyperQuant's lattice at that many Rice bits per scalar; rotation qjl (none, signs),
+                            window 32, exact_keys 0, seed 0 (dither is refused: its noise is drawn, not stored)
+    q8_0 q4_0               llama.cpp's cache types (window 0; rotation hadamard and key_order auto: as llama.cpp
+                            stores them for the model; rotation=none: before its PR 21038)
+    fp8 fp8:head            vLLM's fp8 (E4M3), one scale per layer's call or per KV head (window 0)
+    kivi:2 kivi:4           KIVI, group 32, window 32
+    bf16 f16                the values themselves, rounded (window 0)
+"""
+import math
+import zlib
+from array import array
+
+import numpy as np
+import torch
+
+from ..lattice import LATTICES
+from .kv_baselines import FP8KV, GGMLKV, KIVI, DenseKV
+from .kv_cache import KVHook, KVQuantizer
+
+PAGE_TOKENS = 64           # at least this many tokens per page (metadata and checks are per page)
+
+
+class Arena:
+    """Append-only bytes, and where each page starts with its CRC32 (compact arrays: thousands of pages)."""
+
+    def __init__(self):
+        self.data, self.starts, self.crcs = bytearray(), array("q"), array("q")
+
+    def append(self, raw):
+        raw = np.ascontiguousarray(raw).view(np.uint8)
+        self.starts.append(len(self.data))
+        self.crcs.append(zlib.crc32(raw))
+        self.data += raw.tobytes()
+
+    def read(self, what):
+        """Every page's bytes (a copy), after checking each page's CRC32."""
+        data = np.frombuffer(self.data, np.uint8).copy()
+        ends = list(self.starts[1:]) + [len(data)]
+        for page, (start, end, crc) in enumerate(zip(self.starts, ends, self.crcs)):
+            if zlib.crc32(data[start:end]) != crc:
+                raise ValueError(f"KV cache {what}, page {page}: checksum mismatch (the stored codes are corrupt)")
+        return data
+
+    @property
+    def nbytes(self):
+        return len(self.data) + 8 * (len(self.starts) + len(self.crcs))
+
+
+class Pages(dict):
+    """{name: every page's bytes} as a format's unpack reads them, with .starts {name: each page's first byte}."""
+
+    def __init__(self, arenas, what):
+        super().__init__((name, arena.read(f"{what} {name}")) for name, arena in arenas.items())
+        self.starts = {name: np.array(arena.starts, dtype=np.int64) for name, arena in arenas.items()}
+
+
+class CodedPart:
+    """One layer's K (which 0) or V (1): its pages, and the tail not yet paged."""
+
+    def __init__(self, quantizer, layer, which, page_tokens):
+        self.quantizer, self.layer, self.which, self.page_tokens = quantizer, layer, which, page_tokens
+        self.arenas, self.like, self.tail, self.tail_tokens = {}, None, None, 0
+
+    def append(self, codes, tokens):
+        self.tail = codes if self.tail is None else {k: torch.cat((self.tail[k], t), 2) for k, t in codes.items()}
+        self.tail_tokens += tokens
+        sealed = self.tail_tokens // self.page_tokens * self.page_tokens
+        if sealed:
+            page, self.tail = _split(self.tail, self.tail_tokens, sealed)
+            for name, raw in self.quantizer.pack(page).items():
+                self.arenas.setdefault(name, Arena()).append(raw)
+            self.like = self.like or {k: t[:, :, :0].clone() for k, t in page.items()}
+            self.tail_tokens -= sealed
+
+    @property
+    def coded(self):
+        return bool(self.arenas) or self.tail_tokens > 0
+
+    def decoded(self, kernel=False):
+        """x_hat [B, kv_heads, coded positions, d] of every page and the tail."""
+        q, what = self.quantizer, f"layer {self.layer} {'KV'[self.which]}"
+        parts = []
+        if self.arenas:
+            extra = {"kernel": True} if kernel else {}
+            parts.append(q.decode(q.unpack(Pages(self.arenas, what), self.like, **extra), self.layer, self.which))
+        if self.tail_tokens:
+            parts.append(q.decode(self.tail, self.layer, self.which))
+        return torch.cat(parts, 2)
+
+    @property
+    def nbytes(self):
+        tail = 0 if self.tail is None else sum(t.numel() * t.element_size() for t in self.tail.values())
+        return sum(a.nbytes for a in self.arenas.values()), tail
+
+
+def _split(codes, tokens, first):
+    """Cut codes of `tokens` positions after the first `first` (each tensor's axis 2 holds tokens or groups)."""
+    head, tail = {}, {}
+    for name, t in codes.items():
+        cut = first * t.shape[2] // tokens
+        head[name], tail[name] = t[:, :, :cut], t[:, :, cut:].clone()
+    return head, tail
+
+
+class LayerStore:
+    def __init__(self, quantizer, layer, page_tokens):
+        self.parts = [CodedPart(quantizer, layer, which, page_tokens) for which in (0, 1)]
+        self.exact_k = self.exact_v = self.first_k = None
+        self.first_exact = self.coded = self.length = 0     # first position held exact; positions coded; seen
+
+
+class StoredKVCache:
+    """A KV cache for Qwen3.generate / forward that stores `quantizer`'s codes (module docstring). The model's
+    windowed hook must be this quantizer (kv_store.install)."""
+
+    def __init__(self, num_layers, quantizer, kernel=False, page_tokens=None):
+        if not isinstance(quantizer, KVHook):
+            raise ValueError(f"a stored KV cache needs one of the engine's KV quantizers, got {type(quantizer)}")
+        if getattr(quantizer, "dither", False):
+            raise ValueError("a dithered lattice cache cannot be stored: its noise U is drawn, not kept")
+        if kernel and not isinstance(quantizer, KVQuantizer):
+            raise ValueError("kernel=True decodes lattice pages (the Triton Rice decoder); this cache is "
+                             f"{type(quantizer).__name__}")
+        if page_tokens is not None and (isinstance(page_tokens, bool) or not isinstance(page_tokens, int)
+                                        or page_tokens < 1 or page_tokens % quantizer.block):
+            raise ValueError(f"page_tokens={page_tokens!r}: must be a positive multiple of the quantizer's "
+                             f"{quantizer.block}-token block")
+        self.quantizer, self.kernel, self.page_tokens = quantizer, kernel, page_tokens
+        self.layers = [None] * num_layers
+
+    @property
+    def length(self):
+        return 0 if self.layers[0] is None else self.layers[0].length
+
+    def _pages_of(self, k):
+        """Tokens per page: whole blocks, >= PAGE_TOKENS, and whole 512-symbol sub-streams (B kv_heads d scalars per
+        token)."""
+        b, h, _, d = k.shape
+        unit = math.lcm(512 // math.gcd(512, b * h * d), self.quantizer.block)
+        if self.page_tokens is None:
+            return unit * -(-PAGE_TOKENS // unit)
+        if isinstance(self.quantizer, KVQuantizer) and self.page_tokens % unit:
+            raise ValueError(f"page_tokens={self.page_tokens}: a lattice page must hold whole 512-symbol sub-streams "
+                             f"(a multiple of {unit} tokens here)")
+        return self.page_tokens
+
+    def windowed(self, index, k, v, fn, window):
+        """qwen3.KVCache.windowed's contract, from the stored codes."""
+        if fn is not self.quantizer:
+            raise ValueError("the model's KV hook is not this cache's quantizer (kv_store.install puts it there)")
+        if self.layers[index] is None:
+            self.layers[index] = LayerStore(fn, index, self._pages_of(k))
+        s = self.layers[index]
+        if s.exact_k is None:
+            s.exact_k, s.exact_v = k[:, :, :0], v[:, :, :0]
+        ek, ev = torch.cat((s.exact_k, k), 2), torch.cat((s.exact_v, v), 2)
+        length = s.length + k.shape[2]
+        new = s.coded - s.first_exact                       # exact positions not coded yet start here
+        m, exact, k_codes, v_codes = fn.encode_call(ek[:, :, new:], ev[:, :, new:], index, s.coded)
+        if exact:
+            first = ek[:, :, new:new + exact]
+            s.first_k = first.clone() if s.first_k is None else torch.cat((s.first_k, first), 2)
+        if k_codes is not None:
+            s.parts[0].append(k_codes, m - exact)
+        if v_codes is not None:
+            s.parts[1].append(v_codes, m)
+        s.coded += m
+        if length - s.coded > window:
+            raise ValueError(f"the KV transform left {length - s.coded} positions uncoded, more than its window "
+                             f"of {window}")
+        k_coded = s.parts[0].decoded(self.kernel).to(k.dtype) if s.parts[0].coded else k[:, :, :0]
+        if s.first_k is not None:
+            k_coded = torch.cat((s.first_k, k_coded), 2)
+        v_coded = s.parts[1].decoded(self.kernel).to(v.dtype) if s.parts[1].coded else v[:, :, :0]
+        uncoded = s.coded - s.first_exact
+        k_hat, v_hat = torch.cat((k_coded, ek[:, :, uncoded:]), 2), torch.cat((v_coded, ev[:, :, uncoded:]), 2)
+        k_all = torch.cat((k_coded[:, :, :s.first_exact], ek), 2)
+        v_all = torch.cat((v_coded[:, :, :s.first_exact], ev), 2)
+        keep = max(0, min(s.coded, length - window))          # a later query reads exact values from here on
+        s.exact_k, s.exact_v = ek[:, :, keep - s.first_exact:].clone(), ev[:, :, keep - s.first_exact:].clone()
+        s.first_exact, s.length = keep, length
+        return k_all, v_all, k_hat, v_hat
+
+    def nbytes(self):
+        """Resident bytes: {"pages", "tail", "exact", "total"} (the codes' arrays and checks, the unpaged codes,
+        the exact window and first keys)."""
+        pages = tail = exact = 0
+        for s in filter(None, self.layers):
+            for part in s.parts:
+                p, t = part.nbytes
+                pages, tail = pages + p, tail + t
+            for t in (s.exact_k, s.exact_v, s.first_k):
+                exact += 0 if t is None else t.numel() * t.element_size()
+        return {"pages": pages, "tail": tail, "exact": exact, "total": pages + tail + exact}
+
+    def bf16_bytes(self):
+        """What a bf16 cache of the same positions holds: 2 bytes per K and V scalar."""
+        s = self.layers[0]
+        if s is None:
+            return 0
+        b, h, _, d = s.exact_k.shape
+        return 2 * 2 * b * h * d * s.length * len(self.layers)
+
+
+def install(model, quantizer, kernel=False, page_tokens=None):
+    """Put quantizer on the model's windowed KV hook and return an empty StoredKVCache for it (one per sequence)."""
+    quantizer.adopt(model.cfg)
+    model.set_kv_transform(quantizer, window=quantizer.window)
+    return StoredKVCache(model.cfg.num_hidden_layers, quantizer, kernel, page_tokens)
+
+
+@torch.no_grad()
+def stored_logits(model, ids, quantizer, chunk=512, kernel=False):
+    """ids [B, T] -> logits [B, T, vocab] read `chunk` tokens at a time through a StoredKVCache of quantizer, as a
+    long prompt's prefill runs (the hook is removed afterwards); also returns the cache."""
+    cache = install(model, quantizer, kernel)
+    try:
+        logits = torch.cat([model(ids[:, i:i + chunk], cache) for i in range(0, ids.shape[1], chunk)], 1)
+    finally:
+        model.set_kv_transform(None)
+    return logits, cache
+
+
+# ---- SPEC ------------------------------------------------------------------------------------------------------
+
+OPTIONS = {"lattice": {"rotation": str, "window": int, "exact_keys": int, "seed": int},
+           "ggml": {"window": int, "exact_keys": int, "key_order": str, "rotation": str},
+           "fp8": {"window": int, "exact_keys": int},
+           "kivi": {"group": int, "window": int, "exact_keys": int}, "dense": {"window": int}}
+NAMES = {**{lat.lower(): "lattice" for lat in LATTICES}, "q8_0": "ggml", "q4_0": "ggml", "fp8": "fp8",
+         "kivi": "kivi", "bf16": "dense", "f16": "dense"}
+
+
+def parse_kv_spec(spec):
+    """SPEC (module docstring) -> a KV quantizer; ValueError naming what is wrong."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError("--kv-cache needs a SPEC, e.g. e8:3, q4_0, fp8, kivi:2, bf16")
+    head, *rest = spec.strip().split(",")
+    name, _, value = head.partition(":")
+    kind = NAMES.get(name.lower())
+    if kind is None:
+        raise ValueError(f"--kv-cache {spec}: unknown cache {name!r}; one of {', '.join(NAMES)}")
+    options = {}
+    for item in rest:
+        key, eq, raw = item.partition("=")
+        types = OPTIONS[kind]
+        if not eq or key not in types:
+            raise ValueError(f"--kv-cache {spec}: {item!r} is not an option of {name} (key=value, keys: "
+                             f"{', '.join(types)})")
+        try:
+            options[key] = types[key](raw)
+        except ValueError:
+            raise ValueError(f"--kv-cache {spec}: {key}={raw!r} is not {types[key].__name__}") from None
+    if kind == "lattice":
+        try:
+            bps = float(value)
+        except ValueError:
+            raise ValueError(f"--kv-cache {spec}: {name} needs its bits per scalar, e.g. {name}:3") from None
+        options.setdefault("rotation", "qjl")
+        return KVQuantizer(name.upper(), bps, **options)
+    if kind == "ggml":
+        _no_value(spec, name, value)
+        return GGMLKV(name.lower(), **options)
+    if kind == "fp8":
+        return FP8KV(value or "tensor", **options)
+    if kind == "kivi":
+        if value not in ("2", "4"):
+            raise ValueError(f"--kv-cache {spec}: kivi takes 2 or 4 bits (kivi:2, kivi:4)")
+        return KIVI(int(value), **options)
+    _no_value(spec, name, value)
+    return DenseKV(name.lower(), **options)
+
+
+def _no_value(spec, name, value):
+    if value:
+        raise ValueError(f"--kv-cache {spec}: {name} takes no ':' value")

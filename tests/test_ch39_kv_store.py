@@ -1,0 +1,124 @@
+"""The stored KV cache (engine/formats/kv/kv_store.py): it holds codes, attention reads them back, and what it
+computes is exactly what the simulated hook computes; its pages are checked, its SPEC parsed strictly."""
+import pytest
+import torch
+
+from engine.formats.kv import kv_baselines, kv_cache, kv_store
+from engine.qwen3 import KVCache, Qwen3, Qwen3Config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPECS = ["e8:3,window=5,exact_keys=3", "e8:2,window=0,rotation=signs", "d4:3,rotation=none", "a2:3", "z:4",
+         "q4_0", "q8_0,window=7", "fp8", "fp8:head", "kivi:2,group=8,window=10", "kivi:4", "bf16"]
+
+
+@pytest.fixture
+def model32():
+    """The tiny test model with head_dim 32 (llama.cpp's blocks are 32 values along head_dim)."""
+    torch.manual_seed(0)
+    return Qwen3(Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=32, num_hidden_layers=2)).eval()
+
+
+def ids(batch, tokens, seed=1):
+    return torch.randint(0, 256, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def chunked(model, x, chunk, cache):
+    return torch.cat([model(x[:, i:i + chunk], cache) for i in range(0, x.shape[1], chunk)], 1)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("chunk", [150, 16, 1])
+def test_stored_cache_computes_what_the_simulated_hook_computes(model32, spec, chunk):
+    """Same calls, same codes: the logits are bit for bit those of the plain cache that keeps every exact and
+    decoded value (a stored page decoding to anything else, or a window dropping a value still read, is red)."""
+    x = ids(2, 150)
+    simulated = kv_store.parse_kv_spec(spec)
+    kv_cache.install(model32, simulated)
+    expected = chunked(model32, x, chunk, KVCache(2))
+    stored = kv_store.parse_kv_spec(spec)
+    cache = kv_store.install(model32, stored)
+    assert torch.equal(chunked(model32, x, chunk, cache), expected)
+    assert stored.coded == simulated.coded                  # the same bits counted: the same codes
+    assert cache.length == 150 and cache.nbytes()["pages"] > 0
+
+
+def test_the_cache_holds_codes_not_values(model32):
+    """E8 at 3 bps with no window: pages of Rice sub-streams plus f16 scales, well under a bf16 cache; the exact
+    window holds exactly the last `window` positions."""
+    x = ids(1, 256)
+    cache = kv_store.install(model32, kv_store.parse_kv_spec("e8:3,window=0"))
+    chunked(model32, x, 64, cache)
+    held = cache.nbytes()
+    assert held["exact"] == 0 and held["tail"] == 0                         # 256 = 4 pages of 64 tokens
+    assert held["pages"] < 0.3 * cache.bf16_bytes()                          # ~3.5 bits of 16
+    windowed = kv_store.install(model32, kv_store.parse_kv_spec("e8:3,window=32"))
+    chunked(model32, x, 64, windowed)
+    assert windowed.nbytes()["exact"] == 2 * 2 * 32 * 2 * 32 * 4              # layers, K+V, positions, heads, d, f32
+
+
+def test_generate_with_a_stored_cache_equals_the_simulated_one(model32):
+    x = ids(1, 40)
+    spec = "e8:3,window=4"
+    kv_cache.install(model32, kv_store.parse_kv_spec(spec))
+    expected = model32.generate(x, 30, cache=KVCache(2), prefill_chunk=16)
+    quantizer = kv_store.parse_kv_spec(spec)
+    cache = kv_store.install(model32, quantizer)
+    assert torch.equal(model32.generate(x, 30, cache=cache, prefill_chunk=16), expected)
+    assert cache.length == 69                                                 # the last token is never fed back
+
+
+def test_the_triton_decoder_reads_the_pages_as_numpy_does(model32):
+    x = ids(1, 96)
+    logits = []
+    for kernel in (False, True):
+        cache = kv_store.install(model32, kv_store.parse_kv_spec("e8:3,window=8"), kernel=kernel, page_tokens=32)
+        logits.append(chunked(model32, x, 48, cache))
+    assert torch.equal(*logits)
+
+
+def test_a_corrupted_page_is_detected_by_its_checksum(model32):
+    x = ids(1, 130)
+    cache = kv_store.install(model32, kv_store.parse_kv_spec("e8:3,window=0"))
+    chunked(model32, x[:, :128], 64, cache)
+    cache.layers[1].parts[0].arenas["payload"].data[10] ^= 0x40
+    with pytest.raises(ValueError, match="layer 1 K payload, page 0: checksum mismatch"):
+        chunked(model32, x[:, 128:], 2, cache)
+    q4 = kv_store.install(model32, kv_store.parse_kv_spec("q4_0"))
+    chunked(model32, x[:, :128], 64, q4)
+    q4.layers[0].parts[1].arenas["blocks"].data[-1] ^= 1
+    with pytest.raises(ValueError, match="layer 0 V blocks, page 1: checksum mismatch"):
+        chunked(model32, x[:, 128:], 2, q4)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("", "needs a SPEC"), ("e9:3", "unknown cache 'e9'"), ("e8", "needs its bits per scalar"),
+    ("e8:x", "needs its bits per scalar"), ("e8:9", "outside the calibrated range"),
+    ("e8:3,window", "'window' is not an option"), ("e8:3,depth=2", "'depth=2' is not an option"),
+    ("e8:3,window=-1", "window=-1: must be an integer >= 0"), ("e8:3,window=a", "window='a' is not int"),
+    ("e8:3,rotation=haar", "rotation must be one of"), ("q4_0:2", "q4_0 takes no ':' value"),
+    ("kivi:3", "kivi takes 2 or 4 bits"), ("fp8:channel", "fp8 scale must be one of"),
+    ("kivi:2,group=32,window=8", "need window >= 31"), ("bf16,exact_keys=2", "not an option of bf16")])
+def test_bad_specs_are_refused_naming_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message):
+        kv_store.parse_kv_spec(spec)
+
+
+def test_what_a_stored_cache_cannot_hold_is_refused(model32):
+    with pytest.raises(ValueError, match="dithered lattice cache cannot be stored"):
+        kv_store.install(model32, kv_cache.KVQuantizer("E8", 3.0, dither=True))
+    with pytest.raises(ValueError, match="kernel=True decodes lattice pages"):
+        kv_store.install(model32, kv_baselines.GGMLKV("q4_0"), kernel=True)
+    cache = kv_store.install(model32, kv_store.parse_kv_spec("e8:3"), page_tokens=12)
+    with pytest.raises(ValueError, match="whole 512-symbol sub-streams"):
+        chunked(model32, ids(1, 40), 40, cache)
+    cache = kv_store.install(model32, kv_store.parse_kv_spec("q4_0"))
+    model32.set_kv_transform(kv_store.parse_kv_spec("q4_0"), window=0)
+    with pytest.raises(ValueError, match="not this cache's quantizer"):
+        chunked(model32, ids(1, 4), 4, cache)
+    with pytest.raises(ValueError, match="needs an empty cache"):
+        cache = kv_store.install(model32, kv_store.parse_kv_spec("q4_0"))
+        chunked(model32, ids(1, 4), 4, cache)
+        model32.generate(ids(1, 4), 2, cache=cache)
