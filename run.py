@@ -125,6 +125,7 @@ def build_parser():
                    help="the tiny model's reference (and the dense parts of every quantized copy): float32 (default) "
                         "or bfloat16, as the book's table has it")
     real_eval(q)
+    kv(q)
     calib(q)
 
     t = command("train", "train (or load the cached) tiny Qwen3", "Train the book's tiny Qwen3 on bytes (cached).")

@@ -125,9 +125,10 @@ def memory(model_arg, tokenizer, ctx, new_tokens, specs, work):
                          r"MiB", done.stderr)
         first = re.search(r"first token ([\d.]+) s", done.stderr)
         row = {"kv": spec or "exact float32", "ctx": ctx, "peak_rss_mib": round(int(done.stdout.split()[-1]) / 1024)
-               if done.stdout.strip() else None,
-               "prefill_s": float(first.group(1)) if first else None,
-               "tokens_per_s": float(speed.group(3)) if speed else None}
+               if done.stdout.strip() else None, "prefill_s": float(first.group(1)) if first else None}
+        if speed and first:                              # the new tokens after the first: one decode step each
+            n, total = int(speed.group(1)), float(speed.group(2))
+            row["decode_tokens_per_s"] = round((n - 1) / max(total - float(first.group(1)), 1e-9), 3)
         if held:
             row.update(cache_mib=float(held.group(1)), positions=int(held.group(2)),
                        bf16_mib=float(held.group(4)))
@@ -142,7 +143,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
-    parser.add_argument("--specs", nargs="+", default=["bf16", "e8:3", "e8:4", "q8_0", "q4_0", "fp8", "kivi:2"])
+    parser.add_argument("--specs", nargs="+", default=["bf16", "e8:3", "e8:4", "e8:2", "q8_0", "q4_0",
+                                                       "q4_0,rotation=none", "fp8", "kivi:2"])
     parser.add_argument("--llama", action="store_true", help="llama.cpp's q8_0 / q4_0 caches on the same ids")
     parser.add_argument("--memory", action="store_true", help="peak RSS and speed of run.py generate")
     parser.add_argument("--memory-specs", nargs="+", default=["bf16", "e8:3", "q4_0"])

@@ -154,10 +154,20 @@ def cmd_quantformats(args):
     check_calibration(args)
     if args.model is not None and args.reference_dtype != "float32":
         raise ValueError("--reference-dtype is the tiny model's; a real model's reference is its own weights")
+    if args.kv_cache is not None:
+        if args.model is None:
+            raise ValueError("--kv-cache puts a stored KV cache under a real model's rows (--model M); the tiny "
+                             "table's KV rows are its own")
+        kv_rows = [row.label for row in selected if row.kv_cache]
+        if kv_rows:
+            raise ValueError(f"--kv-cache {args.kv_cache} goes under the weight rows; these rows are KV caches "
+                             f"themselves: {'; '.join(kv_rows)}")
     from engine import quantformats
     if args.model is not None:
         from engine.checkpoints.models import model_config
-        check_calibration_size(args, model_config(args.model))
+        cfg = model_config(args.model)
+        check_calibration_size(args, cfg)
+        check_kv_cache(args, args.ctx, cfg.head_dim, "--ctx")
         return quantformats.real_table(args, selected)
     quantformats.tiny_table(args, selected, book, len(rows))
 

@@ -91,6 +91,14 @@ def tiny_table(args, selected, book, n_all):
     log(f"impl={args.impl}: training/cache {t_trained - t0:.1f} s, {len(selected)} rows {time.time() - t_trained:.1f} s")
 
 
+def kv_scored(model, args):
+    """The model, or with --kv-cache SPEC the model read through a fresh stored KV cache per chunk (a prefill)."""
+    if args.kv_cache is None:
+        return model
+    from .formats.kv.kv_store import parse_kv_spec, stored_logits
+    return lambda ids: stored_logits(model, ids, parse_kv_spec(args.kv_cache), args.prefill_chunk)[0]
+
+
 def real_table(args, selected):
     """The table on a real model: llama.cpp's statistics against the model itself (a GGUF model's dequantized
     weights), on held-out text the calibration never saw; each row's time and peak resident memory."""
@@ -130,10 +138,11 @@ def real_table(args, selected):
                     log(f"{row.label}: {e}")
                     continue
                 seconds = time.time() - start
-                stats = compare_models(ref_logits, model, chunks, impl=args.impl,
+                stats = compare_models(ref_logits, kv_scored(model, args), chunks, impl=args.impl,
                                        progress=lambda it: bar(it, desc="evaluating", unit="chunk", leave=False))
             bits = kv.report()["total_bps"] if row.kv_cache else model_bits(model)
-            result = {"format": row.label, "bits": round(bits, 3), **stats, "seconds": round(seconds, 1),
+            result = {"format": row.label + (f" + KV {args.kv_cache}" if args.kv_cache else ""),
+                      "bits": round(bits, 3), **stats, "seconds": round(seconds, 1),
                       "peak_rss_gb": round(memory.peak / 1e9, 2)}
             results.append(result)
             print(json.dumps(result), flush=True)

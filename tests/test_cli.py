@@ -371,3 +371,15 @@ def test_bad_kv_cache_arguments_are_one_line_before_any_model_loads(tmp_path, ti
         last = out.stderr.strip().splitlines()[-1]
         assert out.returncode == 1 and last.startswith("error: ") and message in last, (argv, out.stderr)
         assert "loading" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_quantformats_puts_a_stored_kv_cache_under_a_real_models_rows(tmp_path, tiny_model):
+    from engine.loaders import save_dense
+    save_dense(tiny_model, tmp_path / "dense")
+    out = run("quantformats", "--model", str(tmp_path / "dense"), "--rows", "RTN int4, g32", "--kv-cache",
+              "e8:4,window=4", "--ctx", "64", "--chunks", "2", "--prefill-chunk", "16")
+    assert out.returncode == 0, out.stderr
+    rows = rows_of(out.stdout)
+    assert rows[-1]["format"] == "RTN int4, g32 + KV e8:4,window=4" and rows[-1]["kl_nats"] > 0
+    out = run("quantformats", "--model", str(tmp_path / "dense"), "--rows", "KV cache", "--kv-cache", "q8_0")
+    assert out.returncode == 1 and "these rows are KV caches themselves" in out.stderr and "loading" not in out.stderr

@@ -77,11 +77,12 @@ def rice_decode(streams, levels=(0,)):
                            streams.rice_ks.numpy(), streams.count, streams.substream, levels)
 
 
-def decode_lockstep(payload, offsets, ends, rice_ks, count, substream=SUBSTREAM, levels=(0,)):
+def decode_lockstep(payload, offsets, ends, rice_ks, count, substream=SUBSTREAM, levels=(0,), dtype=np.int64):
     """rice_decode's body on NumPy arrays, with each sub-stream's end given (so that sub-streams cut from several
     streams, each padded to whole bytes, decode in one lockstep: the KV cache's pages): payload uint8 [bytes],
-    offsets / ends [streams] (start and end bits), rice_ks uint8 [streams] -> symbols [count] int64. Every sub-stream
-    but the last holds `substream` symbols; each start must lie inside the payload."""
+    offsets / ends [streams] (start and end bits), rice_ks uint8 [streams] -> symbols [count] of dtype (int32 holds
+    every symbol: they are < 2^16). Every sub-stream but the last holds `substream` symbols; each start must lie
+    inside the payload."""
     n = len(levels)
     if count % n or substream % n:
         raise ValueError(f"{count} symbols in sub-streams of {substream} are not whole vectors of {n}")
@@ -102,7 +103,7 @@ def decode_lockstep(payload, offsets, ends, rice_ks, count, substream=SUBSTREAM,
     rice_k = np.stack([packed & 7, (packed >> 3) & 7])                          # [2 levels, streams]
     shift, mask, length_k = 31 - rice_k, (1 << rice_k) - 1, rice_k + 1
     last_count = count - (ns - 1) * S
-    out = np.zeros((S, ns), dtype=np.int64)
+    out = np.zeros((S, ns), dtype=dtype)
     bad = np.zeros(ns, dtype=bool)
     for j in range(S):
         lanes = ns if j < last_count else ns - 1

@@ -27,7 +27,10 @@ SNR for the target bps. Subtractive dither (optional): x_hat = S^T (Q(y + U) - U
 drawn fresh on every call; by the Crypto Lemma the error -pi(y + U) is uniform on the cell and independent of x, so
 E_U <q, x_hat> = <q, x> for every single x, not only on average over S. Its codes are stripped and Rice-coded
 exactly as a weight's would be (engine.coding.rice.rice_bits: the bits the encoder would emit, without building the
-stream), plus 40 bits per 512-symbol sub-stream and 16 bits per vector for alpha.
+stream), plus 40 bits per 512-symbol sub-stream and 16 bits per vector for alpha. The scale alpha beta is rounded
+to float32 once and the points are codes * axis * scale in float32, what the Triton decoder computes: a cache that
+stores the streams (engine/formats/kv/kv_store.py: encode / pack there, unpack / decode back) reads exactly these
+values back.
 
 The formats real engines use (FP8, llama.cpp's q8_0 / q4_0, KIVI) are in engine/formats/kv/kv_baselines.py.
 """
@@ -111,6 +114,10 @@ class KVHook:
     def unpack(self, pages, like):
         """{name: uint8 array of every page's bytes}, like (codes of one page: dtypes and shapes) -> the codes."""
         return {name: _from_token_major(pages[name], t) for name, t in like.items()}
+
+    def unpack_many(self, items, **options):
+        """unpack for several parts [(pages, like)]: a format whose parts decode faster together merges them."""
+        return [self.unpack(pages, like, **options) for pages, like in items]
 
     def report(self):
         """coded_bps (bits per coded scalar, everything stored with the codes included), total_bps (the caches'
@@ -265,25 +272,46 @@ class KVQuantizer(KVHook):
     def unpack(self, pages, like, kernel=False):
         """Every page's sub-streams decoded in one lockstep (NumPy, or the Triton decoder with kernel=True, which
         also multiplies the points out: "points" instead of "symbols")."""
-        payload, first_bit = pages["payload"], 8 * pages.starts["payload"]
-        offsets = pages["offsets"].view(np.int32).astype(np.int64)
-        per_page = np.diff(pages.starts["offsets"] // 4, append=offsets.size)        # sub-streams of each page
-        offsets += np.repeat(first_bit, per_page)                                      # bits in the whole payload
-        ends = np.append(offsets[1:], 0)                                               # the next sub-stream's start,
-        ends[np.cumsum(per_page) - 1] = first_bit + pages["bits"].view(np.int64)      # or the page's end
-        alpha = _from_token_major(pages["alpha"], like["alpha"])
-        shape = (*alpha.shape[:-1], like["symbols"].shape[-1])
-        count = alpha.numel() * shape[-1]
-        if kernel:                                      # the scales in the streams' order: page after page
-            tokens = (per_page * SUBSTREAM // (shape[0] * shape[1] * shape[-1])).tolist()
-            scales = torch.cat([page.reshape(-1) for page in self._scale(alpha).split(tokens, 2)])
-            points = stream_decoders.lattice_decode(
-                torch.from_numpy(payload.copy()), torch.from_numpy(offsets.astype(np.int32)),
-                torch.from_numpy(pages["rice_ks"].copy()), count, torch.from_numpy(ends), self.lat, scales,
-                shape[-1], SUBSTREAM, ESCAPE, RAW_BITS)
-            return {"alpha": alpha, "points": _pages_to_tokens(points, per_page, shape)}
-        symbols = decode_lockstep(payload, offsets, ends, pages["rice_ks"], count, SUBSTREAM, self.lat.levels)
-        return {"alpha": alpha, "symbols": _pages_to_tokens(symbols, per_page, shape)}
+        return self.unpack_many([(pages, like)], kernel)[0]
+
+    def unpack_many(self, items, kernel=False):
+        """unpack for several parts [(pages, like)] (a layer's K and V) in ONE lockstep: its 512 steps cost the same
+        for one sub-stream as for thousands, so parts decoded together cost what one does."""
+        payloads, offsets, ends, rice_ks, scales, shapes, per_pages, alphas, bit = [], [], [], [], [], [], [], [], 0
+        for pages, like in items:
+            first_bit = bit + 8 * pages.starts["payload"]
+            starts = pages["offsets"].view(np.int32).astype(np.int64)
+            per_page = np.diff(pages.starts["offsets"] // 4, append=starts.size)      # sub-streams of each page
+            starts += np.repeat(first_bit, per_page)                                   # bits in the whole payload
+            stops = np.append(starts[1:], 0)                                           # the next sub-stream's start,
+            stops[np.cumsum(per_page) - 1] = first_bit + pages["bits"].view(np.int64)  # or the page's end
+            alpha = _from_token_major(pages["alpha"], like["alpha"])
+            shape = (*alpha.shape[:-1], like["symbols"].shape[-1])
+            if kernel:                                  # the scales in the streams' order: page after page
+                tokens = (per_page * SUBSTREAM // (shape[0] * shape[1] * shape[-1])).tolist()
+                scales += [page.reshape(-1) for page in self._scale(alpha).split(tokens, 2)]
+            payloads.append(pages["payload"])
+            offsets.append(starts)
+            ends.append(stops)
+            rice_ks.append(pages["rice_ks"])
+            shapes.append(shape)
+            per_pages.append(per_page)
+            alphas.append(alpha)
+            bit += 8 * pages["payload"].size
+        payload, offsets, ends = np.concatenate(payloads), np.concatenate(offsets), np.concatenate(ends)
+        count = sum(int(p.sum()) for p in per_pages) * SUBSTREAM
+        if kernel:
+            flat = stream_decoders.lattice_decode(
+                torch.from_numpy(payload), torch.from_numpy(offsets.astype(np.int32)),
+                torch.from_numpy(np.concatenate(rice_ks)), count, torch.from_numpy(ends), self.lat, torch.cat(scales),
+                shapes[0][-1], SUBSTREAM, ESCAPE, RAW_BITS)
+        else:
+            flat = decode_lockstep(payload, offsets, ends, np.concatenate(rice_ks), count, SUBSTREAM, self.lat.levels,
+                                   np.int32)
+        key = "points" if kernel else "symbols"
+        parts = flat.split([int(p.sum()) * SUBSTREAM for p in per_pages])
+        return [{"alpha": alpha, key: _pages_to_tokens(part, per_page, shape)}
+                for part, per_page, shape, alpha in zip(parts, per_pages, shapes, alphas)]
 
     def report(self):
         """KVHook's report and payload_bps (the Rice payload alone, per coded scalar)."""

@@ -38,6 +38,7 @@ from .kv_baselines import FP8KV, GGMLKV, KIVI, DenseKV
 from .kv_cache import KVHook, KVQuantizer
 
 PAGE_TOKENS = 64           # at least this many tokens per page (metadata and checks are per page)
+DECODE_PAGES = 16          # pages' worth of tokens decoded at once
 
 
 class Arena:
@@ -79,33 +80,37 @@ class CodedPart:
 
     def __init__(self, quantizer, layer, which, page_tokens):
         self.quantizer, self.layer, self.which, self.page_tokens = quantizer, layer, which, page_tokens
-        self.arenas, self.like, self.tail, self.tail_tokens = {}, None, None, 0
+        self.arenas, self.like, self.tail, self.tail_tokens, self.sealed = {}, None, None, 0, 0
 
     def append(self, codes, tokens):
         self.tail = codes if self.tail is None else {k: torch.cat((self.tail[k], t), 2) for k, t in codes.items()}
         self.tail_tokens += tokens
         sealed = self.tail_tokens // self.page_tokens * self.page_tokens
         if sealed:
-            page, self.tail = _split(self.tail, self.tail_tokens, sealed)
+            page = _cut(self.tail, self.tail_tokens, 0, sealed)
             for name, raw in self.quantizer.pack(page).items():
                 self.arenas.setdefault(name, Arena()).append(raw)
             self.like = self.like or {k: t[:, :, :0].clone() for k, t in page.items()}
+            self.tail = {k: t.clone() for k, t in _cut(self.tail, self.tail_tokens, sealed, self.tail_tokens).items()}
             self.tail_tokens -= sealed
+            self.sealed += sealed
 
     @property
     def coded(self):
         return bool(self.arenas) or self.tail_tokens > 0
 
-    def decoded(self, kernel=False):
-        """x_hat [B, kv_heads, coded positions, d] of every page and the tail."""
-        q, what = self.quantizer, f"layer {self.layer} {'KV'[self.which]}"
-        parts = []
-        if self.arenas:
-            extra = {"kernel": True} if kernel else {}
-            parts.append(q.decode(q.unpack(Pages(self.arenas, what), self.like, **extra), self.layer, self.which))
-        if self.tail_tokens:
-            parts.append(q.decode(self.tail, self.layer, self.which))
-        return torch.cat(parts, 2)
+    def pages(self):
+        return Pages(self.arenas, f"layer {self.layer} {'KV'[self.which]}"), self.like
+
+    def decoded(self, unpacked, dtype):
+        """x_hat [B, kv_heads, coded positions, d] (dtype) of every page (unpacked: their codes, or None) and the
+        tail, decoded DECODE_PAGES pages' worth of tokens at a time, so that the decoders' wide temporaries stay
+        that small whatever the context."""
+        step = DECODE_PAGES * self.page_tokens
+        parts = [] if unpacked is None else [_cut(unpacked, self.sealed, first, min(first + step, self.sealed))
+                                             for first in range(0, self.sealed, step)]
+        parts += [self.tail] if self.tail_tokens else []
+        return torch.cat([self.quantizer.decode(codes, self.layer, self.which).to(dtype) for codes in parts], 2)
 
     @property
     def nbytes(self):
@@ -113,13 +118,18 @@ class CodedPart:
         return sum(a.nbytes for a in self.arenas.values()), tail
 
 
-def _split(codes, tokens, first):
-    """Cut codes of `tokens` positions after the first `first` (each tensor's axis 2 holds tokens or groups)."""
-    head, tail = {}, {}
-    for name, t in codes.items():
-        cut = first * t.shape[2] // tokens
-        head[name], tail[name] = t[:, :, :cut], t[:, :, cut:].clone()
-    return head, tail
+def decoded_parts(parts, dtype, kernel=False):
+    """[part] -> each one's x_hat in dtype (None for a part with no codes), the pages of all unpacked together."""
+    paged = [part for part in parts if part.arenas]
+    options = {"kernel": True} if kernel else {}
+    unpacked = parts[0].quantizer.unpack_many([part.pages() for part in paged], **options) if paged else []
+    codes = dict(zip(map(id, paged), unpacked))
+    return [part.decoded(codes.get(id(part)), dtype) if part.coded else None for part in parts]
+
+
+def _cut(codes, tokens, first, last):
+    """Positions first..last of codes of `tokens` positions (each tensor's axis 2 holds tokens or groups of them)."""
+    return {name: t[:, :, first * t.shape[2] // tokens:last * t.shape[2] // tokens] for name, t in codes.items()}
 
 
 class LayerStore:
@@ -188,10 +198,11 @@ class StoredKVCache:
         if length - s.coded > window:
             raise ValueError(f"the KV transform left {length - s.coded} positions uncoded, more than its window "
                              f"of {window}")
-        k_coded = s.parts[0].decoded(self.kernel).to(k.dtype) if s.parts[0].coded else k[:, :, :0]
+        k_coded, v_coded = decoded_parts(s.parts, k.dtype, self.kernel)
+        k_coded = k[:, :, :0] if k_coded is None else k_coded
+        v_coded = v[:, :, :0] if v_coded is None else v_coded
         if s.first_k is not None:
             k_coded = torch.cat((s.first_k, k_coded), 2)
-        v_coded = s.parts[1].decoded(self.kernel).to(v.dtype) if s.parts[1].coded else v[:, :, :0]
         uncoded = s.coded - s.first_exact
         k_hat, v_hat = torch.cat((k_coded, ek[:, :, uncoded:]), 2), torch.cat((v_coded, ev[:, :, uncoded:]), 2)
         k_all = torch.cat((k_coded[:, :, :s.first_exact], ek), 2)
