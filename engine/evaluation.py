@@ -226,7 +226,7 @@ def markdown_table(results, label="model"):
             lines.append("| " + " | ".join([str(r.get(label, ""))] + [""] * bits + [f"refused: {r['error']}"] +
                                           [""] * (len(head) - 2 - bits)) + " |")
             continue
-        cells = [str(r.get(label, ""))] + [str(r.get("bits", ""))] * bits + [
+        cells = [str(r.get(label, ""))] + ["" if r.get("bits") is None else str(r["bits"])] * bits + [
             f"{r['ppl']:.4f} ± {r['ppl_stderr']:.4f}", f"{r['ppl_ref']:.4f}",
             f"{r['ln_ppl_ratio']:.5f} ± {r['ln_ppl_ratio_stderr']:.5f}",
             f"{r['kl_nats']:.6f} ± {r['kl_stderr']:.6f}", f"{r['kl_median']:.6f}", f"{r['kl_p99']:.5f}",
