@@ -81,7 +81,7 @@ ENGINE_ROWS = [   # (label, quantize(model, calibration, **options), options): c
     *[(f"EntQuant + calibration-Hessian feedback, ~{b} bpw", entropy.quantize,
        dict(bpw=b, tol=0.05, feedback="calibration")) for b in (4.0, 3.0, 2.1)],
     *[(f"EntQuant + calibration-Hessian feedback, ~{b} bpw, damp 0.1", entropy.quantize,
-       dict(bpw=b, tol=0.05, feedback="calibration", feedback_damp=0.1)) for b in (4.2, 4.0)],
+       dict(bpw=b, tol=0.05, feedback="calibration", feedback_damp=0.1)) for b in (4.5, 4.2, 4.0)],
     ("trellis BlockLDLQ, L=8, K=4", trellis.quantize, dict(L=8, K=4, ldlq=True)),
     ("trellis BlockLDLQ, L=8, K=3", trellis.quantize, dict(L=8, K=3, ldlq=True)),
     ("trellis BlockLDLQ, L=8, K=2", trellis.quantize, dict(L=8, K=2, ldlq=True)),

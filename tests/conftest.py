@@ -97,3 +97,12 @@ def tiny_cfg():
 def tiny_model(tiny_cfg):
     torch.manual_seed(0)
     return Qwen3(tiny_cfg).eval()
+
+
+@pytest.fixture
+def model32():
+    """The tiny test model with head_dim 32 (llama.cpp's KV blocks are 32 values along head_dim)."""
+    from engine.qwen3 import Qwen3, Qwen3Config
+    torch.manual_seed(0)
+    return Qwen3(Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=32, num_hidden_layers=2)).eval()

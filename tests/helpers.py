@@ -29,3 +29,8 @@ def method_io(method):
     return (lambda config: method.parts(method.validate(config)),
             lambda tensors, config: method.read(tensors, method.validate(config)),
             lambda layer, config: method.write(layer, method.validate(config)))
+
+
+def random_ids(batch, tokens, seed=1):
+    """Token ids [batch, tokens] of a 256-token vocabulary, from a seed."""
+    return torch.randint(0, 256, (batch, tokens), generator=torch.Generator().manual_seed(seed))

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import random_ids as ids
 
 from engine.coding import rice
 from engine.formats.llama_cpp import ggml, ggml_quants
@@ -14,18 +15,6 @@ from engine.formats.lattice import LATTICES
 from engine.qwen3 import KVCache, Qwen3, Qwen3Config, apply_rope, rope_tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def model32():
-    """The tiny test model with head_dim 32 (llama.cpp's blocks are 32 values along head_dim)."""
-    torch.manual_seed(0)
-    return Qwen3(Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=32, num_hidden_layers=2)).eval()
-
-
-def ids(batch, tokens, seed=1):
-    return torch.randint(0, 256, (batch, tokens), generator=torch.Generator().manual_seed(seed))
 
 
 def logits(model, quantizer, x):

@@ -2,26 +2,15 @@
 computes is exactly what the simulated hook computes; its pages are checked, its SPEC parsed strictly."""
 import pytest
 import torch
+from helpers import random_ids as ids
 
 from engine.formats.kv import kv_baselines, kv_cache, kv_store
-from engine.qwen3 import KVCache, Qwen3, Qwen3Config
+from engine.qwen3 import KVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SPECS = ["e8:3,window=5,exact_keys=3", "e8:2,window=0,rotation=signs", "d4:3,rotation=none", "a2:3", "z:4",
          "q4_0", "q8_0,window=7", "fp8", "fp8:head", "kivi:2,group=8,window=10", "kivi:4", "bf16"]
-
-
-@pytest.fixture
-def model32():
-    """The tiny test model with head_dim 32 (llama.cpp's blocks are 32 values along head_dim)."""
-    torch.manual_seed(0)
-    return Qwen3(Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=32, num_hidden_layers=2)).eval()
-
-
-def ids(batch, tokens, seed=1):
-    return torch.randint(0, 256, (batch, tokens), generator=torch.Generator().manual_seed(seed))
 
 
 @torch.no_grad()
