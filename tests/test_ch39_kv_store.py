@@ -21,15 +21,17 @@ def chunked(model, x, chunk, cache):
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("chunk", [150, 16, 1])
 def test_stored_cache_computes_what_the_simulated_hook_computes(model32, spec, chunk):
-    """Same calls, same codes: the logits are bit for bit those of the plain cache that keeps every exact and
-    decoded value (a stored page decoding to anything else, or a window dropping a value still read, is red)."""
+    """Same calls, same codes: the logits are those of the plain cache that keeps every exact and decoded value (a
+    stored page decoding to anything else, or a window dropping a value still read, is red). Equal bit for bit here;
+    the tolerance is for BLAS libraries that sum the Haar rotation's float64 matmul in another order when the number
+    of rows differs (one call's tokens vs a layer's pages): 1e-6 is far below what one changed code moves."""
     x = ids(2, 150)
     simulated = kv_store.parse_kv_spec(spec)
     kv_cache.install(model32, simulated)
     expected = chunked(model32, x, chunk, KVCache(2))
     stored = kv_store.parse_kv_spec(spec)
     cache = kv_store.install(model32, stored)
-    assert torch.equal(chunked(model32, x, chunk, cache), expected)
+    torch.testing.assert_close(chunked(model32, x, chunk, cache), expected, atol=1e-6, rtol=0)
     assert stored.coded == simulated.coded                  # the same bits counted: the same codes
     assert cache.length == 150 and cache.nbytes()["pages"] > 0
 
