@@ -93,8 +93,9 @@ def test_a_corrupted_page_is_detected_by_its_checksum(model32):
     ("kivi:3", "kivi takes 2 or 4 bits"), ("fp8:channel", "fp8 scale must be one of"),
     ("kivi:2,group=32,window=8", "need window >= 31"), ("bf16,exact_keys=2", "not an option of bf16")])
 def test_bad_specs_are_refused_naming_the_problem(spec, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         kv_store.parse_kv_spec(spec)
+    assert str(refused.value).startswith(f"--kv-cache {spec}".rstrip())           # the line names the SPEC too
 
 
 def test_what_a_stored_cache_cannot_hold_is_refused(model32):

@@ -263,7 +263,15 @@ NAMES = {**{lat.lower(): "lattice" for lat in LATTICES}, "q8_0": "ggml", "q4_0":
 
 
 def parse_kv_spec(spec):
-    """SPEC (module docstring) -> a KV quantizer; ValueError naming what is wrong."""
+    """SPEC (module docstring) -> a KV quantizer; ValueError naming what is wrong, and the SPEC."""
+    try:
+        return _parse(spec)
+    except ValueError as e:
+        message = str(e)
+        raise ValueError(message if message.startswith("--kv-cache") else f"--kv-cache {spec}: {message}") from None
+
+
+def _parse(spec):
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError("--kv-cache needs a SPEC, e.g. e8:3, q4_0, fp8, kivi:2, bf16")
     head, *rest = spec.strip().split(",")
