@@ -19,6 +19,7 @@ from pathlib import Path
 
 from engine import cli
 from engine.cli import BPW_RANGE, GROUP_SIZES
+from engine.distributed import Follower, RankLost
 
 EMBEDDING_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K", "IQ4_NL", "IQ4_XS", "llama.cpp")
@@ -249,8 +250,10 @@ def main(argv=None):
             if getattr(args, flag, None) is not None:
                 setattr(args, flag, cli.model_argument(getattr(args, flag), f"--{flag}"))
         commands[args.command](args)
-    except ValueError as e:
+    except (ValueError, RankLost) as e:
         raise SystemExit(f"error: {e}")
+    except Follower:                                      # rank 0 refused and said why
+        raise SystemExit(1)
     except OSError as e:                                  # what the system refused (permissions, a full disk ...)
         raise SystemExit(f"error: {e}")
     except ModuleNotFoundError as e:                     # argparse ran without them: say what to install

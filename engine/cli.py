@@ -285,10 +285,11 @@ def check_quantize_args(args):
     return method, options
 
 
-def convert(args, out, method, options, force=False):
-    """--model quantized layer by layer into the folder `out`: every check once, the source opened once."""
+def convert(args, out, method, options, force=False, group=None):
+    """--model quantized layer by layer into the folder `out`: every check once, the source opened once (group: the
+    processes torchrun started, engine.distributed)."""
     from engine.checkpoints.streaming import Conversion
-    with Conversion(args.model, out, method, force=force, override="--force", **options) as conversion:
+    with Conversion(args.model, out, method, force=force, override="--force", ranks=group, **options) as conversion:
         if not conversion.needs_data:
             return conversion.run()
         check_calibration_size(args, conversion.cfg)
@@ -309,6 +310,18 @@ def cmd_quantize(args):
     started = time.time()
     from engine.formats.numerics.base import model_bits
     from engine.training import tiny_setup
+    from engine import distributed
+    if distributed.launched():
+        if args.model is None:
+            raise ValueError("torchrun: several processes quantize a model from disk (--model PATH); the tiny model "
+                             "is quantized by one process")
+        if method == "gptq" and options.get("bpw") is not None:     # its plan measures on the first sequences
+            raise ValueError(f"--bpw {options['bpw']}: GPTQ's mix is planned by one process; run it without torchrun")
+        group = distributed.Group.from_env()
+        try:
+            return convert_with_ranks(args, method, options, group, started)
+        finally:
+            group.close()
     if args.model is None:
         corpus, model = tiny_setup(args.text, args.steps, args.seed)
         log(f"quantizing the tiny model with {args.method} ...")
@@ -339,6 +352,42 @@ def cmd_quantize(args):
     if args.target == "vllm":
         from engine.checkpoints.serving import tp_degrees, vllm_serve_command
         log(f"tensor-parallel degrees: {json.dumps(tp_degrees(args.out))}\nserve: {vllm_serve_command(args.out)}")
+
+
+def convert_with_ranks(args, method, options, group, started):
+    """`quantize --model` as one of several processes (torchrun): every rank quantizes its share, rank 0 writes and
+    reports (a GGUF output: rank 0 exports the folder the ranks made)."""
+    if not group.first:                                 # one report, rank 0's; the others' errors still show
+        import contextlib
+        import io
+        with contextlib.redirect_stderr(io.StringIO()):
+            return _convert_ranks(args, method, options, group, started)
+    return _convert_ranks(args, method, options, group, started)
+
+
+def _convert_ranks(args, method, options, group, started):
+    from engine.checkpoints.serving import export_gguf
+    if args.format != "gguf":
+        qcfg = convert(args, args.out, method, options, args.force, group)
+    else:
+        import tempfile
+        tmp = group.broadcast(tempfile.mkdtemp(dir=Path(args.out).resolve().parent, prefix=".gguf-")
+                              if group.first else None, 0, "naming the GGUF's folder")
+        try:
+            convert(args, Path(tmp) / "ck", method, options, group=group)
+            if group.first:
+                report = export_gguf(Path(tmp) / "ck", args.out, force=args.force,
+                                     embedding_type=args.embedding_type)
+                log(f"wrote {args.out}: {json.dumps(report)}")
+        finally:
+            if group.first:
+                import shutil
+                shutil.rmtree(tmp, ignore_errors=True)
+        return summarize_output(args.out, None, started) if group.first else None
+    if group.first:
+        log(f"wrote {args.out} with {group.world} ranks (rank 0 sent and received {group.bytes / 1e6:.1f} MB): "
+            f"{json.dumps(qcfg)}")
+        summarize_output(args.out, None, started)
 
 
 def summarize_output(out, bits, started):

@@ -29,6 +29,13 @@ line on stderr says which. Finishing writes the index, config.json and the token
 (from then on the folder is not resumable, so the swap below can never be mistaken for one) and swaps the folder
 into DIR atomically (safe_writes.commit_directory). Free space is checked against an estimate first (the tensors
 copied as stored, and each layer written so far times the layers to go), and a full disk keeps the finished layers.
+
+Several processes (torchrun; engine/distributed.py): every rank opens the source; rank 0 alone holds the lock,
+reads and writes the progress record and writes every file, in the order above, so the folder and its resume are the
+same as one process's. A data-free method's layers are quantized by rank i % N and sent to rank 0; a data-aware
+method runs every layer on every rank, each with its share of the calibration batches (LayerCalibration merges the
+statistics and shares each quantized linear), and a resumed run's replayed layers reach the other ranks as their
+shards' bytes.
 """
 import contextlib
 import ctypes
@@ -36,11 +43,13 @@ import gc
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from ..distributed import check_world, on_first, share
 from ..formats.numerics.calibration import LayerCalibration, check_ids, first_layer_batches, layer_weights, merged_config
 from ..qwen3 import DecoderLayer, Qwen3Config
 from . import gguf
@@ -155,10 +164,11 @@ class Conversion:
     everything once, holds the output's lock and opens the source; `needs_data` says whether run() needs
     calibration ids, `source.tokenizer()` turns text into them. Options go to the method's quantize_layer; dtype is
     the precision layers compute in while they are calibrated (data-free methods read each layer in its stored
-    dtype; stored dtypes are kept on disk)."""
+    dtype; stored dtypes are kept on disk). ranks: this process's engine.distributed.Group when torchrun started
+    several (each calls run() with the same ids; rank 0 alone touches the output)."""
 
     def __init__(self, source, out, method, force=False, dtype=torch.float32, batch_size=8, progress=True,
-                 override="force=True", **options):
+                 override="force=True", ranks=None, **options):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
         self.entry = METHODS[method]
@@ -166,16 +176,16 @@ class Conversion:
             raise ValueError(f"method {method} cannot quantize layer by layer")
         self.source_path, self.out, self.method = Path(source), Path(out), method
         self.force, self.override = force, override              # override: how a refusal names force (--force)
-        self.dtype, self.batch_size, self.progress = dtype, batch_size, progress
+        self.dtype, self.batch_size, self.progress = dtype, batch_size, progress and (ranks is None or ranks.first)
         self.options = self.entry.checked(options)               # every option, before anything is opened
+        self.group = ranks                                       # several processes: engine.distributed.Group
+        if ranks is not None:
+            check_world(ranks.world, self.entry.calibration(self.options) is not None)
         self._stack = contextlib.ExitStack()
 
     def __enter__(self):
         try:
-            check_apart(self.source_path, self.out)
-            self._stack.enter_context(output_lock(self.out))      # a second writer is refused here, at once
-            recover_interrupted_swap(self.out)
-            check_output(self.out, self.force, self.override)
+            on_first(self.group, self._output_checks, "checking the output")      # the one writer: rank 0
             self.source = self._stack.enter_context(Source(self.source_path))
             self.cfg = Qwen3Config.from_hf(self.source.config)
             check_layer_count(self.cfg, self.source.sizes, self.source_path)
@@ -190,8 +200,19 @@ class Conversion:
             raise
         return self
 
+    def _output_checks(self):
+        check_apart(self.source_path, self.out)
+        self._stack.enter_context(output_lock(self.out))          # a second writer is refused here, at once
+        recover_interrupted_swap(self.out)
+        check_output(self.out, self.force, self.override)
+
     def __exit__(self, *exc):
         self._stack.close()
+
+    @property
+    def writer(self):
+        """Whether this process writes the output (the one process, or rank 0)."""
+        return self.group is None or self.group.first
 
     @property
     def needs_data(self):
@@ -225,12 +246,14 @@ class Conversion:
         self.shards = [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
         identity = {"source": self.source.identity(), "method": self.method, "options": self.options,
                     "dtype": str(self.dtype), "calibration": None if ids is None else tensor_digest(ids)}
-        folder, state = self._resume(identity)
+        folder, state = on_first(self.group, lambda: self._resume(identity), "reading the progress record")
         self.known = sum(self.source.sizes[name] for name in rest) + self.source.side_bytes()
         try:
             self._check_space(folder, state)
             return self._convert(folder, state, ids)
         except BaseException as e:
+            if not self.writer:
+                raise
             if not state["done"]:                   # nothing worth keeping
                 shutil.rmtree(folder, ignore_errors=True)
             if is_disk_full(e):
@@ -249,12 +272,18 @@ class Conversion:
         return (folder.name, folder_size(folder)) if state["done"] else None
 
     def _check_space(self, folder, state):
-        check_free_space(self.out, self._still_needed(folder, state), self._kept(folder, state))
+        if self.writer:
+            check_free_space(self.out, self._still_needed(folder, state), self._kept(folder, state))
 
     def _convert(self, folder, state, ids):
         layers, batches = self.cfg.num_hidden_layers, None
+        self.share = (0, None)                      # (this rank's first calibration batch, all batches)
         if self.mode and state["done"] < layers:    # the embedding, in its stored dtype, only to embed the ids
             _fill(self.model, self.source.tensors(lambda n: n == "model.embed_tokens.weight"), None, {})
+            if self.group is not None:              # this rank's contiguous share of the batches
+                total = -(-len(ids) // self.batch_size)
+                mine = share(total, self.group.rank, self.group.world)
+                ids, self.share = ids[mine.start * self.batch_size:mine.stop * self.batch_size], (mine.start, total)
             batches = [(h.to(self.dtype), *rope) for h, *rope in first_layer_batches(self.model, ids, self.batch_size)]
             self.model.model.embed_tokens.to_empty(device="meta")
         self._validated, done = {}, state["done"]
@@ -262,11 +291,16 @@ class Conversion:
         for i in range(layers):                     # the bar starts where a killed run stopped
             if i < done and (not self.mode or done == layers):
                 continue                            # done: its record holds its digests, no later layer needs it
-            batches = self._layer(i, batches, folder, state)
+            if self.group is not None and not self.mode:
+                self._spread_layer(i, folder, state)
+            else:
+                batches = self._layer(i, batches, folder, state)
             bar.update(i >= done)
             if i + 1 < layers:                      # with the layers written so far measured
                 self._check_space(folder, state)
         bar.close()
+        if not self.writer:
+            return None
         # one at a time (an 8B's embedding is 1.2 GB), and no enumerate(): its cached result tuple would keep the
         # previous tensor alive while the next one is read
         k = self.cfg.num_hidden_layers
@@ -293,28 +327,65 @@ class Conversion:
         prefix = f"model.layers.{i}."
         layer_dtype = self.dtype if mode else None      # data-free methods read each weight as stored (half the memory)
         stored = _fill(model, self.source.tensors(lambda n: n.startswith(prefix)), layer_dtype, state["digests"])
-        layer = LayerCalibration(model.model.layers[i], i, batches, self.entry.name)
+        layer = LayerCalibration(model.model.layers[i], i, batches, self.entry.name, group=self.group,
+                                 first=self.share[0], total=self.share[1])
         if i < state["done"]:
             if mode == "quantized":
-                self._read_back(folder / self.shards[i], self._spec(state["layer_configs"][i]), layer_dtype)
+                self._read_back(folder, self.shards[i], self._spec(state["layer_configs"][i]), layer_dtype)
             batches = layer.outputs() if mode else None
         else:
             ahead = layer.outputs() if mode == "float" else None
             layer_cfg = self.entry.quantize_layer(layer, **self.options)
-            save_file(checkpoint_tensors(layer.layer, self.entry, self._spec(layer_cfg), prefix, stored),
-                      folder / self.shards[i])
+            if self.writer:
+                self._write_layer(i, checkpoint_tensors(layer.layer, self.entry, self._spec(layer_cfg), prefix,
+                                                        stored), layer_cfg, layer_weights(layer), {}, folder, state)
             batches = ahead if ahead is not None else (layer.outputs() if mode else None)
-            state["layer_configs"].append(layer_cfg)
-            state["weights"].append(layer_weights(layer))
-            state["done"] = i + 1
-            write_json(folder / PROGRESS, state)        # after the shard: every layer it counts is on disk
         model.model.layers[i] = DecoderLayer(model.cfg, i).to("meta")
         del layer
         release_memory()
         return batches
 
-    def _read_back(self, shard, spec, dtype):
-        """Rebuild a quantized layer from its written shard (a resumed run replays it to get the next inputs)."""
+    def _write_layer(self, i, tensors, layer_cfg, weights, digests, folder, state):
+        """Layer i's shard, then its progress record (every layer the record counts is on disk)."""
+        save_file(tensors, folder / self.shards[i])
+        state["digests"].update(digests)
+        state["layer_configs"].append(layer_cfg)
+        state["weights"].append(weights)
+        state["done"] = i + 1
+        write_json(folder / PROGRESS, state)
+
+    def _spread_layer(self, i, folder, state):
+        """A data-free method over several ranks: layer i quantized by rank i % world, written by rank 0."""
+        owner, prefix = i % self.group.world, f"model.layers.{i}."
+        if self.group.rank == owner:
+            digests = {}
+            stored = _fill(self.model, self.source.tensors(lambda n: n.startswith(prefix)), None, digests)
+            layer = LayerCalibration(self.model.model.layers[i], i, None, self.entry.name)
+            layer_cfg = self.entry.quantize_layer(layer, **self.options)
+            result = (checkpoint_tensors(layer.layer, self.entry, self._spec(layer_cfg), prefix, stored), layer_cfg,
+                      layer_weights(layer), digests)
+            self.model.model.layers[i] = DecoderLayer(self.model.cfg, i).to("meta")
+            del layer
+            release_memory()
+            if owner != 0:
+                self.group.send(result, 0, f"sending layer {i}")
+        if self.group.first:
+            if owner != 0:
+                result = self.group.receive(owner, f"receiving layer {i}")
+            self._write_layer(i, *result, folder, state)
+
+    def _read_back(self, folder, shard, spec, dtype):
+        """Rebuild a quantized layer from its written shard (a resumed run replays it to get the next inputs); in a
+        group rank 0 sends the shard's bytes to the others."""
+        if self.group is not None:
+            data = self.group.broadcast((folder / shard).read_bytes() if self.writer else None, 0,
+                                        f"sending {shard}")
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / shard).write_bytes(data)
+                return self._read_back_file(Path(tmp) / shard, spec, dtype)
+        return self._read_back_file(folder / shard, spec, dtype)
+
+    def _read_back_file(self, shard, spec, dtype):
         assembler = LayerAssembler(self.model, self.entry, spec, "cpu")
         reader = TensorReader(shard)
         for name in reader.names():
@@ -399,9 +470,9 @@ def _fill(model, tensors, dtype, digests):
 
 
 def quantize_checkpoint(source, out, method, calibration_ids=None, force=False, dtype=torch.float32, batch_size=8,
-                        progress=True, records=None, **options):
+                        progress=True, records=None, ranks=None, **options):
     """Quantize the model at `source` into the checkpoint folder `out` layer by layer (a Conversion checked, then
     run with calibration_ids [B, T] for the data-aware methods and the provenance `records`). Returns the
     quantization_config."""
-    with Conversion(source, out, method, force, dtype, batch_size, progress, **options) as conversion:
+    with Conversion(source, out, method, force, dtype, batch_size, progress, ranks=ranks, **options) as conversion:
         return conversion.run(calibration_ids, records)

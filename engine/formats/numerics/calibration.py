@@ -20,10 +20,15 @@ linearly with depth, not as layers^2 as re-running the model from the embedding 
 Within a layer, a step's run may resume where the step before stopped instead of starting from the layer's input
 (the attention computed once, not once per GPTQ step): engine/formats/numerics/layer_runs.py, a speed-up with the same
 results, kept apart so that this file reads as the walk itself.
+
+With several processes (engine/distributed.py) each rank walks the layers with its share of the batches: capture
+merges the ranks' statistics in a fixed order (InputStats' slots: the sums of one process, bit for bit) and replace
+has one owner rank make each linear and send it to the others, so every method runs unchanged.
 """
 import torch
 from tqdm import tqdm
 
+from ...distributed import slot_of
 from .base import QuantLinear, linear_names, replace_linears
 from .layer_runs import ResumingRuns
 
@@ -33,13 +38,18 @@ SEQUENTIAL_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 class InputStats:
-    """Running statistics of a linear's inputs: add(x [..., in]) any number of times, then read
-    gram [in, in] = X^T X / n, hessian = 2 gram (GPTQ's H) and mean_abs [in] = mean_t |x_t| (all float32)."""
+    """Running statistics of a linear's inputs: add(x [..., in], slot) any number of times, then read
+    gram [in, in] = X^T X / n, hessian = 2 gram (GPTQ's H) and mean_abs [in] = mean_t |x_t| (all float32).
 
-    def __init__(self, in_features):
-        self.xtx = torch.zeros(in_features, in_features, dtype=torch.float64)
-        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
-        self.count = 0
+    The sums are float64 and taken in slots (engine.distributed: contiguous runs of batches, the same whatever the
+    number of processes): each slot summed from zero in batch order, the slots folded left to right. A process that
+    holds only some slots keeps their sums apart (keep_slots) until merge(group) folds them with the other ranks', so
+    that any number of ranks reaches the sums of one process bit for bit. One process holds two float64 sums per
+    statistic (the total and the open slot's), the price of that order."""
+
+    def __init__(self, in_features, keep_slots=False):
+        self.in_features, self.keep_slots = in_features, keep_slots
+        self.parts = []              # [slot, xtx, abs_sum, count]: closed slots (folded unless kept), then the open one
 
     @classmethod
     def of(cls, inputs):
@@ -52,35 +62,69 @@ class InputStats:
             stats.add(x)
         return stats
 
-    def add(self, x):
-        if x.shape[-1] != self.abs_sum.shape[0]:
-            raise ValueError(f"calibration inputs have {x.shape[-1]} features, the layer has {self.abs_sum.shape[0]}")
-        x = x.detach().reshape(-1, self.abs_sum.shape[0]).float()
-        self.xtx, self.abs_sum = self.xtx.to(x.device), self.abs_sum.to(x.device)
+    def add(self, x, slot=0):
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"calibration inputs have {x.shape[-1]} features, the layer has {self.in_features}")
+        x = x.detach().reshape(-1, self.in_features).float()
+        if not self.parts or self.parts[-1][0] != slot:
+            if len(self.parts) == 2 and not self.keep_slots:     # the open slot joins the total; its buffers reused
+                total, part = self.parts
+                _fold(total, part)
+                part[1].zero_()
+                part[2].zero_()
+                part[0], part[3] = slot, 0
+            else:
+                self.parts.append([slot, torch.zeros(self.in_features, self.in_features, dtype=torch.float64,
+                                                     device=x.device),
+                                   torch.zeros(self.in_features, dtype=torch.float64, device=x.device), 0])
+        part = self.parts[-1]
         # one batch's X^T X in float32 (a float64 matmul costs several times more), summed over batches in float64
         # (a long calibration run sums many large squares)
-        self.xtx += (x.T @ x).double()
-        self.abs_sum += x.abs().sum(0, dtype=torch.float64)
-        self.count += x.shape[0]
+        part[1] += (x.T @ x).double()
+        part[2] += x.abs().sum(0, dtype=torch.float64)
+        part[3] += x.shape[0]
 
-    def _check(self):
-        if self.count == 0:
+    def merge(self, group):
+        """Fold this rank's slot sums with every other rank's (engine.distributed.Group.fold); the same on every
+        rank afterwards."""
+        total = group.fold(self.parts, _fold)
+        self.parts = [total] if total is not None else []
+
+    def _total(self):
+        while len(self.parts) > 1:
+            _fold(*self.parts[:2])
+            del self.parts[1]
+        if not self.parts or self.parts[0][3] == 0:
             raise ValueError("no calibration inputs reached this layer")
+        return self.parts[0]
+
+    @property
+    def count(self):
+        return self._total()[3]
 
     @property
     def gram(self):
-        self._check()
-        return (self.xtx / self.count).float()
+        _, xtx, _, n = self._total()
+        return (xtx / n).float()
 
     @property
     def hessian(self):
-        self._check()
-        return (2 * self.xtx / self.count).float()
+        _, xtx, _, n = self._total()
+        return (2 * xtx / n).float()
 
     @property
     def mean_abs(self):
-        self._check()
-        return (self.abs_sum / self.count).float()
+        _, _, abs_sum, n = self._total()
+        return (abs_sum / n).float()
+
+
+def _fold(total, part):
+    """total += part, in place, for slot sums [slot, xtx, abs_sum, count] (the later slot's index kept): the one
+    addition of the left fold, the same whether the parts come from one process or from several."""
+    total[1] += part[1].to(total[1].device)
+    total[2] += part[2].to(total[2].device)
+    total[0], total[3] = part[0], total[3] + part[3]
+    return total
 
 
 def hessian_from(inputs):
@@ -92,15 +136,16 @@ class _Seen(Exception):
     """Raised by a pre-hook to end a forward once every watched linear has seen its input."""
 
 
-def capture(modules, batches, run):
+def capture(modules, batches, run, slot=lambda b: 0, keep_slots=False):
     """{name: module} -> {name: InputStats} of each module's inputs while run(b, batch) executes for every batch
-    (b its index); each run is stopped as soon as all of `modules` have seen their input."""
-    stats = {name: InputStats(m.in_features) for name, m in modules.items()}
-    seen = set()
+    (b its index, slot(b) its calibration slot); each run is stopped as soon as all of `modules` have seen their
+    input."""
+    stats = {name: InputStats(m.in_features, keep_slots) for name, m in modules.items()}
+    seen, at = set(), [0]
 
     def hook(name):
         def record(module, args):
-            stats[name].add(args[0].float())
+            stats[name].add(args[0].float(), slot(at[0]))
             seen.add(name)
             if len(seen) == len(modules):
                 raise _Seen
@@ -110,6 +155,7 @@ def capture(modules, batches, run):
     try:
         for b, batch in enumerate(batches):
             seen.clear()
+            at[0] = b
             try:
                 run(b, batch)
             except _Seen:
@@ -125,15 +171,29 @@ class LayerCalibration:
     arguments the model passes the layer (hidden states [b, T, hidden] first, then the RoPE tables); batches is
     None for a data-free method."""
 
-    def __init__(self, layer, index, batches=None, method="this method", prefix=None):
+    def __init__(self, layer, index, batches=None, method="this method", prefix=None, group=None, first=0,
+                 total=None):
         self.layer, self.index, self.batches, self.method = layer, index, batches, method
         self.prefix = f"model.layers.{index}." if prefix is None else prefix
         self.runs = ResumingRuns(layer, len(batches or ()))
+        # several processes (engine.distributed): `batches` are this rank's share, global batches first .. first +
+        # len - 1 of `total`; statistics are merged over the ranks and each linear quantized by one of them
+        self.group, self.first = group, first
+        self.total = len(batches or ()) if total is None else total
 
     def replace(self, make, names=None):
-        """Replace the layer's linears (all, or the full names in `names`) by make(full name, linear), in place."""
+        """Replace the layer's linears (all, or the full names in `names`) by make(full name, linear), in place. In a
+        group of processes each linear is made by one owner rank and sent to the others."""
         names = None if names is None else {n.removeprefix(self.prefix) for n in names}
-        replaced = replace_linears(self.layer, lambda name, linear: make(self.prefix + name, linear), names)
+        if self.group is None:
+            replaced = replace_linears(self.layer, lambda name, linear: make(self.prefix + name, linear), names)
+        else:
+            chosen = [n for n in linear_names(self.layer) if names is None or n in names]
+            owner = {n: (self.index + k) % self.group.world for k, n in enumerate(chosen)}
+            made = {n: make(self.prefix + n, self.layer.get_submodule(n)) for n in chosen
+                    if owner[n] == self.group.rank}
+            replaced = replace_linears(self.layer, lambda name, linear: self.group.broadcast(
+                made.get(name), owner[name], f"sharing {self.prefix}{name}"), set(chosen))
         self.runs.drop_stale()                          # what the replaced linears made is freed now
         return replaced
 
@@ -166,7 +226,11 @@ class LayerCalibration:
         first = {n: next(s[0] for s in SEQUENTIAL_STEPS if n in s) if any(n in s for s in SEQUENTIAL_STEPS) else n
                  for n in names}
         watched = self.linears(dict.fromkeys(first.values()))
-        stats = capture(watched, self.batches, lambda b, args: self._run(b, args, watched.values()))
+        stats = capture(watched, self.batches, lambda b, args: self._run(b, args, watched.values()),
+                        lambda b: slot_of(self.first + b, self.total), keep_slots=self.group is not None)
+        if self.group is not None:
+            for one in stats.values():
+                one.merge(self.group)
         return {self.prefix + n: stats[self.prefix + first[n]] for n in names}
 
     @torch.no_grad()

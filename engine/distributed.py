@@ -1,0 +1,189 @@
+"""Quantizing with several processes (torchrun, torch.distributed): the group, and the few exchanges the converter
+needs, each exact and each naming the rank it lost when one dies.
+
+    torchrun --nproc-per-node N [--nnodes K --rdzv-endpoint HOST:PORT] run.py quantize --model SRC --method M --out DIR
+
+Data-free methods split the decoder layers: rank r quantizes layers r, r + N, r + 2N, ... and sends each one's
+tensors to rank 0. Data-aware methods split the calibration: each rank runs its contiguous share of the batches
+through every layer; each linear's input statistics (GPTQ's Hessian) are summed over the ranks, that linear is
+quantized by one owner rank and the result broadcast, so every rank continues from the same quantized layer.
+
+Byte-identical to one process. A float64 sum depends on its order, so the statistics are always summed the same way,
+whatever the number of ranks: the batches are cut into SLOTS contiguous slots, each slot summed from zero in batch
+order, and the slot sums folded left to right (one process: as it goes; ranks: each holds its slots' sums until the
+running total of the slots before them arrives from the rank before, adds them and passes it on; the last rank
+broadcasts the total). Rank 0 is the only one that writes (so no shared file system is needed): the lock, the
+progress record, every shard, the index and the provenance, in the same order as one process.
+
+A rank that dies (or a group that cannot form within the timeout) ends every other rank with one error line naming
+the rank lost; the progress record keeps every layer written, and the same command resumes.
+"""
+import datetime
+import os
+
+SLOTS = 8                  # calibration slots: the most ranks a data-aware conversion can use
+TIMEOUT = int(os.environ.get("ENGINE_DIST_TIMEOUT", "1800"))   # seconds a rank waits for another before giving up
+
+
+def launched():
+    """Whether this process is one of several (torchrun sets WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+class RankLost(RuntimeError):
+    """An exchange with another rank failed (it died, or the group timed out)."""
+
+
+class Group:
+    """This process's place in a torch.distributed group: rank, world (the number of ranks)."""
+
+    def __init__(self, rank, world, timeout):
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.bytes = 0                                  # bytes this rank sent and received
+
+    @classmethod
+    def from_env(cls, timeout=TIMEOUT):
+        """The group torchrun (or the environment variables WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT) describes,
+        joined with the gloo backend; None for one process."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        import torch.distributed as dist
+        rank = int(os.environ["RANK"])
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+        except Exception as e:                          # noqa: BLE001 (torch raises several kinds)
+            raise RankLost(f"rank {rank}: the group of {world} ranks did not form within {timeout} s at "
+                           f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                           f"({str(e).splitlines()[0][:160]})") from None
+        return cls(rank, world, timeout)
+
+    @property
+    def first(self):
+        return self.rank == 0
+
+    def _lost(self, peer, what, e):
+        return RankLost(f"rank {self.rank}: lost rank {peer} while {what} (it died, or did not answer within "
+                        f"{self.timeout} s): {str(e).splitlines()[0][:160]}; run the same command again to resume")
+
+    def broadcast(self, obj, src, what="exchanging results"):
+        """obj from rank src to every rank (anything torch.save writes); returns it on every rank."""
+        import torch.distributed as dist
+        try:
+            data = _packed(obj) if self.rank == src else None
+            size = torch_tensor([0 if data is None else data.numel()])
+            dist.broadcast(size, src=src)
+            if data is None:
+                data = torch_empty(int(size))
+            dist.broadcast(data, src=src)
+        except RuntimeError as e:
+            raise self._lost(src, what, e) from None
+        self.bytes += int(size) * (self.world - 1 if self.rank == src else 1)
+        return obj if self.rank == src else _unpacked(data)
+
+    def send(self, obj, dst, what="sending results"):
+        import torch.distributed as dist
+        data = _packed(obj)
+        try:
+            dist.send(torch_tensor([data.numel()]), dst=dst)
+            dist.send(data, dst=dst)
+        except RuntimeError as e:
+            raise self._lost(dst, what, e) from None
+        self.bytes += data.numel()
+
+    def receive(self, src, what="receiving results"):
+        import torch.distributed as dist
+        try:
+            size = torch_tensor([0])
+            dist.recv(size, src=src)
+            data = torch_empty(int(size))
+            dist.recv(data, src=src)
+        except RuntimeError as e:
+            raise self._lost(src, what, e) from None
+        self.bytes += data.numel()
+        return _unpacked(data)
+
+    def fold(self, parts, add, what="summing calibration statistics"):
+        """parts: this rank's slot sums, in slot order -> the left fold of every rank's slot sums in rank order,
+        on every rank (add(total, part) -> total; total starts as the first part)."""
+        total = None if self.rank == 0 else self.receive(self.rank - 1, what)
+        for part in parts:
+            total = part if total is None else add(total, part)
+        if self.rank + 1 < self.world:
+            self.send(total, self.rank + 1, what)
+        return self.broadcast(total, self.world - 1, what)
+
+    def close(self):
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def torch_tensor(values):
+    import torch
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def torch_empty(n):
+    import torch
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def _packed(obj):
+    """Any object torch.save writes (tensors of every dtype, modules, dicts) -> uint8 [n]."""
+    import io
+
+    import torch
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _unpacked(data):
+    import io
+
+    import torch
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)     # from a rank of this same run
+
+
+def slot_of(batch, batches):
+    """Batch index -> its slot (contiguous slots, the same for any number of ranks)."""
+    return batch * SLOTS // batches
+
+
+def share(batches, rank, world):
+    """range of the batch indices rank `rank` of `world` calibrates with: the batches of its slots."""
+    first_slot, end_slot = rank * SLOTS // world, (rank + 1) * SLOTS // world
+    mine = [b for b in range(batches) if first_slot <= slot_of(b, batches) < end_slot]
+    return range(mine[0], mine[-1] + 1) if mine else range(0)
+
+
+def check_world(world, data_aware):
+    """ValueError unless a conversion can use `world` ranks."""
+    if data_aware and world > SLOTS:
+        raise ValueError(f"{world} ranks: a data-aware method splits its calibration into {SLOTS} slots, so it uses "
+                         f"at most {SLOTS} ranks")
+
+
+
+class Follower(Exception):
+    """This rank stops because rank 0 refused the conversion (rank 0 prints why)."""
+
+
+def on_first(group, fn, what):
+    """fn() run by rank 0 alone (or by the one process) and its result sent to every rank. A ValueError there stops
+    every rank: rank 0 raises it, the others raise Follower."""
+    if group is None:
+        return fn()
+    result, refusal = None, None
+    if group.first:
+        try:
+            result = fn()
+        except ValueError as e:
+            refusal = e
+    result, said = group.broadcast((result, None if refusal is None else str(refusal)), 0, what)
+    if refusal is not None:
+        raise refusal
+    if said is not None:
+        raise Follower(said)
+    return result

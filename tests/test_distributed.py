@@ -1,0 +1,154 @@
+"""Beyond one process (engine/distributed.py): `torchrun --nproc-per-node 2 run.py quantize --model ...` writes the
+same bytes as one process, for a data-free method (layers split over the ranks) and for GPTQ (calibration split,
+statistics folded in a fixed slot order, each linear quantized by one owner); a rank killed mid-run ends the other
+with one error line naming it, and the same command then resumes and finishes with the same bytes."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import distributed
+from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files
+from engine.formats.numerics.calibration import InputStats
+from engine.loaders import save_dense
+from engine.qwen3 import Qwen3, Qwen3Config
+
+ROOT = Path(__file__).resolve().parents[1]
+CALIB = ("--calib-samples", "24", "--calib-len", "32")
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "CI": os.environ.get("CI", "")}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_hidden_layers=6)
+    folder = tmp_path_factory.mktemp("src") / "dense"
+    save_dense(Qwen3(cfg).eval(), folder, side_files=lambda f: write_tokenizer_files(byte_tokenizer(), f))
+    return folder
+
+
+def quantize(*args, ranks=1, env=None):
+    command = [sys.executable, str(ROOT / "run.py"), "quantize", *args]
+    if ranks > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                   "--master-port", str(free_port()), str(ROOT / "run.py"), "quantize", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env or ONE_THREAD, timeout=600)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def files(folder):
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
+
+
+def test_slot_sums_split_over_ranks_fold_to_the_one_process_sums():
+    """The fold Group.fold makes, done by hand: two 'ranks' holding slots 0-3 and 4-7 reach the one-process
+    float64 sums bit for bit; a plain sum of the two halves (what a naive all-reduce does) does not."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(40, 24, generator=g) * 10 ** (4 * torch.randn(1, generator=g)) for _ in range(16)]
+    one = InputStats(24)
+    for b, x in enumerate(batches):
+        one.add(x, distributed.slot_of(b, len(batches)))
+    halves = []
+    for rank in range(2):
+        part = InputStats(24, keep_slots=True)
+        for b in distributed.share(len(batches), rank, 2):
+            part.add(batches[b], distributed.slot_of(b, len(batches)))
+        halves.append(part)
+    assert [len(h.parts) for h in halves] == [4, 4]                 # each rank keeps its 4 slots apart
+    folded = halves[0].parts + halves[1].parts
+    merged = InputStats(24)
+    merged.parts = [[p[0], p[1].clone(), p[2].clone(), p[3]] for p in folded]        # folded in place
+    assert torch.equal(merged.hessian, one.hessian) and torch.equal(merged.mean_abs, one.mean_abs)
+    naive = halves[0]._total()[1] + halves[1]._total()[1]
+    assert not torch.equal(naive, one._total()[1])                 # the order matters: the fold is needed
+
+
+def test_shares_are_contiguous_and_cover_every_batch():
+    for batches in (1, 3, 8, 13, 40):
+        for world in (1, 2, 3, 4, 8):
+            shares = [distributed.share(batches, r, world) for r in range(world)]
+            covered = [b for s in shares for b in s]
+            assert covered == list(range(batches)), (batches, world)
+    with pytest.raises(ValueError, match="at most 8 ranks"):
+        distributed.check_world(9, data_aware=True)
+    distributed.check_world(9, data_aware=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, options", [("fp8", ("--option", "block=32")),
+                                             ("gptq", ("--group-size", "32")),
+                                             ("awq", ("--group-size", "32"))])
+def test_two_ranks_write_the_bytes_of_one_process(tmp_path, source, method, options):
+    common = ("--model", str(source), "--method", method, *options, *CALIB)
+    one = quantize(*common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    two = quantize(*common, "--out", str(tmp_path / "two"), ranks=2)
+    assert two.returncode == 0, two.stderr
+    assert "with 2 ranks" in two.stderr
+    assert files(tmp_path / "two") == files(tmp_path / "one")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_other_with_one_line_and_the_rerun_finishes_the_same(tmp_path, source):
+    common = ("--model", str(source), "--method", "gptq", "--group-size", "32", *CALIB)
+    one = quantize(*common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    port, out = free_port(), tmp_path / "two"
+    # the ranks started by hand (as torchrun would: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT), so that one can be
+    # killed and the other's own stderr read; the kill lands while layers 2-5 (about 0.1 s each) are to go
+    env = {**ONE_THREAD, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "ENGINE_DIST_TIMEOUT": "60"}
+    command = [sys.executable, str(ROOT / "run.py"), "quantize", *common, "--out", str(out)]
+    ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    progress = tmp_path / ".two.partial" / "progress.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (progress.exists() and '"done": 1' in progress.read_text()):
+        assert ranks[0].poll() is None, ranks[0].communicate()
+        time.sleep(0.01)
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    _, err = ranks[0].communicate(timeout=120)
+    ranks[1].wait()
+    lines = err.strip().splitlines()
+    assert ranks[0].returncode == 1 and lines[-1].startswith("error: rank 0: lost rank 1 while"), err
+    assert "run the same command again to resume" in lines[-1]
+    assert not out.exists()
+    again = quantize(*common, "--out", str(out), ranks=2)
+    assert again.returncode == 0, again.stderr
+    assert "resuming" in again.stderr
+    assert files(out) == files(tmp_path / "one")
+
+
+@pytest.mark.slow
+def test_a_group_that_cannot_form_is_one_error_line_after_the_timeout(tmp_path, source):
+    env = {**ONE_THREAD, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "ENGINE_DIST_TIMEOUT": "3"}
+    alone = quantize("--model", str(source), "--method", "fp8", "--out", str(tmp_path / "q"), env=env)
+    lines = alone.stderr.strip().splitlines()
+    assert alone.returncode == 1 and len(lines) == 1, alone.stderr
+    assert lines[0].startswith("error: rank 0: the group of 2 ranks did not form within 3 s at 127.0.0.1:"), lines
+    assert not (tmp_path / "q").exists()
+
+
+def test_what_runs_in_one_process_only_is_refused_before_the_group_forms(tmp_path, source):
+    env = {**ONE_THREAD, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    mix = quantize("--model", str(source), "--method", "gptq", "--target", "llama.cpp", "--bpw", "5.0",
+                   "--out", str(tmp_path / "q.gguf"), env=env)
+    assert mix.returncode == 1 and mix.stderr.strip() == ("error: --bpw 5.0: GPTQ's mix is planned by one process; "
+                                                          "run it without torchrun"), mix.stderr
+    tiny = quantize("--method", "fp8", "--out", str(tmp_path / "t"), env=env)
+    assert tiny.returncode == 1 and tiny.stderr.strip().startswith("error: torchrun: several processes quantize a "
+                                                                   "model from disk"), tiny.stderr
+    assert not (tmp_path / "q.gguf").exists() and not (tmp_path / "t").exists()
