@@ -76,6 +76,8 @@ ENGINE_ROWS = [   # (label, quantize(model, calibration, **options), options): c
                                                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"], "IQ4_NL"),
                                "mlp.down_proj": "Q3_K"})),
     *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}", gptq.quantize, dict(bpw=b)) for b in (6.0, 5.5, 4.5, 4.4, 3.5)],
+    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, damp 0.1", gptq.quantize, dict(bpw=b, damp=0.1))
+      for b in (4.5, 4.25)],
     *[(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (4.0, 3.0, 2.0)],
     *[(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.05)) for b in (4.0, 3.0, 2.1)],
     *[(f"EntQuant + calibration-Hessian feedback, ~{b} bpw", entropy.quantize,

@@ -372,6 +372,33 @@ def test_choose_is_never_worse_than_any_choice_it_could_afford_on_small_tables()
         assert all(cost(chosen) <= cost(c) + 1e-12 for c in fits if len(set(c.values())) == 1)
 
 
+def test_the_plan_scores_each_type_by_the_layer_error_gptq_leaves_with_it():
+    """layer_errors' cost of a type is s_l x GPTQ's own layer error tr(E H E^T) on that grid (one sensitivity per
+    linear, whatever the type); on every row it is exactly that, on every k-th row an estimate of it; and GPTQ's
+    error, not round-to-nearest's: below the RTN error on the same grid."""
+    from engine.formats.numerics.calibration import decoder_layers
+    torch.manual_seed(0)
+    layer = next(decoder_layers(Qwen3(K_CFG).eval(), calibration_ids(), 8, "gptq", "quantized"))
+    name = layer.prefix + "mlp.down_proj"
+    full = gptq_ggml.layer_errors(layer, ["mlp.down_proj"], rows=10 ** 6)[name]
+    sampled = gptq_ggml.layer_errors(layer, ["mlp.down_proj"], rows=64)[name]
+    W, H = layer.module(name).weight.detach().float(), layer.capture(["mlp.down_proj"])[name].hessian
+
+    def error(raw, kind):
+        E = ggml.dequantize(raw.reshape(-1), kind, W.shape) - W
+        return float(((E @ H) * E).sum())
+
+    exact = {kind: error(gptq_ggml.gptq_ggml(W, H, kind, gptq_ggml.visit_order(
+        torch.diag(H), gptq_ggml.group_size(kind), gptq_ggml.DEFAULT_ORDER)), kind) for kind in full}
+    ratios = [full[kind][1] / exact[kind] for kind in full]
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)              # one s_l for every type
+    assert all(0.5 < sampled[k][1] / full[k][1] < 2 for k in full)          # 64 of 256 rows: an estimate
+    rtn = error(gptq_ggml.rtn_ggml(W, "Q4_K", torch.diag(H) / 2), "Q4_K")
+    assert exact["Q4_K"] < rtn
+    costs = [full[k][1] for k in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")]
+    assert costs == sorted(costs, reverse=True)
+
+
 def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
     torch.manual_seed(0)
     model = Qwen3(K_CFG).eval()

@@ -30,6 +30,7 @@ from .gptq_order import DEFAULT as DEFAULT_ORDER
 from .gptq_order import ORDERS, SEARCH, visit_order
 from .llama_cpp import bit_plan, ggml, ggml_quants, iq4
 from .numerics import calibration
+from .numerics.affine import AffineQuantLinear
 from .numerics.base import Option, bool_option, number_option
 from .numerics.obq import error_feedback, inverse_cholesky
 
@@ -168,21 +169,55 @@ def bits_per_weight(type_name):
     return size * 8 / block
 
 
-def plan_mix(layer, names, bpw, max_sequences=4, imatrix=True):
-    """{relative name: type}: the K-quant (or its fallback) of each linear that meets `bpw` over the layer's linears
-    with the lowest added error at the layer's output (bit_plan.py), errors measured with llama.cpp's RTN on the
-    grid GPTQ will use (imatrix: importance from the layer's float calibration inputs)."""
-    importance = {n: torch.diag(stats.hessian) / 2 for n, stats in layer.capture(names).items()} if imatrix else {}
-    candidates = {}
+PLAN_ROWS = 64           # rows of each linear GPTQ quantizes per candidate while planning (every k-th row)
+PROBE_BITS, PROBE_GROUP = 4, 32   # the round-to-nearest whose error at the layer's output measures a sensitivity
+
+
+@torch.no_grad()
+def layer_errors(layer, names, damp=0.01, order=DEFAULT_ORDER, imatrix=True, refit=True, rows=PLAN_ROWS,
+                 max_sequences=4):
+    """{full name: {type: (bits, cost)}}: each candidate type of each linear (MIX_TYPES, each falling back as
+    llama.cpp does for the row width) scored by the error GPTQ will leave with it (not round-to-nearest's), in the
+    currency of the layer's output so that the costs of q_proj and down_proj add up:
+
+        cost_l(t) = s_l * tr(E_t H E_t^T) * out / rows,     E_t = GPTQ(W_l[rows], H, t) - W_l[rows]
+
+    GPTQ runs on every k-th row only (rows are quantized independently given H, so the error scales with their
+    count); s_l, what a unit of the linear's layer error adds at the layer's output, is measured once per linear
+    with a 4-bit round-to-nearest in groups of 32 (bit_plan.output_costs)."""
+    stats, errors, probes, table = layer.capture(names), {}, {}, {}
+
+    def error(w_hat, W, H):                               # GPTQ's layer error tr(E H E^T), E = w_hat - W
+        E = w_hat - W
+        return float(((E @ H) * E).sum())
+
     for name in names:
-        linear, full = layer.module(layer.prefix + name), layer.prefix + name
+        full = layer.prefix + name
+        linear, H = layer.module(full), stats[full].hessian
+        W = linear.weight.float()
         kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in MIX_TYPES)
-        candidates[full] = {
-            kind: (linear.weight.numel() * bits_per_weight(kind),
-                   lambda lin, kind=kind, imp=importance.get(full):
-                   ggml_layer(rtn_ggml(lin.weight, kind, imp), kind, lin.in_features, lin.bias))
-            for kind in kinds}
-    table = bit_plan.output_costs(layer, candidates, max_sequences)
+        picked = W[::max(1, W.shape[0] // rows)]
+        errors[full] = {}
+        for kind in kinds:
+            perm = visit_order(torch.diag(H), group_size(kind), order)
+            raw = gptq_ggml(picked, H, kind, perm, damp, imatrix=imatrix, refit=refit)
+            w_hat = ggml.dequantize(raw.reshape(-1), kind, picked.shape)
+            errors[full][kind] = (W.numel() * bits_per_weight(kind), error(w_hat, picked, H) * len(W) / len(picked))
+        probe = AffineQuantLinear.from_linear(linear, PROBE_BITS, PROBE_GROUP)
+        probes[full] = (error(probe.dequantize().float(), W, H), {"probe": (0, lambda lin, probe=probe: probe)})
+    at_output = bit_plan.output_costs(layer, {full: make for full, (_, make) in probes.items()}, max_sequences)
+    for full, (probe_error, _) in probes.items():
+        (_, cost), = at_output[full].values()
+        s = cost / probe_error if probe_error > 0 else 1.0
+        table[full] = {kind: (bits, s * err) for kind, (bits, err) in errors[full].items()}
+    return table
+
+
+def plan_mix(layer, names, bpw, damp=0.01, order=DEFAULT_ORDER, imatrix=True, refit=True):
+    """{relative name: type}: the type of each linear that meets `bpw` over the layer's linears with the lowest
+    added error at the layer's output (bit_plan.choose on layer_errors' costs). Each layer spends the budget on its
+    own linears: a budget shared by the whole model, spent where the layer output errors say, did worse (README)."""
+    table = layer_errors(layer, names, damp, order, imatrix, refit)
     weights = sum(layer.module(layer.prefix + n).weight.numel() for n in names)
     try:
         chosen = bit_plan.choose(table, bpw * weights)
@@ -256,7 +291,7 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
     rules(dict(ggml_type=ggml_type, order=order, bpw=bpw, imatrix=imatrix))
     names = [n for step in calibration.SEQUENTIAL_STEPS for n in step]
     if ggml_type == MIX:
-        wanted = plan_mix(layer, names, bpw, imatrix=imatrix)
+        wanted = plan_mix(layer, names, bpw, damp, order, imatrix, refit)
     else:
         wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
     plan = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
