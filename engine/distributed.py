@@ -22,16 +22,20 @@ import datetime
 import os
 
 SLOTS = 8                  # calibration slots: the most ranks a data-aware conversion can use
-TIMEOUT = int(os.environ.get("ENGINE_DIST_TIMEOUT", "1800"))   # seconds a rank waits for another before giving up
+TIMEOUT = 1800             # seconds a rank waits for another before giving up (ENGINE_DIST_TIMEOUT overrides it)
 
 
 def launched():
     """Whether this process is one of several (torchrun sets WORLD_SIZE)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return _env_int("WORLD_SIZE", 1) > 1
 
 
 class RankLost(RuntimeError):
     """An exchange with another rank failed (it died, or the group timed out)."""
+
+
+class Follower(Exception):
+    """This rank stops because rank 0 refused the conversion (rank 0 prints why)."""
 
 
 class Group:
@@ -42,14 +46,17 @@ class Group:
         self.bytes = 0                                  # bytes this rank sent and received
 
     @classmethod
-    def from_env(cls, timeout=TIMEOUT):
+    def from_env(cls):
         """The group torchrun (or the environment variables WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT) describes,
         joined with the gloo backend; None for one process."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = _env_int("WORLD_SIZE", 1)
         if world <= 1:
             return None
+        rank, timeout = _env_int("RANK", 0), _env_int("ENGINE_DIST_TIMEOUT", TIMEOUT)
+        if not 0 <= rank < world or timeout < 1:
+            raise ValueError(f"RANK={rank} of WORLD_SIZE={world}, ENGINE_DIST_TIMEOUT={timeout}: a rank is 0 .. "
+                             "WORLD_SIZE - 1 and the timeout at least 1 second")
         import torch.distributed as dist
-        rank = int(os.environ["RANK"])
         try:
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
         except Exception as e:                          # noqa: BLE001 (torch raises several kinds)
@@ -71,10 +78,10 @@ class Group:
         import torch.distributed as dist
         try:
             data = _packed(obj) if self.rank == src else None
-            size = torch_tensor([0 if data is None else data.numel()])
+            size = _size(0 if data is None else data.numel())
             dist.broadcast(size, src=src)
             if data is None:
-                data = torch_empty(int(size))
+                data = _buffer(int(size))
             dist.broadcast(data, src=src)
         except RuntimeError as e:
             raise self._lost(src, what, e) from None
@@ -85,7 +92,7 @@ class Group:
         import torch.distributed as dist
         data = _packed(obj)
         try:
-            dist.send(torch_tensor([data.numel()]), dst=dst)
+            dist.send(_size(data.numel()), dst=dst)
             dist.send(data, dst=dst)
         except RuntimeError as e:
             raise self._lost(dst, what, e) from None
@@ -94,9 +101,9 @@ class Group:
     def receive(self, src, what="receiving results"):
         import torch.distributed as dist
         try:
-            size = torch_tensor([0])
+            size = _size(0)
             dist.recv(size, src=src)
-            data = torch_empty(int(size))
+            data = _buffer(int(size))
             dist.recv(data, src=src)
         except RuntimeError as e:
             raise self._lost(src, what, e) from None
@@ -119,12 +126,20 @@ class Group:
             dist.destroy_process_group()
 
 
-def torch_tensor(values):
+def _env_int(key, default):
+    text = os.environ.get(key, str(default))
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{key}={text!r} is not a whole number") from None
+
+
+def _size(n):
     import torch
-    return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor([n], dtype=torch.int64)
 
 
-def torch_empty(n):
+def _buffer(n):
     import torch
     return torch.empty(n, dtype=torch.uint8)
 
@@ -163,11 +178,6 @@ def check_world(world, data_aware):
     if data_aware and world > SLOTS:
         raise ValueError(f"{world} ranks: a data-aware method splits its calibration into {SLOTS} slots, so it uses "
                          f"at most {SLOTS} ranks")
-
-
-
-class Follower(Exception):
-    """This rank stops because rank 0 refused the conversion (rank 0 prints why)."""
 
 
 def on_first(group, fn, what):

@@ -89,7 +89,10 @@ def test_shares_are_contiguous_and_cover_every_batch():
 @pytest.mark.slow
 @pytest.mark.parametrize("method, options", [("fp8", ("--option", "block=32")),
                                              ("gptq", ("--group-size", "32")),
-                                             ("awq", ("--group-size", "32"))])
+                                             ("awq", ("--group-size", "32")),
+                                             ("trellis", ("--option", "ldlq=true", "--option", "L=6",
+                                                          "--option", "group=64")),
+                                             ("entquant", ("--bpw", "3.0", "--option", "feedback=calibration"))])
 def test_two_ranks_write_the_bytes_of_one_process(tmp_path, source, method, options):
     common = ("--model", str(source), "--method", method, *options, *CALIB)
     one = quantize(*common, "--out", str(tmp_path / "one"))
@@ -152,3 +155,15 @@ def test_what_runs_in_one_process_only_is_refused_before_the_group_forms(tmp_pat
     assert tiny.returncode == 1 and tiny.stderr.strip().startswith("error: torchrun: several processes quantize a "
                                                                    "model from disk"), tiny.stderr
     assert not (tmp_path / "q.gguf").exists() and not (tmp_path / "t").exists()
+
+
+def test_a_malformed_launch_environment_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 of WORLD_SIZE=2, ENGINE_DIST_TIMEOUT=1800: a rank is 0 \.\. "):
+        distributed.Group.from_env()
+    monkeypatch.setenv("RANK", "one")
+    with pytest.raises(ValueError, match="RANK='one' is not a whole number"):
+        distributed.Group.from_env()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert distributed.Group.from_env() is None and not distributed.launched()

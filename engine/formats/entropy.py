@@ -321,9 +321,10 @@ def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max
         hessians = {name: s.hessian for name, s in stats.items()}
     layers, config = _entquant(linears, lam, bpw, fmt, super_weights, max_iter, lanes, tol, sensitivity, feedback,
                                feedback_damp, hessians=hessians)
-    layer.replace(lambda name, linear: layers[name], names=set(layers))
+    placed = layer.replace(lambda name, linear: layers[name], names=set(layers))
     if feedback == "calibration":                 # the next block's inputs pass through this one, quantized
-        named = [layers[name] for name, _ in linears[layer.index]]
+        # the modules now in the block (with several processes, copies sent by the rank that made each)
+        named = [placed[name.removeprefix(layer.prefix)] for name, _ in linears[layer.index]]
         _hook_block(layer.layer, BlockDecoder({layer.index: named}), layer.index)
     return config
 
