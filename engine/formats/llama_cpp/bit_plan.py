@@ -7,7 +7,9 @@ linear writes into, so the costs of q_proj and down_proj are in one currency):
 
     cost_l(o) = sum_tokens || layer(x; W_l -> Q_o(W_l)) - layer(x) ||^2          bits_l(o) = weights_l * bpw(o)
 
-Then a multiple-choice knapsack, solved greedily on each linear's lower convex hull of (bits, cost): start every
+(output_costs). GPTQ's mix (gptq_ggml.layer_errors) measures this once per linear, for a round-to-nearest probe,
+as the linear's sensitivity, and scales GPTQ's own layer error on each candidate grid by it: the error the option
+will have under the method that quantizes it. Then a multiple-choice knapsack, solved greedily on each linear's lower convex hull of (bits, cost): start every
 linear at its cheapest option and keep taking the upgrade with the largest cost saved per bit spent while the
 budget allows (on the hull the greedy choice is optimal for the budget it ends at), then spend what is left on the
 single changes that save the most error while any fits. llama.cpp's `_M` mixes hand-pick such upgrades (more bits
