@@ -1,7 +1,8 @@
 """Beyond one process (engine/distributed.py): `torchrun --nproc-per-node 2 run.py quantize --model ...` writes the
-same bytes as one process, for a data-free method (layers split over the ranks) and for GPTQ (calibration split,
-statistics folded in a fixed slot order, each linear quantized by one owner); a rank killed mid-run ends the other
-with one error line naming it, and the same command then resumes and finishes with the same bytes."""
+same bytes as one process, for a data-free method (layers split over the ranks) and for the data-aware ones (GPTQ,
+AWQ, BlockLDLQ, EntQuant with feedback: calibration split, statistics folded in a fixed slot order, each linear
+quantized by one owner); a rank killed mid-run ends the other with one error line naming it, and the same command
+then resumes and finishes with the same bytes."""
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ from engine.qwen3 import Qwen3, Qwen3Config
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIB = ("--calib-samples", "24", "--calib-len", "32")
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "CI": os.environ.get("CI", "")}
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}          # what torchrun gives each rank
 
 
 @pytest.fixture(scope="module")
