@@ -3,6 +3,7 @@ loads, then train, quantize, eval, export, generate, and the quantformats table'
 measures it). Nothing heavy is imported at module level: each command imports what it runs, so that `run.py --help`
 and an argument error never wait for torch.
 """
+import contextlib
 import json
 import math
 import sys
@@ -304,13 +305,8 @@ def convert(args, out, method, options, force=False, group=None):
 
 def cmd_quantize(args):
     method, options = check_quantize_args(args)
-    from engine.formats.quantized_checkpoints import METHODS as REGISTRY
-    from engine.formats.quantized_checkpoints import save_quantized
-    from engine.checkpoints.tokenizer import export_tokenizer
-    started = time.time()
-    from engine.formats.numerics.base import model_bits
-    from engine.training import tiny_setup
     from engine import distributed
+    started = time.time()
     if distributed.launched():
         if args.model is None:
             raise ValueError("torchrun: several processes quantize a model from disk (--model PATH); the tiny model "
@@ -319,75 +315,81 @@ def cmd_quantize(args):
             raise ValueError(f"--bpw {options['bpw']}: GPTQ's mix is planned by one process; run it without torchrun")
         group = distributed.Group.from_env()
         try:
-            return convert_with_ranks(args, method, options, group, started)
+            if group.first:
+                return quantize_from_disk(args, method, options, started, group)
+            import io
+            with contextlib.redirect_stderr(io.StringIO()):     # one report, rank 0's; the others' errors still show
+                return quantize_from_disk(args, method, options, started, group)
         finally:
             group.close()
-    if args.model is None:
-        corpus, model = tiny_setup(args.text, args.steps, args.seed)
-        log(f"quantizing the tiny model with {args.method} ...")
-        if args.format == "gguf":
-            from engine.checkpoints.gguf_writer import write_gguf
-            REGISTRY[method].quantize(model, corpus.calibration(), **options)
-            report = write_gguf(model, args.out, force=args.force, embedding_type=args.embedding_type)
-            log(f"wrote {args.out}: {json.dumps(report)}")
-            return summarize_output(args.out, model_bits(model), started)
-        from engine.loaders import model_digest
-        model.source_digest = model_digest(model)      # quantized with the method's own defaults, then written
-        qcfg = REGISTRY[method].quantize(model, corpus.calibration(), **options)
-        save_quantized(model, args.out, method, quantization_config=qcfg, force=args.force,
-                       side_files=lambda folder: export_tokenizer(None, folder))
-    else:
+    if args.model is not None:
+        return quantize_from_disk(args, method, options, started)
+    from engine.formats.quantized_checkpoints import METHODS as REGISTRY
+    from engine.formats.quantized_checkpoints import save_quantized
+    from engine.checkpoints.tokenizer import export_tokenizer
+    from engine.formats.numerics.base import model_bits
+    from engine.training import tiny_setup
+    corpus, model = tiny_setup(args.text, args.steps, args.seed)
+    log(f"quantizing the tiny model with {args.method} ...")
+    if args.format == "gguf":
+        from engine.checkpoints.gguf_writer import write_gguf
+        REGISTRY[method].quantize(model, corpus.calibration(), **options)
+        report = write_gguf(model, args.out, force=args.force, embedding_type=args.embedding_type)
+        log(f"wrote {args.out}: {json.dumps(report)}")
+        return summarize_output(args.out, model_bits(model), started)
+    from engine.loaders import model_digest
+    model.source_digest = model_digest(model)      # quantized with the method's own defaults, then written
+    qcfg = REGISTRY[method].quantize(model, corpus.calibration(), **options)
+    save_quantized(model, args.out, method, quantization_config=qcfg, force=args.force,
+                   side_files=lambda folder: export_tokenizer(None, folder))
+    report_checkpoint(args, qcfg, started)
+
+
+def quantize_from_disk(args, method, options, started, group=None):
+    """quantize --model: layer by layer from disk; group: torchrun's processes (engine.distributed), every rank
+    quantizing its share, rank 0 writing and reporting."""
+    first = group is None or group.first
+    if args.format == "gguf":   # layer by layer into a folder of ours beside FILE, then one GGUF from it
         from engine.checkpoints.serving import export_gguf
-        if args.format == "gguf":   # layer by layer into a folder of ours beside FILE, then one GGUF from it
-            import tempfile
-            with tempfile.TemporaryDirectory(dir=Path(args.out).resolve().parent, prefix=".gguf-") as tmp:
-                convert(args, Path(tmp) / "ck", method, options)
-                report = export_gguf(Path(tmp) / "ck", args.out, force=args.force,
-                                     embedding_type=args.embedding_type)
+        with gguf_workspace(args.out, group) as tmp:
+            convert(args, tmp / "ck", method, options, group=group)
+            if first:
+                report = export_gguf(tmp / "ck", args.out, force=args.force, embedding_type=args.embedding_type)
+        if first:
             log(f"wrote {args.out}: {json.dumps(report)}")
-            return summarize_output(args.out, None, started)
-        qcfg = convert(args, args.out, method, options, args.force)
-    log(f"wrote {args.out}: {json.dumps(qcfg)}")
+            summarize_output(args.out, None, started)
+        return
+    qcfg = convert(args, args.out, method, options, args.force, group)
+    if first:
+        ranks = "" if group is None else (f" with {group.world} ranks (rank 0 sent and received "
+                                          f"{group.bytes / 1e6:.1f} MB)")
+        report_checkpoint(args, qcfg, started, ranks)
+
+
+@contextlib.contextmanager
+def gguf_workspace(out, group=None):
+    """A temporary folder beside the GGUF file `out` (removed afterwards); with several processes rank 0 makes it
+    and the others learn its name."""
+    import shutil
+    import tempfile
+    first = group is None or group.first
+    tmp = tempfile.mkdtemp(dir=Path(out).resolve().parent, prefix=".gguf-") if first else None
+    if group is not None:
+        tmp = group.broadcast(tmp, 0, "naming the GGUF's folder")
+    try:
+        yield Path(tmp)
+    finally:
+        if first:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def report_checkpoint(args, qcfg, started, ranks=""):
+    """The lines after a checkpoint folder is written (and, for vLLM, how to serve it)."""
+    log(f"wrote {args.out}{ranks}: {json.dumps(qcfg)}")
     summarize_output(args.out, None, started)
     if args.target == "vllm":
         from engine.checkpoints.serving import tp_degrees, vllm_serve_command
         log(f"tensor-parallel degrees: {json.dumps(tp_degrees(args.out))}\nserve: {vllm_serve_command(args.out)}")
-
-
-def convert_with_ranks(args, method, options, group, started):
-    """`quantize --model` as one of several processes (torchrun): every rank quantizes its share, rank 0 writes and
-    reports (a GGUF output: rank 0 exports the folder the ranks made)."""
-    if not group.first:                                 # one report, rank 0's; the others' errors still show
-        import contextlib
-        import io
-        with contextlib.redirect_stderr(io.StringIO()):
-            return _convert_ranks(args, method, options, group, started)
-    return _convert_ranks(args, method, options, group, started)
-
-
-def _convert_ranks(args, method, options, group, started):
-    from engine.checkpoints.serving import export_gguf
-    if args.format != "gguf":
-        qcfg = convert(args, args.out, method, options, args.force, group)
-    else:
-        import tempfile
-        tmp = group.broadcast(tempfile.mkdtemp(dir=Path(args.out).resolve().parent, prefix=".gguf-")
-                              if group.first else None, 0, "naming the GGUF's folder")
-        try:
-            convert(args, Path(tmp) / "ck", method, options, group=group)
-            if group.first:
-                report = export_gguf(Path(tmp) / "ck", args.out, force=args.force,
-                                     embedding_type=args.embedding_type)
-                log(f"wrote {args.out}: {json.dumps(report)}")
-        finally:
-            if group.first:
-                import shutil
-                shutil.rmtree(tmp, ignore_errors=True)
-        return summarize_output(args.out, None, started) if group.first else None
-    if group.first:
-        log(f"wrote {args.out} with {group.world} ranks (rank 0 sent and received {group.bytes / 1e6:.1f} MB): "
-            f"{json.dumps(qcfg)}")
-        summarize_output(args.out, None, started)
 
 
 def summarize_output(out, bits, started):
