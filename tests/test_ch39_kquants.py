@@ -385,8 +385,7 @@ def test_the_plan_scores_each_type_by_the_layer_error_gptq_leaves_with_it():
     W, H = layer.module(name).weight.detach().float(), layer.capture(["mlp.down_proj"])[name].hessian
 
     def error(raw, kind):
-        E = ggml.dequantize(raw.reshape(-1), kind, W.shape) - W
-        return float(((E @ H) * E).sum())
+        return gptq.layer_error(ggml.dequantize(raw.reshape(-1), kind, W.shape), W, H)
 
     exact = {kind: error(gptq_ggml.gptq_ggml(W, H, kind, gptq_ggml.visit_order(
         torch.diag(H), gptq_ggml.group_size(kind), gptq_ggml.DEFAULT_ORDER)), kind) for kind in full}

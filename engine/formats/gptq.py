@@ -40,7 +40,7 @@ from .numerics.affine import unpack_int32
 from .numerics.base import (CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option,
                             scale_tensor)
 from .numerics.calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
-from .numerics.obq import error_feedback, inverse_cholesky
+from .numerics.obq import error_feedback, inverse_cholesky, layer_error
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 GGML = "ggml"                      # an engine folder of GGML blocks (gptq_ggml.py), on its way into a GGUF file
@@ -132,13 +132,6 @@ def dequantize_gptq(codes, scales, zeros, g_idx):
     """(codes [out, in], scales / zeros [out, groups], g_idx [in]) -> W_hat [out, in] float32."""
     g = g_idx.long()
     return scales.float()[:, g] * (codes.float() - zeros.float()[:, g])
-
-
-def layer_error(w_hat, weight, hessian):
-    """tr(E H E^T), E = W_hat - W [out, in]: the layer's output error on the calibration inputs (GPTQ's objective,
-    measured with the undamped H), in float64."""
-    e = (w_hat - weight).double()
-    return float((e @ hessian.double() * e).sum())
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from .llama_cpp import bit_plan, ggml, ggml_quants, iq4
 from .numerics import calibration
 from .numerics.affine import AffineQuantLinear
 from .numerics.base import Option, bool_option, number_option
-from .numerics.obq import error_feedback, inverse_cholesky
+from .numerics.obq import error_feedback, inverse_cholesky, layer_error
 
 # codes per integer type: 2^bits, the digit in the type's name (Q8_0 stores int8, codes 0..255 meaning -128..127);
 # the IQ4 types' codes are the 16 levels K + 128 (ggml.IQ4_LEVELS)
@@ -186,11 +186,6 @@ def layer_errors(layer, names, damp=0.01, order=DEFAULT_ORDER, imatrix=True, ref
     count); s_l, what a unit of the linear's layer error adds at the layer's output, is measured once per linear
     with a 4-bit round-to-nearest in groups of 32 (bit_plan.output_costs)."""
     stats, errors, probes, table = layer.capture(names), {}, {}, {}
-
-    def error(w_hat, W, H):                               # GPTQ's layer error tr(E H E^T), E = w_hat - W
-        E = w_hat - W
-        return float(((E @ H) * E).sum())
-
     for name in names:
         full = layer.prefix + name
         linear, H = layer.module(full), stats[full].hessian
@@ -202,9 +197,10 @@ def layer_errors(layer, names, damp=0.01, order=DEFAULT_ORDER, imatrix=True, ref
             perm = visit_order(torch.diag(H), group_size(kind), order)
             raw = gptq_ggml(picked, H, kind, perm, damp, imatrix=imatrix, refit=refit)
             w_hat = ggml.dequantize(raw.reshape(-1), kind, picked.shape)
-            errors[full][kind] = (W.numel() * bits_per_weight(kind), error(w_hat, picked, H) * len(W) / len(picked))
+            errors[full][kind] = (W.numel() * bits_per_weight(kind),
+                                  layer_error(w_hat, picked, H) * len(W) / len(picked))
         probe = AffineQuantLinear.from_linear(linear, PROBE_BITS, PROBE_GROUP)
-        probes[full] = (error(probe.dequantize().float(), W, H), {"probe": (0, lambda lin, probe=probe: probe)})
+        probes[full] = (layer_error(probe.dequantize().float(), W, H), {"probe": (0, lambda lin, probe=probe: probe)})
     at_output = bit_plan.output_costs(layer, {full: make for full, (_, make) in probes.items()}, max_sequences)
     for full, (probe_error, _) in probes.items():
         (_, cost), = at_output[full].values()

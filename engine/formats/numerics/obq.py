@@ -104,3 +104,10 @@ def error_feedback(weight, U, quantize, step=1, block=128):
             W1[:, local.stop:] -= E @ U[B, j + step:b1]
         W[:, b1:] -= errors @ U[b0:b1, b1:]
     return W_hat
+
+
+def layer_error(w_hat, weight, hessian):
+    """tr(E H E^T), E = W_hat - W [out, in]: the layer's output error on the calibration inputs (GPTQ's objective,
+    measured with the undamped H), in float64."""
+    e = (w_hat - weight).double()
+    return float((e @ hessian.double() * e).sum())
