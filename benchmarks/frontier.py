@@ -16,7 +16,10 @@ Fair by construction:
   llama.cpp's `perplexity --kl-divergence` statistics (engine.evaluation.compare_models) are taken against the
   reference on the same chunks of held-out text (gpl3, pydoc: never calibrated on), the same scored positions;
 - one bit count: every bit the file stores for the decoder linears over their weights (frontier_peers docstring);
-  the engine's rows count their layers' storage_bits, the same rule (codes, every scale, offset and index).
+  the engine's rows count their layers' storage_bits, the same rule (codes, every scale, offset and index). Beside
+  it, the whole file a user downloads (`file_bytes`: embedding, norms, tokenizer and metadata too): a peer's file or
+  folder as its tool wrote it, and for the engine's rows on llama.cpp's grids the GGUF `--target llama.cpp` writes
+  (the embedding at llama-quantize's type), written once to be measured.
 
 Each row is cached in OUT/<reference>/rows/<row>.json (a killed run resumes; --rerun recomputes matching rows); each
 prints one JSON line. At the end: a markdown table per reference sorted by bits (rows that could not run say why),
@@ -40,10 +43,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import frontier_peers as peers  # noqa: E402
 import frontier_reference as reference  # noqa: E402
-from engine.checkpoints.gguf_writer import gguf_name  # noqa: E402
+from engine.checkpoints.gguf_writer import gguf_name, write_gguf  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, kl_per_position  # noqa: E402
 from engine.formats.numerics import affine  # noqa: E402
 from engine.formats import awq, entropy, fp8, gptq, lattice, mx, nf4, trellis  # noqa: E402
+from engine.formats.llama_cpp import ggml  # noqa: E402
 from engine.formats.numerics.base import model_bits  # noqa: E402
 
 OUT = Path(os.environ.get("ENGINE_FRONTIER", Path.home() / ".cache" / "engine" / "frontier"))
@@ -78,6 +82,11 @@ ENGINE_ROWS = [   # (label, quantize(model, calibration, **options), options): c
     *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}", gptq.quantize, dict(bpw=b)) for b in (6.0, 5.5, 4.5, 4.4, 3.5)],
     *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, damp 0.1", gptq.quantize, dict(bpw=b, damp=0.1))
       for b in (4.5, 4.25)],
+    # the same mixes planned in the model's output KL (plan="fisher": each row's error weighted by its output Fisher)
+    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, Fisher plan", gptq.quantize, dict(bpw=b, plan="fisher"))
+      for b in (6.0, 5.5)],
+    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, damp 0.1, Fisher plan", gptq.quantize,
+       dict(bpw=b, damp=0.1, plan="fisher")) for b in (4.5, 4.25)],
     *[(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (4.0, 3.0, 2.0)],
     *[(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.05)) for b in (4.0, 3.0, 2.1)],
     *[(f"EntQuant + calibration-Hessian feedback, ~{b} bpw", entropy.quantize,
@@ -181,6 +190,30 @@ def engine_row(model, calibration, quantize, options):
     return model, model_bits(model), "its layers' storage_bits"
 
 
+def file_bytes(path):
+    """The size of what a user downloads, a file or a folder's files, in bytes (None: no file of the tool's own)."""
+    if path is None or not Path(path).exists():
+        return None
+    path = Path(path)
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return sum(f.stat().st_size for f in files)
+
+
+def engine_gguf_bytes(model, ctx):
+    """An engine row whose linears are all GGML blocks (GPTQ on llama.cpp's grids) as the GGUF file `--target
+    llama.cpp` writes (its tokenizer, the embedding at llama-quantize's type): its size in MiB, the file removed
+    (it is measured, not kept). None for other rows."""
+    linears = [m for n, m in model.named_modules() if n.startswith("model.layers.") and hasattr(m, "dequantize")]
+    if not linears or not all(isinstance(m, ggml.GGMLLinear) for m in linears):
+        return None
+    path = ctx.files / f"engine-row-{os.getpid()}.gguf"                 # two runs at once write apart
+    try:
+        write_gguf(model, path, tokenizer=ctx.folder / "reference", embedding_type="llama.cpp", force=True)
+        return file_bytes(path)
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def all_rows(tools, substrings):
     rows = [("engine", label, None, (fn, options)) for label, fn, options in ENGINE_ROWS]
     rows += [(tool, label, venv, produce) for tool, label, venv, produce in peers.peer_rows()]
@@ -201,15 +234,19 @@ def measure(row, ctx, refs, texts, install):
     try:
         if tool == "engine":
             model, bits, how = engine_row(ctx.model, ctx.calibration, *work)
+            seconds = time.perf_counter() - t0
+            size = engine_gguf_bytes(model, ctx)
         else:
             ctx.python, missing = peers.venv_python(venv, install)
             if missing:
                 raise Unavailable(f"{tool}: {missing}")
-            weights, per_module, how = work(ctx)
+            weights, per_module, how, path = work(ctx)
             model = with_weights(ctx.model, weights)
             weights_n = sum(w.numel() for w in weights.values())
-            bits = sum(per_module.values()) / weights_n
-        result.update(bits=round(bits, 4), bits_counted=how, seconds=round(time.perf_counter() - t0, 1))
+            bits, seconds, size = sum(per_module.values()) / weights_n, time.perf_counter() - t0, file_bytes(path)
+        result.update(bits=round(bits, 4), bits_counted=how, seconds=round(seconds, 1))
+        if size is not None:
+            result["file_bytes"] = size
         result["texts"] = {t: compare_models(refs[t], model, texts[t]) for t in texts}
     except (RuntimeError, ValueError, OSError, KeyError) as e:
         result["error"] = f"{type(e).__name__}: {e}"[:400]
@@ -247,14 +284,17 @@ def run_reference(name, args):
 def cross_check(ctx, texts, kind="Q4_K_M", run=True):
     """llama.cpp's own run of its `kind` file against the engine's f32 forward of the same dequantized weights, on the
     first text's first 2 chunks: the KL llama.cpp's runtime adds (its 8-bit activations), which this scorer leaves
-    out. Cached in cross_check.json; None when llama.cpp or the file is missing."""
+    out. The file keeps the reference's F32 embedding (the row's own file has llama-quantize's), so that only the
+    runtime differs. Cached in cross_check.json; None when llama.cpp is missing."""
     path = ctx.folder / "cross_check.json"
     if path.exists():
         return json.loads(path.read_text())
     python, missing = peers.venv_python("llamacpp", install=False) if run else (None, "not asked")
-    gguf_file = ctx.files / f"llama-{kind}.gguf"
-    if missing or not gguf_file.exists():
+    if missing:
         return None
+    gguf_file = ctx.files / f"llama-{kind}-f32-embedding.gguf"         # only the linears differ from the reference
+    if not gguf_file.exists():
+        peers.run(python, peers.clients.RUNNERS, "quantize", ctx.folder / "reference.gguf", gguf_file, kind)
     import numpy as np
     ids = next(iter(texts.values()))[:2]
     np.save(ctx.files / "cross_check_ids.npy", ids.numpy())
@@ -280,19 +320,28 @@ def kl(r, text):
 def table(info, results, texts):
     """Markdown: one line per row sorted by bits, then the rows that could not run and why."""
     ok = sorted((r for r in results if "error" not in r), key=lambda r: (r["bits"], kl(r, texts[0])))
-    head = ["tool", "row", "bits"] + [f"KL {t}" for t in texts] + [f"KL p99 {texts[0]}", f"same top % {texts[0]}",
-                                                                  "bits counted from"]
+    head = ["tool", "row", "bits", "file MiB"] + [f"KL {t}" for t in texts] + [
+        f"KL p99 {texts[0]}", f"same top % {texts[0]}", "bits counted from"]
     lines = [f"**{info['reference']}**: {info['model']}", "", "| " + " | ".join(head) + " |",
              "|---|---|" + "---:|" * (len(head) - 3) + "---|"]
     for r in ok:
         s = r["texts"]
-        lines.append("| " + " | ".join([r["tool"], r["row"], f"{r['bits']:.3f}"] + [
+        lines.append("| " + " | ".join([r["tool"], r["row"], f"{r['bits']:.3f}", mib(r)] + [
             f"{s[t]['kl_nats']:.3g} ± {s[t]['kl_stderr']:.2g}" for t in texts] + [
             f"{s[texts[0]]['kl_p99']:.3g}", f"{s[texts[0]]['same_top_pct']:.1f}", r["bits_counted"]]) + " |")
     for r in (r for r in results if "error" in r):
         lines.append(f"| {r['tool']} | {r['row']} | - | cannot run: {r['error'].replace('|', '/')} |" +
                      " |" * (len(head) - 4))
     return "\n".join(lines)
+
+
+def mib(r):
+    return f"{r['file_bytes'] / 2 ** 20:.1f}" if "file_bytes" in r else "-"
+
+
+def point(r, text):
+    """(bits, KL) of a row, and its whole file's MiB where measured."""
+    return f"({r['bits']:.2f}, {kl(r, text):.3g}" + (f", {mib(r)} MiB)" if "file_bytes" in r else ")")
 
 
 def nearest_rate(bits):
@@ -318,13 +367,12 @@ def frontier(results, text):
 
 
 def frontier_table(results, text):
-    lines = ["| rate | best peer row (bits, KL) | engine's best at or below its bits (bits, KL) | engine / peer |",
-             "|---:|---|---|---:|"]
+    lines = ["| rate | best peer row (bits, KL, file) | engine's best at or below its bits (bits, KL, file) | "
+             "engine / peer |", "|---:|---|---|---:|"]
     for rate, peer, ours in frontier(results, text):
-        mine = f"{ours['row']} ({ours['bits']:.2f}, {kl(ours, text):.3g})" if ours else "none"
+        mine = f"{ours['row']} {point(ours, text)}" if ours else "none"
         ratio = f"{kl(ours, text) / kl(peer, text):.2f}x" if ours and kl(peer, text) > 0 else "-"
-        lines.append(f"| ~{rate} | {peer['tool']} {peer['row']} ({peer['bits']:.2f}, {kl(peer, text):.3g}) | "
-                     f"{mine} | {ratio} |")
+        lines.append(f"| ~{rate} | {peer['tool']} {peer['row']} {point(peer, text)} | {mine} | {ratio} |")
     return "\n".join(lines)
 
 

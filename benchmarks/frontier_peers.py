@@ -95,7 +95,8 @@ def run(python, script, *args, env=None, cwd=None):
     done = subprocess.run([str(python), str(script), *map(str, args)], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=cwd)
     if done.returncode:
-        lines = [s.strip() for s in (done.stdout + done.stderr).splitlines() if s.strip()] or [f"exit {done.returncode}"]
+        lines = ([s.strip() for s in (done.stdout + done.stderr).splitlines() if s.strip()]
+                 or [f"exit {done.returncode}"])
         errors = [s for s in lines if re.match(r"[\w.]*(Error|Exception)\b.*:", s)]    # a traceback's last line
         raise RuntimeError(f"{Path(script).name} failed: {(errors or lines)[-1][:300]}")
     return time.perf_counter() - t0
@@ -175,7 +176,9 @@ AUTOROUND = (("gptq", 4, 128), ("gguf:q4_k_m", 4, 32), ("gguf:q2_k_s", 2, 16))
 
 
 def peer_rows():
-    """[(tool, label, venv, produce)], produce(ctx) -> ({module: W_hat}, {module: bits}, how the bits were counted)."""
+    """[(tool, label, venv, produce)], produce(ctx) -> ({module: W_hat}, {module: bits}, how the bits were counted,
+    the file or folder a user would download, or None where the tool's export is not its own file (HQQ's and
+    bitsandbytes' tensors are saved here by our runner))."""
     rows = []
     for kind in LLAMA_TYPES:
         rows.append(("llama.cpp", kind, "llamacpp", lambda c, k=kind: llama(c, k, False)))
@@ -195,28 +198,29 @@ def peer_rows():
 
 
 def llama(c, kind, imatrix):
+    """llama-quantize's file, whole: the embedding at the type it gives it (its size is the size users download)."""
     out = c.files / f"llama-{kind}{'-imatrix' if imatrix else ''}.gguf"
     if not out.exists():
         extra = ["--imatrix", c.imatrix()] if imatrix else []
-        run(c.python, clients.RUNNERS, "quantize", c.folder / "reference.gguf", out, kind, *extra)
+        run(c.python, clients.RUNNERS, "quantize", c.folder / "reference.gguf", out, kind, "--own-embedding", *extra)
     weights, bits, types = gguf_linears(out)
     total = sum(types.values())
     mix = ", ".join(f"{t} {100 * n / total:.0f}%" for t, n in sorted(types.items(), key=lambda x: -x[1]))
-    return weights, bits, f"GGUF types: {mix}"
+    return weights, bits, f"GGUF types: {mix}", out
 
 
 def hqq(c, bits, group):
     out = c.files / f"hqq-int{bits}-g{group}.safetensors"
     if not out.exists():
         run(c.python, HERE / "peers" / "run_hqq.py", c.folder / "reference", out, bits, group)
-    return *dequantized_file(out), "bytes of W_q (packed) + f16 scale, zero"
+    return *dequantized_file(out), "bytes of W_q (packed) + f16 scale, zero", None
 
 
 def bnb(c, kind, group, double):
     out = c.files / f"bnb-{kind}-g{group}{'-dq' if double else ''}.safetensors"
     if not out.exists():
         run(c.python, HERE / "peers" / "run_bnb.py", c.folder / "reference", out, kind, group, int(double))
-    return *dequantized_file(out), "bytes of the codes + QuantState.as_dict"
+    return *dequantized_file(out), "bytes of the codes + QuantState.as_dict", None
 
 
 def gptqmodel(c):
@@ -224,7 +228,7 @@ def gptqmodel(c):
     if not (out / "config.json").exists():
         run(c.python, HERE / "peers" / "run_gptqmodel.py", "gptq", c.folder / "reference", out,
             c.folder / "calibration.pt", env={"GPTQMODEL_CPU_WORKERS": "2"}, cwd=c.files)
-    return *folder_linears(out), "bytes of qweight, qzeros, scales, g_idx"
+    return *folder_linears(out), "bytes of qweight, qzeros, scales, g_idx", out
 
 
 def llmcompressor(c):
@@ -232,7 +236,7 @@ def llmcompressor(c):
     if not (out / "config.json").exists():
         run(c.python, HERE / "peers" / "run_llmcompressor.py", "gptq", c.folder / "reference", out,
             c.folder / "calibration.pt")
-    return *folder_linears(out), "bytes of weight_packed, weight_scale, weight_shape"
+    return *folder_linears(out), "bytes of weight_packed, weight_scale, weight_shape", out
 
 
 def autoround(c, fmt, bits, group):
@@ -244,5 +248,5 @@ def autoround(c, fmt, bits, group):
     path = Path(json.loads(done.read_text())["path"])
     if path.suffix == ".gguf":
         weights, bits_, types = gguf_linears(path)
-        return weights, bits_, f"GGUF types: {', '.join(sorted(types))}"
-    return *folder_linears(path), "bytes of qweight, qzeros, scales, g_idx"
+        return weights, bits_, f"GGUF types: {', '.join(sorted(types))}", path
+    return *folder_linears(path), "bytes of qweight, qzeros, scales, g_idx", path

@@ -327,7 +327,6 @@ def cmd_quantize(args):
     from engine.formats.quantized_checkpoints import METHODS as REGISTRY
     from engine.formats.quantized_checkpoints import save_quantized
     from engine.checkpoints.tokenizer import export_tokenizer
-    from engine.formats.numerics.base import model_bits
     from engine.training import tiny_setup
     corpus, model = tiny_setup(args.text, args.steps, args.seed)
     log(f"quantizing the tiny model with {args.method} ...")
@@ -336,7 +335,7 @@ def cmd_quantize(args):
         REGISTRY[method].quantize(model, corpus.calibration(), **options)
         report = write_gguf(model, args.out, force=args.force, embedding_type=args.embedding_type)
         log(f"wrote {args.out}: {json.dumps(report)}")
-        return summarize_output(args.out, model_bits(model), started)
+        return summarize_output(args.out, started)
     from engine.loaders import model_digest
     model.source_digest = model_digest(model)      # quantized with the method's own defaults, then written
     qcfg = REGISTRY[method].quantize(model, corpus.calibration(), **options)
@@ -357,7 +356,7 @@ def quantize_from_disk(args, method, options, started, group=None):
                 report = export_gguf(tmp / "ck", args.out, force=args.force, embedding_type=args.embedding_type)
         if first:
             log(f"wrote {args.out}: {json.dumps(report)}")
-            summarize_output(args.out, None, started)
+            summarize_output(args.out, started)
         return
     qcfg = convert(args, args.out, method, options, args.force, group)
     if first:
@@ -386,22 +385,30 @@ def gguf_workspace(out, group=None):
 def report_checkpoint(args, qcfg, started, ranks=""):
     """The lines after a checkpoint folder is written (and, for vLLM, how to serve it)."""
     log(f"wrote {args.out}{ranks}: {json.dumps(qcfg)}")
-    summarize_output(args.out, None, started)
+    summarize_output(args.out, started)
     if args.target == "vllm":
         from engine.checkpoints.serving import tp_degrees, vllm_serve_command
         log(f"tensor-parallel degrees: {json.dumps(tp_degrees(args.out))}\nserve: {vllm_serve_command(args.out)}")
 
 
-def summarize_output(out, bits, started):
-    """The human line after a checkpoint is written: bits per quantized weight, the files' size, the time."""
+def summarize_output(out, started):
+    """The human line after a checkpoint is written: bits per quantized weight, bits per parameter of the whole
+    files (embedding, norms, tokenizer and metadata included: what a download costs), their size, the time."""
+    from engine.checkpoints.gguf import gguf_bits
     from engine.formats.quantized_checkpoints import checkpoint_bits
+    from engine.loaders import read_config, skeleton
+    from engine.qwen3 import Qwen3Config
     out = Path(out)
     files = [out] if out.is_file() else [p for p in out.iterdir() if p.is_file()]
     size = sum(p.stat().st_size for p in files)
     if out.is_dir():                                     # what the files hold (f32 scales, packed zero points ...)
         bits = checkpoint_bits(out)
+        params = sum(p.numel() for p in skeleton(Qwen3Config.from_hf(read_config(out))).parameters())
+    else:
+        bits, params = gguf_bits(out)
     per = f"{bits:.3f} bits per quantized weight (every stored bit of the quantized linears), " if bits else ""
-    log(f"summary: {per}{size / 1e6:.1f} MB in {len(files)} file(s), {clock(time.time() - started)}")
+    whole = f"{8 * size / params:.3f} bits per parameter in the whole file(s), " if params else ""
+    log(f"summary: {per}{whole}{size / 1e6:.1f} MB in {len(files)} file(s), {clock(time.time() - started)}")
 
 
 # ---- export, eval, generate -------------------------------------------------------------------------------------

@@ -97,19 +97,31 @@ def test_tiny_run_writes_rows_table_and_plot_resumes_and_names_absent_peers(tmp_
                                                                   autoround_iters=0))
     monkeypatch.setattr(frontier_reference, "trained_model", lambda *a, **k: tiny_model)
     monkeypatch.setattr(frontier_peers.clients, "CACHE", tmp_path / "no-venvs")
+    q4k = "=engine GPTQ on llama.cpp's Q4_K imatrix grid"
     args = ["--references", "tiny", "--tools", "engine", "HQQ", "--rows", "RTN int4, g128", "FP8", "HQQ int4 g64",
-            "--out", str(tmp_path), "--no-install", "--texts", "gpl3", "pydoc"]
+            q4k, "--out", str(tmp_path), "--no-install", "--texts", "gpl3", "pydoc"]
     frontier.main(args)
     out = capsys.readouterr().out
     lines = [json.loads(s) for s in out.splitlines() if s.startswith("{")]
-    assert [r["row"] for r in lines] == ["FP8 E4M3, 128x128 blocks", "RTN int4, g128", "int4 g64"]
-    assert "not installed" in lines[2]["error"] and "| HQQ | int4 g64 | - | cannot run: " in out
+    assert [r["row"] for r in lines] == ["FP8 E4M3, 128x128 blocks", "RTN int4, g128", q4k[8:], "int4 g64"]
+    assert "not installed" in lines[3]["error"] and "| HQQ | int4 g64 | - | cannot run: " in out
     table = [s for s in out.splitlines() if s.startswith("| engine |")]
-    assert [s.split(" | ")[1] for s in table] == ["RTN int4, g128", "FP8 E4M3, 128x128 blocks"]   # sorted by bits
+    assert [s.split(" | ")[1] for s in table] == ["RTN int4, g128", q4k[8:], "FP8 E4M3, 128x128 blocks"]  # by bits
+    # the GGUF row's whole file was written (64-wide rows: Q5_0 linears, the embedding at Q8_0), measured and
+    # removed; rows of the engine's own formats have no GGUF to measure
+    linears = lines[2]["bits"] * sum(m.weight.numel() for n, m in tiny_model.named_modules()
+                                     if n.startswith("model.layers.") and hasattr(m, "weight")
+                                     and m.weight.dim() == 2) / 8
+    embedding = tiny_model.model.embed_tokens.weight.numel() * 8.5 / 8
+    # the rest (norms, byte vocabulary, alignment) is ~10 KB; an F32 embedding would add 48 KB
+    assert linears + embedding < lines[2]["file_bytes"] < linears + embedding + 16384
+    assert "file_bytes" not in lines[0] and not list((tmp_path / "tiny" / "files").glob("*.gguf"))
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
     monkeypatch.setattr(frontier, "engine_row", lambda *a: pytest.fail("a cached row was recomputed"))
     frontier.main(args)                                               # the absent peer is asked again
-    assert [json.loads(s)["row"] for s in capsys.readouterr().out.splitlines() if s.startswith("{")] == ["int4 g64"]
+    out = capsys.readouterr().out
+    assert [json.loads(s)["row"] for s in out.splitlines() if s.startswith("{")] == ["int4 g64"]
+    assert f"| engine | {q4k[8:]} | {lines[2]['bits']:.3f} | {lines[2]['file_bytes'] / 2 ** 20:.1f} |" in out
 
 
 LLAMA_PYTHON = frontier_peers.clients.CACHE / "llamacpp" / "venv" / "bin" / "python"

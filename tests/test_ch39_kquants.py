@@ -248,11 +248,12 @@ def test_refit_scales_in_row_chunks_equal_the_whole_layer_at_once(monkeypatch):
 
 def test_gptq_without_an_imatrix_keeps_llama_cpps_plain_grid():
     w, H = torch.randn(32, 256, generator=torch.Generator().manual_seed(2)) * 0.05, hessian(256)
-    ours = gptq_ggml.gptq_ggml(w, H, "Q4_K", imatrix=False)
+    ours = gptq_ggml.gptq_ggml(w, H, "Q4_K", imatrix=False, refit=False)       # (a refit would move d and dmin)
     _, scale, offset = ggml.grid(ours.reshape(-1), "Q4_K", tuple(w.shape))
     _, plain_scale, plain_offset = ggml.grid(gptq_ggml.rtn_ggml(w, "Q4_K").reshape(-1), "Q4_K", tuple(w.shape))
     assert torch.equal(scale, plain_scale) and torch.equal(offset, plain_offset)
-    _, imatrix_scale, _ = ggml.grid(gptq_ggml.gptq_ggml(w, H, "Q4_K").reshape(-1), "Q4_K", tuple(w.shape))
+    _, imatrix_scale, _ = ggml.grid(gptq_ggml.gptq_ggml(w, H, "Q4_K", refit=False).reshape(-1), "Q4_K",
+                                    tuple(w.shape))
     assert not torch.equal(imatrix_scale, plain_scale)
 
 
@@ -372,6 +373,71 @@ def test_choose_is_never_worse_than_any_choice_it_could_afford_on_small_tables()
         assert all(cost(chosen) <= cost(c) + 1e-12 for c in fits if len(set(c.values())) == 1)
 
 
+def _fisher_by_whole_backward(model, ids):
+    """The textbook output Fisher: the whole model's backward, a sequence at a time, y drawn as output_fisher draws
+    them (one generator, sequences in order)."""
+    sums, hooks = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.startswith("model.layers."):
+            def hook(module, args, out, name=name):
+                out.register_hook(lambda g: sums.__setitem__(name, sums.get(name, 0) + g.double().pow(2).sum((0, 1))))
+            hooks.append(m.register_forward_hook(hook))
+    generator = torch.Generator().manual_seed(0)
+    for row in ids:
+        logp = torch.log_softmax(model(row[None])[0].float(), -1)
+        y = torch.multinomial(logp.detach().exp(), 1, generator=generator)
+        logp.gather(1, y).sum().backward()
+    for h in hooks:
+        h.remove()
+    return {name: (s / ids.numel()).float() for name, s in sums.items()}
+
+
+def test_output_fisher_layer_by_layer_equals_the_whole_models_backward():
+    """One layer at a time (what the converter can hold) gives the textbook's G, from the first `sequences` only,
+    and leaves the weights' .grad alone."""
+    from engine.formats.numerics.calibration import first_layer_batches
+    from engine.formats.numerics.sensitivity import output_fisher
+    torch.manual_seed(0)
+    model = Qwen3(dataclasses.replace(FALLBACK_CFG, num_hidden_layers=2)).eval()
+    ids = torch.randint(0, 256, (7, 24), generator=torch.Generator().manual_seed(1))
+    G = output_fisher(model, first_layer_batches(model, ids, 2), sequences=5)
+    assert all(p.grad is None for p in model.parameters())
+    reference = _fisher_by_whole_backward(model, ids[:5])
+    assert set(G) == set(reference) and len(G) == 14
+    for name in G:
+        assert torch.allclose(G[name], reference[name], rtol=1e-4, atol=1e-12), name
+    with pytest.raises(ValueError, match="sequences >= 1"):
+        output_fisher(model, first_layer_batches(model, ids, 2), sequences=0)
+
+
+def test_the_output_fisher_prices_a_weight_error_in_nats_of_kl():
+    """The planner's currency: for a small error E on one linear, 1/4 sum_o G_o e_o H e_o^T is the KL the model's
+    output moves by (measured on the same tokens) within a factor 1.6 on every linear of the layer (o_proj is the
+    farthest, 1.5x here: its input and its output gradient are not independent, K-FAC's assumption; the others are
+    within 10%); the layer's own error tr(E H E^T) per nat of KL differs between the linears by 300x."""
+    from engine.formats.numerics.calibration import capture, first_layer_batches
+    from engine.formats.numerics.sensitivity import output_fisher
+    torch.manual_seed(0)
+    model, ids = Qwen3(K_CFG).eval(), calibration_ids()
+    G = output_fisher(model, first_layer_batches(model, ids, 8), sequences=len(ids))
+    with torch.no_grad():
+        reference = torch.log_softmax(model(ids), -1)
+    ratios, per_layer_error = {}, {}
+    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                         and n.startswith("model.layers.")]:
+        H = capture({name: linear}, [ids], lambda b, x: model(x))[name].hessian.double()
+        E = torch.randn(linear.weight.shape, generator=torch.Generator().manual_seed(3)) * linear.weight.std() * 0.03
+        moved = copy.deepcopy(model)
+        with torch.no_grad():
+            moved.get_submodule(name).weight += E
+            kl = float((reference.exp() * (reference - torch.log_softmax(moved(ids), -1))).sum(-1).mean())
+        rows = ((E.double() @ H) * E.double()).sum(1)
+        ratios[name] = float(G[name].double() @ rows.detach()) / 4 / kl
+        per_layer_error[name] = float(rows.detach().sum()) / kl
+    assert all(0.67 < r < 1.6 for r in ratios.values()), ratios
+    assert max(per_layer_error.values()) / min(per_layer_error.values()) > 100, per_layer_error
+
+
 def test_the_plan_scores_each_type_by_the_layer_error_gptq_leaves_with_it():
     """layer_errors' cost of a type is s_l x GPTQ's own layer error tr(E H E^T) on that grid (one sensitivity per
     linear, whatever the type); on every row it is exactly that, on every k-th row an estimate of it; and GPTQ's
@@ -398,6 +464,35 @@ def test_the_plan_scores_each_type_by_the_layer_error_gptq_leaves_with_it():
     assert costs == sorted(costs, reverse=True)
 
 
+def test_the_plan_prices_each_type_by_gptqs_error_under_the_output_fisher():
+    """plan="fisher": layer_errors' cost of a type is sum_o G_o e_o H e_o^T of the error e GPTQ leaves on that grid:
+    exactly that on every row, an estimate on every k-th row; GPTQ's error, not round-to-nearest's (below RTN's on
+    the same grid); and no cost without the model's Fisher."""
+    from engine.formats.numerics.calibration import decoder_layers
+    torch.manual_seed(0)
+    model = Qwen3(K_CFG).eval()
+    layer = next(decoder_layers(model, calibration_ids(), 8, "gptq", "quantized", fisher=True))
+    name = layer.prefix + "mlp.down_proj"
+    full = gptq_ggml.layer_errors(layer, ["mlp.down_proj"], rows=10 ** 6, plan="fisher")[name]
+    sampled = gptq_ggml.layer_errors(layer, ["mlp.down_proj"], rows=64, plan="fisher")[name]
+    W, H = layer.module(name).weight.detach().float(), layer.capture(["mlp.down_proj"])[name].hessian
+
+    def cost(raw, kind):
+        E = ggml.dequantize(raw.reshape(-1), kind, W.shape).double() - W.double()
+        return float(layer.fisher[name].double() @ ((E @ H.double()) * E).sum(1))
+
+    exact = {kind: cost(gptq_ggml.gptq_ggml(W, H, kind, gptq_ggml.visit_order(
+        torch.diag(H), gptq_ggml.group_size(kind), gptq_ggml.DEFAULT_ORDER)), kind) for kind in full}
+    assert all(full[kind][1] == pytest.approx(exact[kind], rel=1e-9) for kind in full)
+    assert all(0.5 < sampled[k][1] / full[k][1] < 2 for k in full)          # 64 of 256 rows: an estimate
+    assert exact["Q4_K"] < cost(gptq_ggml.rtn_ggml(W, "Q4_K", torch.diag(H) / 2), "Q4_K")
+    costs = [full[k][1] for k in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")]
+    assert costs == sorted(costs, reverse=True)
+    layer.fisher = None
+    with pytest.raises(ValueError, match="output Fisher"):
+        gptq_ggml.layer_errors(layer, ["mlp.down_proj"], plan="fisher")
+
+
 def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
     torch.manual_seed(0)
     model = Qwen3(K_CFG).eval()
@@ -412,10 +507,15 @@ def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
         gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix", bpw=2.5)
     with pytest.raises(ValueError, match="needs a bits budget"):
         gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix")
+    with pytest.raises(ValueError, match=r"plan='fisher' prices the candidates of a bits budget's mix; it needs bpw"):
+        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="Q4_K", plan="fisher")
+    with pytest.raises(ValueError, match=r"option plan of method 'gptq' must be one of 'layer_output', 'fisher'"):
+        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), bpw=4.5, plan="kl")
 
 
+@pytest.mark.parametrize("plan", gptq_ggml.PLANS)
 @pytest.mark.parametrize("budget,single", [(4.5, "Q4_K"), (5.5, "Q5_K")])
-def test_a_budget_is_spent_within_one_percent_and_beats_the_single_type_of_its_size(budget, single):
+def test_a_budget_is_spent_within_one_percent_and_beats_the_single_type_of_its_size(budget, single, plan):
     torch.manual_seed(0)
     model = Qwen3(K_CFG).eval()
     ids = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(5))
@@ -431,7 +531,7 @@ def test_a_budget_is_spent_within_one_percent_and_beats_the_single_type_of_its_s
             kl = float((reference.exp() * (reference - torch.log_softmax(m(ids), -1))).sum(-1).mean())
         return bits, kl
 
-    (mix_bits, mix_kl), (bits, kl) = quantized(bpw=budget), quantized(ggml_type=single)
+    (mix_bits, mix_kl), (bits, kl) = quantized(bpw=budget, plan=plan), quantized(ggml_type=single)
     assert 0.99 * budget <= mix_bits <= budget and bits == budget
     assert mix_kl < kl, (mix_kl, kl)
 
@@ -462,7 +562,12 @@ def test_cli_writes_a_k_quant_mix_for_llama_cpp_within_the_budget(tmp_path):
         keys = [k for k in f.tensors if k.split(".")[-2] in gguf.LINEARS]
         types = {f.tensors[k].type_name for k in keys}
         bits = sum(f.raw(k).numel() * 8 for k in keys) / sum(int(np.prod(f.tensors[k].shape)) for k in keys)
+        params = sum(int(np.prod(info.shape)) for info in f.tensors.values())
     assert bits <= 4.25 and len(types) > 1 and types <= {*K, *ggml.IQ4}
+    # the summary line: the linears' bits and, beside them, the whole file's bits per parameter (embedding included)
+    whole = 8 * (tmp_path / "mix.gguf").stat().st_size / params
+    assert f"{bits:.3f} bits per quantized weight" in out.stderr and whole > bits
+    assert f"{whole:.3f} bits per parameter in the whole file(s)" in out.stderr.splitlines()[-1], out.stderr
     out = run("quantize", "--method", "gptq", "--target", "llama.cpp", "--option", "ggml_type=Q4_Z",
               "--out", str(tmp_path / "bad.gguf"))
     assert out.returncode == 1 and out.stderr.startswith("error: ggml_type 'Q4_Z' is not one of")

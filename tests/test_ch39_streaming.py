@@ -69,6 +69,27 @@ def test_streaming_writes_what_the_in_memory_path_writes(method, three_layers, s
         assert torch.equal(load_quantized(tmp_path / "disk")(ids), load_quantized(tmp_path / "mem")(ids))
 
 
+def test_a_bpw_mix_streams_with_the_same_fisher_and_plan(three_layers, source, ids, tmp_path, monkeypatch):
+    """GPTQ's --bpw mix can price its candidates with the model's output Fisher (plan=fisher): from disk it is
+    measured one layer at a time, the tied head held, and the Fisher each layer's plan sees, the plan and every
+    byte equal the in-memory path's."""
+    from engine.formats import gptq_ggml
+    seen, layer_errors = [], gptq_ggml.layer_errors
+
+    def spy(layer, names, *args, **kwargs):
+        seen.append({n: layer.fisher[layer.prefix + n] for n in names})
+        return layer_errors(layer, names, *args, **kwargs)
+
+    monkeypatch.setattr(gptq_ggml, "layer_errors", spy)
+    options = dict(bpw=5.0, order="act_order_static", plan="fisher")
+    in_memory = save_quantized(copy.deepcopy(three_layers), tmp_path / "mem", "gptq", ids, **options)
+    streamed = quantize_checkpoint(source, tmp_path / "disk", "gptq", ids, progress=False, **options)
+    assert len(seen) == 6 and all(torch.equal(seen[i][n], seen[i + 3][n]) for i in range(3) for n in seen[i])
+    assert streamed == in_memory and len(set(streamed["ggml_types"].values())) > 1
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "disk")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_block_ldlq_streams_too(three_layers, source, ids, tmp_path):
     options = dict(L=6, K=2, group=64, ldlq=True)
     save_quantized(copy.deepcopy(three_layers), tmp_path / "mem", "trellis", ids, **options)

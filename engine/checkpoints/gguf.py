@@ -280,6 +280,17 @@ def hf_name(name):
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart in llama / qwen2 / qwen3{extra}")
 
 
+def gguf_bits(path):
+    """(bits per weight of the decoder linears, parameters of the whole model) of a GGUF file, from its header: the
+    linears' stored bytes over their weights; every tensor's elements (a tied output is stored once)."""
+    with GGUFFile(path) as f:
+        infos = list(f.tensors.values())
+    linears = [i for i in infos if i.name.endswith(".weight") and i.name.split(".")[-2] in LINEARS]
+    weights = sum(math.prod(i.shape) for i in linears)
+    bits = 8 * sum(i.nbytes for i in linears) / weights if weights else None
+    return bits, sum(math.prod(i.shape) for i in infos)
+
+
 def unpermute_rows(rows, heads):
     """Undo the converter's q/k permutation: rows [heads * D, ...] in GGML's pair order -> HF's rotate-half order."""
     if rows.shape[0] % (2 * heads):

@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 from ..distributed import check_world, on_first, share
 from ..formats.numerics.calibration import LayerCalibration, check_ids, first_layer_batches, layer_weights, merged_config
+from ..formats.numerics.sensitivity import output_fisher
 from ..qwen3 import DecoderLayer, Qwen3Config
 from . import gguf
 from .gguf_tokenizer import gguf_tokenizer
@@ -278,6 +279,7 @@ class Conversion:
     def _convert(self, folder, state, ids):
         layers, batches = self.cfg.num_hidden_layers, None
         self.share = (0, None)                      # (this rank's first calibration batch, all batches)
+        self.fisher = None                          # the output Fisher, for a method that asks for it
         if self.mode and state["done"] < layers:    # the embedding, in its stored dtype, only to embed the ids
             _fill(self.model, self.source.tensors(lambda n: n == "model.embed_tokens.weight"), None, {})
             if self.group is not None:              # this rank's contiguous share of the batches
@@ -285,6 +287,8 @@ class Conversion:
                 mine = share(total, self.group.rank, self.group.world)
                 ids, self.share = ids[mine.start * self.batch_size:mine.stop * self.batch_size], (mine.start, total)
             batches = [(h.to(self.dtype), *rope) for h, *rope in first_layer_batches(self.model, ids, self.batch_size)]
+            if self.entry.output_fisher(self.options):
+                self.fisher = self._output_fisher(batches)
             self.model.model.embed_tokens.to_empty(device="meta")
         self._validated, done = {}, state["done"]
         bar = tqdm(total=layers, initial=done, desc=f"{self.method} layers", disable=not self.progress, unit="layer")
@@ -328,7 +332,7 @@ class Conversion:
         layer_dtype = self.dtype if mode else None      # data-free methods read each weight as stored (half the memory)
         stored = _fill(model, self.source.tensors(lambda n: n.startswith(prefix)), layer_dtype, state["digests"])
         layer = LayerCalibration(model.model.layers[i], i, batches, self.entry.name, group=self.group,
-                                 first=self.share[0], total=self.share[1])
+                                 first=self.share[0], total=self.share[1], fisher=self.fisher)
         if i < state["done"]:
             if mode == "quantized":
                 self._read_back(folder, self.shards[i], self._spec(state["layer_configs"][i]), layer_dtype)
@@ -344,6 +348,29 @@ class Conversion:
         del layer
         release_memory()
         return batches
+
+    def _output_fisher(self, batches):
+        """The float model's output Fisher (numerics/sensitivity.py: output_fisher) with one decoder layer read from
+        disk at a time (each read twice: forward, then backward), the final norm and lm_head held meanwhile; a
+        resumed run measures it again, the same draws."""
+        model, head = self.model, lambda n: n in ("model.norm.weight", "lm_head.weight")
+        _fill(model, self.source.tensors(head), self.dtype, {})
+        if self.cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+
+        def load(i):
+            _fill(model, self.source.tensors(lambda n: n.startswith(f"model.layers.{i}.")), self.dtype, {})
+            return model.model.layers[i]
+
+        def free(i):
+            model.model.layers[i] = DecoderLayer(model.cfg, i).to("meta")
+            release_memory()
+
+        try:
+            return output_fisher(model, batches, load=load, free=free, progress=self.progress)
+        finally:                                     # (a tied lm_head gets a meta weight of its own, as before)
+            model.model.norm.to_empty(device="meta")
+            model.lm_head.to_empty(device="meta")
 
     def _write_layer(self, i, tensors, layer_cfg, weights, digests, folder, state):
         """Layer i's shard, then its progress record (every layer the record counts is on disk)."""

@@ -367,7 +367,7 @@ def _write(layer, qcfg):
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 PLAIN_OPTIONS = {"bits", "group_size", "sym", "checkpoint_format"}
-GGML_OPTIONS = {"ggml_type", "bpw", "imatrix", "refit"}
+GGML_OPTIONS = {"ggml_type", "bpw", "imatrix", "refit", "plan"}
 OPTIONS = {"bits": choice_option(DEFAULTS["bits"], PACKABLE_BITS),
            "group_size": int_option(DEFAULTS["group_size"], 1, also=(-1,)),
            "order": choice_option(DEFAULTS["order"], (*ORDERS, SEARCH)),
@@ -391,4 +391,5 @@ def rules(options):
 CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize,
                               parts=lambda qcfg: gptq_ggml.PARTS if qcfg["checkpoint_format"] == GGML else PARTS,
                               validate=validate, quantize_layer=quantize_any_layer,
-                              calibration=lambda options: "quantized", options=OPTIONS, rules=rules)
+                              calibration=lambda options: "quantized", options=OPTIONS, rules=rules,
+                              output_fisher=lambda options: options.get("plan") == "fisher")

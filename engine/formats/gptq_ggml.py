@@ -31,7 +31,7 @@ from .gptq_order import ORDERS, SEARCH, visit_order
 from .llama_cpp import bit_plan, ggml, ggml_quants, iq4
 from .numerics import calibration
 from .numerics.affine import AffineQuantLinear
-from .numerics.base import Option, bool_option, number_option
+from .numerics.base import Option, bool_option, choice_option, number_option
 from .numerics.obq import error_feedback, inverse_cholesky, layer_error
 
 # codes per integer type: 2^bits, the digit in the type's name (Q8_0 stores int8, codes 0..255 meaning -128..127);
@@ -96,42 +96,73 @@ def gptq_ggml(weight, hessian, type_name, perm=None, damp=0.01, block=128, imatr
     return ggml_quants.blocks(type_name, codes, fields)
 
 
-# the types whose grid is one f16 d per block (per super-block, times fixed integer sub-block scales m):
-# w = d * m_g * (code - zero); m_g from the stored fields, 1 where there are none
-REFIT = {"Q4_0": None, "Q5_0": None, "Q8_0": None, "IQ4_NL": None, "Q3_K": lambda f: f["sc"].float() - 32,
-         "Q6_K": lambda f: f["sc"].float(), "IQ4_XS": lambda f: f["l"].float() - 32}
+def _sub_scales(f):
+    return f["sc"].float()
+
+
+def _k_mins(f):
+    return -f["m"].float()
+
+
+# the types whose grid is linear in a block's f16 fields: w = d * s_g * (code - zero) + c * o_g on sub-block g, with
+# d the block's (super-block's) f16 scale and c its f16 offset field ("m" of Q4_1 / Q5_1, "dmin" of the K-quants with
+# mins; absent where the zero point is fixed), s_g and o_g the fixed integer sub-block scales and mins of the stored
+# fields (1 where there are none): type -> (s from the fields, (c's field, o from the fields) or None)
+REFIT = {"Q4_0": (None, None), "Q5_0": (None, None), "Q8_0": (None, None), "IQ4_NL": (None, None),
+         "Q3_K": (lambda f: f["sc"].float() - 32, None), "Q6_K": (_sub_scales, None),
+         "IQ4_XS": (lambda f: f["l"].float() - 32, None),
+         "Q4_1": (None, ("m", None)), "Q5_1": (None, ("m", None)),
+         "Q2_K": (_sub_scales, ("dmin", _k_mins)), "Q4_K": (_sub_scales, ("dmin", _k_mins)),
+         "Q5_K": (_sub_scales, ("dmin", _k_mins))}
 
 
 REFIT_SCALARS = 2 ** 24          # refit_scales' working set (float32s): 64 MiB, whatever the layer's size
 
 
 def refit_scales(weight, hessian, type_name, codes, fields):
-    """GPTQ's codes kept, each block's f16 d refit to them: per row, the d [blocks] minimizing the layer error
-    (w_hat - w) H (w_hat - w)^T with w_hat = sum_b d_b u_b, u_b the row's (code - zero) * m_g on block b, is the
-    solution of A d = r, A_bc = u_b H u_c^T, r_b = u_b H w^T. Rounded to f16, it replaces a row's d only where that
-    lowers the row's error. weight [out, in], codes [out, in] -> fields with the new d (the same dict otherwise)."""
+    """GPTQ's codes kept, each block's f16 fields refit to them: per row, the x = (d [blocks], c [blocks]) minimizing
+    the layer error (w_hat - w) H (w_hat - w)^T with w_hat = sum_b d_b u_b + c_b v_b, u_b the row's
+    (code - zero) * s_g on block b and v_b its o_g there (REFIT), is the solution of A x = r, A = P H P^T and
+    r = P H w^T over the basis P = (u, v). Rounded to f16, it replaces a row's fields only where that lowers the row's
+    error. weight [out, in], codes [out, in] -> fields with the new d (and c) (the same dict otherwise)."""
     out_f, cols = weight.shape
     _, block, _ = ggml.GGML_TYPES[type_name]
-    group, zero, nb = ggml.AFFINE[type_name][1], ggml.AFFINE[type_name][3], cols // block
-    u = codes.float() - zero
-    if REFIT[type_name] is not None:
-        u = u * REFIT[type_name](fields).reshape(out_f, -1).repeat_interleave(group, 1)
-    U, W, Hb = u.reshape(out_f, nb, block), weight.float().reshape(out_f, nb, block), \
-        hessian.float().reshape(nb, block, nb, block)
-    old, chosen = fields["d"].reshape(out_f, nb), []
-    for at in range(0, out_f, max(1, REFIT_SCALARS // (nb * cols))):     # rows at a time: T is rows x blocks x in
-        rows = slice(at, at + max(1, REFIT_SCALARS // (nb * cols)))
-        T = torch.einsum("rai,aibj->rabj", U[rows], Hb)
-        A, r = torch.einsum("rabj,rbj->rab", T, U[rows]), torch.einsum("rabj,rbj->ra", T, W[rows])
-        ridge = 1e-6 * A.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-30)[:, None, None] * torch.eye(nb)
+    group, zero, nb = ggml.AFFINE[type_name][1], ggml.AFFINE[type_name][3] or 0, cols // block
+    scales, offset = REFIT[type_name]
+
+    def per_weight(values):                      # [out, sub-blocks] -> [out, blocks, block]
+        return values.reshape(out_f, -1).repeat_interleave(group, 1).reshape(out_f, nb, block)
+
+    basis = [(codes.float() - zero).reshape(out_f, nb, block)]
+    if scales is not None:
+        basis[0] = basis[0] * per_weight(scales(fields))
+    keys = ["d"] + ([offset[0]] if offset else [])
+    if offset:
+        basis.append(torch.ones(out_f, nb, block) if offset[1] is None else per_weight(offset[1](fields)))
+    P, W = torch.stack(basis, 1), weight.float().reshape(out_f, nb, block)     # P [out, k, blocks, block]
+    Hb, k = hessian.float().reshape(nb, block, nb, block), len(keys)
+    old = torch.cat([fields[key].reshape(out_f, nb).float() for key in keys], 1)
+    chosen, rows_at_once = [], max(1, REFIT_SCALARS // (k * nb * cols))
+    for at in range(0, out_f, rows_at_once):          # rows at a time: T is rows x k x blocks x in
+        rows = slice(at, at + rows_at_once)
+        # the k kinds of basis folded into the rows: the same products, in the same order, for every k
+        n, Pk = len(P[rows]), P[rows].reshape(-1, nb, block)
+        T = torch.einsum("rai,aibj->rabj", Pk, Hb)                   # [n * k, blocks, blocks, block]
+        A = torch.stack([torch.einsum("rabj,rbj->rab", T, P[rows, kind].repeat_interleave(k, 0))
+                         for kind in range(k)], 2)
+        A = A.reshape(n, k, nb, k, nb).reshape(n, k * nb, k * nb)     # [row, (kind, block), (kind, block)]
+        r = torch.einsum("rabj,rbj->ra", T, W[rows].repeat_interleave(k, 0)).reshape(n, k * nb)
+        ridge = 1e-6 * A.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-30)[:, None, None] * torch.eye(k * nb)
         new = torch.linalg.solve(A + ridge, r).half().float()
 
-        def error(d, A=A, r=r):                                       # each row's error, up to w H w^T
-            return torch.einsum("ra,rab,rb->r", d, A, d) - 2 * (d * r).sum(1)
+        def error(x, A=A, r=r):                                       # each row's error, up to w H w^T
+            return torch.einsum("ra,rab,rb->r", x, A, x) - 2 * (x * r).sum(1)
 
         better = torch.isfinite(new).all(1) & (error(new) < error(old[rows]))
         chosen.append(torch.where(better[:, None], new, old[rows]))
-    return {**fields, "d": torch.cat(chosen).reshape(fields["d"].shape)}
+    x = torch.cat(chosen)
+    return {**fields, **{key: x[:, i * nb:(i + 1) * nb].reshape(fields[key].shape).to(fields[key].dtype)
+                         for i, key in enumerate(keys)}}
 
 
 def rtn_ggml(weight, type_name, importance=None):
@@ -171,36 +202,49 @@ def bits_per_weight(type_name):
 
 PLAN_ROWS = 64           # rows of each linear GPTQ quantizes per candidate while planning (every k-th row)
 PROBE_BITS, PROBE_GROUP = 4, 32   # the round-to-nearest whose error at the layer's output measures a sensitivity
+PLANS = ("layer_output", "fisher")   # what a candidate's error is priced in (layer_errors)
 
 
 @torch.no_grad()
 def layer_errors(layer, names, damp=0.01, order=DEFAULT_ORDER, imatrix=True, refit=True, rows=PLAN_ROWS,
-                 max_sequences=4):
+                 max_sequences=4, plan="layer_output"):
     """{full name: {type: (bits, cost)}}: each candidate type of each linear (MIX_TYPES, each falling back as
-    llama.cpp does for the row width) scored by the error GPTQ will leave with it (not round-to-nearest's), in the
-    currency of the layer's output so that the costs of q_proj and down_proj add up:
+    llama.cpp does for the row width) scored by the error GPTQ will leave with it (not round-to-nearest's), in one
+    currency for the layer's linears, so that the costs of q_proj and down_proj add up. With e = GPTQ(W_l[rows], H,
+    t) - W_l[rows] on every k-th row (rows are quantized independently given H: the error scales with their count):
 
-        cost_l(t) = s_l * tr(E_t H E_t^T) * out / rows,     E_t = GPTQ(W_l[rows], H, t) - W_l[rows]
+        plan="layer_output":  cost_l(t) = s_l * sum_o e_o H e_o^T * out / rows
+        plan="fisher":        cost_l(t) = sum_o G_o e_o H e_o^T * out / rows      (4 x the KL it adds, to 2nd order)
 
-    GPTQ runs on every k-th row only (rows are quantized independently given H, so the error scales with their
-    count); s_l, what a unit of the linear's layer error adds at the layer's output, is measured once per linear
-    with a 4-bit round-to-nearest in groups of 32 (bit_plan.output_costs)."""
+    s_l, what a unit of the linear's layer error adds at the decoder layer's output, is measured once per linear with
+    a 4-bit round-to-nearest in groups of 32 (bit_plan.output_costs); G is the model's output Fisher of the linear's
+    rows (layer.fisher; numerics/sensitivity.py: output_fisher)."""
+    if plan not in PLANS:
+        raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+    if plan == "fisher" and layer.fisher is None:
+        raise ValueError("plan='fisher' prices each candidate by the model's output Fisher; quantize through "
+                         "gptq.quantize or the layer-by-layer converter, which measure it first")
     stats, errors, probes, table = layer.capture(names), {}, {}, {}
     for name in names:
         full = layer.prefix + name
-        linear, H = layer.module(full), stats[full].hessian
+        linear, H = layer.module(full), stats[full].hessian.double()
         W = linear.weight.float()
         kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in MIX_TYPES)
-        picked = W[::max(1, W.shape[0] // rows)]
+        step = max(1, W.shape[0] // rows)
+        picked = W[::step]
+        weight = layer.fisher[full][::step].double() if plan == "fisher" else torch.ones(len(picked), dtype=H.dtype)
         errors[full] = {}
         for kind in kinds:
             perm = visit_order(torch.diag(H), group_size(kind), order)
             raw = gptq_ggml(picked, H, kind, perm, damp, imatrix=imatrix, refit=refit)
-            w_hat = ggml.dequantize(raw.reshape(-1), kind, picked.shape)
+            E = (ggml.dequantize(raw.reshape(-1), kind, picked.shape) - picked).double()
             errors[full][kind] = (W.numel() * bits_per_weight(kind),
-                                  layer_error(w_hat, picked, H) * len(W) / len(picked))
-        probe = AffineQuantLinear.from_linear(linear, PROBE_BITS, PROBE_GROUP)
-        probes[full] = (layer_error(probe.dequantize().float(), W, H), {"probe": (0, lambda lin, probe=probe: probe)})
+                                  float(weight @ ((E @ H) * E).sum(1)) * len(W) / len(picked))
+        if plan == "layer_output":
+            probe = AffineQuantLinear.from_linear(linear, PROBE_BITS, PROBE_GROUP)
+            probes[full] = (layer_error(probe.dequantize().float(), W, H), {"probe": (0, lambda lin, p=probe: p)})
+    if plan == "fisher":
+        return errors
     at_output = bit_plan.output_costs(layer, {full: make for full, (_, make) in probes.items()}, max_sequences)
     for full, (probe_error, _) in probes.items():
         (_, cost), = at_output[full].values()
@@ -209,11 +253,11 @@ def layer_errors(layer, names, damp=0.01, order=DEFAULT_ORDER, imatrix=True, ref
     return table
 
 
-def plan_mix(layer, names, bpw, damp=0.01, order=DEFAULT_ORDER, imatrix=True, refit=True):
+def plan_mix(layer, names, bpw, damp=0.01, order=DEFAULT_ORDER, imatrix=True, refit=True, plan="layer_output"):
     """{relative name: type}: the type of each linear that meets `bpw` over the layer's linears with the lowest
-    added error at the layer's output (bit_plan.choose on layer_errors' costs). Each layer spends the budget on its
-    own linears: a budget shared by the whole model, spent where the layer output errors say, did worse (README)."""
-    table = layer_errors(layer, names, damp, order, imatrix, refit)
+    added error in `plan`'s currency (bit_plan.choose on layer_errors' costs). Each layer spends the budget on its
+    own linears: a budget shared by the whole model did worse, in either currency (README)."""
+    table = layer_errors(layer, names, damp, order, imatrix, refit, plan=plan)
     weights = sum(layer.module(layer.prefix + n).weight.numel() for n in names)
     try:
         chosen = bit_plan.choose(table, bpw * weights)
@@ -251,19 +295,23 @@ BPW_RANGE = (2.625, 8.5)           # Q2_K's bits per weight to Q8_0's: what a mi
 OPTIONS = {"ggml_type": Option(None, lambda t: isinstance(t, (str, dict)), f"one of {TYPES}, {MIX!r} or a dict"),
            "bpw": number_option(None, *BPW_RANGE),
            "imatrix": bool_option(True),
-           "refit": bool_option(True)}
+           "refit": bool_option(True),
+           "plan": choice_option(PLANS[0], PLANS)}
 
 
 def rules(options):
     """What GPTQ on GGML grids needs of its options (the type, the budget, the grid, the order) together."""
     ggml_type, bpw = options.get("ggml_type"), options.get("bpw")
     if ggml_type is None and bpw is None:
-        key = "imatrix" if "imatrix" in options else "refit"
-        does = "chooses the grid" if key == "imatrix" else "refits the scales"
+        key = next(k for k in ("imatrix", "refit", "plan") if k in options)
+        does = {"imatrix": "chooses the grid", "refit": "refits the scales",
+                "plan": "prices the candidates of a bits budget's mix"}[key]
         raise ValueError(f"{key}={options.get(key)!r} {does} of a GGML type; it needs ggml_type or bpw (--target "
                          "llama.cpp)")
     if ggml_type is not None:
         check_request(ggml_type)
+    if options.get("plan", PLANS[0]) != PLANS[0] and bpw is None:
+        raise ValueError(f"plan={options['plan']!r} prices the candidates of a bits budget's mix; it needs bpw")
     if (ggml_type in (None, MIX)) != (bpw is not None):
         raise ValueError(f"ggml_type={MIX!r} needs a bits budget (bpw), and a GPTQ bits budget picks GGML types: "
                          f"ggml_type={MIX!r} (what --target llama.cpp --bpw B asks for); got ggml_type={ggml_type!r}, "
@@ -275,19 +323,21 @@ def rules(options):
 
 
 @torch.no_grad()
-def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=None, imatrix=True, refit=True):
+def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=None, imatrix=True, refit=True,
+                   plan=PLANS[0]):
     """GPTQ one decoder layer (a calibration.LayerCalibration) onto GGML blocks, in place, step by step in forward
     order as gptq.quantize_layer does. ggml_type: one type for every linear (each falling back as llama.cpp does),
     {relative linear name: type}, or MIX (or None with bpw): the types plan_mix picks for `bpw` bits per weight over
     the layer (so every layer, and the model, meets it). order: a plain-file visit of gptq_order.ORDERS. imatrix:
     the grid llama-quantize --imatrix picks with the Hessian's diagonal as the importance (True), or its plain
-    round-to-nearest grid (False). refit: each block's f16 d refit to GPTQ's codes where that helps (refit_scales).
-    Returns the quantization_config, with the type each linear got (ggml_types)."""
+    round-to-nearest grid (False). refit: each block's f16 fields refit to GPTQ's codes where that helps
+    (refit_scales). plan: the currency a mix's candidates are priced in (layer_errors). Returns the
+    quantization_config, with the type each linear got (ggml_types)."""
     ggml_type = MIX if ggml_type is None else ggml_type
-    rules(dict(ggml_type=ggml_type, order=order, bpw=bpw, imatrix=imatrix))
+    rules(dict(ggml_type=ggml_type, order=order, bpw=bpw, imatrix=imatrix, plan=plan))
     names = [n for step in calibration.SEQUENTIAL_STEPS for n in step]
     if ggml_type == MIX:
-        wanted = plan_mix(layer, names, bpw, damp, order, imatrix, refit)
+        wanted = plan_mix(layer, names, bpw, damp, order, imatrix, refit, plan)
     else:
         wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
     plan = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
@@ -303,7 +353,7 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
         layer.replace(make, names=hessians)
     return {"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
             "desc_act": False, "imatrix": imatrix, "refit": refit, "ggml_types": plan,
-            **({"bpw": bpw} if bpw is not None else {})}
+            **({"bpw": bpw, "plan": plan} if bpw is not None else {})}
 
 
 # ---- the engine folder on the way to a GGUF file (gptq.py's checkpoint_format "ggml") ----------------------------

@@ -1,15 +1,16 @@
 """A bits budget spent where it matters: choose one option (a GGML type, a bit width) per linear so that the layers
 meet a budget of bits per weight with the lowest measured error.
 
-The error of an option is measured, not guessed: the linear is replaced by its quantized version and the decoder
-layer runs on its calibration batches; the cost is what that adds to the layer's output (the residual stream every
-linear writes into, so the costs of q_proj and down_proj are in one currency):
+The error of an option is measured, not guessed. GPTQ's mix (gptq_ggml.layer_errors) runs GPTQ on the option's grid
+and prices the error it leaves in one currency for the layer's linears, so that the costs of q_proj and down_proj
+add up: by default what it adds to the decoder layer's output (the residual stream every linear writes into),
 
     cost_l(o) = sum_tokens || layer(x; W_l -> Q_o(W_l)) - layer(x) ||^2          bits_l(o) = weights_l * bpw(o)
 
-(output_costs). GPTQ's mix (gptq_ggml.layer_errors) measures this once per linear, for a round-to-nearest probe,
-as the linear's sensitivity, and scales GPTQ's own layer error on each candidate grid by it: the error the option
-will have under the method that quantizes it. Then a multiple-choice knapsack, solved greedily on each linear's lower convex hull of (bits, cost): start every
+measured once per linear for a round-to-nearest probe (output_costs) as the linear's sensitivity, which scales
+GPTQ's layer error on each candidate grid; or (plan="fisher") in the model's output KL, each row's layer error
+weighted by its output Fisher (numerics/sensitivity.py: output_fisher).
+Then a multiple-choice knapsack, solved greedily on each linear's lower convex hull of (bits, cost): start every
 linear at its cheapest option and keep taking the upgrade with the largest cost saved per bit spent while the
 budget allows (on the hull the greedy choice is optimal for the budget it ends at), then spend what is left on the
 single changes that save the most error while any fits. llama.cpp's `_M` mixes hand-pick such upgrades (more bits

@@ -7,5 +7,6 @@
   layer_runs.py    one decoder layer run again and again on the calibration batches, reusing what has not changed
   minifloats.py    E4M3, E2M1, E8M0: values and rounding
   hadamard.py      the fast Walsh-Hadamard transform and random rotations
-  sensitivity.py   per-row sensitivities from self-generated text (Fisher, Hessian diagonals)
+  sensitivity.py   Fisher sensitivities: per weight row from self-generated text, per output channel (a layer
+                   at a time) for a planner that knows H
 """

@@ -236,6 +236,8 @@ class CheckpointMethod:
                 read from disk one at a time
       calibration  options -> None (data-free), "quantized" or "float": which calibration inputs each layer needs
                 (those that passed through the quantized layers before it, or through the float ones)
+      output_fisher  options -> bool: whether each layer needs the float model's output Fisher (sensitivity.py; the
+                GPTQ mix's planner prices its candidates with it), measured once before the first layer
       options   {keyword: Option}: every option quantize / quantize_layer take, its default and the values it accepts
       rules     optional options -> None: what the options must satisfy together (ValueError naming them)
     `checked(options)` applies both: the one check of a method's options, made by the CLI before anything loads and
@@ -250,6 +252,7 @@ class CheckpointMethod:
     finish: Callable | None = None
     quantize_layer: Callable | None = None
     calibration: Callable = lambda options: None
+    output_fisher: Callable = lambda options: False
     options: dict = field(default_factory=dict)
     rules: Callable | None = None
 

@@ -28,6 +28,8 @@ has one owner rank make each linear and send it to the others, so every method r
 import torch
 from tqdm import tqdm
 
+from .sensitivity import output_fisher
+
 from ...distributed import slot_of
 from .base import QuantLinear, linear_names, replace_linears
 from .layer_runs import ResumingRuns
@@ -169,11 +171,12 @@ def capture(modules, batches, run, slot=lambda b: 0, keep_slots=False):
 class LayerCalibration:
     """Decoder layer `index` of a model and the calibration batches that reach it: each batch is the tuple of
     arguments the model passes the layer (hidden states [b, T, hidden] first, then the RoPE tables); batches is
-    None for a data-free method."""
+    None for a data-free method. fisher: {full linear name: G [out]}, the model's output Fisher (sensitivity.py), for a
+    method that asks for it (CheckpointMethod.output_fisher), else None."""
 
     def __init__(self, layer, index, batches=None, method="this method", prefix=None, group=None, first=0,
-                 total=None):
-        self.layer, self.index, self.batches, self.method = layer, index, batches, method
+                 total=None, fisher=None):
+        self.layer, self.index, self.batches, self.method, self.fisher = layer, index, batches, method, fisher
         self.prefix = f"model.layers.{index}." if prefix is None else prefix
         self.runs = ResumingRuns(layer, len(batches or ()))
         # several processes (engine.distributed): `batches` are this rank's share, global batches first .. first +
@@ -282,11 +285,13 @@ def first_layer_batches(model, ids, batch_size):
     return batches
 
 
-def decoder_layers(model, calibration_ids, batch_size=8, method="calibration", inputs_from="quantized"):
+def decoder_layers(model, calibration_ids, batch_size=8, method="calibration", inputs_from="quantized",
+                   fisher=False):
     """Yield a LayerCalibration for each decoder layer of `model`, in order. The caller captures and quantizes
     inside the loop body; the next layer then receives this layer's outputs, computed after the body
     (inputs_from="quantized": through the quantized layer) or before it (inputs_from="float"). inputs_from=None:
-    a data-free method, whose layers come without calibration batches."""
+    a data-free method, whose layers come without calibration batches. fisher=True: the float model's output
+    Fisher is measured first and handed to every layer (LayerCalibration.fisher)."""
     if inputs_from is None:
         for i, layer in enumerate(model.model.layers):
             yield LayerCalibration(layer, i, None, method)
@@ -297,8 +302,9 @@ def decoder_layers(model, calibration_ids, batch_size=8, method="calibration", i
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     ids = check_ids(calibration_ids, model.cfg.vocab_size, method)
     batches = first_layer_batches(model, ids, batch_size)
+    grads = output_fisher(model, batches) if fisher else None
     for i, layer in enumerate(model.model.layers):
-        cal = LayerCalibration(layer, i, batches, method)
+        cal = LayerCalibration(layer, i, batches, method, fisher=grads)
         ahead = cal.outputs() if inputs_from == "float" else None
         yield cal
         batches = ahead if ahead is not None else cal.outputs()
@@ -315,7 +321,8 @@ def by_layer(model, method, calibration_ids=None, batch_size=8, **options):
     each (the same function the streaming converter, engine.checkpoints.streaming.quantize_checkpoint, calls on layers
     read from disk), the layers' inputs as method.calibration(options) says (a CheckpointMethod states it once).
     Returns the quantization_config quantize_layer describes its work with."""
-    layers = decoder_layers(model, calibration_ids, batch_size, method.name, method.calibration(options))
+    layers = decoder_layers(model, calibration_ids, batch_size, method.name, method.calibration(options),
+                            method.output_fisher(options))
     bar = tqdm(layers, total=model.cfg.num_hidden_layers, desc=f"{method.name} layers", unit="layer", leave=False,
                disable=None)                        # shown on a terminal only
     configs, weights = [], []

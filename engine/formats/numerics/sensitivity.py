@@ -11,8 +11,24 @@ predictions, so the estimate needs no data. fisher_importance averages F over ea
 per output channel) and divides by Z = sum_rows phi_j ||W_j||^2 / (weights of all listed linears), which makes
 phi_j / Z a weight for a relative squared error shared by the whole model: a quantizer that minimizes
 sum_j phi_j / Z ||W_hat_j - W_j||^2 / numel trades its rate against the estimated KL in every layer alike.
+
+output_fisher keeps the Fisher's output side instead, for a quantizer that knows its layer's input Hessian H
+(GPTQ): a change E of a linear's weight moves log p(y) by g^T E x (g = d log p(y) / d out), so, keeping only the
+diagonal of g's second moment and taking g and x independent (K-FAC's factorization; YAQA, arXiv 2505.22988, keeps
+the whole output factor),
+
+    KL(p || p_E) ~ 1/2 E[(g^T E x)^2] ~ 1/4 sum_o G_o e_o H e_o^T,      G_o = E[g_o^2],  H = 2 E[x x^T]
+
+a row's layer error e_o H e_o^T weighted by its G_o is in nats of the model's KL: one currency for every linear of
+every layer, which the layer's own output error is not (the residual stream grows along the model, and what it is
+worth at the output does not). It is measured with one backward pass one decoder layer at a time: a forward
+through the layers keeps each layer's input, the head draws y ~ p (seeded) and gives d log p(y) / d hidden, then
+each layer, from the last, runs again on its kept input and backpropagates that gradient to the layer below, its
+linears' output gradients squared and summed on the way. Only one layer needs to be in memory at a time (`load` /
+`free`: the streaming converter reads it from disk), and the layers' inputs for the calibration sequences.
 """
 import torch
+from tqdm import tqdm
 
 
 def parse_sensitivity(sensitivity):
@@ -111,3 +127,72 @@ def fisher_importance(model, names, ids, draws=4, batch_size=8, seed=0):
         raise ValueError("the Fisher estimate is zero: the model's predictions do not depend on these weights")
     return {n: (v / z).cpu() for n, v in phi.items()}
 
+
+SEQUENCES = 16          # calibration sequences the Fisher is measured on (the first ones)
+
+
+def output_fisher(model, batches, sequences=SEQUENCES, seed=0, load=None, free=None, progress=None):
+    """{full linear name: G float32 [out]} for every linear of the decoder layers: the mean over the positions of the
+    first `sequences` calibration sequences of (d log p(y) / d out_o)^2, y drawn from the model's own next-token
+    distribution (a torch.Generator seeded by `seed`). batches: what the first decoder layer receives,
+    [(hidden [b, T, hidden], *rope tables)] (calibration.first_layer_batches). model: an engine Qwen3 whose final
+    norm and lm_head are loaded; its decoder layer i is load(i) (default: model.model.layers[i]), and free(i) is
+    called when the pass is done with it. progress: a bar over the two passes (None: on a terminal only)."""
+    if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 1 or not batches:
+        raise ValueError(f"output_fisher needs calibration batches and sequences >= 1, got {len(batches)} batches "
+                         f"and sequences={sequences!r}")
+    load, free = load or (lambda i: model.model.layers[i]), free or (lambda i: None)
+    taken = []
+    for h, *rope in batches:                                   # the first `sequences` only
+        if sequences > 0:
+            taken.append((h[:sequences], *rope))
+            sequences -= len(taken[-1][0])
+    batches, sums = taken, {}
+    positions = sum(h.shape[0] * h.shape[1] for h, *_ in batches)
+    layers, kept = model.cfg.num_hidden_layers, []            # kept: each layer's inputs, batch by batch
+    bar = tqdm(total=2 * layers, desc="output Fisher", unit="layer", leave=False,
+               disable=None if progress is None else not progress)
+    with torch.no_grad():
+        for i in range(layers):
+            layer = load(i)
+            kept.append([args[0] for args in batches])
+            batches = [(layer(*args), *args[1:]) for args in batches]
+            free(i)
+            bar.update()
+    generator = torch.Generator().manual_seed(seed)
+    grads = []
+    with torch.enable_grad():
+        for h, *_ in batches:                # the head, a sequence at a time (the logits are T x vocab floats each)
+            rows = []
+            for row in h:                    # autograd.grad: the weights' .grad is never touched
+                row = row.detach().requires_grad_()
+                logp = torch.log_softmax(model.lm_head(model.model.norm(row)).float(), -1)
+                y = torch.multinomial(logp.detach().exp(), 1, generator=generator)
+                rows.append(torch.autograd.grad(logp.gather(1, y).sum(), row)[0])
+            grads.append(torch.stack(rows))
+        for i in reversed(range(layers)):
+            layer = load(i)
+            hooks = [m.register_forward_hook(_squared_grads(sums, f"model.layers.{i}.{n}"))
+                     for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
+            try:
+                for b, (x, (_, *rope)) in enumerate(zip(kept[i], batches)):
+                    x = x.detach().requires_grad_()
+                    grads[b], = torch.autograd.grad(layer(x, *rope), x, grads[b])
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            kept[i] = None
+            free(i)
+            bar.update()
+    bar.close()
+    return {name: (s / positions).float() for name, s in sums.items()}
+
+
+def _squared_grads(sums, name):
+    """A forward hook that adds the sum over positions of the output's gradient squared into sums[name] [out]."""
+    def hook(module, args, out):
+        def add(grad):
+            part = grad.detach().double().pow(2).reshape(-1, grad.shape[-1]).sum(0)
+            sums[name] = sums[name] + part if name in sums else part
+        out.register_hook(add)
+    return hook
