@@ -478,7 +478,7 @@ def test_the_plan_prices_each_type_by_gptqs_error_under_the_output_fisher():
     W, H = layer.module(name).weight.detach().float(), layer.capture(["mlp.down_proj"])[name].hessian
 
     def cost(raw, kind):
-        E = ggml.dequantize(raw.reshape(-1), kind, W.shape).double() - W.double()
+        E = (ggml.dequantize(raw.reshape(-1), kind, W.shape) - W).double()
         return float(layer.fisher[name].double() @ ((E @ H.double()) * E).sum(1))
 
     exact = {kind: cost(gptq_ggml.gptq_ggml(W, H, kind, gptq_ggml.visit_order(
