@@ -88,6 +88,11 @@ def test_a_bpw_mix_streams_with_the_same_fisher_and_plan(three_layers, source, i
     assert streamed == in_memory and len(set(streamed["ggml_types"].values())) > 1
     a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "disk")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # a bf16 source: the tied head computes in the converter's float32 (red before: a dtype error in lm_head)
+    save_dense(three_layers, tmp_path / "bf16", dtype=torch.bfloat16)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "from-bf16", "gptq", ids, progress=False, **options)
+    assert len(seen) == 9 and all(torch.allclose(seen[i][n], seen[i + 6][n], rtol=0.1) for i in range(3)
+                                  for n in seen[i])
 
 
 def test_block_ldlq_streams_too(three_layers, source, ids, tmp_path):

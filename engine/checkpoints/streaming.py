@@ -355,8 +355,9 @@ class Conversion:
         resumed run measures it again, the same draws."""
         model, head = self.model, lambda n: n in ("model.norm.weight", "lm_head.weight")
         _fill(model, self.source.tensors(head), self.dtype, {})
-        if self.cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
+        if self.cfg.tie_word_embeddings:             # the embedding is held as stored (bf16, say): a copy in dtype
+            model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().to(self.dtype),
+                                                      requires_grad=False)
 
         def load(i):
             _fill(model, self.source.tensors(lambda n: n.startswith(f"model.layers.{i}.")), self.dtype, {})
