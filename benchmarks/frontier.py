@@ -48,6 +48,7 @@ from engine.evaluation import ReferenceLogits, compare_models, kl_per_position  
 from engine.formats.numerics import affine  # noqa: E402
 from engine.formats import awq, entropy, fp8, gptq, lattice, mx, nf4, trellis  # noqa: E402
 from engine.formats.llama_cpp import ggml  # noqa: E402
+from engine.safe_writes import folder_size  # noqa: E402
 from engine.formats.numerics.base import model_bits  # noqa: E402
 
 OUT = Path(os.environ.get("ENGINE_FRONTIER", Path.home() / ".cache" / "engine" / "frontier"))
@@ -194,14 +195,12 @@ def file_bytes(path):
     """The size of what a user downloads, a file or a folder's files, in bytes (None: no file of the tool's own)."""
     if path is None or not Path(path).exists():
         return None
-    path = Path(path)
-    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
-    return sum(f.stat().st_size for f in files)
+    return Path(path).stat().st_size if Path(path).is_file() else folder_size(path)
 
 
 def engine_gguf_bytes(model, ctx):
     """An engine row whose linears are all GGML blocks (GPTQ on llama.cpp's grids) as the GGUF file `--target
-    llama.cpp` writes (its tokenizer, the embedding at llama-quantize's type): its size in MiB, the file removed
+    llama.cpp` writes (its tokenizer, the embedding at llama-quantize's type): its size in bytes, the file removed
     (it is measured, not kept). None for other rows."""
     linears = [m for n, m in model.named_modules() if n.startswith("model.layers.") and hasattr(m, "dequantize")]
     if not linears or not all(isinstance(m, ggml.GGMLLinear) for m in linears):

@@ -232,14 +232,14 @@ def layer_errors(layer, names, damp=0.01, order=DEFAULT_ORDER, imatrix=True, ref
         kinds = dict.fromkeys(ggml_type_for(t, linear.in_features) for t in MIX_TYPES)
         step = max(1, W.shape[0] // rows)
         picked = W[::step]
-        weight = layer.fisher[full][::step].double() if plan == "fisher" else torch.ones(len(picked), dtype=H.dtype)
+        per_row = layer.fisher[full][::step].double() if plan == "fisher" else torch.ones(len(picked), dtype=H.dtype)
         errors[full] = {}
         for kind in kinds:
             perm = visit_order(torch.diag(H), group_size(kind), order)
             raw = gptq_ggml(picked, H, kind, perm, damp, imatrix=imatrix, refit=refit)
             E = (ggml.dequantize(raw.reshape(-1), kind, picked.shape) - picked).double()
             errors[full][kind] = (W.numel() * bits_per_weight(kind),
-                                  float(weight @ ((E @ H) * E).sum(1)) * len(W) / len(picked))
+                                  float(per_row @ ((E @ H) * E).sum(1)) * len(W) / len(picked))
         if plan == "layer_output":
             probe = AffineQuantLinear.from_linear(linear, PROBE_BITS, PROBE_GROUP)
             probes[full] = (layer_error(probe.dequantize().float(), W, H), {"probe": (0, lambda lin, p=probe: p)})
