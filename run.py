@@ -17,8 +17,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from engine import cli
-from engine.cli import BPW_RANGE, GROUP_SIZES
+from engine import cli, cli_quantize
+from engine.cli_quantize import BPW_RANGE, GROUP_SIZES
 from engine.distributed import Follower, RankLost
 
 EMBEDDING_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -156,10 +156,10 @@ def build_parser():
     z.add_argument("--order", metavar="ORDER", help=f"gptq's column order, one of {', '.join(GPTQ_ORDERS)} or "
                                                     f"search (the best of three per linear). {orders}")
     (e_low, e_high), (g_low, g_high) = BPW_RANGE["entquant"], BPW_RANGE["gptq"]
-    z.add_argument("--bpw", type=float, metavar="B", help=f"entquant: target bits per weight, {e_low} to {e_high} "
-                                                          "(lambda found by bisection); gptq --target llama.cpp: a "
-                                                          "GGML type per linear (Q2_K ... Q6_K, IQ4) by measured error, "
-                                                          f"every layer within B bits per weight, {g_low} to {g_high}")
+    z.add_argument("--bpw", type=float, metavar="B",
+                   help=f"entquant: target bits per weight, {e_low} to {e_high} (lambda found by bisection); gptq "
+                        "--target llama.cpp: a GGML type per linear (Q2_K ... Q6_K, IQ4) by measured error, every "
+                        f"layer within B bits per weight, {g_low} to {g_high}")
     z.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="any other option of the method (repeatable), e.g. sym=true (gptq), format=nvfp4-pack-"
                         "quantized (compressed-tensors), L=16 (trellis), bps=3 (lattice); an unknown key is an "
@@ -243,7 +243,7 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_numbers(parser, args)
-    commands = {"quantformats": cli.cmd_quantformats, "train": cli.cmd_train, "quantize": cli.cmd_quantize,
+    commands = {"quantformats": cli.cmd_quantformats, "train": cli.cmd_train, "quantize": cli_quantize.cmd_quantize,
                 "eval": cli.cmd_eval, "generate": cli.cmd_generate, "export": cli.cmd_export}
     try:
         for flag in ("model", "quantized"):

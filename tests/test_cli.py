@@ -180,7 +180,7 @@ def test_rows_show_progress_and_an_interrupted_table_keeps_what_it_has(capsys, m
 
 
 def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, capsys, monkeypatch):
-    from engine import cli as commands
+    from engine import cli_quantize as commands
     run_cli = cli()
     monkeypatch.setattr(commands, "cmd_quantize", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(SystemExit) as exit_info:
@@ -300,7 +300,7 @@ def test_the_library_checks_options_where_the_cli_does(tiny_model):
 
     from engine.formats import gptq, gptq_ggml
     from engine.formats import entropy
-    from engine import cli
+    from engine import cli_quantize
     ids = torch.randint(0, 256, (2, 16))
     for bad, match in ((dict(damp=-1), "damp of method 'gptq' must be a number in"),
                        (dict(damp=float("nan")), "damp"), (dict(group_size=0), "group_size"),
@@ -308,7 +308,7 @@ def test_the_library_checks_options_where_the_cli_does(tiny_model):
                        (dict(ggml_type="Q4_K", bits=4), "takes no bits")):
         with pytest.raises(ValueError, match=match):
             gptq.quantize(tiny_model, ids, **bad)
-    assert cli.BPW_RANGE == {"gptq": gptq_ggml.BPW_RANGE, "entquant": entropy.BPW_RANGE}
+    assert cli_quantize.BPW_RANGE == {"gptq": gptq_ggml.BPW_RANGE, "entquant": entropy.BPW_RANGE}
 
 
 def test_generate_is_bounded_by_the_models_context_and_samples_at_any_temperature():

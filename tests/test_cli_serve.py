@@ -44,10 +44,10 @@ def test_embedding_type_is_refused_where_no_gguf_file_is_written(tmp_path):
 
 def test_boolean_options_parse_as_json_booleans():
     """`--option sym=True` must reach the quantizer (and config.json) as true, not the string "True"."""
-    from engine import cli
+    from engine import cli_quantize
     for text in ("True", "true", "1", "yes"):
         args = argparse.Namespace(method="gptq", option=[f"sym={text}"], group_size=None, order=None, bpw=None)
-        assert cli.quantize_options(args) == {"sym": True}
+        assert cli_quantize.quantize_options(args) == {"sym": True}
     with pytest.raises(ValueError, match="sym wants true or false"):
-        cli.quantize_options(argparse.Namespace(method="gptq", option=["sym=maybe"], group_size=None,
+        cli_quantize.quantize_options(argparse.Namespace(method="gptq", option=["sym=maybe"], group_size=None,
                                                 order=None, bpw=None))
