@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.checkpoints.gguf_writer import bytes_to_unicode, write_gguf  # noqa: E402
+from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
+from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files  # noqa: E402
 from engine.loaders import save_dense  # noqa: E402
 from engine.formats.quantized_checkpoints import METHODS, save_quantized  # noqa: E402
 from engine.checkpoints.serving import LOADS, config_kind, load_checkpoint  # noqa: E402
@@ -132,19 +132,10 @@ def run_client(python, *args, env=None):
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 
 def byte_tokenizer_files(directory):
-    """tokenizer.json / tokenizer_config.json of the byte model (id = byte, no merges) for the clients that need a
-    tokenizer file; encode(text) == list(text.encode())."""
-    chars = bytes_to_unicode()
-    tok = Tokenizer(models.BPE({chars[b]: b for b in range(256)}, []))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    text = "Ünïcödé \u6771\u4eac \t\n x"
-    if tok.encode(text).ids != list(text.encode()):
-        raise RuntimeError("the byte tokenizer does not give id = byte")
+    """tokenizer.json / tokenizer_config.json of the byte model (id = byte, no merges, no BOS) for the clients that
+    need a tokenizer file."""
     directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False}))
+    write_tokenizer_files(byte_tokenizer(), directory, {"add_bos_token": False, "add_eos_token": False})
     return directory
 
 

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_tokenizer, gguf_writer
+from engine.checkpoints import gguf, gguf_tokenizer, tokenizer
 from engine.formats.numerics import base
 from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.affine import AffineQuantLinear
@@ -591,7 +591,7 @@ def test_smollm2_tokenizer(smollm2):
 
 # llama.cpp's converter identifies a BPE pre-tokenizer by the sha256 of the ids of this text (convert_hf_to_gguf,
 # get_vocab_base_pre); it records 855059... for HuggingFaceTB/SmolLM-135M's own tokenizer.json.
-CHKTXT = gguf_writer.CHKTXT
+CHKTXT = tokenizer.CHKTXT
 
 
 @needs_smollm2

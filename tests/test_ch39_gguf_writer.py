@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_tokenizer, gguf_writer
+from engine.checkpoints import gguf, gguf_tokenizer, gguf_writer, tokenizer
 from engine.formats.numerics import affine
 from engine.formats import fp8, mx, nf4
 from engine.formats.llama_cpp import ggml
@@ -179,7 +179,7 @@ def test_byte_model_gets_the_vocabulary_llama_cpp_accepts(tmp_path):
     text = "h\u00e9llo \u6771\u4eac\n\t!"
     assert tok.encode(text).ids == list(text.encode()) and tok.decode(list(text.encode())) == text
     with pytest.raises(ValueError, match="only the byte model"):
-        gguf_writer.tokenizer_metadata(dataclasses.replace(SMALL, vocab_size=300))
+        tokenizer.tokenizer_metadata(dataclasses.replace(SMALL, vocab_size=300))
 
 
 # merges that make llama.cpp's splits tell apart on its fingerprint text: digit runs, a case-insensitive contraction
@@ -205,7 +205,7 @@ def saved_tokenizer(tmp_path, pre, merges=DISCRIMINATING):
 @pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe"])
 def test_tokenizer_json_is_carried_with_the_pre_tokenizer_that_splits_like_it(tmp_path, pre):
     folder, meta = saved_tokenizer(tmp_path, pre)
-    ours = gguf_writer.hf_tokenizer_metadata(folder, len(meta["tokenizer.ggml.tokens"]) + 2)
+    ours = tokenizer.hf_tokenizer_metadata(folder, len(meta["tokenizer.ggml.tokens"]) + 2)
     n = len(meta["tokenizer.ggml.tokens"])
     assert ours["tokenizer.ggml.pre"] == pre
     assert ours["tokenizer.ggml.tokens"] == meta["tokenizer.ggml.tokens"] + ["[PAD%d]" % n, "[PAD%d]" % (n + 1)]

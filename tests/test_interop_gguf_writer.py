@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.checkpoints import gguf, gguf_writer
+from engine.checkpoints.tokenizer import BYTE_CHARS
 from engine.formats.quantized_checkpoints import load_quantized, save_quantized
 from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.base import quantized_linears
@@ -130,7 +131,7 @@ def test_llama_cpp_converter_reads_the_engines_checkpoints_as_the_engine_does(tm
         save_quantized(Qwen3(SMALL).eval(), tmp_path / name, method, torch.randint(0, 256, (4, 32)), force=True,
                        **options)
         args += [str(tmp_path / name), str(tmp_path / f"{name}.gguf")]
-    tokens = [gguf_writer.bytes_to_unicode()[b] for b in range(256)]
+    tokens = list(BYTE_CHARS)
     done = subprocess.run([sys.executable, "-c", CONVERT_MANY, json.dumps(tokens), *args], cwd=converter_dir(),
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -26,19 +26,13 @@ layer's dequantized weight in that type, logged.
 Names are gguf.py's tables read backwards (`model.layers.N.self_attn.q_proj` -> `blk.N.attn_q`); the architecture is
 the model's model_type (llama / qwen2 / qwen3); a tied lm_head writes no `output.weight`. For `llama` the q_proj and
 k_proj rows (of the raw blocks and of the bias) are permuted into GGML's adjacent RoPE pairs (`permute_rows`, the
-inverse of gguf.unpermute_rows). Tokenizer metadata (`tokenizer_metadata`): the byte model gets the recipe llama.cpp
-accepts (`gpt2`, pre `qwen2`, the 256 GPT-2 byte-to-unicode characters with id = byte, one dummy merge because
-llama.cpp needs a non-empty merges list, no BOS); a GGUF source passes its `tokenizer.*` keys on unchanged; a
-byte-level BPE tokenizer.json is converted (tokens, merges, types, specials, chat template), its pre-tokenizer named
-by which of llama.cpp's splits reproduce its ids on llama.cpp's fingerprint text.
+inverse of gguf.unpermute_rows). The `tokenizer.*` keys come from tokenizer.py's `tokenizer_metadata`.
 """
 import hashlib
-import json
 import logging
 import struct
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -47,12 +41,10 @@ from ..formats.numerics.base import QuantLinear
 from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, INTEGER, IQ4, QK_K, GGMLLinear, encode
 from ..formats.llama_cpp.ggml_quants import FALLBACK, blocks, check_type, quantize
 from ..formats.mx import MXFP4Linear, NVFP4Linear
-from .gguf import (ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, METADATA_DIGEST, TENSOR_NAMES,
-                   GGUFFile)
-from .gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer, gpt2_pre_tokenizer
+from .gguf import ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, METADATA_DIGEST, TENSOR_NAMES
 from ..safe_writes import check_free_space, is_disk_full, space_error
 from ..safetensors_io import atomic_file, check_records
-from .tokenizer import present, read_tokenizer_folder
+from .tokenizer import tokenizer_metadata
 
 log = logging.getLogger(__name__)
 ALIGNMENT, VERSION = 32, 3
@@ -60,17 +52,7 @@ U32, I32, F32, BOOL, STRING, ARRAY, U64 = 4, 5, 6, 7, 8, 9, 10
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11,
               "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32, "MXFP4": 38,
               "NVFP4": 39}                                   # K: llama.cpp's _S
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
-# llama.cpp's pre-tokenizer fingerprint text (convert_hf_to_gguf.py, get_vocab_base_pre)
-CHKTXT = ("\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d\U0001f32b\ufe0f "
-          "(multiple emojis concatenated) \u2705 \U0001f999\U0001f999 3 33 333 3333 33333 333333 3333333 33333333 3.3 "
-          "3..3 3...3 \u1780\u17b6\u1793\u17cb\u178f\u17c2\u1796\u17b7\u179f\u17c1\u179f\u17a2\u17b6\u1785\U0001f601 "
-          "?\u6211\u60f3\u5728apple\u5de5\u4f5c1314151\u5929\uff5e ------======= \u043d\u0435\u0449\u043e \u043d\u0430 "
-          "\u0411\u044a\u043b\u0433\u0430\u0440\u0441\u043a\u0438 ''''''```````\"\"\"\"......!!!!!!?????? I've been "
-          "'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL")
-
-
-# ---- names and the llama permutation ----------------------------------------------------------------------------
+# llama.cpp's pre-tokenizer fingerprint text (conve------------------------------------------------------------------
 
 _LAYER_NAMES = {hf: g for g, hf in TENSOR_NAMES.items()}
 _GLOBALS = {hf: g for g, hf in GLOBAL_NAMES.items()}
@@ -266,106 +248,6 @@ def model_metadata(cfg, name="engine"):
     elif scaling["rope_type"] != "default":
         raise ValueError(f"RoPE type {scaling['rope_type']!r}: llama.cpp needs a rope_freqs tensor for it, which this "
                          "writer does not compute")
-    return meta
-
-
-def byte_tokenizer_metadata(cfg):
-    """The byte model's vocabulary as llama.cpp accepts it (DESIGN.md section 7)."""
-    if cfg.vocab_size != 256:
-        raise ValueError(f"no tokenizer given and vocab_size is {cfg.vocab_size}: only the byte model (256) has an "
-                         "implied one; pass the model's tokenizer.json folder or GGUF file")
-    chars = bytes_to_unicode()
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
-            "tokenizer.ggml.tokens": [chars[b] for b in range(256)], "tokenizer.ggml.token_type": [NORMAL] * 256,
-            "tokenizer.ggml.merges": [f"{chars[32]} {chars[32]}"],      # a dummy: llama.cpp refuses an empty list
-            "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False}
-    for role, value in (("bos", cfg.bos_token_id), ("eos", cfg.eos_token_id)):
-        if isinstance(value, int):
-            meta[f"tokenizer.ggml.{role}_token_id"] = value
-    return meta
-
-
-def bytes_to_unicode():
-    """GPT-2's map byte -> printable character, in which byte-level BPE vocabularies spell every byte."""
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    moved = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
-
-
-def _special(value):
-    return value.get("content") if isinstance(value, dict) else value
-
-
-def hf_tokenizer_metadata(directory, vocab_size):
-    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a byte-level BPE tokenizer -> GGUF
-    tokenizer keys. The rows past the tokenizer's last id (a padded embedding) become unused [PAD{i}] tokens."""
-    tok, config, template = read_tokenizer_folder(directory)
-    spec = json.loads(tok.to_str())
-    model = spec["model"]
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise ValueError(f"{directory}/tokenizer.json is not a byte-level BPE (GPT-2 style) tokenizer; convert it "
-                         "with llama.cpp's converter instead")
-    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
-    if sorted(by_id) != list(range(len(by_id))) or len(by_id) > vocab_size:
-        raise ValueError(f"tokenizer ids are not 0..{len(by_id) - 1} within the model's vocab_size {vocab_size}")
-    added = {t["id"]: CONTROL if t["special"] else USER_DEFINED for t in spec.get("added_tokens", [])}
-    tokens = [by_id[i] for i in range(len(by_id))] + [f"[PAD{i}]" for i in range(len(by_id), vocab_size)]
-    types = [added.get(i, NORMAL) for i in range(len(by_id))] + [UNUSED] * (vocab_size - len(by_id))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.merges": merges or [f"{bytes_to_unicode()[32]} {bytes_to_unicode()[32]}"],
-            "tokenizer.ggml.add_bos_token": bool(config.get("add_bos_token", False)),
-            "tokenizer.ggml.add_eos_token": bool(config.get("add_eos_token", False))}
-    ids = {t: i for i, t in enumerate(tokens)}
-    for role, key in (("bos", "bos_token"), ("eos", "eos_token"), ("unknown", "unk_token"), ("padding", "pad_token")):
-        token = _special(config.get(key))
-        if isinstance(token, str) and token in ids:
-            meta[f"tokenizer.ggml.{role}_token_id"] = ids[token]
-    template = config.get("chat_template") if template is None else template
-    if isinstance(template, str):
-        meta["tokenizer.chat_template"] = template
-    meta["tokenizer.ggml.pre"] = _pre_tokenizer_name(tok, meta)
-    return meta
-
-
-def _pieces(pre_tokenizer, normalizer, text):
-    text = normalizer.normalize_str(text) if normalizer else text
-    return [piece for piece, _ in pre_tokenizer.pre_tokenize_str(text)]
-
-
-def _pre_tokenizer_name(tok, meta):
-    """The llama.cpp pre-tokenizer that splits CHKTXT into `tok`'s own pieces, else the first that gives its ids
-    (llama.cpp's converter names it by a hash of those ids; trying each split gguf.py knows needs no hash table)."""
-    names = []                                           # one name per distinct set of splits, in gguf.py's order
-    for name, splits in PRE_TOKENIZERS.items():
-        if all(PRE_TOKENIZERS[other] != splits for other in names):
-            names.append(name)
-    if tok.pre_tokenizer is not None:
-        pieces = _pieces(tok.pre_tokenizer, tok.normalizer, CHKTXT)
-        for name in names:
-            if _pieces(gpt2_pre_tokenizer(name), None, CHKTXT) == pieces:
-                return name
-    ids = tok.encode(CHKTXT, add_special_tokens=False).ids
-    for name in names:
-        probe = {**meta, "tokenizer.ggml.pre": name, "tokenizer.ggml.add_bos_token": False,
-                 "tokenizer.ggml.add_eos_token": False}
-        if gguf_tokenizer(SimpleNamespace(metadata=probe))[0].encode(CHKTXT).ids == ids:
-            return name
-    raise ValueError("no llama.cpp pre-tokenizer reproduces this tokenizer's splits (on llama.cpp's fingerprint "
-                     f"text); the known ones are {sorted(PRE_TOKENIZERS)}")
-
-
-def tokenizer_metadata(cfg, source=None):
-    """GGUF tokenizer keys: from a .gguf file (copied), a folder with tokenizer.json (converted), or, with no
-    source, the byte model's vocabulary."""
-    if source is None or (Path(source).is_dir() and not present(source, "tokenizer.json")):
-        return byte_tokenizer_metadata(cfg)
-    if Path(source).is_dir():
-        return hf_tokenizer_metadata(source, cfg.vocab_size)
-    with GGUFFile(source) as f:
-        meta = {k: v for k, v in f.metadata.items() if k.startswith("tokenizer.")}
-    if "tokenizer.ggml.model" not in meta:
-        raise ValueError(f"{source} holds no tokenizer (tokenizer.ggml.model)")
     return meta
 
 
