@@ -1,5 +1,6 @@
 """Any model the engine reads, by what the path holds: a .gguf file (gguf.py), a quantized checkpoint folder
-(engine.formats.quantized_checkpoints) or a dense Hugging Face folder (engine.loaders)."""
+(engine.formats.quantized_checkpoints) or a dense Hugging Face folder (engine.loaders); whole (load_model), by its
+header alone (model_config), or one tensor at a time (Source, what the streaming converter reads)."""
 from pathlib import Path
 
 import torch
@@ -8,7 +9,11 @@ from ..formats.numerics.base import quantized_linears
 from ..formats.quantized_checkpoints import load_quantized
 from ..loaders import load_dense, read_config
 from ..qwen3 import Qwen3Config
+from ..safe_writes import TOKENIZER_FILES
+from ..safetensors_io import DTYPE_BYTES, TensorReader
 from . import gguf
+from .gguf_tokenizer import gguf_tokenizer
+from .tokenizer import check_vocabulary, export_tokenizer, load_tokenizer
 
 
 def load_model(path, dtype=None, device="cpu", dense=False, progress=None):
@@ -46,3 +51,80 @@ def model_config(path):
         with gguf.GGUFFile(path) as f:
             return Qwen3Config.from_hf(gguf.hf_config(f))
     return Qwen3Config.from_hf(read_config(path))
+
+
+class Source:
+    """A model on disk, read one decoder layer at a time: a Hugging Face folder or a GGUF file (whose quantized
+    linears are dequantized: their weights are the reference the new method starts from). `config` is the HF-style
+    config dict, `sizes` {HF tensor name: bytes as the converter reads it}; tensors(keep) yields (name, tensor) for
+    the names keep() selects; tokenizer() and export_tokenizer(folder) rebuild a GGUF file's tokenizer once."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self._rebuilt = None
+        if self.path.is_file() and self.path.suffix == ".gguf":
+            self.gguf = gguf.GGUFFile(self.path)
+            self.config = gguf.hf_config(self.gguf)
+            self.sizes = {gguf.hf_name(n)[0]: _read_bytes(info) for n, info in self.gguf.tensors.items()}
+        else:
+            self.gguf = None
+            self.config = read_config(self.path)
+            self.reader = TensorReader(self.path)
+            self.specs = dict(self.reader.specs)
+            self.sizes = {n: DTYPE_BYTES[dtype] * torch.Size(shape).numel() for n, (dtype, shape) in self.specs.items()}
+
+    def tensors(self, keep):
+        if self.gguf is not None:
+            yield from gguf.hf_tensors(self.gguf, keep, dense=True)
+        else:
+            for name in self.reader.names():
+                if keep(name):
+                    yield name, self.reader.read(name)
+
+    def has_tokenizer(self):
+        if self.gguf is None:
+            return (self.path / "tokenizer.json").exists()
+        return "tokenizer.ggml.tokens" in self.gguf.metadata
+
+    def tokenizer(self):
+        """The model's tokenizers.Tokenizer (ids beyond the embedding's rows refused, as load_tokenizer does)."""
+        if self.gguf is None:
+            return load_tokenizer(self.path)
+        embedding = self.gguf.tensors.get("token_embd.weight")
+        return check_vocabulary(self._gguf_tokenizer()[0], embedding and embedding.shape[0], self.path)
+
+    def export_tokenizer(self, folder):
+        """Write the model's tokenizer files into `folder` (tokenizers.export_tokenizer); returns their names."""
+        if self.gguf is None:
+            return export_tokenizer(self.path, folder)
+        return export_tokenizer(self.path, folder, self._gguf_tokenizer()
+                                if "tokenizer.ggml.tokens" in self.gguf.metadata else ())
+
+    def _gguf_tokenizer(self):
+        if self._rebuilt is None:
+            self._rebuilt = gguf_tokenizer(self.gguf)
+        return self._rebuilt
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.gguf is not None:
+            self.gguf.close()
+
+    def side_bytes(self):
+        """About the bytes of the tokenizer files export_tokenizer writes (a GGUF file's: twice its header)."""
+        if self.gguf is not None:
+            return 2 * min((info.offset for info in self.gguf.tensors.values()), default=0)
+        return sum((self.path / name).stat().st_size for name in TOKENIZER_FILES if (self.path / name).is_file())
+
+    def identity(self):
+        """What a resumed conversion must find unchanged: the source's files (names, sizes, modification times)."""
+        files = [self.path] if self.gguf is not None else sorted(self.path.iterdir())
+        return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+
+
+def _read_bytes(info):
+    """Bytes of a GGUF tensor as the converter reads it: dense types as stored, block types decoded to float32."""
+    n = torch.Size(info.shape).numel()
+    return n * (2 if info.type_name in ("F16", "BF16") else 4)

@@ -50,101 +50,23 @@ import torch
 from tqdm import tqdm
 
 from ..distributed import check_world, on_first, share
-from ..formats.numerics.calibration import LayerCalibration, check_ids, first_layer_batches, layer_weights, merged_config
+from ..formats.numerics.calibration import (LayerCalibration, check_ids, first_layer_batches, layer_weights,
+                                            merged_config)
 from ..formats.numerics.sensitivity import output_fisher
 from ..qwen3 import DecoderLayer, Qwen3Config
-from . import gguf
-from .gguf_tokenizer import gguf_tokenizer
-from ..loaders import check_complete, check_layer_count, check_shapes, digest_of, place, read_config, skeleton
+from ..loaders import check_complete, check_layer_count, check_shapes, digest_of, place, skeleton
 from ..formats.quantized_checkpoints import METHODS, LayerAssembler, checkpoint_tensors, config_digest
-from ..safe_writes import (TOKENIZER_FILES, check_apart, check_free_space, check_output, commit_directory, folder_size,
-                          is_disk_full, output_lock, recover_interrupted_swap, resumable_directory, space_error)
-from ..safetensors_io import (DTYPE_BYTES, INDEX, TensorReader, check_records, float_digest, read_header, read_json,
-                             save_file, tensor_digest, write_json)
-from .tokenizer import check_vocabulary, export_tokenizer, load_tokenizer
+from ..safe_writes import (check_apart, check_free_space, check_output, commit_directory, folder_size, is_disk_full,
+                          output_lock, recover_interrupted_swap, resumable_directory, space_error)
+from ..safetensors_io import (INDEX, TensorReader, check_records, float_digest, read_header, read_json, save_file,
+                             tensor_digest, write_json)
+from .models import Source
 
 PROGRESS = "progress.json"
 try:
     _LIBC = ctypes.CDLL("libc.so.6")
 except OSError:                                  # not glibc: the system keeps its own allocator's habits
     _LIBC = None
-
-
-class Source:
-    """A model on disk, read one decoder layer at a time: a Hugging Face folder or a GGUF file (whose quantized
-    linears are dequantized: their weights are the reference the new method starts from). `config` is the HF-style
-    config dict, `sizes` {HF tensor name: bytes as the converter reads it}; tensors(keep) yields (name, tensor) for
-    the names keep() selects; tokenizer() and export_tokenizer(folder) rebuild a GGUF file's tokenizer once."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        self._rebuilt = None
-        if self.path.is_file() and self.path.suffix == ".gguf":
-            self.gguf = gguf.GGUFFile(self.path)
-            self.config = gguf.hf_config(self.gguf)
-            self.sizes = {gguf.hf_name(n)[0]: _read_bytes(info) for n, info in self.gguf.tensors.items()}
-        else:
-            self.gguf = None
-            self.config = read_config(self.path)
-            self.reader = TensorReader(self.path)
-            self.specs = dict(self.reader.specs)
-            self.sizes = {n: DTYPE_BYTES[dtype] * torch.Size(shape).numel() for n, (dtype, shape) in self.specs.items()}
-
-    def tensors(self, keep):
-        if self.gguf is not None:
-            yield from gguf.hf_tensors(self.gguf, keep, dense=True)
-        else:
-            for name in self.reader.names():
-                if keep(name):
-                    yield name, self.reader.read(name)
-
-    def has_tokenizer(self):
-        if self.gguf is None:
-            return (self.path / "tokenizer.json").exists()
-        return "tokenizer.ggml.tokens" in self.gguf.metadata
-
-    def tokenizer(self):
-        """The model's tokenizers.Tokenizer (ids beyond the embedding's rows refused, as load_tokenizer does)."""
-        if self.gguf is None:
-            return load_tokenizer(self.path)
-        embedding = self.gguf.tensors.get("token_embd.weight")
-        return check_vocabulary(self._gguf_tokenizer()[0], embedding and embedding.shape[0], self.path)
-
-    def export_tokenizer(self, folder):
-        """Write the model's tokenizer files into `folder` (tokenizers.export_tokenizer); returns their names."""
-        if self.gguf is None:
-            return export_tokenizer(self.path, folder)
-        return export_tokenizer(self.path, folder, self._gguf_tokenizer()
-                                if "tokenizer.ggml.tokens" in self.gguf.metadata else ())
-
-    def _gguf_tokenizer(self):
-        if self._rebuilt is None:
-            self._rebuilt = gguf_tokenizer(self.gguf)
-        return self._rebuilt
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.gguf is not None:
-            self.gguf.close()
-
-    def side_bytes(self):
-        """About the bytes of the tokenizer files export_tokenizer writes (a GGUF file's: twice its header)."""
-        if self.gguf is not None:
-            return 2 * min((info.offset for info in self.gguf.tensors.values()), default=0)
-        return sum((self.path / name).stat().st_size for name in TOKENIZER_FILES if (self.path / name).is_file())
-
-    def identity(self):
-        """What a resumed conversion must find unchanged: the source's files (names, sizes, modification times)."""
-        files = [self.path] if self.gguf is not None else sorted(self.path.iterdir())
-        return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
-
-
-def _read_bytes(info):
-    """Bytes of a GGUF tensor as the converter reads it: dense types as stored, block types decoded to float32."""
-    n = torch.Size(info.shape).numel()
-    return n * (2 if info.type_name in ("F16", "BF16") else 4)
 
 
 def release_memory():
