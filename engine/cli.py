@@ -1,7 +1,7 @@
 """What `run.py`'s commands do (run.py itself only parses and dispatches): the cheap checks that run before any model
 loads, then train, eval, export, generate, and the quantformats table's selection (engine/quantformats.py measures
-it); quantize is engine/cli_quantize.py, on these checks. Nothing heavy is imported at module level: each command imports what it runs, so that `run.py --help`
-and an argument error never wait for torch.
+it); quantize is engine/cli_quantize.py, on these checks. Nothing heavy is imported at module level: each command
+imports what it runs, so that `run.py --help` and an argument error never wait for torch.
 """
 import json
 import sys

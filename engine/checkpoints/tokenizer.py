@@ -80,7 +80,8 @@ def encode(tok, data):
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"the text is not UTF-8 (at byte {e.start}); only the byte tokenizer reads any bytes") from None
+        raise ValueError(f"the text is not UTF-8 (at byte {e.start}); only the byte tokenizer reads any "
+                         "bytes") from None
     return torch.tensor(tok.encode(text, add_special_tokens=False).ids, dtype=torch.long)
 
 
