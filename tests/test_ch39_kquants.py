@@ -545,11 +545,16 @@ def test_cli_refuses_a_bpw_its_method_cannot_reach_before_any_work(tmp_path, met
     assert not (tmp_path / "m").exists()
 
 
-def test_cli_refuses_imatrix_false_without_a_ggml_type_before_any_work(tmp_path):
+@pytest.mark.parametrize("target", [[], ["--target", "llama.cpp"]])      # its defaults (group size 32) are not blamed
+@pytest.mark.parametrize("option,error", [("imatrix=false", "imatrix=False chooses the grid of a GGML type"),
+                                          ("plan=fisher", "plan='fisher' prices the candidates of a bits budget's "
+                                                          "mix; it needs bpw")])
+def test_cli_refuses_a_grid_option_without_a_ggml_type_before_any_work(tmp_path, target, option, error):
     from test_cli import run
-    out = run("quantize", "--method", "gptq", "--option", "imatrix=false", "--out", str(tmp_path / "m"))
-    assert out.returncode == 1 and out.stderr.startswith("error: imatrix=False chooses the grid of a GGML type")
-    assert not (tmp_path / "m").exists()
+    out_path = tmp_path / ("m.gguf" if target else "m")
+    out = run("quantize", "--method", "gptq", "--option", option, *target, "--out", str(out_path))
+    assert out.returncode == 1 and out.stderr.startswith(f"error: {error}")
+    assert not out_path.exists()
 
 
 @pytest.mark.slow

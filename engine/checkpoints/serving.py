@@ -135,7 +135,7 @@ def gguf_options(method, options):
         raise ValueError("llama.cpp: GPTQ act-order permutes the input columns; GGML blocks store no permutation")
     if method == "gptq" and options.get("bpw") is not None:              # a K-quant mix that meets the budget
         options.setdefault("ggml_type", gptq_ggml.MIX)
-    if method == "gptq" and options.get("ggml_type") is not None:        # llama.cpp's own grids: any group size
+    if method == "gptq" and gptq.GGML_OPTIONS & options.keys():       # llama.cpp's own grids: gptq_ggml.rules
         return options
     if method == "bitsandbytes":
         raise ValueError("llama.cpp: GGML has no NF4 type (nf4 is bitsandbytes' layout, for transformers)")

@@ -302,6 +302,8 @@ OPTIONS = {"ggml_type": Option(None, lambda t: isinstance(t, (str, dict)), f"one
 def rules(options):
     """What GPTQ on GGML grids needs of its options (the type, the budget, the grid, the order) together."""
     ggml_type, bpw = options.get("ggml_type"), options.get("bpw")
+    if options.get("plan", PLANS[0]) != PLANS[0] and bpw is None:
+        raise ValueError(f"plan={options['plan']!r} prices the candidates of a bits budget's mix; it needs bpw")
     if ggml_type is None and bpw is None:
         key = next(k for k in ("imatrix", "refit", "plan") if k in options)
         does = {"imatrix": "chooses the grid", "refit": "refits the scales",
@@ -310,8 +312,6 @@ def rules(options):
                          "llama.cpp)")
     if ggml_type is not None:
         check_request(ggml_type)
-    if options.get("plan", PLANS[0]) != PLANS[0] and bpw is None:
-        raise ValueError(f"plan={options['plan']!r} prices the candidates of a bits budget's mix; it needs bpw")
     if (ggml_type in (None, MIX)) != (bpw is not None):
         raise ValueError(f"ggml_type={MIX!r} needs a bits budget (bpw), and a GPTQ bits budget picks GGML types: "
                          f"ggml_type={MIX!r} (what --target llama.cpp --bpw B asks for); got ggml_type={ggml_type!r}, "
