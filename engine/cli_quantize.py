@@ -123,9 +123,6 @@ def convert(args, out, method, options, force=False, group=None):
         if not conversion.needs_data:
             return conversion.run()
         check_calibration_size(args, conversion.cfg)
-        if method == "gptq" and options.get("bpw") is not None:
-            from engine.formats.gptq_ggml import check_budget
-            check_budget(conversion.cfg, options["bpw"])
         from engine.data import real_calibration
         calibration = real_calibration(args.calib, conversion.source.tokenizer(), args.calib_len, args.calib_samples,
                                        conversion.float_model, one_thread=model_bytes(args.model) < SMALL_MODEL)

@@ -616,7 +616,7 @@ def test_export_refuses_a_source_whose_digests_do_not_match(tmp_path, source):
     assert not (tmp_path / "out.gguf").exists()
 
 
-def test_cli_refuses_a_budget_the_row_widths_cannot_meet_before_quantizing(tmp_path):
+def test_a_budget_the_row_widths_cannot_meet_is_refused_before_quantizing(tmp_path):
     """Rows of 96 (not a multiple of 256) have no GGML type below 4.5 bits: a --bpw under what the cheapest types
     reach is one error line from the config alone, and nothing is written."""
     from engine.formats.gptq_ggml import check_budget
@@ -626,7 +626,11 @@ def test_cli_refuses_a_budget_the_row_widths_cannot_meet_before_quantizing(tmp_p
         check_budget(FALLBACK_CFG, 4.0)
     check_budget(K_CFG, 2.7)                                     # rows of 256: Q2_K's 2.625 bits are reachable
     torch.manual_seed(0)
-    save_dense(Qwen3(FALLBACK_CFG).eval(), tmp_path / "m")
+    model = Qwen3(FALLBACK_CFG).eval()
+    for calibration in (None, calibration_ids()):               # the library too, before its calibration pass
+        with pytest.raises(ValueError, match=r"allow no GGML mix below 4\.\d+ bits per weight"):
+            gptq.quantize(model, calibration, bpw=3.0)
+    save_dense(model, tmp_path / "m")
     out = run("quantize", "--model", str(tmp_path / "m"), "--method", "gptq", "--target", "llama.cpp", "--bpw",
               "3.0", "--calib", "self", "--out", str(tmp_path / "q.gguf"))
     assert out.returncode == 1 and "allow no GGML mix below" in out.stderr.splitlines()[-1], out.stderr

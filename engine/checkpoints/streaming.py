@@ -111,6 +111,7 @@ class Conversion:
             on_first(self.group, self._output_checks, "checking the output")      # the one writer: rank 0
             self.source = self._stack.enter_context(Source(self.source_path))
             self.cfg = Qwen3Config.from_hf(self.source.config)
+            self.entry.fits(self.cfg, self.options)
             check_layer_count(self.cfg, self.source.sizes, self.source_path)
             self.model = skeleton(self.cfg)
             if self.source.gguf is None:

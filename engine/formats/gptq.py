@@ -388,8 +388,14 @@ def rules(options):
         gptq_ggml.rules(options)
 
 
+def fits(cfg, options):
+    """A bits budget is one a GGML mix of cfg's row widths can meet (gptq_ggml.check_budget), from the config alone."""
+    if options.get("bpw") is not None:
+        gptq_ggml.check_budget(cfg, options["bpw"])
+
+
 CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize,
                               parts=lambda qcfg: gptq_ggml.PARTS if qcfg["checkpoint_format"] == GGML else PARTS,
                               validate=validate, quantize_layer=quantize_any_layer,
-                              calibration=lambda options: "quantized", options=OPTIONS, rules=rules,
+                              calibration=lambda options: "quantized", options=OPTIONS, rules=rules, fits=fits,
                               output_fisher=lambda options: options.get("plan") == "fisher")

@@ -240,6 +240,8 @@ class CheckpointMethod:
                 GPTQ mix's planner prices its candidates with it), measured once before the first layer
       options   {keyword: Option}: every option quantize / quantize_layer take, its default and the values it accepts
       rules     optional options -> None: what the options must satisfy together (ValueError naming them)
+      fits      (Qwen3Config, options) -> None: what the options need of the model's shapes (ValueError), from its
+                config alone, before any work (a GPTQ bits budget the row widths cannot meet)
     `checked(options)` applies both: the one check of a method's options, made by the CLI before anything loads and
     by the library (save_quantized, the converter, each method's quantize) before any work.
     """
@@ -255,6 +257,7 @@ class CheckpointMethod:
     output_fisher: Callable = lambda options: False
     options: dict = field(default_factory=dict)
     rules: Callable | None = None
+    fits: Callable = lambda cfg, options: None
 
     def checked(self, options):
         """options {keyword: value} -> the same, once every keyword is one this method takes and every value one it

@@ -321,6 +321,7 @@ def by_layer(model, method, calibration_ids=None, batch_size=8, **options):
     each (the same function the streaming converter, engine.checkpoints.streaming.quantize_checkpoint, calls on layers
     read from disk), the layers' inputs as method.calibration(options) says (a CheckpointMethod states it once).
     Returns the quantization_config quantize_layer describes its work with."""
+    method.fits(model.cfg, options)
     layers = decoder_layers(model, calibration_ids, batch_size, method.name, method.calibration(options),
                             method.output_fisher(options))
     bar = tqdm(layers, total=model.cfg.num_hidden_layers, desc=f"{method.name} layers", unit="layer", leave=False,
