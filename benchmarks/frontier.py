@@ -80,9 +80,11 @@ ENGINE_ROWS = [   # (label, quantize(model, calibration, **options), options): c
      dict(damp=0.1, ggml_type={**dict.fromkeys(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"], "IQ4_NL"),
                                "mlp.down_proj": "Q3_K"})),
-    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}", gptq.quantize, dict(bpw=b)) for b in (6.0, 5.5, 4.5, 4.4, 3.5)],
+    # 6.03 and 4.43: budgets at the size of llama.cpp's Q5_K_M and IQ4_XS + imatrix files of SmolLM2 (6.035, 4.4375)
+    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}", gptq.quantize, dict(bpw=b))
+      for b in (6.03, 6.0, 5.5, 4.5, 4.4, 3.5)],
     *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, damp 0.1", gptq.quantize, dict(bpw=b, damp=0.1))
-      for b in (4.5, 4.25)],
+      for b in (4.5, 4.43, 4.25)],
     # the same mixes planned in the model's output KL (plan="fisher": each row's error weighted by its output Fisher)
     *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, Fisher plan", gptq.quantize, dict(bpw=b, plan="fisher"))
       for b in (6.0, 5.5)],
