@@ -9,7 +9,7 @@ import os
 import pytest
 
 from engine import safe_writes
-from engine.checkpoints import gguf, gguf_writer, streaming, tokenizer
+from engine.checkpoints import gguf, gguf_writer, models, streaming, tokenizer
 from engine.formats import quantized_checkpoints as registry
 from engine.loaders import save_dense
 from engine.checkpoints.tokenizer import export_tokenizer
@@ -86,7 +86,7 @@ def test_quantize_from_a_gguf_file_checks_once_and_opens_it_once(tiny_model, tmp
 
     real_init = gguf.GGUFFile.__init__
     monkeypatch.setattr(gguf.GGUFFile, "__init__", counted("file opened", real_init))
-    for module in (streaming, registry, safe_writes, tokenizer):
+    for module in (streaming, models, registry, safe_writes, tokenizer):      # Source (models.py) reads the file
         for name, label in (("check_output", "output checked"), ("gguf_tokenizer", "tokenizer rebuilt")):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, counted(label, getattr(module, name)))
