@@ -524,14 +524,15 @@ def test_a_budget_is_spent_within_one_percent_and_beats_the_single_type_of_its_s
 
     def quantized(**options):
         m = copy.deepcopy(model)
-        gptq.quantize(m, calibration_ids(), **options)
+        qcfg = gptq.quantize(m, calibration_ids(), **options)
         layers = quantized_linears(m).values()
         bits = sum(q.storage_bits() for q in layers) / sum(q.in_features * q.out_features for q in layers)
         with torch.no_grad():
             kl = float((reference.exp() * (reference - torch.log_softmax(m(ids), -1))).sum(-1).mean())
-        return bits, kl
+        return bits, kl, qcfg
 
-    (mix_bits, mix_kl), (bits, kl) = quantized(bpw=budget, plan=plan), quantized(ggml_type=single)
+    (mix_bits, mix_kl, qcfg), (bits, kl, _) = quantized(bpw=budget, plan=plan), quantized(ggml_type=single)
+    assert qcfg["plan"] == plan and qcfg["bpw"] == budget          # the config records the currency, not the types
     assert 0.99 * budget <= mix_bits <= budget and bits == budget
     assert mix_kl < kl, (mix_kl, kl)
 

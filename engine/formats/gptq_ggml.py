@@ -340,19 +340,19 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
         wanted = plan_mix(layer, names, bpw, damp, order, imatrix, refit, plan)
     else:
         wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
-    plan = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
+    types = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
     for step in calibration.SEQUENTIAL_STEPS:
         hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
 
         def make(name, linear, hessians=hessians):
-            kind, H = plan[name.removeprefix(layer.prefix)], hessians[name]
+            kind, H = types[name.removeprefix(layer.prefix)], hessians[name]
             perm = visit_order(torch.diag(H), group_size(kind), order)
             raw = gptq_ggml(linear.weight, H, kind, perm, damp, imatrix=imatrix, refit=refit)
             return ggml_layer(raw, kind, linear.in_features, linear.bias)
 
         layer.replace(make, names=hessians)
     return {"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
-            "desc_act": False, "imatrix": imatrix, "refit": refit, "ggml_types": plan,
+            "desc_act": False, "imatrix": imatrix, "refit": refit, "ggml_types": types,
             **({"bpw": bpw, "plan": plan} if bpw is not None else {})}
 
 
