@@ -155,14 +155,30 @@ def refit_scales(weight, hessian, type_name, codes, fields):
         ridge = 1e-6 * A.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-30)[:, None, None] * torch.eye(k * nb)
         new = torch.linalg.solve(A + ridge, r).half().float()
 
-        def error(x, A=A, r=r):                                       # each row's error, up to w H w^T
-            return torch.einsum("ra,rab,rb->r", x, A, x) - 2 * (x * r).sum(1)
-
-        better = torch.isfinite(new).all(1) & (error(new) < error(old[rows]))
+        better = torch.isfinite(new).all(1) & (row_errors(new, P[rows], W[rows], hessian)
+                                                < row_errors(old[rows], P[rows], W[rows], hessian))
         chosen.append(torch.where(better[:, None], new, old[rows]))
     x = torch.cat(chosen)
     return {**fields, **{key: x[:, i * nb:(i + 1) * nb].reshape(fields[key].shape).to(fields[key].dtype)
                          for i, key in enumerate(keys)}}
+
+
+def row_errors(x, P, W, hessian):
+    """Each row's layer error (w_hat - w) H (w_hat - w)^T, in float64, for the fields x [rows, (kind, block)] over the
+    basis P [rows, k, blocks, block] (w_hat = sum over kinds of x * P) and the weights W [rows, blocks, block].
+
+    Computed from w_hat - w, not from the solve's x A x^T - 2 x.r: that form leaves out the constant w H w^T, so both
+    of its terms are about w H w^T and a difference between two x is a small remainder of large numbers, which
+    another CPU's float32 sums can flip (a refit kept where it raised the error on an AMD EPYC, not on a Xeon)."""
+    n, k, nb, block = P.shape
+    w_hat = (x.double().reshape(n, k, nb, 1) * P.double()).sum(1)      # f16 fields x small integers: exact
+    e = (w_hat - W.double()).reshape(n, nb * block)
+    errors = torch.zeros(n, dtype=torch.float64)
+    step = max(1, REFIT_SCALARS // (2 * nb * block))                  # H's columns in float64, a slice at a time
+    for at in range(0, nb * block, step):
+        cols = slice(at, at + step)
+        errors += ((e @ hessian[:, cols].double()) * e[:, cols]).sum(1)
+    return errors
 
 
 def rtn_ggml(weight, type_name, importance=None):
