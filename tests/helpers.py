@@ -34,3 +34,15 @@ def method_io(method):
 def random_ids(batch, tokens, seed=1):
     """Token ids [batch, tokens] of a 256-token vocabulary, from a seed."""
     return torch.randint(0, 256, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def same(got, want, name, rule):
+    """Assert two tensors equal; else say where and how they differ: "name[3, 0] is 7 where rule gives 6"."""
+    if got.shape != want.shape:
+        raise AssertionError(f"{name} has shape {tuple(got.shape)}; {rule} has {tuple(want.shape)}")
+    differ = (got != want) & ~(got.isnan() & want.isnan()) if got.is_floating_point() else got != want
+    if differ.any():
+        at = tuple(int(i) for i in differ.nonzero()[0])
+        index = ", ".join(map(str, at))
+        raise AssertionError(f"{name}[{index}] is {got[at].item():g} where {rule} gives {want[at].item():g} "
+                             f"({int(differ.sum())} of {differ.numel()} differ)")

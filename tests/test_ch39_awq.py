@@ -10,7 +10,7 @@ import torch
 from engine.formats import quantized_checkpoints as registry
 from engine.formats.numerics import affine, calibration
 from engine.formats import awq
-from helpers import rtn_baseline
+from helpers import rtn_baseline, same
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,9 +35,11 @@ def test_pin_output_one_in_bits_16_to_19():
     codes[1] = torch.arange(8)
     packed = awq.pack_awq(codes, None)
     assert packed.dtype == torch.int32 and packed.shape == (2, 1)
-    assert packed[0, 0].item() == 0xF << 16
-    assert packed[1, 0].item() == 0x75316420                  # nibbles hold columns 0 2 4 6 1 3 5 7
-    assert torch.equal(awq.unpack_awq(packed), codes)
+    for row, want in ((0, 0xF << 16), (1, 0x75316420)):       # nibbles hold columns 0 2 4 6 1 3 5 7
+        got = packed[row, 0].item() & 0xFFFFFFFF
+        assert got == want, (f"pack_awq packs columns {codes[row].tolist()} as 0x{got:08X}; AutoAWQ's order 0 2 4 6 1 "
+                             f"3 5 7 (nibble j holds column AWQ_ORDER[j]) gives 0x{want:08X}")
+    same(awq.unpack_awq(packed), codes, "unpack_awq(pack_awq(codes))", "the codes packed")
 
 
 def test_gram_error_equals_direct_error():
@@ -112,7 +114,8 @@ def test_to_checkpoint_writes_autoawq_gemm_tensors_that_read_back_exactly():
     assert t["qweight"].dtype == t["qzeros"].dtype == torch.int32 and t["scales"].dtype == torch.float16
     assert t["qweight"].shape == (128, 4) and t["qzeros"].shape == (2, 4) and t["scales"].shape == (2, 32)
     back = awq.from_checkpoint(t["qweight"], t["qzeros"], t["scales"], 64, None, torch.float32)
-    assert torch.equal(back.dequantize(), layer.dequantize())
+    same(back.dequantize(), layer.dequantize(), "from_checkpoint(to_checkpoint(layer))'s weight",
+         "the layer's own (q - zero) * scale, offset = -zero * scale,")
 
 
 def test_checkpoint_round_trip_and_refusals():

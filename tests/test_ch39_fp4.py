@@ -11,6 +11,7 @@ from engine.formats.numerics import base
 from engine.formats.llama_cpp import ggml
 from engine.formats import mx
 from engine.kernels import triton_formats
+from helpers import same
 
 book = pytest.mark.book
 
@@ -68,7 +69,8 @@ def test_mxfp4_round_trip(layout):
     w_hat = mx.dequantize_mxfp4(blocks, scales, layout)
     assert w_hat.shape == w.shape
     # requantizing what we decoded changes nothing; every error is at most one step of the top binade (2 * 2^e)
-    assert all(torch.equal(a, b) for a, b in zip(mx.quantize_mxfp4(w_hat, layout), (blocks, scales)))
+    for name, a, b in zip(("blocks", "scales"), mx.quantize_mxfp4(w_hat, layout), (blocks, scales)):
+        same(a, b, f"quantize_mxfp4(dequantize_mxfp4(...), {layout!r})'s {name}", f"the {name} it decoded")
     step = torch.exp2(scales.float() - 127).repeat_interleave(32, -1)
     assert ((w - w_hat).abs() <= 2 * step).all()
 
@@ -81,7 +83,8 @@ def test_the_split_layout_is_ggufs_mxfp4_block():
     w = torch.randn(4, 128) * 3
     blocks, scales = mx.quantize_mxfp4(w, "split")
     raw = torch.cat((scales[..., None], blocks), -1).reshape(-1)                  # [4, 4 blocks, 17 bytes]
-    assert torch.equal(ggml.dequantize(raw, "MXFP4", (4, 128)), mx.dequantize_mxfp4(blocks, scales, "split"))
+    same(mx.dequantize_mxfp4(blocks, scales, "split"), ggml.dequantize(raw, "MXFP4", (4, 128)),
+         "dequantize_mxfp4(..., 'split')", "GGUF's MXFP4 block (element j low nibble, j + 16 high)")
 
 
 @book("quantize_mxfp4", "dequantize_mxfp4")
@@ -90,11 +93,70 @@ def test_mxfp4_layouts_hold_the_same_values():
     w = torch.randn(3, 96)
     inter, s1 = mx.quantize_mxfp4(w, "interleaved")
     split, s2 = mx.quantize_mxfp4(w, "split")
-    assert torch.equal(s1, s2)
-    assert torch.equal(mx.dequantize_mxfp4(inter, s1, "interleaved"), mx.dequantize_mxfp4(split, s2, "split"))
+    same(s2, s1, "the split layout's scales", "the interleaved layout's")
+    same(mx.dequantize_mxfp4(split, s2, "split"), mx.dequantize_mxfp4(inter, s1, "interleaved"),
+         "dequantize_mxfp4(..., 'split')", "dequantize_mxfp4(..., 'interleaved') of the same weights")
     codes = mx.to_e2m1(w.reshape(3, 3, 32) / torch.exp2(s1.float() - 127)[..., None])
-    assert torch.equal(inter & 0xF, codes[..., 0::2]) and torch.equal(inter >> 4, codes[..., 1::2])
-    assert torch.equal(split & 0xF, codes[..., :16]) and torch.equal(split >> 4, codes[..., 16:])
+    for name, got, want in (("interleaved & 0xF", inter & 0xF, codes[..., 0::2]),
+                            ("interleaved >> 4", inter >> 4, codes[..., 1::2]),
+                            ("split & 0xF", split & 0xF, codes[..., :16]), ("split >> 4", split >> 4, codes[..., 16:])):
+        same(got, want, name, "the format (interleaved: element 2j low, 2j + 1 high; split: j low, j + 16 high)")
+
+
+TIES = {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0}   # E2M1's midpoints -> the even code
+
+
+def _check_ties(decoded, fmt):
+    for x, want in TIES.items():
+        for sign in (1, -1):
+            got = decoded[sign * x]
+            assert got == sign * want, (f"{fmt} stores {sign * x:g} as {got:g}: a value halfway between two E2M1 "
+                                        f"values rounds to the one with an even code (mantissa bit 0): {sign * want:g}")
+
+
+@book("quantize_mxfp4", "dequantize_mxfp4")
+def test_mxfp4_rounds_a_tie_to_the_even_code():
+    """A block whose largest magnitude is 6 has scale 2^0: each midpoint between E2M1 values is stored as itself."""
+    values = [6.0] + list(TIES) + [-x for x in TIES]
+    w = torch.tensor(values + [0.0] * (32 - len(values)))[None, :]
+    decoded = mx.dequantize_mxfp4(*mx.quantize_mxfp4(w))[0].tolist()
+    _check_ties(dict(zip(values, decoded)), "quantize_mxfp4")
+
+
+@book("quantize_nvfp4", "dequantize_nvfp4")
+def test_nvfp4_rounds_a_tie_to_the_even_code():
+    """amax 6 x 448 makes the tensor scale 1 and a block of amax 6 has block scale 1: midpoints are stored as such."""
+    values = [6.0] + list(TIES) + [-x for x in TIES]
+    w = torch.tensor(values + [0.0] * (16 - len(values)) + [6.0 * 448] + [0.0] * 15)[None, :]
+    decoded = mx.dequantize_nvfp4(*mx.quantize_nvfp4(w))[0].tolist()
+    _check_ties(dict(zip(values, decoded)), "quantize_nvfp4")
+
+
+# element 2j in the low nibble, 2j + 1 in the high one: what gpt-oss, transformers, torchao and compressed-tensors
+# store for MXFP4 ("interleaved") and NVFP4 (nvfp4-pack-quantized); pairs (1, 2) -> codes 2, 4; (0.5, 3) -> 1, 5;
+# (6, -1) -> 7, 10
+PAIRS = [1.0, 2.0, 0.5, 3.0, 6.0, -1.0]
+PAIR_BYTES = [0x42, 0x51, 0xA7]
+
+
+def _check_bytes(packed, fmt):
+    got = [int(b) for b in packed[:3]]
+    assert got == PAIR_BYTES, (
+        f"{fmt}'s first bytes are {', '.join(f'0x{b:02X}' for b in got)} for elements {PAIRS}; the format stores "
+        f"element 2j in the low nibble and 2j + 1 in the high one: {', '.join(f'0x{b:02X}' for b in PAIR_BYTES)}")
+
+
+@book("quantize_mxfp4")
+def test_mxfp4_interleaved_bytes_are_the_formats():
+    w = torch.tensor(PAIRS + [0.0] * 26)[None, :]
+    _check_bytes(mx.quantize_mxfp4(w, "interleaved")[0].flatten(), "quantize_mxfp4")
+
+
+@book("quantize_nvfp4")
+def test_nvfp4_bytes_are_the_formats():
+    """With the tensor's amax 6 x 448 in another block, this block's scale is exactly 1."""
+    w = torch.tensor(PAIRS + [0.0] * 10 + [6.0 * 448] + [0.0] * 15)[None, :]
+    _check_bytes(mx.quantize_nvfp4(w)[0].flatten(), "quantize_nvfp4")
 
 
 def test_exponent_just_below_a_power_of_two():

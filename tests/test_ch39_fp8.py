@@ -7,6 +7,7 @@ from torch import nn
 
 from engine.formats.numerics import base
 from engine.formats import fp8
+from helpers import same
 
 book = pytest.mark.book
 
@@ -22,15 +23,32 @@ def test_quantize_blocks_ragged(shape, block):
     w = torch.randn(shape) * torch.rand(shape[0], 1) * 3
     q, s = fp8.quantize_blocks(w, block)
     assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
-    assert s.dtype == torch.float32 and s.shape == (-(-shape[0] // block), -(-shape[1] // block))
+    blocks = (-(-shape[0] // block), -(-shape[1] // block))
+    assert s.dtype == torch.float32 and s.shape == blocks, (
+        f"scale_inv is {s.dtype} {tuple(s.shape)}; one float32 per {block} x {block} block of a {shape} weight is {blocks}")
     # every block's largest magnitude lands exactly on E4M3's top value 448
     per = _per_weight_scale(s, shape, block)
     top = (w.abs() / per - fp8.E4M3_MAX).abs() < 1e-3
-    assert torch.isclose(q.float().abs()[top], torch.tensor(fp8.E4M3_MAX)).all()
-    assert top.sum() >= s.numel()
+    assert torch.isclose(q.float().abs()[top], torch.tensor(fp8.E4M3_MAX)).all(), (
+        f"a block's largest weight is stored as {q.float().abs()[top].min().item():g}; scale_inv = amax / 448 puts it "
+        "on E4M3's top value 448")
+    assert top.sum() >= s.numel(), (
+        f"only {int(top.sum())} weights land on 448 for {s.numel()} blocks: scale_inv[r, c] must be the amax of rows "
+        f"r*{block}.. and columns c*{block}.. divided by 448 (is the tile reshape [rows, {block}, cols, {block}]?)")
     # relative error of a 3-bit mantissa (half an ulp = 2^-4) or, in the subnormal range, half of 2^-9 * scale
     err = (fp8.dequantize_blocks(q, s, block) - w).abs()
     assert (err <= torch.maximum(w.abs() * 2 ** -4, per * 2 ** -10) * (1 + 1e-6)).all()
+
+
+@book("quantize_blocks", "dequantize_blocks")
+def test_an_all_zero_block_decodes_to_zeros_not_nan():
+    """A block of zeros (a pruned tile, padding) has amax 0: without the clamp its scale is 0, its weights 0 / 0."""
+    w = torch.randn(256, 256)
+    w[:128, 128:] = 0
+    q, s = fp8.quantize_blocks(w)
+    back = fp8.dequantize_blocks(q, s)
+    assert s[0, 1] > 0, f"the all-zero block's scale_inv is {s[0, 1].item():g}: clamp its amax (clamp_min(1e-12))"
+    same(back[:128, 128:], w[:128, 128:], "the all-zero block decoded", "a block of zeros")
 
 
 def test_zero_block_and_bad_input():

@@ -10,7 +10,7 @@ import torch
 from engine.formats import quantized_checkpoints as registry
 from engine.formats.numerics import affine, base, calibration
 from engine.formats import gptq
-from helpers import rtn_baseline
+from helpers import rtn_baseline, same
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -72,7 +72,29 @@ def test_gptq_lowers_the_layer_error_well_below_round_to_nearest(seed, act_order
     h = gptq.hessian_from(correlated_inputs(512, 128, seed))
     ours = weighted_error(w_hat_of(*gptq.gptq_quantize(w, h, 4, 32, act_order, block=48)), w, h)
     # (natural order visits these inputs from the least active up: ~0.70 of RTN's error here; act-order ~0.29)
-    assert ours < (0.4 if act_order else 0.8) * weighted_error(affine.fake_quantize(w, 4, 32), w, h)
+    rtn = weighted_error(affine.fake_quantize(w, 4, 32), w, h)
+    assert ours < (0.4 if act_order else 0.8) * rtn, (
+        f"layer error {ours:.4g} is {ours / rtn:.2f}x round-to-nearest's {rtn:.4g} (a correct GPTQ: ~0.70x, "
+        f"act-order ~0.29x): is every column's error pushed onto the columns after it, inside the block and past it?")
+
+
+@book("gptq_quantize")
+def test_a_groups_range_comes_from_the_weights_as_gptq_has_corrected_them():
+    """The chapter's first detail that matters: group 1's inputs copy group 0's, so GPTQ pushes group 0's large
+    errors onto group 1's small weights, far outside their original range. A grid fitted to the original weights
+    clamps them: ~50x the layer error of a grid fitted to the corrected ones (round-to-nearest: ~140x)."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(512, 16, generator=g)
+    h = gptq.hessian_from(torch.cat([z, z + 0.05 * torch.randn(512, 16, generator=g)], 1))
+    w = torch.cat([torch.randn(8, 16, generator=g), 0.02 * torch.randn(8, 16, generator=g)], 1)
+    codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16)
+    ours, rtn = weighted_error(w_hat_of(codes, scales, zeros, g_idx), w, h), weighted_error(
+        affine.fake_quantize(w, 4, 16), w, h)
+    clamped = ((codes[:, 16:] == 0) | (codes[:, 16:] == 15)).float().mean().item()
+    assert ours < rtn / 20, (
+        f"layer error {ours:.3g}, only {rtn / ours:.1f}x below round-to-nearest's {rtn:.3g} (a grid from the corrected "
+        f"weights: ~140x); {clamped:.0%} of group 1's codes sit at 0 or 15: is its range taken from the original "
+        "weights instead of the corrected ones?")
 
 
 @book("gptq_quantize")
@@ -105,8 +127,11 @@ def test_act_order_puts_the_most_activated_inputs_in_the_first_group():
     w = torch.randn(32, 64)
     h = gptq.hessian_from(correlated_inputs(256, 64, 3))
     codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, True)
-    top16 = torch.argsort(torch.diag(h), descending=True)[:16]
-    assert set(torch.nonzero(g_idx == 0).flatten().tolist()) == set(top16.tolist())
+    top16 = set(torch.argsort(torch.diag(h), descending=True)[:16].tolist())
+    first = set(torch.nonzero(g_idx == 0).flatten().tolist())
+    assert first == top16, (f"g_idx puts inputs {sorted(first - top16)} in group 0 instead of {sorted(top16 - first)}: "
+                            "act-order's first group is the 16 most activated inputs, and g_idx[i] is the group of "
+                            "ORIGINAL column i (index by the inverse of the visit order)")
     assert torch.bincount(g_idx.long()).tolist() == [16] * 4
     layer = gptq.to_runtime(codes, scales, zeros, g_idx, 16, None, torch.float32)     # served with one permutation
     x = torch.randn(5, 64)
@@ -135,15 +160,22 @@ def test_the_checkpoint_is_autogptqs_layout_bit_for_bit():
     t = gptq.pack_gptq(codes, scales, zeros, g_idx)
     assert t["qweight"].dtype == t["qzeros"].dtype == torch.int32 and t["scales"].dtype == torch.float16
     assert t["qweight"].shape == (in_f // 8, out_f) and t["qzeros"].shape == (groups, out_f // 8)
-    words = t["qweight"].long() & 0xFFFFFFFF
+    words, zero_words = t["qweight"].long() & 0xFFFFFFFF, t["qzeros"].long() & 0xFFFFFFFF
     for o, i in ((0, 0), (1, 9), (15, 63), (7, 30)):
-        assert (words[i // 8, o] >> (4 * (i % 8))) & 0xF == codes[o, i]
+        held = int(words[i // 8, o] >> (4 * (i % 8))) & 0xF
+        assert held == codes[o, i], (f"qweight[{i // 8}, {o}] bits {4 * (i % 8)}..{4 * (i % 8) + 3} hold {held}; the "
+                                     f"layout puts codes[{o}, {i}] = {int(codes[o, i])} there (input {i % 8} of 8)")
         g = i // 32
-        assert ((t["qzeros"][g, o // 8].long() & 0xFFFFFFFF) >> (4 * (o % 8))) & 0xF == zeros[o, g] - 1
-    assert torch.equal(t["scales"].float(), scales.T) and torch.equal(t["g_idx"], g_idx)
+        held = int(zero_words[g, o // 8] >> (4 * (o % 8))) & 0xF
+        assert held == zeros[o, g] - 1, (f"qzeros[{g}, {o // 8}] bits {4 * (o % 8)}..{4 * (o % 8) + 3} hold {held}; "
+                                         f"the layout stores zero - 1 = {int(zeros[o, g]) - 1} (zeros[{o}, {g}] is "
+                                         f"{int(zeros[o, g])}, output {o % 8} of 8)")
+    same(t["scales"].float(), scales.T, "pack_gptq's scales", "scales [groups, out], f16")
+    same(t["g_idx"], g_idx, "pack_gptq's g_idx", "g_idx as given")
     back = gptq.unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"])
-    for a, b in zip(back, (codes, scales, zeros, g_idx)):
-        assert torch.equal(a.float(), b.float())
+    for name, a, b, rule in zip(("codes", "scales", "zeros", "g_idx"), back, (codes, scales, zeros, g_idx),
+                                ("the codes packed", "the scales packed", "the stored value + 1", "g_idx")):
+        same(a.float(), b.float(), f"unpack_gptq's {name}", rule)
 
 
 # ---- the engine's ---------------------------------------------------------------------------------------------------
@@ -185,8 +217,11 @@ def test_act_order_g_idx_and_runtime_permutation():
     h = gptq.hessian_from(correlated_inputs(256, 64, 3))
     codes, scales, zeros, g_idx = gptq.gptq_quantize(w, h, 4, 16, order="act_order")
     # The first group holds the 16 most activated inputs (largest H_ii), and every group has 16 columns.
-    top16 = torch.argsort(torch.diag(h), descending=True)[:16]
-    assert set(torch.nonzero(g_idx == 0).flatten().tolist()) == set(top16.tolist())
+    top16 = set(torch.argsort(torch.diag(h), descending=True)[:16].tolist())
+    first = set(torch.nonzero(g_idx == 0).flatten().tolist())
+    assert first == top16, (f"g_idx puts inputs {sorted(first - top16)} in group 0 instead of {sorted(top16 - first)}: "
+                            "act-order's first group is the 16 most activated inputs, and g_idx[i] is the group of "
+                            "ORIGINAL column i (index by the inverse of the visit order)")
     assert torch.bincount(g_idx.long()).tolist() == [16] * 4
     layer = gptq.to_runtime(codes, scales, zeros, g_idx, 16)
     assert layer.perm is not None and torch.equal(g_idx[layer.perm].long(), torch.arange(64) // 16)

@@ -14,7 +14,7 @@ from engine.formats import quantized_checkpoints as qc
 from engine.formats.numerics.base import QuantLinear
 from engine.formats.quantized_checkpoints import METHODS, load_quantized, save_quantized
 from engine.safetensors_io import snapshot_tensors
-from helpers import rewrite_tensors
+from helpers import rewrite_tensors, same
 
 book = pytest.mark.book
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -37,9 +37,13 @@ def test_a_written_checkpoint_loads_back_close_to_the_original_model(tiny_model,
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         reference = torch.log_softmax(tiny_model(ids), -1)
-    _saved(copy.deepcopy(tiny_model), tmp_path, method)
+    _, stored = _saved(copy.deepcopy(tiny_model), tmp_path, method)
     loaded = qc.load_quantized(tmp_path, "cpu", torch.float32)
-    assert not any(isinstance(loaded.get_submodule(f"model.layers.0.{name}"), torch.nn.Linear) for name in LINEARS)
+    dense = [name for name in LINEARS if isinstance(loaded.get_submodule(f"model.layers.0.{name}"), torch.nn.Linear)]
+    assert not dense, f"load_quantized left model.layers.0.{dense[0]} an nn.Linear: build its quantized layer"
+    for name, p in loaded.named_parameters():                  # the embeddings and norms: as the checkpoint holds them
+        if name in stored:
+            same(p.detach(), stored[name].float(), f"the loaded {name}", "the checkpoint's tensor of that name")
     with torch.no_grad():
         logp = torch.log_softmax(loaded(ids), -1)
     kl = (reference.exp() * (reference - logp)).sum(-1).mean()

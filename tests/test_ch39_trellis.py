@@ -16,6 +16,7 @@ from engine.formats import trellis, trellis_viterbi as viterbi
 from engine.formats.numerics.base import quantized_linears
 from engine.kernels import triton_formats
 from engine.qwen3 import Qwen3, Qwen3Config
+from helpers import same
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 book = pytest.mark.book
@@ -93,8 +94,12 @@ def test_viterbi_encode_is_optimal_by_brute_force(seed):
     start, symbols, recon = trellis.viterbi_encode(x, L, K)
     table = trellis.codebook(L)
     assert isinstance(start, int) and symbols.shape == (5,) and recon.shape == (6,)
-    assert torch.equal(recon, table[_path(start, symbols, L, K)])          # the symbols walk the trellis
-    assert float(((x - recon) ** 2).sum()) == pytest.approx(_brute_force(x, table, L, K), rel=1e-5)
+    walked = table[_path(start, symbols, L, K)]                            # the symbols walk the trellis
+    same(recon, walked, "viterbi_encode's reconstruction", f"the walk from start state {start} with its symbols")
+    got, best = float(((x - recon) ** 2).sum()), _brute_force(x, table, L, K)
+    assert got == pytest.approx(best, rel=1e-5), (
+        f"viterbi_encode's path has squared error {got:.6g}; the best of all {2 ** L * 2 ** (K * 5)} codes has "
+        f"{best:.6g} (a path must end in the state of least cost, any start state allowed)")
 
 
 @book("viterbi_encode")

@@ -1,8 +1,17 @@
-"""Chapter 39's FP4 listings, typed as a reader would (`pytest tests/test_ch39_fp4.py --yours tests/book/fp4.py`).
-to_e2m1 and E2M1 (the 16 values) are the engine's."""
+"""Chapter 39's FP4 listings, typed as a reader would (`pytest tests/test_ch39_fp4.py --yours tests/book/fp4.py`),
+with the helpers the listings use and chapter 38 defined, E2M1 (the 16 values) and to_e2m1, written out here (the
+engine's are engine.formats.numerics.minifloats')."""
 import torch
 
-from engine.formats.numerics.minifloats import E2M1, to_e2m1
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+def to_e2m1(x):
+    """The nearest E2M1 code (sign << 3 | magnitude index), saturating at 6; a tie goes to the even index."""
+    above = x.float().abs()[..., None]
+    up = torch.where(torch.arange(1, 8) % 2 == 0, above >= MIDPOINTS, above > MIDPOINTS)
+    return (up.sum(-1) | (torch.signbit(x).long() << 3)).to(torch.uint8)
 
 
 def quantize_mxfp4(w, layout="interleaved"):

@@ -1,8 +1,13 @@
-"""Chapter 39's GPTQ listings, typed as a reader would (`pytest tests/test_ch39_gptq.py --yours tests/book/gptq.py`).
-find_params is chapter 20's; here the engine's."""
+"""Chapter 39's GPTQ listings, typed as a reader would (`pytest tests/test_ch39_gptq.py --yours tests/book/gptq.py`),
+with chapter 20's find_params written out as a reader would (the engine's is engine.formats.numerics.affine's)."""
 import torch
 
-from engine.formats.numerics.affine import find_params
+
+def find_params(x, bits=4):
+    """x [rows, n] -> (scale, zero) [rows]: an asymmetric grid of 2^bits levels over each row's [min, max] (with 0)."""
+    lo, hi = x.min(1).values.clamp(max=0), x.max(1).values.clamp(min=0)
+    scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-8)
+    return scale, (-lo / scale).round()
 
 
 @torch.no_grad()

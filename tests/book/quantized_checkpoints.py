@@ -1,6 +1,7 @@
 """Chapter 39's loader and writer, typed as a reader would (`pytest tests/test_ch39_quantized_checkpoints.py --yours
-tests/book/quantized_checkpoints.py`). The book's module sits in engine/formats/ and imports `..loaders`,
-`..qwen3`, `..safetensors_io`; a file of one's own imports the same modules by their full names."""
+tests/book/quantized_checkpoints.py`). The listings' relative imports (`from ..loaders import ...`) work as printed:
+--yours imports a FILE as if it sat in engine/formats/ beside the chapter's module (a file run on its own writes
+`from engine.loaders import ...`)."""
 import json
 from pathlib import Path
 
@@ -14,9 +15,9 @@ PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "q
 
 @torch.no_grad()
 def load_quantized(directory, device="cpu", dtype=torch.bfloat16):
-    from engine.loaders import assign, read_config
-    from engine.qwen3 import Qwen3, Qwen3Config
-    from engine.safetensors_io import snapshot_tensors
+    from ..loaders import assign, read_config
+    from ..qwen3 import Qwen3, Qwen3Config
+    from ..safetensors_io import snapshot_tensors
     raw = read_config(directory)
     q = raw.get("quantization_config") or {}
     method = q.get("quant_method")
@@ -67,7 +68,7 @@ def build(method, parts, q, dtype):
 
 @torch.no_grad()
 def save_quantized(model, directory, method, calibration_ids=None, group_size=128, act_order=False):
-    from engine.safetensors_io import save_file
+    from ..safetensors_io import save_file
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     raw = {k: v for k, v in vars(model.cfg).items()}
