@@ -1,8 +1,8 @@
 """Beyond one process (engine/distributed.py): `torchrun --nproc-per-node 2 run.py quantize --model ...` writes the
 same bytes as one process, for a data-free method (layers split over the ranks) and for the data-aware ones (GPTQ,
 AWQ, BlockLDLQ, EntQuant with feedback: calibration split, statistics folded in a fixed slot order, each linear
-quantized by one owner); a rank killed mid-run ends the other with one error line naming it, and the same command
-then resumes and finishes with the same bytes."""
+quantized by one owner; a rank without a calibration batch only takes part); a rank killed mid-run ends the
+other with one error line naming it, and the same command then resumes and finishes with the same bytes."""
 import os
 import signal
 import socket
@@ -101,6 +101,18 @@ def test_two_ranks_write_the_bytes_of_one_process(tmp_path, source, method, opti
     two = quantize(*common, "--out", str(tmp_path / "two"), ranks=2)
     assert two.returncode == 0, two.stderr
     assert "with 2 ranks" in two.stderr
+    assert files(tmp_path / "two") == files(tmp_path / "one")
+
+
+@pytest.mark.slow
+def test_a_rank_without_a_calibration_batch_only_takes_part(tmp_path, source):
+    """8 samples are one batch of 8: rank 1's share is empty; it adds nothing and still joins every exchange."""
+    common = ("--model", str(source), "--method", "gptq", "--group-size", "32", "--calib-samples", "8",
+              "--calib-len", "32")
+    one = quantize(*common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    two = quantize(*common, "--out", str(tmp_path / "two"), ranks=2)
+    assert two.returncode == 0, two.stderr
     assert files(tmp_path / "two") == files(tmp_path / "one")
 
 
