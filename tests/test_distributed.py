@@ -2,7 +2,8 @@
 same bytes as one process, for a data-free method (layers split over the ranks) and for the data-aware ones (GPTQ,
 AWQ, BlockLDLQ, EntQuant with feedback: calibration split, statistics folded in a fixed slot order, each linear
 quantized by one owner; a rank without a calibration batch only takes part); a rank killed mid-run ends the
-other with one error line naming it, and the same command then resumes and finishes with the same bytes."""
+other with one error line naming it, and the same command then resumes and finishes with the same bytes; what a
+rank receives is loaded weights_only."""
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import torch
 
 from engine import distributed
 from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files
+from engine.formats.numerics.affine import AffineQuantLinear
 from engine.formats.numerics.calibration import InputStats
 from engine.loaders import save_dense
 from engine.qwen3 import Qwen3, Qwen3Config
@@ -51,6 +53,16 @@ def free_port():
 
 def files(folder):
     return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
+
+
+class Planted:
+    """What a stranger that joined the group as a rank could send: unpickling it runs os.remove."""
+
+    def __init__(self, victim):
+        self.victim = victim
+
+    def __reduce__(self):
+        return os.remove, (str(self.victim),)
 
 
 def test_slot_sums_split_over_ranks_fold_to_the_one_process_sums():
@@ -114,6 +126,24 @@ def test_a_rank_without_a_calibration_batch_only_takes_part(tmp_path, source):
     two = quantize(*common, "--out", str(tmp_path / "two"), ranks=2)
     assert two.returncode == 0, two.stderr
     assert files(tmp_path / "two") == files(tmp_path / "one")
+
+
+def test_a_rank_loads_what_it_receives_weights_only(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("kept")
+    planted = distributed._packed({"layer": Planted(victim)})
+    remove = f"{os.remove.__module__}\\.remove"                        # posix.remove on Linux
+    with pytest.raises(ValueError, match=rf"^{remove}: a rank accepts only tensors, plain containers, paths and "
+                       r"the engine's quantized layers$"):
+        distributed._unpacked(planted)
+    assert victim.read_text() == "kept"
+    with pytest.raises(distributed.RankLost, match=rf"^rank 0: refused what rank 1 sent while sharing x \({remove}"):
+        distributed.Group(0, 2, 60)._received(planted, 1, "sharing x")
+    # what ranks do exchange still comes through: a quantized layer, a path, plain containers of tensors
+    layer = AffineQuantLinear.from_weight(torch.randn(8, 32), group_size=16)
+    back, path, parts = distributed._unpacked(distributed._packed((layer, tmp_path, [3, torch.ones(2), None])))
+    assert type(back) is AffineQuantLinear and torch.equal(back.dequantize(), layer.dequantize())
+    assert path == tmp_path and parts[0] == 3 and torch.equal(parts[1], torch.ones(2))
 
 
 @pytest.mark.slow
