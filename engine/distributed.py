@@ -16,7 +16,8 @@ broadcasts the total). Rank 0 is the only one that writes (so no shared file sys
 progress record, every shard, the index and the provenance, in the same order as one process.
 
 A rank that dies (or a group that cannot form within the timeout) ends every other rank with one error line naming
-the rank lost; the progress record keeps every layer written, and the same command resumes.
+the rank lost; the progress record keeps every layer written, and the same command resumes. torchrun itself stops
+every rank (SIGTERM) as soon as one has died: a rank stopped so ends with one error line too.
 
 Trust: c10d and gloo do not authenticate, so whatever reaches the rendezvous port while the group forms can join as
 a rank. What a rank receives is loaded weights_only (tensors, plain containers, paths and the engine's quantized
@@ -24,6 +25,7 @@ layers, rebuilt without running any code they name): a rank that sends anything 
 """
 import datetime
 import os
+import signal
 
 SLOTS = 8                  # calibration slots: the most ranks a data-aware conversion can use
 TIMEOUT = 1800             # seconds a rank waits for another before giving up (ENGINE_DIST_TIMEOUT overrides it)
@@ -38,6 +40,12 @@ class RankLost(RuntimeError):
     """An exchange with another rank failed (it died, the group timed out, or it sent what is refused)."""
 
 
+class Stopped(BaseException):
+    """SIGTERM reached this rank (torchrun stops every rank so once one has failed). A BaseException, as
+    KeyboardInterrupt is, so that no `except Exception` (or the RuntimeError an exchange turns into RankLost) on the
+    way swallows it."""
+
+
 class Follower(Exception):
     """This rank stops because rank 0 refused the conversion (rank 0 prints why)."""
 
@@ -48,6 +56,7 @@ class Group:
     def __init__(self, rank, world, timeout):
         self.rank, self.world, self.timeout = rank, world, timeout
         self.bytes = 0                                  # bytes this rank sent and received
+        self.ending = False                             # this rank is on its way out, its own line to print
 
     @classmethod
     def from_env(cls):
@@ -67,13 +76,26 @@ class Group:
             raise RankLost(f"rank {rank}: the group of {world} ranks did not form within {timeout} s at "
                            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
                            f"({str(e).splitlines()[0][:160]})") from None
-        return cls(rank, world, timeout)
+        group = cls(rank, world, timeout)
+        signal.signal(signal.SIGTERM, group._stopped)
+        return group
 
     @property
     def first(self):
         return self.rank == 0
 
+    def _stopped(self, signum, frame):
+        """SIGTERM: torchrun ends every rank this way once one has died, often before this rank's next exchange
+        would have noticed. Ignored once this rank is ending anyway (its own error on the way, or the group closed):
+        one cut short there would leave without its line."""
+        if self.ending:
+            return
+        self.ending = True
+        raise Stopped(f"rank {self.rank}: stopped by SIGTERM, which torchrun sends every rank when one has failed "
+                       "(its report names that rank); run the same command again to resume")
+
     def _lost(self, peer, what, e):
+        self.ending = True
         return RankLost(f"rank {self.rank}: lost rank {peer} while {what} (it died, or did not answer within "
                         f"{self.timeout} s): {str(e).splitlines()[0][:160]}; run the same command again to resume")
 
@@ -82,6 +104,7 @@ class Group:
         try:
             return _unpacked(data)
         except ValueError as e:
+            self.ending = True
             raise RankLost(f"rank {self.rank}: refused what rank {peer} sent while {what} ({e})") from None
 
     def broadcast(self, obj, src, what="exchanging results"):
@@ -133,7 +156,9 @@ class Group:
         return self.broadcast(total, self.world - 1, what)
 
     def close(self):
+        """Leave the group: this rank's last step (a SIGTERM from now on is ignored)."""
         import torch.distributed as dist
+        self.ending = True
         if dist.is_initialized():
             dist.destroy_process_group()
 
