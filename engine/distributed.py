@@ -16,10 +16,16 @@ broadcasts the total). Rank 0 is the only one that writes (so no shared file sys
 progress record, every shard, the index and the provenance, in the same order as one process.
 
 A rank that dies (or a group that cannot form within the timeout) ends every other rank with one error line naming
-the rank lost; the progress record keeps every layer written, and the same command resumes.
+the rank lost; the progress record keeps every layer written, and the same command resumes. torchrun itself stops
+every rank (SIGTERM) as soon as one has died: a rank stopped so ends with one error line too.
+
+Trust: c10d and gloo do not authenticate, so whatever reaches the rendezvous port while the group forms can join as
+a rank. What a rank receives is loaded weights_only (tensors, plain containers, paths and the engine's quantized
+layers, rebuilt without running any code they name): a rank that sends anything else is refused, with one line.
 """
 import datetime
 import os
+import signal
 
 SLOTS = 8                  # calibration slots: the most ranks a data-aware conversion can use
 TIMEOUT = 1800             # seconds a rank waits for another before giving up (ENGINE_DIST_TIMEOUT overrides it)
@@ -31,7 +37,13 @@ def launched():
 
 
 class RankLost(RuntimeError):
-    """An exchange with another rank failed (it died, or the group timed out)."""
+    """An exchange with another rank failed (it died, the group timed out, or it sent what is refused)."""
+
+
+class Stopped(BaseException):
+    """SIGTERM reached this rank (torchrun stops every rank so once one has failed). A BaseException, as
+    KeyboardInterrupt is, so that no `except Exception` (or the RuntimeError an exchange turns into RankLost) on the
+    way swallows it."""
 
 
 class Follower(Exception):
@@ -44,6 +56,7 @@ class Group:
     def __init__(self, rank, world, timeout):
         self.rank, self.world, self.timeout = rank, world, timeout
         self.bytes = 0                                  # bytes this rank sent and received
+        self.ending = False                             # this rank is on its way out, its own line to print
 
     @classmethod
     def from_env(cls):
@@ -63,18 +76,40 @@ class Group:
             raise RankLost(f"rank {rank}: the group of {world} ranks did not form within {timeout} s at "
                            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
                            f"({str(e).splitlines()[0][:160]})") from None
-        return cls(rank, world, timeout)
+        group = cls(rank, world, timeout)
+        signal.signal(signal.SIGTERM, group._stopped)
+        return group
 
     @property
     def first(self):
         return self.rank == 0
 
+    def _stopped(self, signum, frame):
+        """SIGTERM: torchrun ends every rank this way once one has died, often before this rank's next exchange
+        would have noticed. Ignored once this rank is ending anyway (its own error on the way, or the group closed):
+        one cut short there would leave without its line."""
+        if self.ending:
+            return
+        self.ending = True
+        raise Stopped(f"rank {self.rank}: stopped by SIGTERM, which torchrun sends every rank when one has failed "
+                       "(its report names that rank); run the same command again to resume")
+
     def _lost(self, peer, what, e):
+        self.ending = True
         return RankLost(f"rank {self.rank}: lost rank {peer} while {what} (it died, or did not answer within "
                         f"{self.timeout} s): {str(e).splitlines()[0][:160]}; run the same command again to resume")
 
+    def _received(self, data, peer, what):
+        """uint8 [n] from rank `peer` -> the object it packed (_unpacked); RankLost naming the rank if refused."""
+        try:
+            return _unpacked(data)
+        except ValueError as e:
+            self.ending = True
+            raise RankLost(f"rank {self.rank}: refused what rank {peer} sent while {what} ({e})") from None
+
     def broadcast(self, obj, src, what="exchanging results"):
-        """obj from rank src to every rank (anything torch.save writes); returns it on every rank."""
+        """obj from rank src to every rank (tensors, plain containers, paths, the engine's quantized layers);
+        returns it on every rank."""
         import torch.distributed as dist
         try:
             data = _packed(obj) if self.rank == src else None
@@ -86,7 +121,7 @@ class Group:
         except RuntimeError as e:
             raise self._lost(src, what, e) from None
         self.bytes += int(size) * (self.world - 1 if self.rank == src else 1)
-        return obj if self.rank == src else _unpacked(data)
+        return obj if self.rank == src else self._received(data, src, what)
 
     def send(self, obj, dst, what="sending results"):
         import torch.distributed as dist
@@ -108,7 +143,7 @@ class Group:
         except RuntimeError as e:
             raise self._lost(src, what, e) from None
         self.bytes += data.numel()
-        return _unpacked(data)
+        return self._received(data, src, what)
 
     def fold(self, parts, add, what="summing calibration statistics"):
         """parts: this rank's slot sums, in slot order -> the left fold of every rank's slot sums in rank order,
@@ -121,7 +156,9 @@ class Group:
         return self.broadcast(total, self.world - 1, what)
 
     def close(self):
+        """Leave the group: this rank's last step (a SIGTERM from now on is ignored)."""
         import torch.distributed as dist
+        self.ending = True
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -145,7 +182,7 @@ def _buffer(n):
 
 
 def _packed(obj):
-    """Any object torch.save writes (tensors of every dtype, modules, dicts) -> uint8 [n]."""
+    """What a rank sends (tensors of every dtype, plain containers, paths, quantized layers) -> uint8 [n]."""
     import io
 
     import torch
@@ -155,10 +192,39 @@ def _packed(obj):
 
 
 def _unpacked(data):
+    """uint8 [n] -> the object _packed packed, loaded weights_only: tensors, plain containers, paths and the engine's
+    quantized layers (what ranks exchange) come back; anything else is a ValueError naming what it holds."""
     import io
 
     import torch
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)     # from a rank of this same run
+    allowed = _exchanged_classes()
+    buffer = io.BytesIO(data.numpy().tobytes())
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(buffer, weights_only=True)
+    except Exception as e:                              # noqa: BLE001 (an unpickling error, a malformed archive ...)
+        names = {f"{c.__module__}.{c.__qualname__}" for c in allowed}
+        buffer.seek(0)
+        try:
+            refused = ", ".join(sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(buffer)) - names))
+        except Exception:                               # noqa: BLE001 (not even a readable archive)
+            refused = ""
+        raise ValueError(f"{refused or str(e).splitlines()[0][:160]}: a rank accepts only tensors, plain containers, "
+                         "paths and the engine's quantized layers") from None
+
+
+def _exchanged_classes():
+    """The classes beyond tensors and plain containers that ranks send: a path (the output folder) and every
+    quantized layer class (GPTQ's, AWQ's, ... linears, sent by their owner rank). Rebuilding one of them sets its
+    attributes, which may only be such objects in turn: no code runs."""
+    from pathlib import Path
+
+    from .formats.numerics.base import QuantLinear
+    classes, todo = [type(Path())], [QuantLinear]
+    while todo:
+        classes.append(todo.pop())
+        todo.extend(classes[-1].__subclasses__())
+    return classes
 
 
 def slot_of(batch, batches):

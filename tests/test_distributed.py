@@ -1,8 +1,9 @@
 """Beyond one process (engine/distributed.py): `torchrun --nproc-per-node 2 run.py quantize --model ...` writes the
 same bytes as one process, for a data-free method (layers split over the ranks) and for the data-aware ones (GPTQ,
 AWQ, BlockLDLQ, EntQuant with feedback: calibration split, statistics folded in a fixed slot order, each linear
-quantized by one owner); a rank killed mid-run ends the other with one error line naming it, and the same command
-then resumes and finishes with the same bytes."""
+quantized by one owner; a rank without a calibration batch only takes part); a rank killed mid-run (by hand or
+under torchrun) ends the other with one error line, and the same command then resumes and finishes with the same
+bytes; what a rank receives is loaded weights_only."""
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import torch
 
 from engine import distributed
 from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files
+from engine.formats.numerics.affine import AffineQuantLinear
 from engine.formats.numerics.calibration import InputStats
 from engine.loaders import save_dense
 from engine.qwen3 import Qwen3, Qwen3Config
@@ -51,6 +53,28 @@ def free_port():
 
 def files(folder):
     return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
+
+
+def rank_pid(launcher, rank):
+    """The pid of rank `rank` among the processes torchrun (pid `launcher`) started (Linux /proc), None if none."""
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+                    return int(child)
+            except OSError:                         # it ended meanwhile
+                pass
+    return None
+
+
+class Planted:
+    """What a stranger that joined the group as a rank could send: unpickling it runs os.remove."""
+
+    def __init__(self, victim):
+        self.victim = victim
+
+    def __reduce__(self):
+        return os.remove, (str(self.victim),)
 
 
 def test_slot_sums_split_over_ranks_fold_to_the_one_process_sums():
@@ -105,6 +129,36 @@ def test_two_ranks_write_the_bytes_of_one_process(tmp_path, source, method, opti
 
 
 @pytest.mark.slow
+def test_a_rank_without_a_calibration_batch_only_takes_part(tmp_path, source):
+    """8 samples are one batch of 8: rank 1's share is empty; it adds nothing and still joins every exchange."""
+    common = ("--model", str(source), "--method", "gptq", "--group-size", "32", "--calib-samples", "8",
+              "--calib-len", "32")
+    one = quantize(*common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    two = quantize(*common, "--out", str(tmp_path / "two"), ranks=2)
+    assert two.returncode == 0, two.stderr
+    assert files(tmp_path / "two") == files(tmp_path / "one")
+
+
+def test_a_rank_loads_what_it_receives_weights_only(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("kept")
+    planted = distributed._packed({"layer": Planted(victim)})
+    remove = f"{os.remove.__module__}\\.remove"                        # posix.remove on Linux
+    with pytest.raises(ValueError, match=rf"^{remove}: a rank accepts only tensors, plain containers, paths and "
+                       r"the engine's quantized layers$"):
+        distributed._unpacked(planted)
+    assert victim.read_text() == "kept"
+    with pytest.raises(distributed.RankLost, match=rf"^rank 0: refused what rank 1 sent while sharing x \({remove}"):
+        distributed.Group(0, 2, 60)._received(planted, 1, "sharing x")
+    # what ranks do exchange still comes through: a quantized layer, a path, plain containers of tensors
+    layer = AffineQuantLinear.from_weight(torch.randn(8, 32), group_size=16)
+    back, path, parts = distributed._unpacked(distributed._packed((layer, tmp_path, [3, torch.ones(2), None])))
+    assert type(back) is AffineQuantLinear and torch.equal(back.dequantize(), layer.dequantize())
+    assert path == tmp_path and parts[0] == 3 and torch.equal(parts[1], torch.ones(2))
+
+
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_other_with_one_line_and_the_rerun_finishes_the_same(tmp_path, source):
     common = ("--model", str(source), "--method", "gptq", "--group-size", "32", *CALIB)
     one = quantize(*common, "--out", str(tmp_path / "one"))
@@ -129,6 +183,33 @@ def test_a_killed_rank_ends_the_other_with_one_line_and_the_rerun_finishes_the_s
     assert ranks[0].returncode == 1 and lines[-1].startswith("error: rank 0: lost rank 1 while"), err
     assert "run the same command again to resume" in lines[-1]
     assert not out.exists()
+    again = quantize(*common, "--out", str(out), ranks=2)
+    assert again.returncode == 0, again.stderr
+    assert "resuming" in again.stderr
+    assert files(out) == files(tmp_path / "one")
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_killed_rank_ends_the_other_with_one_line(tmp_path, source):
+    """torchrun stops the other ranks (SIGTERM) as soon as one dies, mostly before their next exchange notices:
+    rank 0 still ends with the engine's one line, and the same command resumes."""
+    common = ("--model", str(source), "--method", "gptq", "--group-size", "32", *CALIB)
+    one = quantize(*common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    out, progress = tmp_path / "two", tmp_path / ".two.partial" / "progress.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(ROOT / "run.py"), "quantize", *common, "--out", str(out)]
+    launcher = subprocess.Popen(command, cwd=ROOT, env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (progress.exists() and '"done": 1' in progress.read_text()):
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.01)
+    os.kill(rank_pid(launcher.pid, 1), signal.SIGKILL)
+    _, err = launcher.communicate(timeout=120)
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert launcher.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: rank 0: "), err
+    assert errors[0].endswith("run the same command again to resume"), errors
     again = quantize(*common, "--out", str(out), ranks=2)
     assert again.returncode == 0, again.stderr
     assert "resuming" in again.stderr

@@ -209,7 +209,10 @@ class Conversion:
                 total = -(-len(ids) // self.batch_size)
                 mine = share(total, self.group.rank, self.group.world)
                 ids, self.share = ids[mine.start * self.batch_size:mine.stop * self.batch_size], (mine.start, total)
-            batches = [(h.to(self.dtype), *rope) for h, *rope in first_layer_batches(self.model, ids, self.batch_size)]
+            # a rank whose share is empty (fewer batches than ranks) has no batches, not one empty batch (what
+            # splitting 0 ids gives): it adds nothing to the statistics and still takes part in every exchange
+            batches = [(h.to(self.dtype), *rope) for h, *rope in first_layer_batches(self.model, ids, self.batch_size)
+                       ] if len(ids) else []
             if self.entry.output_fisher(self.options):
                 self.fisher = self._output_fisher(batches)
             self.model.model.embed_tokens.to_empty(device="meta")
