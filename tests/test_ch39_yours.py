@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sections import GRADED, SECTIONS, signature_problem
+from sections import GRADED, SECTIONS, readme_list, signature_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "tests" / "book"
@@ -162,3 +162,8 @@ def test_the_chapters_signatures_are_the_engines():
     for name, (_, module, _) in GRADED.items():
         engine_own = getattr(importlib.import_module(module), name)
         assert signature_problem(name, engine_own) is None, signature_problem(name, engine_own)
+
+
+def test_readmes_list_of_graded_names_is_this_registry():
+    readme = (ROOT / "README.md").read_text()
+    assert readme_list() in readme, "README's --yours list differs from tests/sections.py: paste readme_list()"
