@@ -6,8 +6,9 @@ For each scored position t, with P the reference model's distribution, Q the qua
     nll_t = -log Q_t(y),  nll_ref_t = -log P_t(y),  dp_t = Q_t(y) - P_t(y)
 
 We report the mean with its standard error, the median and the tail (p99, p99.9, max: the bad positions a mean
-hides), PPL = exp(mean nll) for both models, mean ln(PPL(Q)/PPL(ref)) = mean(nll - nll_ref), the RMS of dp, and how
-often both models put the same token on top. KL, unlike perplexity, cannot be improved by noise: an overfit
+hides), PPL = exp(mean nll) for both models, mean ln(PPL(Q)/PPL(ref)) = mean(nll - nll_ref), the RMS of dp, how
+often both models put the same token on top, and (a downstream measure) how often each one's top token is the
+text's next token y: next-token accuracy. KL, unlike perplexity, cannot be improved by noise: an overfit
 model's held-out perplexity sometimes drops when quantization perturbs it, which says nothing about quality.
 
 `compare_models` is llama.cpp's `perplexity --kl-divergence` (tools/perplexity/perplexity.cpp, kl_divergence) in one
@@ -84,21 +85,23 @@ def held_out_logits(model, windows, batch_size=16):
 # ---- llama.cpp's perplexity --kl-divergence ---------------------------------------------------------------------
 
 def position_scores(ref_logits, logits, targets):
-    """[n, vocab] x2, targets [n] -> {'kl', 'nll_ref', 'nll', 'dp', 'same_top'}, float64 [n] each."""
+    """[n, vocab] x2, targets [n] -> {'kl', 'nll_ref', 'nll', 'dp', 'same_top', 'top1_ref', 'top1'}, float64 [n]
+    each (top1: whether the model's most likely token is the text's next one)."""
     logp = torch.log_softmax(ref_logits.double(), -1)
     logq = torch.log_softmax(logits.double(), -1)
     nll_ref = -logp.gather(-1, targets[:, None])[:, 0]
     nll = -logq.gather(-1, targets[:, None])[:, 0]
     return {"kl": _kl(logp, logq), "nll_ref": nll_ref, "nll": nll, "dp": (-nll).exp() - (-nll_ref).exp(),
-            "same_top": (logp.argmax(-1) == logq.argmax(-1)).double()}
+            "same_top": (logp.argmax(-1) == logq.argmax(-1)).double(),
+            "top1_ref": (logp.argmax(-1) == targets).double(), "top1": (logq.argmax(-1) == targets).double()}
 
 
 class Scores:
-    """Per-position scalars for up to `capacity` scored positions, filled chunk by chunk: 40 bytes per position,
+    """Per-position scalars for up to `capacity` scored positions, filled chunk by chunk: 56 bytes per position,
     allocated once (small tensors kept between chunks would pin the freed logits buffers in the C heap and grow it
     by hundreds of MB per chunk); logits are reduced SLICE_ELEMENTS at a time and dropped."""
 
-    FIELDS = ("kl", "nll_ref", "nll", "dp", "same_top")
+    FIELDS = ("kl", "nll_ref", "nll", "dp", "same_top", "top1_ref", "top1")
 
     def __init__(self, capacity):
         self.table = torch.empty(len(self.FIELDS), capacity, dtype=torch.float64)
@@ -148,7 +151,9 @@ class Scores:
                 "kl_p999": float(p999), "kl_max": v["kl"].max().item(),
                 "dp_rms_pct": 100 * rms, "dp_rms_stderr_pct": 100 * (0.5 * mse_se / rms if rms > 0 else 0.0),
                 "same_top_pct": 100 * same,
-                "same_top_stderr_pct": 100 * (math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0)}
+                "same_top_stderr_pct": 100 * (math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0),
+                "next_token_pct": 100 * v["top1"].mean().item(),
+                "next_token_ref_pct": 100 * v["top1_ref"].mean().item()}
 
 
 def _vocab_size(model):

@@ -1,18 +1,19 @@
-"""Chapter 39's stretch exercises 1 and 4, on any model the engine reads (a Hugging Face folder or a GGUF file).
+"""Chapter 39's stretch exercises 1 and 4, on any model the engine reads (`smollm2`, a Hugging Face folder, a GGUF).
 
-  python experiments/ch39.py methods     --model PATH [--calib-samples 128 --calib-len 2048] [--chunks 8]
-      RTN, GPTQ (with and without act-order) and AWQ at 4 bits, g128: llama.cpp's KL statistics against the model
+  python experiments/ch39.py methods     --model smollm2 [--calib-samples 32 --calib-len 512 | --chapter-calibration]
+      RTN, GPTQ (with and without act-order) and AWQ at 4 bits, g128: each row as it finishes, llama.cpp's KL
+      statistics against the model and, downstream, next-token accuracy on the held-out text
   python experiments/ch39.py sensitivity --model PATH [--method rtn|gptq] [--bits 4] [--group-size 128] [--by layer|linear]
       which layers suffer most: the KL when only one decoder layer (or one kind of linear, in every layer) is quantized
   python experiments/ch39.py gpt-oss     [--model PATH]
       gpt-oss's MXFP4 expert tensors (*_blocks, *_scales) through engine.formats.mx.dequantize_mxfp4 against
       transformers' own converter (the one that made Hugging Face's published BF16 weights); PATH is a gpt-oss
       checkpoint folder or one of its .safetensors shards (--shard FILE is the same); without it, random tensors in
-      gpt-oss-20b's layout
+      gpt-oss-20b's layout. Needs transformers (`pip install transformers`).
 
-The book asks for 128 calibration sequences of 2,048 tokens; on a CPU a smaller set (--calib-samples 32
---calib-len 512) gives the same ranking in minutes. Held-out text is the last tenth of --text (default: Python's
-own reference text), never seen by calibration.
+The book asks for 128 calibration sequences of 2,048 tokens (--chapter-calibration); on a CPU the default 32 x 512
+gives the same ranking in minutes. Held-out text is the last tenth of --text (default: Python's own reference
+text), never seen by calibration. Exercises 2 and 3 are rows of `run.py quantformats` (README).
 """
 import argparse
 import copy
@@ -21,9 +22,11 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine import cli  # noqa: E402
 from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
@@ -45,11 +48,19 @@ def setup(args):
     return reference, ids, chunks, ReferenceLogits(reference, chunks)
 
 
+def row_line(label, row):
+    """One finished row, as a reader scans it: KL with its standard error, same top token, next-token accuracy."""
+    return (f"{label}: KL {row['kl_nats']:.5f} ± {row['kl_stderr']:.5f}, same top {row['same_top_pct']:.1f}%, "
+            f"next-token accuracy {row['next_token_pct']:.2f}% (the model: {row['next_token_ref_pct']:.2f}%)")
+
+
 def report(rows, label):
-    for row in rows:
-        print(json.dumps(row), flush=True)
     print()
     print(markdown_table(rows, label=label))
+    print()
+    print(f"| {label} | next-token accuracy % | the model's % |\n|---|---:|---:|")
+    for row in rows:
+        print(f"| {row[label]} | {row['next_token_pct']:.2f} | {row['next_token_ref_pct']:.2f} |")
 
 
 def methods(args):
@@ -59,11 +70,15 @@ def methods(args):
             ("GPTQ int4, g128, act-order", gptq.quantize, dict(group_size=128, order="act_order")),
             ("AWQ int4, g128", awq.quantize, dict(group_size=128))]
     rows = []
-    for label, quantize, options in runs:
-        print(f"quantizing: {label}", file=sys.stderr, flush=True)
+    bar = tqdm(runs, desc="methods", unit="method", file=sys.stderr)      # its ETA: from the methods done so far
+    for label, quantize, options in bar:
+        bar.set_postfix_str(label)
         model = copy.deepcopy(reference)
         quantize(model, ids, **options)
         rows.append({"method": label, **compare_models(ref_logits, model, chunks)})
+        del model
+        tqdm.write(row_line(label, rows[-1]), file=sys.stdout)
+        print(json.dumps(rows[-1]), flush=True)
     report(rows, "method")
 
 
@@ -103,6 +118,8 @@ def sensitivity(args):
         rows.append({kind: target, **compare_models(ref_logits, model, chunks)})
         print(f"{kind} {target}: KL {rows[-1]['kl_nats']:.6f}", file=sys.stderr, flush=True)
     rows.sort(key=lambda r: -r["kl_nats"])
+    for row in rows:
+        print(json.dumps(row))
     report(rows, args.by)
 
 
@@ -110,7 +127,11 @@ def gpt_oss(args):
     """engine's dequantize_mxfp4 against transformers' convert_moe_packed_tensors (gpt-oss layout: blocks
     [experts, out, in / 32, 16] uint8, two E2M1 codes per byte, element 2j in the low nibble; scales
     [experts, out, in / 32] E8M0; transformers returns [experts, in, out] in bfloat16)."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    try:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    except ImportError:
+        raise ValueError("exercise 4 compares with transformers' own converter: `pip install transformers` installs "
+                         "it") from None
     pairs = []
     if args.model:
         from engine.safetensors_io import TensorReader
@@ -141,10 +162,12 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("methods", "sensitivity"):
         p = sub.add_parser(name)
-        p.add_argument("--model", required=True)
+        p.add_argument("--model", required=True, help="smollm2, a Hugging Face folder or a .gguf file")
         p.add_argument("--text", default=None)
-        p.add_argument("--calib-samples", type=int, default=128)
-        p.add_argument("--calib-len", type=int, default=2048)
+        p.add_argument("--calib-samples", type=int, default=32)
+        p.add_argument("--calib-len", type=int, default=512)
+        p.add_argument("--chapter-calibration", action="store_true",
+                       help="the chapter's 128 sequences of 2,048 tokens (about 16x the default's work)")
         p.add_argument("--ctx", type=int, default=512)
         p.add_argument("--chunks", type=int, default=8)
         if name == "sensitivity":
@@ -157,6 +180,12 @@ def main(argv=None):
                    help="a gpt-oss checkpoint folder, or one .safetensors shard, holding *_blocks / *_scales tensors")
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "chapter_calibration", False):
+            args.calib_samples, args.calib_len = 128, 2048
+        if args.command != "gpt-oss" or args.model:
+            args.model = cli.model_argument(args.model)
+        if args.command != "gpt-oss":
+            cli.check_model_path(args.model)
         {"methods": methods, "sensitivity": sensitivity, "gpt-oss": gpt_oss}[args.command](args)
     except ValueError as e:
         raise SystemExit(f"error: {e}")

@@ -63,7 +63,8 @@ def _random_case(n=3, ctx=10, vocab=7, seed=0):
 def _llama_cpp_statistics(chunks, ref, q):
     """perplexity.cpp's kl_divergence, position by position with running sums, in float64 numpy."""
     ctx, first = chunks.shape[1], chunks.shape[1] // 2
-    s = dict.fromkeys(["nll", "nll2", "base", "base2", "cross", "kld", "kld2", "dp2", "dp4", "same"], 0.0)
+    s = dict.fromkeys(["nll", "nll2", "base", "base2", "cross", "kld", "kld2", "dp2", "dp4", "same", "top1",
+                       "top1_ref"], 0.0)
     klds = []
     for c in range(len(chunks)):
         for j in range(first, ctx - 1):
@@ -74,7 +75,8 @@ def _llama_cpp_statistics(chunks, ref, q):
             dp = Q[tok] - P[tok]
             for key, v in (("nll", nll), ("nll2", nll * nll), ("base", base), ("base2", base * base),
                            ("cross", nll * base), ("kld", kld), ("kld2", kld * kld), ("dp2", dp * dp),
-                           ("dp4", dp ** 4), ("same", float(P.argmax() == Q.argmax()))):
+                           ("dp4", dp ** 4), ("same", float(P.argmax() == Q.argmax())),
+                           ("top1", float(Q.argmax() == tok)), ("top1_ref", float(P.argmax() == tok))):
                 s[key] += v
             klds.append(kld)
     n = len(klds)
@@ -96,7 +98,8 @@ def _llama_cpp_statistics(chunks, ref, q):
             "kl_median": (klds[n // 2] + klds[n // 2 - 1]) / 2 if n % 2 == 0 else klds[n // 2],
             "kl_max": klds[-1], "dp_rms_pct": 100 * math.sqrt(mse), "dp_rms_stderr_pct": 100 * 0.5 * mse_u /
             math.sqrt(mse), "same_top_pct": 100 * same,
-            "same_top_stderr_pct": 100 * math.sqrt(same * (1 - same) / (n - 1))}
+            "same_top_stderr_pct": 100 * math.sqrt(same * (1 - same) / (n - 1)),
+            "next_token_pct": 100 * s["top1"] / n, "next_token_ref_pct": 100 * s["top1_ref"] / n}
 
 
 def test_statistics_match_llama_cpp_formulas_by_brute_force():
@@ -133,7 +136,7 @@ def test_a_model_compared_with_itself_scores_zero(tiny_model):
 
 def test_memory_holds_per_position_scalars_only(monkeypatch):
     """The models see batch_size chunks at a time, the logits are reduced a slice at a time, and what is kept
-    between chunks is one float64 table of 5 values per scored position, allocated once."""
+    between chunks is one float64 table of 7 values per scored position, allocated once."""
     n, ctx, vocab = 10, 16, 5000
     chunks, ref, q = _random_case(n, ctx, vocab, seed=2)
     monkeypatch.setattr(evaluation, "SLICE_ELEMENTS", 3 * vocab)
@@ -146,7 +149,7 @@ def test_memory_holds_per_position_scalars_only(monkeypatch):
     assert reference.batches == [4, 4, 2] and max(seen) == 3
     scores, positions = kept[0], n * (ctx - 1 - ctx // 2)
     assert vars(scores).keys() == {"table", "count"} and scores.count == positions
-    assert scores.table.shape == (5, positions) and scores.table.dtype == torch.float64
+    assert scores.table.shape == (7, positions) and scores.table.dtype == torch.float64
 
 
 @pytest.mark.parametrize("chunks,match", [
