@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import stat
 import struct
 import tempfile
@@ -278,10 +279,17 @@ def atomic_file(path):
 
 def save_file(tensors, path, metadata=None):
     """Write tensors to a safetensors file with the library, atomically (atomic_path), with the engine's metadata
-    (writer, per-tensor SHA-256)."""
+    (writer, per-tensor SHA-256). The library's I/O errors (a full disk ...) are raised as the OSError they wrap, as
+    any other write's are."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     with atomic_path(path) as tmp:
-        library_save_file(tensors, tmp, metadata=engine_metadata(tensors, metadata))
+        try:
+            library_save_file(tensors, tmp, metadata=engine_metadata(tensors, metadata))
+        except SafetensorError as e:             # "... I/O error: No space left on device (os error 28)"
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
         with open(tmp, "rb+") as f:
             _sort_metadata(f)
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from engine.loaders import dense_tensors, load_dense, save_dense
-from engine import safe_writes
+from engine import safe_writes, safetensors_io
 from engine.safe_writes import atomic_directory, check_output, is_engine_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,12 +211,15 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tiny_model, saved, mon
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
 
 
-def test_a_disk_that_fills_up_during_a_save_is_one_error_and_nothing_changes(tiny_model, saved, monkeypatch):
+@pytest.mark.parametrize("where", ["write-back", "safetensors"])
+def test_a_disk_that_fills_up_during_a_save_is_one_error_and_nothing_changes(tiny_model, saved, monkeypatch, where):
     before = (saved / "model.safetensors").read_bytes()
 
-    def full(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(os, "fsync", full)                 # as a write-back to a full device reports it
+    def full(*args, **kwargs):
+        if where == "write-back":                          # as a write-back to a full device reports it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(*(os, "fsync") if where == "write-back" else (safetensors_io, "library_save_file"), full)
     size = f"{sum(t.numel() * t.element_size() for t in dense_tensors(tiny_model).values()) / 1e6:.1f} MB"
     with pytest.raises(ValueError, match=rf"no space left on the device while writing {saved}: about {size} more is "
                                          "needed, .* the unfinished copy was removed and nothing was replaced"):
