@@ -21,7 +21,9 @@ differs from A in one weight of layer 1), and then checks what is on disk:
   source   --out equal to the model, inside it, containing it (also with --force, also --format gguf and export):
            one `error:` line, the model's bytes unchanged
   user     O an engine checkpoint with the user's entries added (files, folders, hidden files, a stray shard, a
-           link), or a folder of the user's: without --force one `error:` line naming them and every entry kept
+           link), or a folder of the user's: without --force one `error:` line naming them and every entry kept; and
+           where O's lock goes (.O.lock), a link to a file of the user's or a file of the user's: refused in one
+           `error:` line naming it, both left as they were
 
 Counted: commands run; mixed or incomplete checkpoints accepted (a command that exits 0 leaving O anything but its
 own complete checkpoint, or a kill leaving O neither the old nor the new one); user files lost (a model's or the
@@ -290,6 +292,23 @@ class Campaign:
             if files(out, links=True) != before:
                 self.counts["user files lost"] += 1
                 self.log(f"USER FILES LOST: {added}")
+        for kind in ("link", "file"):                                # where the output's lock goes
+            out = self.scratch / "user" / f"lock-{kind}" / "O"
+            lock, victim = out.parent / f".{out.name}.lock", out.parent / "victim"
+            out.parent.mkdir(parents=True)
+            victim.write_bytes(os.urandom(64))
+            lock.symlink_to(victim) if kind == "link" else lock.write_bytes(b"the user's notes")
+            theirs = lambda: {k: v for k, v in files(out.parent, links=True).items() if not k.startswith(out.name)}
+            before = theirs()
+            code, stderr = self.quantize("A", "fp8", out)
+            refused = code == 1 and one_error_line(stderr, f"{lock} is ")
+            self.counts["user: a lock file not the engine's refused"] += refused
+            if not refused:
+                self.counts["user: lock file not refused"] += 1
+                self.log(f"LOCK NOT REFUSED: {kind}: {stderr[-300:]}")
+            if theirs() != before:
+                self.counts["user files lost"] += 1
+                self.log(f"USER FILES LOST: a lock {kind}")
 
 
 def one_error_line(stderr, saying=""):

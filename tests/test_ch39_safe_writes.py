@@ -1,10 +1,13 @@
 """Writes that never lose data: an output that holds other files is refused, a save killed at any instant leaves the
 complete old or the complete new checkpoint, the next save cleans up, modes follow the umask; one writer per
-output (a stale lock taken over), a full disk is one error and changes nothing."""
+output (a stale lock taken over, anything else where the lock goes left alone), a full disk is one error and changes
+nothing."""
 import errno
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -198,6 +201,49 @@ def test_a_stale_lock_of_a_killed_run_is_taken_over_and_said(tiny_model, saved, 
     save_dense(tiny_model, saved)
     assert f"took over the lock of pid {dead.stdout.strip()}" in capfd.readouterr().err
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
+
+
+@pytest.mark.parametrize("kind", ["link", "file", "hard link"])
+def test_what_is_not_the_engines_lock_file_is_refused_and_left_as_it_is(tiny_model, saved, kind):
+    """A lock file is opened without following links and written only if it holds nothing but a pid: `ln -s victim
+    .ck.lock` once made `victim` hold the writer's pid, and a file of the user's there was overwritten, then
+    deleted."""
+    lock, victim = saved.parent / ".ck.lock", saved.parent / "victim"
+    victim.write_text("4242\n" if kind == "hard link" else "the user's text")      # a pid's text: a link still
+    if kind == "link":
+        lock.symlink_to(victim)
+    elif kind == "file":
+        lock.write_text("the user's notes")
+    else:
+        os.link(victim, lock)
+    before = (saved / "model.safetensors").read_bytes()
+    said = "is a symbolic link" if kind == "link" else "is not a lock file the engine made"
+    with pytest.raises(ValueError, match=rf"{re.escape(str(lock))} {said}.* left as it is; remove it"):
+        save_dense(tiny_model, saved)
+    assert victim.read_text() == ("4242\n" if kind == "hard link" else "the user's text")
+    assert lock.is_symlink() if kind == "link" else lock.read_text() == ("the user's notes" if kind == "file" else
+                                                                         "4242\n")
+    assert (saved / "model.safetensors").read_bytes() == before
+
+
+def test_a_fifo_where_the_lock_goes_blocks_neither_a_load_nor_a_save(tiny_model, saved):
+    """A load reads the lock's pid (is a swap under way?): opening a FIFO to read it waited for a writer forever."""
+    os.mkfifo(saved.parent / ".ck.lock")
+
+    class Hung(Exception):                                 # not an OSError, which a reader might take in its stride
+        pass
+
+    def hung(signum, frame):
+        raise Hung("blocked on the FIFO")
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        assert torch.equal(load_dense(saved).model.norm.weight, tiny_model.model.norm.weight)
+        with pytest.raises(ValueError, match="is not a lock file the engine made"):
+            save_dense(tiny_model, saved)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_save_that_cannot_fit_is_refused_before_writing(tiny_model, saved, monkeypatch):
