@@ -6,7 +6,7 @@ fsynced it swaps the folder into place with one atomic rename-exchange (Linux re
 removed. Where the exchange is unavailable, two renames and a journal are used, and `recover_interrupted_swap` (run
 before every load and save) finishes or undoes a swap that was cut short. Leftovers of killed runs are removed by the
 next save to the same place. A long conversion builds in `resumable_directory(DIR)` instead, which a re-run finds
-again, and commits it with `commit_directory`. Single files: safetensors_io.atomic_file.
+again, and commits it with `commit_directory`. A single output file: `output_file` (below).
 
 What may be replaced (`check_output`): a missing or empty folder, or an engine checkpoint that holds nothing but the
 files the engine writes (config.json, the safetensors files and their index, the tokenizer files); a folder holding
@@ -19,6 +19,10 @@ so the lock file a killed run leaves behind is recognized as stale and taken ove
 regular file with one link that holds a pid and a newline, or nothing (a run killed before it wrote its pid); it is
 opened without following links, and anything else there (a link, a FIFO, a file of the user's) is refused, never
 written, truncated or removed: the user removes it.
+
+Single files (a GGUF file): `output_file(FILE)` writes under the same lock, by the same rule as folders: FILE absent,
+or replaced with force=True; the temporary file is renamed into place only if nothing is at FILE at that instant
+(renameat2's RENAME_NOREPLACE, or a hard link), so a writer that is not the engine is not overwritten either.
 
 A full disk: `check_free_space` compares an estimate with what shutil.disk_usage reports before anything is
 written, and an ENOSPC met anyway becomes one ValueError naming the path and the space needed (`space_error`).
@@ -36,7 +40,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .safetensors_io import INDEX, SINGLE, WRITER, checkpoint_files, current_umask, read_header
+from .safetensors_io import INDEX, SINGLE, WRITER, atomic_file, checkpoint_files, current_umask, read_header
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -284,17 +288,33 @@ def folder_size(folder):
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
-RENAME_EXCHANGE = 2
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def _renameat2(a, b, flags):
+    """Linux renameat2(a, b, flags): 0, or the errno of its failure (ENOSYS where the C library lacks it, EINVAL
+    where the file system does)."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return errno.ENOSYS
+    return 0 if fn(-100, os.fsencode(a), -100, os.fsencode(b), flags) == 0 else ctypes.get_errno()   # AT_FDCWD
 
 
 def _exchange(a, b):
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
-    fn = getattr(_libc, "renameat2", None)
-    if fn is None:
-        return False
-    if fn(-100, os.fsencode(a), -100, os.fsencode(b), RENAME_EXCHANGE) == 0:        # -100: AT_FDCWD
-        return True
-    return False
+    """Atomically swap two paths (RENAME_EXCHANGE); False where the system cannot."""
+    return _renameat2(a, b, RENAME_EXCHANGE) == 0
+
+
+def _rename_new(tmp, path):
+    """Rename the file `tmp` to `path` only if nothing is at `path` at that instant, in one step (RENAME_NOREPLACE;
+    where the system lacks it, a hard link, which fails the same way, then the temporary name removed);
+    FileExistsError otherwise."""
+    err = _renameat2(tmp, path, RENAME_NOREPLACE)
+    if err in (errno.ENOSYS, errno.EINVAL):
+        os.link(tmp, path)
+        os.unlink(tmp)
+    elif err:
+        raise OSError(err, os.strerror(err), str(path))
 
 
 def _journal(directory):
@@ -382,6 +402,40 @@ def atomic_directory(directory, force=False, needed=None):
             shutil.rmtree(tmp, ignore_errors=True)
             if is_disk_full(e):
                 raise space_error(directory, needed or written, ran_out=True) from None
+            raise
+
+
+def check_output_file(path, force=False, override="force=True"):
+    """ValueError unless the file `path` may be written: absent, or replaced with force. A folder is never replaced
+    by a file, and nothing is written below a file."""
+    path = Path(path)
+    check_parents(path)
+    if path.is_dir():
+        raise ValueError(f"output {path} is a folder, not a file; choose another path")
+    if (path.exists() or path.is_symlink()) and not force:
+        raise ValueError(f"output {path} exists; choose another path or pass {override}")
+
+
+@contextlib.contextmanager
+def output_file(path, needed, force=False, override="force=True"):
+    """`with output_file(path, needed) as f:` write one output file (a GGUF file), binary f open for writing, by the
+    rules of atomic_directory: refused (ValueError, before anything is written) while another process writes it,
+    where check_output_file refuses or without the bytes `needed` free; written to a temporary sibling, fsynced and
+    renamed into place only if nothing is at `path` at that instant (force: replacing it), so two writers never
+    both succeed; on any error the temporary file is removed and `path` untouched (a full disk: space_error)."""
+    path = Path(path)
+    with output_lock(path):
+        check_output_file(path, force, override)
+        check_free_space(path, needed)
+        try:
+            with atomic_file(path, commit=None if force else _rename_new) as f:
+                yield f
+        except FileExistsError:
+            raise ValueError(f"output {path} was created by another program while it was written, and kept; choose "
+                             f"another path or pass {override}") from None
+        except OSError as e:
+            if is_disk_full(e):
+                raise space_error(path, needed, ran_out=True) from None
             raise
 
 

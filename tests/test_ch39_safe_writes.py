@@ -1,7 +1,7 @@
 """Writes that never lose data: an output that holds other files is refused, a save killed at any instant leaves the
 complete old or the complete new checkpoint, the next save cleans up, modes follow the umask; one writer per
-output (a stale lock taken over, anything else where the lock goes left alone), a full disk is one error and changes
-nothing."""
+output (a stale lock taken over, anything else where the lock goes left alone), a single output file never replaces
+one that appeared meanwhile, a full disk is one error and changes nothing."""
 import errno
 import json
 import os
@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
+from engine.checkpoints import gguf_writer
 from engine.loaders import dense_tensors, load_dense, save_dense
 from engine import safe_writes, safetensors_io
 from engine.safe_writes import atomic_directory, check_output, is_engine_checkpoint
@@ -273,3 +274,37 @@ def test_a_disk_that_fills_up_during_a_save_is_one_error_and_nothing_changes(tin
     monkeypatch.undo()
     assert (saved / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
+
+
+@pytest.mark.parametrize("rename", ["renameat2", "hard link"])
+def test_a_file_another_program_writes_meanwhile_is_never_replaced(tiny_model, tmp_path, monkeypatch, rename):
+    """A single output file (GGUF) is renamed into place only if its path is still free at that instant: two runs
+    that both found it absent once both said `wrote`, the later one replacing the other's file."""
+    path, real = tmp_path / "m.gguf", os.fsync
+    if rename == "hard link":                              # a system or file system without RENAME_NOREPLACE
+        monkeypatch.setattr(safe_writes, "_renameat2", lambda a, b, flags: errno.ENOSYS)
+
+    def theirs(fd):                                        # after the check, before the rename
+        if not path.exists():
+            path.write_bytes(b"theirs")
+        real(fd)
+    monkeypatch.setattr(os, "fsync", theirs)
+    with pytest.raises(ValueError, match=rf"output {re.escape(str(path))} was created by another program while it "
+                                         "was written, and kept; choose another path or pass force=True"):
+        gguf_writer.write_gguf(tiny_model, path)
+    assert path.read_bytes() == b"theirs" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    gguf_writer.write_gguf(tiny_model, path, force=True)   # the user's explicit choice
+    assert path.read_bytes()[:4] == b"GGUF" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_a_second_writer_of_a_file_is_refused_at_once(tiny_model, tmp_path):
+    path = tmp_path / "m.gguf"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(ValueError, match=rf"{path} is being written by another run \(pid {holder.pid}"):
+            gguf_writer.write_gguf(tiny_model, path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not path.exists()
