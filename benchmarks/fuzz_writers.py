@@ -12,7 +12,8 @@ differs from A in one weight of layer 1), and then checks what is on disk:
            an uninterrupted run, and leave no `.O.*` entry beside it
   writers  two runs into one O, of A and of B, the second started at a random instant of the first: one exits 0;
            the other, if they overlapped, exits 1 with one line naming the first's pid; O is the checkpoint of the
-           run that exited 0 last, byte for byte
+           run that exited 0 last, byte for byte. Then two `export`s into one new GGUF file (no --force): exactly one
+           exits 0, the other is refused naming the first's pid or the file it wrote, which is the first's export
   disk     O on a real full disk: a tmpfs (mounted in a user and mount namespace, `unshare -rm`) sized from 5% to
            300% of the output (fp8), or a roomy one that another program fills at a random instant of the run
            (gptq). Either success, or one `error:` line naming O and the space needed (the partial folder kept when
@@ -21,7 +22,9 @@ differs from A in one weight of layer 1), and then checks what is on disk:
   source   --out equal to the model, inside it, containing it (also with --force, also --format gguf and export):
            one `error:` line, the model's bytes unchanged
   user     O an engine checkpoint with the user's entries added (files, folders, hidden files, a stray shard, a
-           link), or a folder of the user's: without --force one `error:` line naming them and every entry kept
+           link), or a folder of the user's: without --force one `error:` line naming them and every entry kept; and
+           where O's lock goes (.O.lock), a link to a file of the user's or a file of the user's: refused in one
+           `error:` line naming it, both left as they were
 
 Counted: commands run; mixed or incomplete checkpoints accepted (a command that exits 0 leaving O anything but its
 own complete checkpoint, or a kill leaving O neither the old nor the new one); user files lost (a model's or the
@@ -124,6 +127,18 @@ class Campaign:
             self.references[key] = files(out)
         return self.references[key]
 
+    def gguf(self, model):
+        """The bytes of `export MODEL --gguf` (and, in gguf_seconds, how long one took)."""
+        if ("gguf", model) not in self.references:
+            out, start = self.scratch / "references" / f"{model}.gguf", time.monotonic()
+            out.parent.mkdir(parents=True, exist_ok=True)
+            code, stderr = self.run("export", str(self.models[model]), "--gguf", str(out))
+            if code:
+                raise RuntimeError(f"the reference export failed: {stderr[-2000:]}")
+            self.gguf_seconds = time.monotonic() - start
+            self.references[("gguf", model)] = out.read_bytes()
+        return self.references[("gguf", model)]
+
     def judge(self, out, code, model, method, what):
         """A command that exited 0 must leave its own complete checkpoint in `out` and nothing beside it."""
         if code == 0 and files(out) != self.reference(model, method):
@@ -174,6 +189,7 @@ class Campaign:
         start = time.monotonic()
         self.reference("A", method), self.reference("B", method)
         duration = (time.monotonic() - start) / 2                     # one whole run, imports included
+        self.gguf("A"), self.gguf("B")
         for t in range(trials):
             out = self.scratch / "writers" / f"t{t}" / "O"
             out.parent.mkdir(parents=True)
@@ -197,6 +213,26 @@ class Campaign:
             self.counts["writers: the second refused at once, naming the first's pid"] += named
             self.counts["writers: refused without naming the writer"] += not named
             self.judge(out, 0, model, method, f"writers trial {t}")
+        for t in range(trials):                                      # one GGUF file: no --force, so one winner
+            out = self.scratch / "writers" / f"g{t}" / "O.gguf"
+            out.parent.mkdir(parents=True)
+            first = self.run("export", str(self.models["A"]), "--gguf", str(out), wait=False)
+            time.sleep(self.rng.uniform(0, self.gguf_seconds / (10 if t % 2 else 1)))   # odd t: both past the check
+            second = self.run("export", str(self.models["B"]), "--gguf", str(out), wait=False)
+            (code_a, err_a), (code_b, err_b) = self.finish(first), self.finish(second)
+            if (code_a == 0) == (code_b == 0):                      # both wrote it (one replacing the other)
+                self.counts["writers: neither finished" if code_a else "mixed or incomplete checkpoints accepted"] += 1
+                self.log(f"GGUF WRITERS trial {t}: exits {code_a} and {code_b}: {err_a[-300:]} {err_b[-300:]}")
+                continue
+            model, process, loser = ("A", first, err_b) if code_a == 0 else ("B", second, err_a)
+            how = "naming the first's pid" if f"being written by another run (pid {process.pid}" in loser else \
+                "the file exists" if f"output {out} exists" in loser else None
+            self.counts[f"writers (GGUF): the other refused, {how}" if how else "writers: refused without naming the "
+                        "writer"] += 1
+            left = [p.name for p in out.parent.iterdir() if p.name != out.name]
+            if out.read_bytes() != self.gguf(model) or left:
+                self.counts["mixed or incomplete checkpoints accepted"] += 1
+                self.log(f"GGUF WRITERS trial {t}: not {model}'s export, or left {left}")
 
     def disk(self, fill_trials=6):
         if shutil.which("unshare") is None:
@@ -290,6 +326,24 @@ class Campaign:
             if files(out, links=True) != before:
                 self.counts["user files lost"] += 1
                 self.log(f"USER FILES LOST: {added}")
+        for kind, command in (("link", "quantize"), ("file", "export")):      # where the output's lock goes
+            out = self.scratch / "user" / f"lock-{kind}" / ("O" if command == "quantize" else "O.gguf")
+            lock, victim = out.parent / f".{out.name}.lock", out.parent / "victim"
+            out.parent.mkdir(parents=True)
+            victim.write_bytes(os.urandom(64))
+            lock.symlink_to(victim) if kind == "link" else lock.write_bytes(b"the user's notes")
+            theirs = lambda: {k: v for k, v in files(out.parent, links=True).items() if not k.startswith(out.name)}
+            before = theirs()
+            code, stderr = self.quantize("A", "fp8", out) if command == "quantize" else \
+                self.run("export", str(self.models["A"]), "--gguf", str(out))
+            refused = code == 1 and one_error_line(stderr, f"{lock} is ")
+            self.counts["user: a lock file not the engine's refused"] += refused
+            if not refused:
+                self.counts["user: lock file not refused"] += 1
+                self.log(f"LOCK NOT REFUSED: {kind}: {stderr[-300:]}")
+            if theirs() != before:
+                self.counts["user files lost"] += 1
+                self.log(f"USER FILES LOST: a lock {kind}")
 
 
 def one_error_line(stderr, saying=""):

@@ -64,15 +64,16 @@ def check_output(out, force):
 
 
 def check_file_output(path, force, flag="--out"):
-    """One output file (GGUF): not a folder, not an existing file unless --force, in a folder that exists."""
+    """One output file (GGUF): not a folder, not an existing file unless --force (safe_writes.check_output_file,
+    checked again as it is written), in a folder that exists."""
+    from engine.safe_writes import check_output_file
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{flag} {path} is a folder; a GGUF output is one file ({flag} FILE.gguf)")
     if path.suffix != ".gguf":
         raise ValueError(f"{flag} {path}: a GGUF file's name ends in .gguf (the engine's --model tells the format "
                          "by it)")
-    if path.exists() and not force:
-        raise ValueError(f"{flag} {path} exists; choose another path or pass --force")
+    check_output_file(path, force, override="--force")
     if not path.resolve().parent.is_dir():
         raise ValueError(f"{flag} {path}: no folder {path.resolve().parent} to write it into")
 

@@ -193,19 +193,24 @@ def quantize_from_disk(args, method, options, started, group=None):
 
 @contextlib.contextmanager
 def gguf_workspace(out, group=None):
-    """A temporary folder beside the GGUF file `out` (removed afterwards); with several processes rank 0 makes it
-    and the others learn its name."""
+    """A temporary folder beside the GGUF file `out` (removed afterwards), made holding `out`'s one-writer lock, so
+    that a second run into `out` is refused at once, not after its conversion; with several processes rank 0 holds
+    the lock and makes the folder, and the others learn its name (or rank 0's refusal)."""
     import shutil
     import tempfile
+    from engine.distributed import on_first
+    from engine.safe_writes import output_lock
     first = group is None or group.first
-    tmp = tempfile.mkdtemp(dir=Path(out).resolve().parent, prefix=".gguf-") if first else None
-    if group is not None:
-        tmp = group.broadcast(tmp, 0, "naming the GGUF's folder")
-    try:
-        yield Path(tmp)
-    finally:
-        if first:
-            shutil.rmtree(tmp, ignore_errors=True)
+    with contextlib.ExitStack() as held:
+        def make():
+            held.enter_context(output_lock(out))
+            return tempfile.mkdtemp(dir=Path(out).resolve().parent, prefix=".gguf-")
+        tmp = on_first(group, make, "naming the GGUF's folder")
+        try:
+            yield Path(tmp)
+        finally:
+            if first:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def report_checkpoint(args, qcfg, started, ranks=""):

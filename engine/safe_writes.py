@@ -6,16 +6,23 @@ fsynced it swaps the folder into place with one atomic rename-exchange (Linux re
 removed. Where the exchange is unavailable, two renames and a journal are used, and `recover_interrupted_swap` (run
 before every load and save) finishes or undoes a swap that was cut short. Leftovers of killed runs are removed by the
 next save to the same place. A long conversion builds in `resumable_directory(DIR)` instead, which a re-run finds
-again, and commits it with `commit_directory`. Single files: safetensors_io.atomic_file.
+again, and commits it with `commit_directory`. A single output file: `output_file` (below).
 
 What may be replaced (`check_output`): a missing or empty folder, or an engine checkpoint that holds nothing but the
 files the engine writes (config.json, the safetensors files and their index, the tokenizer files); a folder holding
 anything else is refused, naming those files, unless force=True. A file is never replaced by a folder, nor an output
 written below a file. `check_apart` refuses an output equal to, inside or containing the model it is made from.
 
-One writer per output: `output_lock(DIR)` holds an OS lock (flock) on the sibling file .DIR.lock, which records the
+One writer per output: `output_lock(OUT)` holds an OS lock (flock) on the sibling file .OUT.lock, which records the
 holder's pid; a second writer is refused at once, naming that pid. The kernel drops the lock when its process dies,
-so the lock file a killed run leaves behind is recognized as stale and taken over.
+so the lock file a killed run leaves behind is recognized as stale and taken over. A lock file the engine made is a
+regular file with one link that holds a pid and a newline, or nothing (a run killed before it wrote its pid); it is
+opened without following links, and anything else there (a link, a FIFO, a file of the user's) is refused, never
+written, truncated or removed: the user removes it.
+
+Single files (a GGUF file): `output_file(FILE)` writes under the same lock, by the same rule as folders: FILE absent,
+or replaced with force=True; the temporary file is renamed into place only if nothing is at FILE at that instant
+(renameat2's RENAME_NOREPLACE, or a hard link), so a writer that is not the engine is not overwritten either.
 
 A full disk: `check_free_space` compares an estimate with what shutil.disk_usage reports before anything is
 written, and an ENOSPC met anyway becomes one ValueError naming the path and the space needed (`space_error`).
@@ -28,11 +35,12 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
 
-from .safetensors_io import INDEX, SINGLE, WRITER, checkpoint_files, current_umask, read_header
+from .safetensors_io import INDEX, SINGLE, WRITER, atomic_file, checkpoint_files, current_umask, read_header
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -119,6 +127,7 @@ def check_apart(source, output):
 # ---- one writer per output --------------------------------------------------------------------------------------
 
 _HELD = {}                                       # lock file -> [descriptor, depth]: a process re-enters its own lock
+LOCK_TEXT = re.compile(rb"(\d{1,7}\n)?")          # a pid (Linux's stay below 2**22) and a newline, or nothing yet
 
 
 def _lock_file(path):
@@ -129,7 +138,8 @@ def _lock_file(path):
 @contextlib.contextmanager
 def output_lock(path):
     """Hold the one-writer lock of output `path` (a folder or a file) while the block runs; ValueError at once,
-    naming the holder's pid, if another process holds it. Re-entrant within a process."""
+    naming the holder's pid, if another process holds it, or naming the lock file if something not the engine's is
+    there. Re-entrant within a process."""
     lock = _lock_file(path)
     key = str(lock)
     if key in _HELD:
@@ -141,24 +151,63 @@ def output_lock(path):
     finally:
         _HELD[key][1] -= 1
         if not _HELD[key][1]:
-            fd = _HELD.pop(key)[0]
-            try:
-                os.unlink(lock)                 # before the lock is released: the next writer creates a new file
-            except FileNotFoundError:
-                pass
-            finally:
-                os.close(fd)
+            _release(lock, _HELD.pop(key)[0])
+
+
+def _release(lock, fd):
+    try:
+        if _same_file(lock, fd):                # not what someone put in its place meanwhile
+            os.unlink(lock)                     # before the lock is released: the next writer creates a new file
+    finally:
+        os.close(fd)
+
+
+def _open_lock(lock, path, flags=os.O_RDWR | os.O_CREAT):
+    """A descriptor of the lock file of output `path`, never through a link (O_NOFOLLOW) and never blocking on a
+    FIFO; created (by default) if it is missing."""
+    try:
+        return os.open(lock, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666 & ~current_umask())
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{lock} is a symbolic link, and output {path}'s lock goes there (the engine never "
+                             "writes through a link): it was left as it is; remove it, or choose another output") \
+                from None
+        if is_disk_full(e):
+            raise space_error(path, None) from None
+        raise
+
+
+def _lock_pid(fd):
+    """The pid an open lock file records ("" for none yet), or None if it is not a lock file the engine made."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        return None
+    text = os.pread(fd, 9, 0)                   # a byte more than a lock file holds: a longer file does not match
+    return text.decode().strip() if LOCK_TEXT.fullmatch(text) else None
+
+
+def _same_file(lock, fd):
+    """Whether the name `lock` still leads to the open file fd (its holder may have removed it, or another put a
+    new one there)."""
+    try:
+        info, held = os.lstat(lock), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (info.st_dev, info.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _locked_by_another(path):
     """Whether another live process holds the lock of output `path` (read from the pid in its lock file, which is
     removed when a holder releases it: probing the lock itself could make a starting writer fail)."""
-    lock = _lock_file(path)
     try:
-        pid = int(lock.read_text().strip())
+        fd = _open_lock(_lock_file(path), path, os.O_RDONLY)
     except (OSError, ValueError):
         return False
-    return pid != os.getpid() and _alive(pid)
+    try:
+        pid = _lock_pid(fd)
+    finally:
+        os.close(fd)
+    return bool(pid) and int(pid) != os.getpid() and _alive(int(pid))
 
 
 def _acquire(lock, path):
@@ -168,26 +217,32 @@ def _acquire(lock, path):
         check_parents(Path(path))
         raise
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666 & ~current_umask())
+        fd = _open_lock(lock, path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            owner = _lock_pid(fd) or "?"
             os.close(fd)
             raise ValueError(f"output {path} is being written by another run (pid {owner}, lock {lock.name}); wait "
                              "for it to finish or choose another output") from None
-        try:
-            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:                                # else its holder removed it as we opened it: lock the new one
+        if _same_file(lock, fd):                # else its holder removed it as we opened it: lock the new one
             break
         os.close(fd)
-    stale = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    stale = _lock_pid(fd)                       # read under the lock: no engine writes it meanwhile
+    if stale is None:
+        os.close(fd)
+        raise ValueError(f"{lock} is not a lock file the engine made (those hold nothing but a pid), and output "
+                         f"{path}'s lock goes there: it was left as it is; remove it, or choose another output")
     if stale:
         print(f"{path}: took over the lock of pid {stale}, a run that ended without releasing it", file=sys.stderr)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
+        _release(lock, fd)
+        if is_disk_full(e):
+            raise space_error(path, None) from None
+        raise
     return fd
 
 
@@ -217,13 +272,15 @@ def is_disk_full(error):
 
 def space_error(path, needed, kept=None, ran_out=False):
     """The ValueError for `path` lacking space (ran_out: the disk filled up while it was written): the space still
-    needed, and what is left of the work (kept: (folder name, bytes) kept for a resume)."""
+    needed (None: not known, say for the lock file), and what is left of the work (kept: (folder name, bytes) kept
+    for a resume)."""
     if kept:
         left = f"the finished part ({_mb(kept[1])} in {kept[0]}) is kept: free space and run the same command again"
     else:
         left = "the unfinished copy was removed and nothing was replaced" if ran_out else "nothing was written"
     what = "no space left on the device while writing" if ran_out else "not enough space for"
-    return ValueError(f"{what} {path}: about {_mb(needed)} more is needed, {_mb(_free(path))} is free; {left}")
+    need = "" if needed is None else f"about {_mb(needed)} more is needed, "
+    return ValueError(f"{what} {path}: {need}{_mb(_free(path))} is free; {left}")
 
 
 def folder_size(folder):
@@ -231,17 +288,33 @@ def folder_size(folder):
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
-RENAME_EXCHANGE = 2
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def _renameat2(a, b, flags):
+    """Linux renameat2(a, b, flags): 0, or the errno of its failure (ENOSYS where the C library lacks it, EINVAL
+    where the file system does)."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return errno.ENOSYS
+    return 0 if fn(-100, os.fsencode(a), -100, os.fsencode(b), flags) == 0 else ctypes.get_errno()   # AT_FDCWD
 
 
 def _exchange(a, b):
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
-    fn = getattr(_libc, "renameat2", None)
-    if fn is None:
-        return False
-    if fn(-100, os.fsencode(a), -100, os.fsencode(b), RENAME_EXCHANGE) == 0:        # -100: AT_FDCWD
-        return True
-    return False
+    """Atomically swap two paths (RENAME_EXCHANGE); False where the system cannot."""
+    return _renameat2(a, b, RENAME_EXCHANGE) == 0
+
+
+def _rename_new(tmp, path):
+    """Rename the file `tmp` to `path` only if nothing is at `path` at that instant, in one step (RENAME_NOREPLACE;
+    where the system lacks it, a hard link, which fails the same way, then the temporary name removed);
+    FileExistsError otherwise."""
+    err = _renameat2(tmp, path, RENAME_NOREPLACE)
+    if err in (errno.ENOSYS, errno.EINVAL):
+        os.link(tmp, path)
+        os.unlink(tmp)
+    elif err:
+        raise OSError(err, os.strerror(err), str(path))
 
 
 def _journal(directory):
@@ -329,6 +402,40 @@ def atomic_directory(directory, force=False, needed=None):
             shutil.rmtree(tmp, ignore_errors=True)
             if is_disk_full(e):
                 raise space_error(directory, needed or written, ran_out=True) from None
+            raise
+
+
+def check_output_file(path, force=False, override="force=True"):
+    """ValueError unless the file `path` may be written: absent, or replaced with force. A folder is never replaced
+    by a file, and nothing is written below a file."""
+    path = Path(path)
+    check_parents(path)
+    if path.is_dir():
+        raise ValueError(f"output {path} is a folder, not a file; choose another path")
+    if (path.exists() or path.is_symlink()) and not force:
+        raise ValueError(f"output {path} exists; choose another path or pass {override}")
+
+
+@contextlib.contextmanager
+def output_file(path, needed, force=False, override="force=True"):
+    """`with output_file(path, needed) as f:` write one output file (a GGUF file), binary f open for writing, by the
+    rules of atomic_directory: refused (ValueError, before anything is written) while another process writes it,
+    where check_output_file refuses or without the bytes `needed` free; written to a temporary sibling, fsynced and
+    renamed into place only if nothing is at `path` at that instant (force: replacing it), so two writers never
+    both succeed; on any error the temporary file is removed and `path` untouched (a full disk: space_error)."""
+    path = Path(path)
+    with output_lock(path):
+        check_output_file(path, force, override)
+        check_free_space(path, needed)
+        try:
+            with atomic_file(path, commit=None if force else _rename_new) as f:
+                yield f
+        except FileExistsError:
+            raise ValueError(f"output {path} was created by another program while it was written, and kept; choose "
+                             f"another path or pass {override}") from None
+        except OSError as e:
+            if is_disk_full(e):
+                raise space_error(path, needed, ran_out=True) from None
             raise
 
 

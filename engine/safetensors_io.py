@@ -15,7 +15,7 @@ The engine keeps what the library does not do:
   - integrity: safetensors has no checksum, so every file the engine writes records its writer and a SHA-256 per
     tensor in its metadata, verified as each tensor arrives (verify=False skips it): a flipped bit is a ValueError;
   - atomic writes: a temporary file in the target folder, fsynced, renamed into place (whole checkpoint folders are
-    swapped into place by safe_writes.py);
+    swapped into place, and output files written under a lock, by safe_writes.py);
   - errors as a ValueError naming the file (the library raises its own SafetensorError).
 A loader reads every tensor's name, dtype and shape from the headers (tensor_specs) and checks them against
 config.json before it reads a byte of weights, so a stray tensor declared a terabyte long is refused from its header.
@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import stat
 import struct
 import tempfile
@@ -252,9 +253,10 @@ def current_umask():
 
 
 @contextlib.contextmanager
-def atomic_path(path):
+def atomic_path(path, commit=None):
     """`with atomic_path(path) as tmp:` what is written to the file `tmp` (in the same folder) is fsynced, given the
-    umask's mode and renamed to `path` when the block ends; removed if it raises."""
+    umask's mode and renamed to `path` when the block ends (by commit(tmp, path); None: os.replace, which replaces
+    what is there); removed if it raises."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -263,25 +265,32 @@ def atomic_path(path):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
+        (commit or os.replace)(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
 @contextlib.contextmanager
-def atomic_file(path):
+def atomic_file(path, commit=None):
     """`with atomic_file(path) as f:` writes a binary file atomically (atomic_path), f open for writing."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with atomic_path(path, commit) as tmp, open(tmp, "wb") as f:
         yield f
 
 
 def save_file(tensors, path, metadata=None):
     """Write tensors to a safetensors file with the library, atomically (atomic_path), with the engine's metadata
-    (writer, per-tensor SHA-256)."""
+    (writer, per-tensor SHA-256). The library's I/O errors (a full disk ...) are raised as the OSError they wrap, as
+    any other write's are."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     with atomic_path(path) as tmp:
-        library_save_file(tensors, tmp, metadata=engine_metadata(tensors, metadata))
+        try:
+            library_save_file(tensors, tmp, metadata=engine_metadata(tensors, metadata))
+        except SafetensorError as e:             # "... I/O error: No space left on device (os error 28)"
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
         with open(tmp, "rb+") as f:
             _sort_metadata(f)
 

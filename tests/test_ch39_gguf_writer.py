@@ -155,7 +155,7 @@ def test_bad_arguments_and_existing_files_are_refused(tmp_path):
         gguf_writer.write_gguf(model, path)
     assert path.read_bytes() == b"keep me"
     (tmp_path / "folder").mkdir()
-    with pytest.raises(ValueError, match="is a directory"):                  # even with force: never replaced
+    with pytest.raises(ValueError, match="is a folder, not a file"):          # even with force: never replaced
         gguf_writer.write_gguf(model, tmp_path / "folder", force=True)
     gguf_writer.write_gguf(model, path, force=True, dense_type="F16")
     with gguf.GGUFFile(path) as f:

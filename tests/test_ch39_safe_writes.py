@@ -1,10 +1,13 @@
 """Writes that never lose data: an output that holds other files is refused, a save killed at any instant leaves the
 complete old or the complete new checkpoint, the next save cleans up, modes follow the umask; one writer per
-output (a stale lock taken over), a full disk is one error and changes nothing."""
+output (a stale lock taken over, anything else where the lock goes left alone), a single output file never replaces
+one that appeared meanwhile, a full disk is one error and changes nothing."""
 import errno
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
+from engine.checkpoints import gguf_writer
 from engine.loaders import dense_tensors, load_dense, save_dense
-from engine import safe_writes
+from engine import safe_writes, safetensors_io
 from engine.safe_writes import atomic_directory, check_output, is_engine_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,6 +204,49 @@ def test_a_stale_lock_of_a_killed_run_is_taken_over_and_said(tiny_model, saved, 
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
 
 
+@pytest.mark.parametrize("kind", ["link", "file", "hard link"])
+def test_what_is_not_the_engines_lock_file_is_refused_and_left_as_it_is(tiny_model, saved, kind):
+    """A lock file is opened without following links and written only if it holds nothing but a pid: `ln -s victim
+    .ck.lock` once made `victim` hold the writer's pid, and a file of the user's there was overwritten, then
+    deleted."""
+    lock, victim = saved.parent / ".ck.lock", saved.parent / "victim"
+    victim.write_text("4242\n" if kind == "hard link" else "the user's text")      # a pid's text: a link still
+    if kind == "link":
+        lock.symlink_to(victim)
+    elif kind == "file":
+        lock.write_text("the user's notes")
+    else:
+        os.link(victim, lock)
+    before = (saved / "model.safetensors").read_bytes()
+    said = "is a symbolic link" if kind == "link" else "is not a lock file the engine made"
+    with pytest.raises(ValueError, match=rf"{re.escape(str(lock))} {said}.* left as it is; remove it"):
+        save_dense(tiny_model, saved)
+    assert victim.read_text() == ("4242\n" if kind == "hard link" else "the user's text")
+    assert lock.is_symlink() if kind == "link" else lock.read_text() == ("the user's notes" if kind == "file" else
+                                                                         "4242\n")
+    assert (saved / "model.safetensors").read_bytes() == before
+
+
+def test_a_fifo_where_the_lock_goes_blocks_neither_a_load_nor_a_save(tiny_model, saved):
+    """A load reads the lock's pid (is a swap under way?): opening a FIFO to read it waited for a writer forever."""
+    os.mkfifo(saved.parent / ".ck.lock")
+
+    class Hung(Exception):                                 # not an OSError, which a reader might take in its stride
+        pass
+
+    def hung(signum, frame):
+        raise Hung("blocked on the FIFO")
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        assert torch.equal(load_dense(saved).model.norm.weight, tiny_model.model.norm.weight)
+        with pytest.raises(ValueError, match="is not a lock file the engine made"):
+            save_dense(tiny_model, saved)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_a_save_that_cannot_fit_is_refused_before_writing(tiny_model, saved, monkeypatch):
     before = (saved / "model.safetensors").read_bytes()
     monkeypatch.setattr(safe_writes.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 4096))
@@ -210,12 +258,15 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tiny_model, saved, mon
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
 
 
-def test_a_disk_that_fills_up_during_a_save_is_one_error_and_nothing_changes(tiny_model, saved, monkeypatch):
+@pytest.mark.parametrize("where", ["write-back", "safetensors"])
+def test_a_disk_that_fills_up_during_a_save_is_one_error_and_nothing_changes(tiny_model, saved, monkeypatch, where):
     before = (saved / "model.safetensors").read_bytes()
 
-    def full(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(os, "fsync", full)                 # as a write-back to a full device reports it
+    def full(*args, **kwargs):
+        if where == "write-back":                          # as a write-back to a full device reports it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(*(os, "fsync") if where == "write-back" else (safetensors_io, "library_save_file"), full)
     size = f"{sum(t.numel() * t.element_size() for t in dense_tensors(tiny_model).values()) / 1e6:.1f} MB"
     with pytest.raises(ValueError, match=rf"no space left on the device while writing {saved}: about {size} more is "
                                          "needed, .* the unfinished copy was removed and nothing was replaced"):
@@ -223,3 +274,37 @@ def test_a_disk_that_fills_up_during_a_save_is_one_error_and_nothing_changes(tin
     monkeypatch.undo()
     assert (saved / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
+
+
+@pytest.mark.parametrize("rename", ["renameat2", "hard link"])
+def test_a_file_another_program_writes_meanwhile_is_never_replaced(tiny_model, tmp_path, monkeypatch, rename):
+    """A single output file (GGUF) is renamed into place only if its path is still free at that instant: two runs
+    that both found it absent once both said `wrote`, the later one replacing the other's file."""
+    path, real = tmp_path / "m.gguf", os.fsync
+    if rename == "hard link":                              # a system or file system without RENAME_NOREPLACE
+        monkeypatch.setattr(safe_writes, "_renameat2", lambda a, b, flags: errno.ENOSYS)
+
+    def theirs(fd):                                        # after the check, before the rename
+        if not path.exists():
+            path.write_bytes(b"theirs")
+        real(fd)
+    monkeypatch.setattr(os, "fsync", theirs)
+    with pytest.raises(ValueError, match=rf"output {re.escape(str(path))} was created by another program while it "
+                                         "was written, and kept; choose another path or pass force=True"):
+        gguf_writer.write_gguf(tiny_model, path)
+    assert path.read_bytes() == b"theirs" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    gguf_writer.write_gguf(tiny_model, path, force=True)   # the user's explicit choice
+    assert path.read_bytes()[:4] == b"GGUF" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_a_second_writer_of_a_file_is_refused_at_once(tiny_model, tmp_path):
+    path = tmp_path / "m.gguf"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(ValueError, match=rf"{path} is being written by another run \(pid {holder.pid}"):
+            gguf_writer.write_gguf(tiny_model, path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not path.exists()

@@ -1,19 +1,24 @@
 """run.py never loses or mixes data and never prints a traceback for bad input: the model is never its own output,
-nothing is written below a file, tokenizer side files are read only as regular files inside their folder (one
-`error:` line otherwise); and `quantize --model` checks everything once and opens its source once."""
+nothing is written below a file, tokenizer side files are read only as regular files inside their folder, a GGUF
+output has one writer, a full disk changes nothing (one `error:` line otherwise); and `quantize --model` checks
+everything once and opens its source once."""
 import collections
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import pytest
+from safetensors import SafetensorError
 
-from engine import safe_writes
+from engine import safe_writes, safetensors_io
 from engine.checkpoints import gguf, gguf_writer, models, streaming, tokenizer
 from engine.formats import quantized_checkpoints as registry
 from engine.loaders import save_dense
 from engine.checkpoints.tokenizer import export_tokenizer
-from test_cli import run
+from test_cli import ROOT, run
+from test_ch39_safe_writes import HOLDER
 
 
 @pytest.fixture
@@ -99,3 +104,36 @@ def test_quantize_from_a_gguf_file_checks_once_and_opens_it_once(tiny_model, tmp
     assert counts == {"file opened": 1, "tokenizer rebuilt": 1, "output checked": 1, "needs data asked": 1,
                       "layer config validated for writing": 1}
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
+
+
+@pytest.mark.parametrize("command", ["export", "quantize"])
+def test_a_second_run_into_a_gguf_file_is_refused_at_once(dense, tmp_path, command):
+    """GGUF outputs took no lock: two exports into one new file both said `wrote`, the later rename winning."""
+    out = tmp_path / "m.gguf"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"                  # as a first run holds it
+        argv = ["export", str(dense), "--gguf"] if command == "export" else \
+            ["quantize", "--model", str(dense), "--method", "mxfp4", "--format", "gguf", "--out"]
+        result = run(*argv, str(out))
+    finally:
+        holder.kill()
+        holder.wait()
+    _one_error_line(result, f"is being written by another run (pid {holder.pid}")
+    assert "layers" not in result.stderr and not out.exists()        # refused before the conversion
+
+
+def test_a_full_disk_while_a_conversion_replaces_a_checkpoint_is_one_error(dense, tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError, which escaped as a traceback."""
+    import run as cli
+    out = tmp_path / "out"
+    cli.main(["quantize", "--model", str(dense), "--method", "fp8", "--out", str(out)])
+    before = _files(out)
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(safetensors_io, "library_save_file", full)
+    with pytest.raises(SystemExit, match=rf"error: no space left on the device while writing {out}: about .* MB "
+                                         "more is needed, .* the unfinished copy was removed and nothing was replaced"):
+        cli.main(["quantize", "--model", str(dense), "--method", "fp8", "--option", "block=64", "--out", str(out)])
+    assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["dense", "out"]

@@ -40,6 +40,7 @@ def test_writer_faults_lose_and_mix_nothing(tmp_path):
     counts = fuzz.faults_campaign(kinds=("source", "user"), user_trials=2, scratch=tmp_path / "faults")
     assert counts["source: refused with one error: line"] == 9
     assert counts["user: refused naming the user's entries"] == 2
+    assert counts["user: a lock file not the engine's refused"] == 2
     zeros = ("mixed or incomplete checkpoints accepted", "user files lost", "tracebacks",
              "failures that are not one error: line")
     assert {k: counts[k] for k in zeros} == dict.fromkeys(zeros, 0), counts

@@ -42,8 +42,8 @@ from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, INTEGER, IQ4, QK_K, GGML
 from ..formats.llama_cpp.ggml_quants import FALLBACK, blocks, check_type, quantize
 from ..formats.mx import MXFP4Linear, NVFP4Linear
 from .gguf import ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, METADATA_DIGEST, TENSOR_NAMES
-from ..safe_writes import check_free_space, is_disk_full, space_error
-from ..safetensors_io import atomic_file, check_records
+from ..safe_writes import check_output_file, output_file, output_lock
+from ..safetensors_io import check_records
 from .tokenizer import tokenizer_metadata
 
 log = logging.getLogger(__name__)
@@ -289,11 +289,9 @@ def _value(key, value):
 
 def write_container(path, metadata, tensors, force=False):
     """metadata {key: value}, tensors [(name, GGML type, torch shape, raw uint8)] -> a GGUF v3 file at `path`,
-    written atomically (engine.safetensors_io.atomic_file), with each tensor's name, type, shape and
-    SHA-256 recorded in the metadata (gguf.DIGESTS: the reader verifies them)."""
+    written as engine.safe_writes.output_file writes (under its lock, never over a file unless force), with each
+    tensor's name, type, shape and SHA-256 recorded in the metadata (gguf.DIGESTS: the reader verifies them)."""
     path = Path(path)
-    if path.is_dir() or (path.exists() and not force):
-        raise ValueError(f"output {path} exists; choose another path or pass force=True (--force)")
     entries = b"".join(_string(key) + _value(key, value) for key, value in metadata.items())
     metadata = {**metadata, DIGESTS: [f"{name} {kind} {'x'.join(map(str, shape))} "
                                       f"{hashlib.sha256(raw.contiguous().numpy()).hexdigest()}"
@@ -313,17 +311,11 @@ def write_container(path, metadata, tensors, force=False):
                                             GGML_TYPES[kind][0], offset)
         offset += -(-raw.numel() // ALIGNMENT) * ALIGNMENT
     head += bytes(-len(head) % ALIGNMENT)
-    check_free_space(path, len(head) + offset)
-    try:
-        with atomic_file(path) as f:
-            f.write(head)
-            for _, _, _, raw in tensors:
-                f.write(memoryview(raw.contiguous().numpy()))
-                f.write(bytes(-raw.numel() % ALIGNMENT))
-    except OSError as e:
-        if is_disk_full(e):
-            raise space_error(path, len(head) + offset, ran_out=True) from None
-        raise
+    with output_file(path, len(head) + offset, force) as f:
+        f.write(head)
+        for _, _, _, raw in tensors:
+            f.write(memoryview(raw.contiguous().numpy()))
+            f.write(bytes(-raw.numel() % ALIGNMENT))
 
 
 def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, force=False, name="engine",
@@ -335,15 +327,12 @@ def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, for
     Q6_K or Q8_0: a file the size of llama.cpp's). Returns a report: {"types": {GGML type:
     linears}, "fallbacks": {layer: reason}, "offset_shift": Q4_1's largest offset shift in quantization steps}."""
     records = check_records(records)
-    path = Path(path)
-    if path.is_dir():                                              # before any tensor is converted
-        raise ValueError(f"output {path} is a directory; a GGUF file needs a file name (never replaced by one)")
-    if path.exists() and not force:
-        raise ValueError(f"output {path} exists; choose another path or pass force=True (--force)")
-    tensors, report = model_tensors(model, dense_type, fallback, embedding_type)
-    metadata = model_metadata(model.cfg, name)
-    metadata["general.file_type"] = FILE_TYPES[report["types"].most_common(1)[0][0]] if report["types"] else 0
-    metadata.update(tokenizer_metadata(model.cfg, tokenizer))
-    metadata.update(records)
-    write_container(path, metadata, tensors, force)
+    with output_lock(path):                                        # a second writer is refused now, not after it
+        check_output_file(path, force)                             # before any tensor is converted
+        tensors, report = model_tensors(model, dense_type, fallback, embedding_type)
+        metadata = model_metadata(model.cfg, name)
+        metadata["general.file_type"] = FILE_TYPES[report["types"].most_common(1)[0][0]] if report["types"] else 0
+        metadata.update(tokenizer_metadata(model.cfg, tokenizer))
+        metadata.update(records)
+        write_container(path, metadata, tensors, force)
     return {**report, "types": dict(report["types"])}

@@ -28,7 +28,7 @@ from .gguf import load_gguf
 from .gguf_writer import write_gguf
 from ..loaders import load_dense, read_config
 from ..formats.quantized_checkpoints import load_quantized
-from ..safe_writes import check_apart
+from ..safe_writes import check_apart, output_lock
 from ..safetensors_io import checkpoint_records
 
 TARGETS = ("transformers", "vllm", "llama.cpp", "onnx")
@@ -215,8 +215,9 @@ def export_gguf(source, path, dense_type="F32", fallback=None, force=False, embe
     check_apart(source, path)
     records = {k: v for k, v in checkpoint_records(source).items() if k.startswith("engine.calibration")} \
         if Path(source).is_dir() else {}
-    return write_gguf(load_checkpoint(source), path, tokenizer=source, dense_type=dense_type, fallback=fallback,
-                      force=force, records=records, embedding_type=embedding_type)
+    with output_lock(path):                     # from before the load: a second writer is refused at once
+        return write_gguf(load_checkpoint(source), path, tokenizer=source, dense_type=dense_type, fallback=fallback,
+                          force=force, records=records, embedding_type=embedding_type)
 
 
 # ---- tensor parallelism -----------------------------------------------------------------------------------------
