@@ -120,7 +120,7 @@ def test_choose_clip_from_the_gram_matrix_equals_the_per_token_search(in_feature
     x[:, 7] *= 5                                                 # a large input channel
     fast, reference = choose_clip(w, x.T @ x / len(x), 4, group), choose_clip_reference(w, x, 4, group)
     assert (fast < 1).any()
-    assert (fast != reference).float().mean() < 0.01               # float rounding may flip a near-tie
+    assert torch.equal(fast, reference)                            # errors compared in float64 on both sides
 
 
 def test_rtn_quantize_model_replaces_every_linear_but_lm_head(tiny_model):

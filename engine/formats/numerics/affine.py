@@ -115,14 +115,13 @@ def choose_clip_reference(weight, inputs, bits=4, group_size=64, grid=20, max_sh
     auto_clip: each shrink of a grid is tried on every group at once, and err[o, g] = mean_t (x_tg . dw_og)^2.
 
     Clipping a group's range trades a larger error on its few extreme weights for a finer grid for all the others."""
-    x = inputs.reshape(-1, inputs.shape[-1]).float()
-    xg = grouped(x, group_size)                                           # [tokens, groups, G]
+    xg = grouped(inputs.reshape(-1, inputs.shape[-1]), group_size).double()   # [tokens, groups, G]
     wg = grouped(weight, group_size)                                      # [out, groups, G]
-    best_err = torch.full(wg.shape[:2], float("inf"))
+    best_err = torch.full(wg.shape[:2], float("inf"), dtype=torch.float64)
     best = torch.ones(wg.shape[:2])
     for ratio in torch.linspace(1.0, 1.0 - max_shrink, grid):
         clip = torch.full(wg.shape[:2], float(ratio))
-        dw = grouped(fake_quantize(weight, bits, group_size, clip=clip), group_size) - wg
+        dw = (grouped(fake_quantize(weight, bits, group_size, clip=clip), group_size) - wg).double()
         err = torch.einsum("tgk,ogk->tog", xg, dw).pow(2).mean(0)
         better = err < best_err
         best_err, best = torch.where(better, err, best_err), torch.where(better, clip, best)
@@ -132,18 +131,20 @@ def choose_clip_reference(weight, inputs, bits=4, group_size=64, grid=20, max_sh
 def choose_clip(weight, gram, bits=4, group_size=64, grid=20, max_shrink=0.5):
     """choose_clip_reference from the inputs' Gram matrix G = X^T X / tokens [in, in] instead of the inputs:
     mean_t (x_tg . dw_og)^2 = dw_og^T G_g dw_og, G_g the g-th diagonal block of G, so each shrink costs
-    out * in * group_size, not tokens * out * in, and no calibration input is kept (the same choices up to float
-    rounding)."""
+    out * in * group_size, not tokens * out * in, and no calibration input is kept (the same choices).
+
+    Both compare their errors in float64: two shrinks whose errors differ in float32's last bits would otherwise be
+    ordered by the summation order, which differs between the two searches and between CPUs."""
     wg = grouped(weight, group_size)                                      # [out, groups, G]
     groups, size = wg.shape[1:]
     pad = groups * size - gram.shape[0]
-    blocks = F.pad(gram.float(), (0, pad, 0, pad)).reshape(groups, size, groups, size)
+    blocks = F.pad(gram.double(), (0, pad, 0, pad)).reshape(groups, size, groups, size)
     blocks = blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1)              # [groups, G, G]
-    best_err = torch.full(wg.shape[:2], float("inf"))
+    best_err = torch.full(wg.shape[:2], float("inf"), dtype=torch.float64)
     best = torch.ones(wg.shape[:2])
     for ratio in torch.linspace(1.0, 1.0 - max_shrink, grid):
         clip = torch.full(wg.shape[:2], float(ratio))
-        dw = (fake_quantize_grouped(wg, bits, clip) - wg).transpose(0, 1)
+        dw = (fake_quantize_grouped(wg, bits, clip) - wg).transpose(0, 1).double()
         err = (torch.bmm(dw, blocks) * dw).sum(-1).T                      # [out, groups]
         better = err < best_err
         best_err, best = torch.where(better, err, best_err), torch.where(better, clip, best)
