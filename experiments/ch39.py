@@ -40,6 +40,8 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 
 def setup(args):
     """(reference model, calibration ids, evaluation chunks, the reference's scored logits)."""
+    print(f"{args.model}: the model in float32, {args.calib_samples} x {args.calib_len} calibration tokens, and the "
+          f"reference's logits on {args.chunks} x {args.ctx} held-out tokens", file=sys.stderr, flush=True)
     tokenizer = load_tokenizer(args.model)
     corpus = Corpus.from_text(load_corpus(args.text), tokenizer)
     chunks = corpus.eval_chunks(args.ctx, args.chunks)
