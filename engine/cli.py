@@ -95,10 +95,13 @@ def check_kv_cache(args, context, head_dim, flag_context="the model's context"):
 
 
 def kv_summary(spec, cache):
-    """One line: what a stored cache holds against bf16 for the same positions."""
-    held, bf16 = cache.nbytes()["total"], cache.bf16_bytes()
+    """One line: what a stored cache holds against bf16 for the same positions, and the decoded values it keeps."""
+    from engine.formats.kv.kv_store import DECODED_BYTES
+    nbytes, bf16 = cache.nbytes(), cache.bf16_bytes()
+    held, decoded = nbytes["total"], nbytes["decoded"]
     return (f"KV cache {spec}: {held / 2 ** 20:.2f} MiB held for {cache.length} positions, {held / bf16:.1%} of a bf16 "
-            f"cache's {bf16 / 2 ** 20:.2f} MiB")
+            f"cache's {bf16 / 2 ** 20:.2f} MiB" + (f"; besides, {decoded / 2 ** 20:.2f} MiB of its first pages kept "
+                                                  f"decoded (at most {DECODED_BYTES >> 20} MiB)" if decoded else ""))
 
 
 # ---- a real model's calibration ----------------------------------------------------------------------------------
