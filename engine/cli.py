@@ -78,8 +78,8 @@ def check_file_output(path, force, flag="--out"):
 
 
 def check_kv_cache(args, context, head_dim, flag_context="the model's context"):
-    """--kv-cache SPEC -> its quantizer (None without one), parsed before any model loads: heads it cannot code
-    and a window the context cannot pass (nothing would ever be coded) are refused."""
+    """--kv-cache SPEC -> its quantizer (None without one), parsed before any model loads: heads it cannot code,
+    a window the context cannot pass (nothing would ever be coded) and exact keys beyond the context are refused."""
     if getattr(args, "kv_cache", None) is None:
         return None
     from engine.formats.kv.kv_store import parse_kv_spec
@@ -91,6 +91,9 @@ def check_kv_cache(args, context, head_dim, flag_context="the model's context"):
     if quantizer.window >= context:
         raise ValueError(f"--kv-cache {args.kv_cache}: its window of {quantizer.window} exact positions is not shorter "
                          f"than {flag_context} ({context} tokens): nothing would be coded")
+    if quantizer.exact_keys > context:
+        raise ValueError(f"--kv-cache {args.kv_cache}: exact_keys={quantizer.exact_keys} is beyond {flag_context} "
+                         f"({context} tokens)")
     return quantizer
 
 

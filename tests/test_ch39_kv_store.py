@@ -134,7 +134,10 @@ def test_a_corrupted_page_is_detected_by_its_checksum(model32):
     ("e8:3,window=-1", "window=-1: must be an integer >= 0"), ("e8:3,window=a", "window='a' is not int"),
     ("e8:3,rotation=haar", "rotation must be one of"), ("q4_0:2", "q4_0 takes no ':' value"),
     ("kivi:3", "kivi takes 2 or 4 bits"), ("fp8:channel", "fp8 scale must be one of"),
-    ("kivi:2,group=32,window=8", "need window >= 31"), ("bf16,exact_keys=2", "not an option of bf16")])
+    ("kivi:2,group=32,window=8", "need window >= 31"), ("bf16,exact_keys=2", "not an option of bf16"),
+    ("e8:3,window=4,window=8", "window is given twice"), ("q4_0,rotation=none,rotation=none", "rotation is given twice"),
+    (f"e8:3,seed={2 ** 70}", rf"seed={2 ** 70}: must be an integer from 0 to 2\*\*32 - 1"),
+    ("e8:3,seed=-1", r"seed=-1: must be an integer from 0 to 2\*\*32 - 1")])
 def test_bad_specs_are_refused_naming_the_problem(spec, message):
     with pytest.raises(ValueError, match=message) as refused:
         kv_store.parse_kv_spec(spec)

@@ -25,7 +25,8 @@ pages hold. A kept page is read, and its CRCs checked, once.
 
 SPEC (parse_kv_spec): NAME[:VALUE][,key=value...]
     e8:3 d4:3.5 a2:4 z:5    HyperQuant's lattice at that many Rice bits per scalar; rotation qjl (none, signs),
-                            window 32, exact_keys 0, seed 0 (dither is refused: its noise is drawn, not stored)
+                            window 32, exact_keys 0, seed 0 (up to 2**32 - 1; dither is refused: its noise is
+                            drawn, not stored)
     q8_0 q4_0               llama.cpp's cache types (window 0; rotation hadamard and key_order auto: as llama.cpp
                             stores them for the model; rotation=none: before its PR 21038)
     fp8 fp8:head            vLLM's fp8 (E4M3), one scale per layer's call or per KV head (window 0)
@@ -314,7 +315,8 @@ NAMES = {**{lat.lower(): "lattice" for lat in LATTICES}, "q8_0": "ggml", "q4_0":
 
 
 def parse_kv_spec(spec):
-    """SPEC (module docstring) -> a KV quantizer; ValueError naming what is wrong, and the SPEC."""
+    """SPEC (module docstring) -> a KV quantizer; ValueError naming what is wrong (an option given twice too), and
+    the SPEC."""
     try:
         return _parse(spec)
     except ValueError as e:
@@ -337,6 +339,8 @@ def _parse(spec):
         if not eq or key not in types:
             raise ValueError(f"--kv-cache {spec}: {item!r} is not an option of {name} (key=value, keys: "
                              f"{', '.join(types)})")
+        if key in options:
+            raise ValueError(f"--kv-cache {spec}: {key} is given twice")
         try:
             options[key] = types[key](raw)
         except ValueError:
