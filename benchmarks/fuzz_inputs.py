@@ -1,9 +1,10 @@
 """Fuzz campaign, part 4: what a user types (benchmarks/fuzz.py --input-cases N runs it; alone: this file).
 
-    python benchmarks/fuzz_inputs.py [--cases 120] [--kinds options calib tokenizer] [--seed 0] [--timeout 120]
+    python benchmarks/fuzz_inputs.py [--cases 120] [--kinds options calib tokenizer kvcache] [--seed 0]
+                                     [--timeout 120]
 
-Each case is one `run.py quantize --model M` command, in its own process, on a small random model M (a dense
-Hugging Face folder with the byte tokenizer), with one hostile input:
+Each case is one `run.py quantize --model M` command (`run.py generate --model M` for kvcache), in its own process,
+on a small random model M (a dense Hugging Face folder with the byte tokenizer), with one hostile input:
   options    one of a method's keywords (--option KEY=VALUE, or the flags --bits, --group-size, --order, --bpw)
              given a value from HOSTILE (zero, negative, 1e300, NaN, 2^63, JSON lists and objects, empty and long
              text, ...) or its default; or a key misspelled, unknown, or another method's; in 3 cases of 10 with a
@@ -13,13 +14,18 @@ Hugging Face folder with the byte tokenizer), with one hostile input:
              --calib-len from SIZES
   tokenizer  M's tokenizer.json with an added token of an id from TOKEN_IDS (the vocabulary size, 10^6, 2^31-1,
              -1, 2^63, "7", 1.5, null) or an added-token list broken in another way (BROKEN_TOKENIZERS)
+  kvcache    generate's --kv-cache SPEC: a cache name of KV_NAMES with up to three options (its own, or of KV_KEYS),
+             each given a value from HOSTILE or a plain one, in 1 case of 4 one key given twice; half with a
+             --prefill-chunk from SIZES or 1 (a one-token-at-a-time read of the 180-token prompt)
 
 Outcomes:
   refused        exit 1 with one `error:` line on stderr, the last (after what the run logs as it goes), or
                  argparse's usage and its error: line (exit 2); no traceback; before any of M's weights was read
   refused-late   the same, but after M's weights were read (a value checked only once the model is loaded)
-  accepted       exit 0, and the checkpoint written loads with every weight finite
-  broken         exit 0, but what was written does not load or holds non-finite weights
+  accepted       exit 0, and the checkpoint written loads with every weight finite (kvcache: the run reports
+                 its cache)
+  broken         exit 0, but what was written does not load or holds non-finite weights (kvcache: or the SPEC
+                 gives a key twice or exact_keys beyond M's context, which must be refused)
   traceback      anything else: a traceback, more lines, another exit code
   hang           no exit within the timeout
   memory         an allocation failure, or a run that did not exit 0 with its peak RSS over --memory-gib (1 by
@@ -46,12 +52,13 @@ sys.path.insert(0, str(ROOT))
 
 from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import byte_tokenizer, export_tokenizer, load_tokenizer  # noqa: E402
+from engine.formats.kv import kv_store  # noqa: E402
 from engine.formats.numerics.base import QuantLinear  # noqa: E402
 from engine.formats.quantized_checkpoints import method_options  # noqa: E402
 from engine.loaders import save_dense  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 
-KINDS = ("options", "calib", "tokenizer")
+KINDS = ("options", "calib", "tokenizer", "kvcache")
 OUTCOMES = ("refused", "refused-late", "accepted", "broken", "traceback", "hang", "memory")
 FAILURES = ("refused-late", "broken", "traceback", "hang", "memory")
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -74,6 +81,9 @@ CALIB_FILES = ("empty", "one-byte", "random", "invalid-utf8", "nuls", "sparse-2g
                "dangling", "unreadable", "prose", "self", "self+prose")
 TOKEN_IDS = (256, 255, 1_000_000, 2 ** 31 - 1, 2 ** 31, -1, 2 ** 63, "7", 1.5, None)
 BROKEN_TOKENIZERS = ("duplicate-id", "no-content", "not-a-list", "not-json", "empty-content", "huge-content")
+KV_NAMES = ("e8:3", "d4:2.5", "z:4", "e8", "e9:3", "q4_0", "fp8", "fp8:head", "kivi:2", "kivi:3", "bf16", "")
+KV_KEYS = ("window", "exact_keys", "seed", "rotation", "group", "key_order", "bogus")
+KV_PLAIN = ("0", "4", "8", "32", "288", "none", "signs", "qjl")          # 288: beyond M's context
 # Runs run.py with TensorReader.read (every read of a safetensors tensor) first touching $FUZZ_READ.
 WATCH = """import os, runpy, sys
 from engine import safetensors_io
@@ -107,8 +117,10 @@ def input_cases(n, kinds=KINDS, seed=0):
             for flag in ("--calib-samples", "--calib-len"):
                 case["flags"] += [flag, rng.choice(SIZES) if rng.random() < 0.5 else {"--calib-samples": "4",
                                                                                     "--calib-len": "32"}[flag]]
-        else:
+        elif kind == "tokenizer":
             case["tokenizer"] = rng.choice([*TOKEN_IDS, *BROKEN_TOKENIZERS])
+        else:
+            _fuzz_kv_cache(case, rng)
         cases.append(case)
     return cases
 
@@ -135,7 +147,23 @@ def _fuzz_option(case, rng):
         case["flags"] += [flag, rng.choice(OTHER_FLAGS[flag])]
 
 
+def _fuzz_kv_cache(case, rng):
+    name = rng.choice(KV_NAMES)
+    kind = kv_store.NAMES.get(name.partition(":")[0])
+    keys = list(kv_store.OPTIONS[kind]) if kind and rng.random() < 0.8 else list(KV_KEYS)     # mostly its own
+    items = [f"{key}={rng.choice(HOSTILE if rng.random() < 0.5 else KV_PLAIN)}"
+             for key in rng.sample(keys, min(len(keys), rng.randint(0, 3)))]
+    if items and rng.random() < 0.25:                 # one key twice
+        items.append(items[0].partition("=")[0] + "=" + rng.choice(KV_PLAIN))
+    case["kv_cache"] = ",".join([name, *items])
+    if rng.random() < 0.5:
+        case["flags"] += ["--prefill-chunk", rng.choice(("1", *SIZES))]
+
+
 def argv(case, model, out, calib_file):
+    if case["kind"] == "kvcache":
+        return ["generate", "--model", str(model), "--prompt-file", str(out.parent / "prompt.txt"),
+                "--max-new-tokens", "2", "--kv-cache", case["kv_cache"], *case["flags"]]
     if {"llama.cpp", "gguf"} & set(case["flags"]):
         out = out.with_suffix(".gguf")
     args = ["quantize", "--model", str(model), "--method", case["method"], "--out", str(out)]
@@ -220,6 +248,8 @@ def run_case(case, model, scratch, timeout=120.0, memory_gib=1.0):
         shutil.copytree(model, source)
         break_tokenizer(source, case["tokenizer"])
     calib = calib_source(case["calib"], scratch, random.Random(case["seed"])) if case["calib"] else None
+    if case["kind"] == "kvcache":
+        (scratch / "prompt.txt").write_text("The quick brown fox jumps over the lazy dog. " * 4)     # 180 tokens
     out, marker = scratch / "out", scratch / "read"
     env = dict(os.environ, FUZZ_READ=str(marker), PYTHONPATH=str(ROOT), TQDM_DISABLE="1", OMP_NUM_THREADS="1")
     limit = int(4 * memory_gib * (1 << 30)) + (3 << 30)     # address space: torch maps far more than it touches
@@ -249,7 +279,7 @@ def run_case(case, model, scratch, timeout=120.0, memory_gib=1.0):
     if "can't allocate memory" in text or "MemoryError" in text:
         return "memory", detail, seconds, peak
     if process.returncode == 0:
-        return _accepted(out, case), detail, seconds, peak
+        return (_kv_accepted(case, text) if case["kind"] == "kvcache" else _accepted(out, case)), detail, seconds, peak
     if peak > memory_gib * (1 << 30):                     # what a refusal or a failure may cost
         return "memory", f"peak RSS {peak / 2 ** 30:.2f} GiB; {detail}", seconds, peak
     usage_error = process.returncode == 2 and lines and lines[0].startswith("usage:") and "error:" in lines[-1]
@@ -270,6 +300,24 @@ def _accepted(out, case):
     except ValueError:
         return "broken"
     return "accepted" if weights_finite(model) and max(ids) < model.cfg.vocab_size else "broken"
+
+
+def _kv_accepted(case, stderr):
+    """A generate run that reports its cache, for a SPEC that gives no key twice and no exact_keys beyond M's
+    context (the value it cannot mean)."""
+    items = [item.partition("=") for item in case["kv_cache"].split(",")[1:]]
+    keys = [key for key, _, _ in items]
+    beyond = any(key == "exact_keys" and _number(value) > CONFIG["max_position_embeddings"] for key, _, value in items)
+    reported = f"KV cache {case['kv_cache']}: " in stderr
+    return "accepted" if reported and len(set(keys)) == len(keys) and not beyond else "broken"
+
+
+def _number(text):
+    """int(text) as the SPEC parser reads it; -1 for what it does not read as an integer."""
+    try:
+        return int(text)
+    except ValueError:
+        return -1
 
 
 def campaign(root, n, kinds=KINDS, seed=0, timeout=120.0, memory_gib=1.0, workers=2, progress=None):
@@ -300,8 +348,9 @@ def campaign(root, n, kinds=KINDS, seed=0, timeout=120.0, memory_gib=1.0, worker
 def describe(case):
     what = {"options": " ".join([*(f"{k}={v[:40]!r}" for k, v in case["options"].items()), *case["flags"]]),
             "calib": f"--calib {case['calib']} {' '.join(case['flags'])}",
-            "tokenizer": f"added token {case['tokenizer']!r}"}[case["kind"]]
-    return f"{case['kind']} {case['method']} {what}"
+            "tokenizer": f"added token {case['tokenizer']!r}",
+            "kvcache": f"--kv-cache {case.get('kv_cache', '')[:80]!r} {' '.join(case['flags'])}"}[case["kind"]]
+    return f"{case['kind']} {what}" if case["kind"] == "kvcache" else f"{case['kind']} {case['method']} {what}"
 
 
 def report(results):

@@ -79,8 +79,8 @@ def check_file_output(path, force, flag="--out"):
 
 
 def check_kv_cache(args, context, head_dim, flag_context="the model's context"):
-    """--kv-cache SPEC -> its quantizer (None without one), parsed before any model loads: heads it cannot code
-    and a window the context cannot pass (nothing would ever be coded) are refused."""
+    """--kv-cache SPEC -> its quantizer (None without one), parsed before any model loads: heads it cannot code,
+    a window the context cannot pass (nothing would ever be coded) and exact keys beyond the context are refused."""
     if getattr(args, "kv_cache", None) is None:
         return None
     from engine.formats.kv.kv_store import parse_kv_spec
@@ -92,14 +92,20 @@ def check_kv_cache(args, context, head_dim, flag_context="the model's context"):
     if quantizer.window >= context:
         raise ValueError(f"--kv-cache {args.kv_cache}: its window of {quantizer.window} exact positions is not shorter "
                          f"than {flag_context} ({context} tokens): nothing would be coded")
+    if quantizer.exact_keys > context:
+        raise ValueError(f"--kv-cache {args.kv_cache}: exact_keys={quantizer.exact_keys} is beyond {flag_context} "
+                         f"({context} tokens)")
     return quantizer
 
 
 def kv_summary(spec, cache):
-    """One line: what a stored cache holds against bf16 for the same positions."""
-    held, bf16 = cache.nbytes()["total"], cache.bf16_bytes()
+    """One line: what a stored cache holds against bf16 for the same positions, and the decoded values it keeps."""
+    from engine.formats.kv.kv_store import DECODED_BYTES
+    nbytes, bf16 = cache.nbytes(), cache.bf16_bytes()
+    held, decoded = nbytes["total"], nbytes["decoded"]
     return (f"KV cache {spec}: {held / 2 ** 20:.2f} MiB held for {cache.length} positions, {held / bf16:.1%} of a bf16 "
-            f"cache's {bf16 / 2 ** 20:.2f} MiB")
+            f"cache's {bf16 / 2 ** 20:.2f} MiB" + (f"; besides, {decoded / 2 ** 20:.2f} MiB of its first pages kept "
+                                                  f"decoded (at most {DECODED_BYTES >> 20} MiB)" if decoded else ""))
 
 
 # ---- a real model's calibration ----------------------------------------------------------------------------------

@@ -70,14 +70,57 @@ def test_the_triton_decoder_reads_the_pages_as_numpy_does(model32):
     assert torch.equal(*logits)
 
 
+def pages_read(quantizer):
+    """Count the pages a stored cache reads back (quantizer.unpack_many's pages): [count]."""
+    count, unpack_many = [0], quantizer.unpack_many
+
+    def counting(items, **options):
+        count[0] += sum(len(pages.starts[next(iter(pages))]) for pages, _ in items)
+        return unpack_many(items, **options)
+    quantizer.unpack_many = counting
+    return count
+
+
+@pytest.mark.parametrize("spec", ["e8:3,window=4", "q4_0"])
+def test_one_token_steps_decode_each_page_once(model32, spec):
+    """136 one-token steps fill 4 pages of 32 tokens per layer's K and V: each is read back once, not again on
+    every later step (912 page reads here, growing as N^2: a long prompt read one token at a time hung)."""
+    quantizer = kv_store.parse_kv_spec(spec)
+    read = pages_read(quantizer)
+    cache = kv_store.install(model32, quantizer, page_tokens=32)
+    chunked(model32, ids(1, 136), 1, cache)
+    assert read[0] == 16
+    assert [len(arena.starts) for s in cache.layers for part in s.parts for arena in part.arenas.values()] == [4] * (
+        2 * 2 * len(cache.layers[0].parts[0].arenas))
+    assert cache.nbytes()["decoded"] == 16 * 32 * 2 * 32 * 4                 # pages, tokens, heads, d, float32
+
+
+def test_the_decoded_pages_kept_stay_within_their_bound(model32):
+    """decoded_bytes bounds the values kept (the first pages that fit); the others are read back on every step,
+    and what attention sees is the same whatever the bound."""
+    x, page = ids(1, 136), 32 * 2 * 32 * 4                                  # one page's values: 8 KiB
+    logits, reads = [], []
+    for bound in (0, 5 * page + 100, kv_store.DECODED_BYTES):
+        quantizer = kv_store.parse_kv_spec("q4_0")
+        reads.append(pages_read(quantizer))
+        cache = kv_store.install(model32, quantizer, page_tokens=32, decoded_bytes=bound)
+        logits.append(chunked(model32, x, 1, cache))
+        assert cache.nbytes()["decoded"] == min(bound // page, 16) * page
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    assert reads[0][0] > reads[1][0] > reads[2][0] == 16
+    with pytest.raises(ValueError, match="decoded_bytes=-1: must be an integer >= 0"):
+        kv_store.install(model32, kv_store.parse_kv_spec("q4_0"), decoded_bytes=-1)
+
+
 def test_a_corrupted_page_is_detected_by_its_checksum(model32):
+    """Pages read back on every step (decoded_bytes=0; a kept page is read once, when it is written)."""
     x = ids(1, 130)
-    cache = kv_store.install(model32, kv_store.parse_kv_spec("e8:3,window=0"))
+    cache = kv_store.install(model32, kv_store.parse_kv_spec("e8:3,window=0"), decoded_bytes=0)
     chunked(model32, x[:, :128], 64, cache)
     cache.layers[1].parts[0].arenas["payload"].data[10] ^= 0x40
     with pytest.raises(ValueError, match="layer 1 K payload, page 0: checksum mismatch"):
         chunked(model32, x[:, 128:], 2, cache)
-    q4 = kv_store.install(model32, kv_store.parse_kv_spec("q4_0"))
+    q4 = kv_store.install(model32, kv_store.parse_kv_spec("q4_0"), decoded_bytes=0)
     chunked(model32, x[:, :128], 64, q4)
     q4.layers[0].parts[1].arenas["blocks"].data[-1] ^= 1
     with pytest.raises(ValueError, match="layer 0 V blocks, page 1: checksum mismatch"):
@@ -91,7 +134,10 @@ def test_a_corrupted_page_is_detected_by_its_checksum(model32):
     ("e8:3,window=-1", "window=-1: must be an integer >= 0"), ("e8:3,window=a", "window='a' is not int"),
     ("e8:3,rotation=haar", "rotation must be one of"), ("q4_0:2", "q4_0 takes no ':' value"),
     ("kivi:3", "kivi takes 2 or 4 bits"), ("fp8:channel", "fp8 scale must be one of"),
-    ("kivi:2,group=32,window=8", "need window >= 31"), ("bf16,exact_keys=2", "not an option of bf16")])
+    ("kivi:2,group=32,window=8", "need window >= 31"), ("bf16,exact_keys=2", "not an option of bf16"),
+    ("e8:3,window=4,window=8", "window is given twice"), ("q4_0,rotation=none,rotation=none", "rotation is given twice"),
+    (f"e8:3,seed={2 ** 70}", rf"seed={2 ** 70}: must be an integer from 0 to 2\*\*32 - 1"),
+    ("e8:3,seed=-1", r"seed=-1: must be an integer from 0 to 2\*\*32 - 1")])
 def test_bad_specs_are_refused_naming_the_problem(spec, message):
     with pytest.raises(ValueError, match=message) as refused:
         kv_store.parse_kv_spec(spec)

@@ -364,6 +364,10 @@ def test_bad_kv_cache_arguments_are_one_line_before_any_model_loads(tmp_path, ti
              (["eval", "--kv-cache", "q4_0"], "--kv-cache evaluates a real model's cache"),
              (["eval", "--model", str(tmp_path / "dense"), "--kv-cache", "e8:3", "--ctx", "32"],
               "is not shorter than --ctx (32 tokens)"),
+             (["generate", "--prompt", "The", "--kv-cache", "e8:3,exact_keys=8192"],
+              "--kv-cache e8:3,exact_keys=8192: exact_keys=8192 is beyond the model's context (4096 tokens)"),
+             (["eval", "--model", str(tmp_path / "dense"), "--kv-cache", "e8:3,exact_keys=128", "--ctx", "64"],
+              "exact_keys=128 is beyond --ctx (64 tokens)"),
              (["eval", "--model", str(tmp_path / "dense"), "--kv-cache", "q4_0"],
               "q4_0 needs head_dim to be a multiple of 32, got 16")]
     for argv, message in cases:

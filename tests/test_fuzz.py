@@ -48,9 +48,9 @@ def test_writer_faults_lose_and_mix_nothing(tmp_path):
 
 @pytest.mark.parametrize("kind", fuzz_inputs.KINDS)
 def test_what_a_user_types_is_refused_early_in_one_line_or_accepted_and_loads(tmp_path, kind):
-    """30 commands of one kind (option values, calibration files, tokenizers' added-token ids): each refused with
-    one error: line before the model's weights are read, under 1 GiB and the timeout, or accepted with a checkpoint
-    that loads finite. Faults of these kinds the campaign found at larger sizes, now fixed: bpw=x a TypeError, an
+    """30 commands of one kind (option values, calibration files, tokenizers' added-token ids, --kv-cache SPECs):
+    each refused with one error: line before the model's weights are read, under 1 GiB and the timeout, or accepted
+    with a checkpoint that loads finite (a generate run that reports its cache). Faults of these kinds the campaign found at larger sizes, now fixed: bpw=x a TypeError, an
     added token on id 255 accepted, --format gguf to a name without .gguf, nf4 for llama.cpp refused after the load;
     a seed of 30 is a sample, so the tests that pin each fix live beside its code."""
     results = fuzz_inputs.campaign(tmp_path, 30, (kind,), seed=0, timeout=120, memory_gib=1.0, workers=2)

@@ -154,6 +154,7 @@ def install(model, quantizer):
 # ---- HyperQuant's lattice KV ----------------------------------------------------------------------------------
 
 ROTATIONS = ("none", "signs", "qjl")
+SEEDS = 2 ** 32             # seeds 0 .. 2^32 - 1: what they derive (seed * 1009 + layer...) fits torch's generator
 
 
 def haar_orthogonal(n, generator):
@@ -182,6 +183,8 @@ class KVQuantizer(KVHook):
                  exact_keys=0):
         if rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {rotation!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEEDS:
+            raise ValueError(f"seed={seed!r}: must be an integer from 0 to 2**32 - 1")
         super().__init__(window, exact_keys)
         self.lat = get_lattice(lattice)
         self.bps, self.rotation, self.dither, self.seed = bps, rotation, dither, seed

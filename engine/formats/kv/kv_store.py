@@ -17,9 +17,16 @@ kernel=True), then the format's decode. Attention then sees what the simulated h
 is within the window, decoded ones elsewhere; the positions whose exact values are gone are read by no query.
 Memory is what the pages, the tail and the window hold (nbytes), against bf16_bytes, a bf16 cache of the length.
 
+A page never changes once written, so decoding it again each step would only repeat work (one-token steps would
+cost a decode of the whole context each: quadratic). The cache keeps the decoded values of its first pages, up to
+`decoded_bytes` (DECODED_BYTES by default: a 4096-token context of the book's tiny model, four times over), and
+reads back only the pages past them; nbytes reports these values apart ("decoded"), a bounded copy of what the
+pages hold. A kept page is read, and its CRCs checked, once.
+
 SPEC (parse_kv_spec): NAME[:VALUE][,key=value...]
     e8:3 d4:3.5 a2:4 z:5    HyperQuant's lattice at that many Rice bits per scalar; rotation qjl (none, signs),
-                            window 32, exact_keys 0, seed 0 (dither is refused: its noise is drawn, not stored)
+                            window 32, exact_keys 0, seed 0 (up to 2**32 - 1; dither is refused: its noise is
+                            drawn, not stored)
     q8_0 q4_0               llama.cpp's cache types (window 0; rotation hadamard and key_order auto: as llama.cpp
                             stores them for the model; rotation=none: before its PR 21038)
     fp8 fp8:head            vLLM's fp8 (E4M3), one scale per layer's call or per KV head (window 0)
@@ -39,6 +46,7 @@ from .kv_cache import KVHook, KVQuantizer
 
 PAGE_TOKENS = 64           # at least this many tokens per page (metadata and checks are per page)
 DECODE_PAGES = 16          # pages' worth of tokens decoded at once
+DECODED_BYTES = 32 << 20   # decoded values of the first pages kept, per cache (module docstring)
 
 
 class Arena:
@@ -53,12 +61,13 @@ class Arena:
         self.crcs.append(zlib.crc32(raw))
         self.data += raw.tobytes()
 
-    def read(self, what):
-        """Every page's bytes (a copy), after checking each page's CRC32."""
-        data = np.frombuffer(self.data, np.uint8).copy()
-        ends = list(self.starts[1:]) + [len(data)]
-        for page, (start, end, crc) in enumerate(zip(self.starts, ends, self.crcs)):
-            if zlib.crc32(data[start:end]) != crc:
+    def read(self, what, first=0):
+        """The bytes of pages first.. (a copy), after checking each one's CRC32."""
+        offset = self.starts[first]
+        data = np.frombuffer(self.data, np.uint8, offset=offset).copy()
+        starts = [start - offset for start in self.starts[first:]]
+        for page, start, end in zip(range(first, len(self.starts)), starts, starts[1:] + [len(data)]):
+            if zlib.crc32(data[start:end]) != self.crcs[page]:
                 raise ValueError(f"KV cache {what}, page {page}: checksum mismatch (the stored codes are corrupt)")
         return data
 
@@ -68,19 +77,24 @@ class Arena:
 
 
 class Pages(dict):
-    """{name: every page's bytes} as a format's unpack reads them, with .starts {name: each page's first byte}."""
+    """{name: the bytes of pages first..} as a format's unpack reads them, with .starts {name: each page's first
+    byte in them}."""
 
-    def __init__(self, arenas, what):
-        super().__init__((name, arena.read(f"{what} {name}")) for name, arena in arenas.items())
-        self.starts = {name: np.array(arena.starts, dtype=np.int64) for name, arena in arenas.items()}
+    def __init__(self, arenas, what, first=0):
+        super().__init__((name, arena.read(f"{what} {name}", first)) for name, arena in arenas.items())
+        self.starts = {name: np.array(arena.starts[first:], dtype=np.int64) - arena.starts[first]
+                       for name, arena in arenas.items()}
 
 
 class CodedPart:
-    """One layer's K (which 0) or V (1): its pages, and the tail not yet paged."""
+    """One layer's K (which 0) or V (1): its pages, the values of the first ones decoded, and the tail not yet
+    paged."""
 
     def __init__(self, quantizer, layer, which, page_tokens):
         self.quantizer, self.layer, self.which, self.page_tokens = quantizer, layer, which, page_tokens
         self.arenas, self.like, self.tail, self.tail_tokens, self.sealed = {}, None, None, 0, 0
+        self.ends = array("q")                       # each page's end (tokens)
+        self.kept, self.kept_pages = None, 0         # x_hat [B, kv_heads, n, d] of the first kept_pages pages
 
     def append(self, codes, tokens):
         self.tail = codes if self.tail is None else {k: torch.cat((self.tail[k], t), 2) for k, t in codes.items()}
@@ -94,37 +108,56 @@ class CodedPart:
             self.tail = {k: t.clone() for k, t in _cut(self.tail, self.tail_tokens, sealed, self.tail_tokens).items()}
             self.tail_tokens -= sealed
             self.sealed += sealed
+            self.ends.append(self.sealed)
 
     @property
     def coded(self):
         return bool(self.arenas) or self.tail_tokens > 0
 
-    def pages(self):
-        return Pages(self.arenas, f"layer {self.layer} {'KV'[self.which]}"), self.like
+    @property
+    def unread(self):
+        """Pages whose values are not kept: read back on every step."""
+        return len(self.ends) - self.kept_pages
 
-    def decoded(self, unpacked, dtype):
-        """x_hat [B, kv_heads, coded positions, d] (dtype) of every page (unpacked: their codes, or None) and the
-        tail, decoded DECODE_PAGES pages' worth of tokens at a time, so that the decoders' wide temporaries stay
-        that small whatever the context."""
-        step = DECODE_PAGES * self.page_tokens
-        parts = [] if unpacked is None else [_cut(unpacked, self.sealed, first, min(first + step, self.sealed))
-                                             for first in range(0, self.sealed, step)]
-        parts += [self.tail] if self.tail_tokens else []
-        return torch.cat([self.quantizer.decode(codes, self.layer, self.which).to(dtype) for codes in parts], 2)
+    def pages(self):
+        """The unread pages' bytes, and `like`."""
+        return Pages(self.arenas, f"layer {self.layer} {'KV'[self.which]}", self.kept_pages), self.like
+
+    def decoded(self, unpacked, dtype, room):
+        """(x_hat [B, kv_heads, coded positions, d] in dtype, bytes newly kept): the kept values, then the unread
+        pages (unpacked: their codes, or None) decoded DECODE_PAGES pages' worth of tokens at a time, so that the
+        decoders' wide temporaries stay that small whatever the context, then the tail. Of the unread pages, the
+        first ones that `room` bytes hold are kept from now on."""
+        first = self.ends[self.kept_pages - 1] if self.kept_pages else 0
+        n, step = self.sealed - first, DECODE_PAGES * self.page_tokens
+        fresh = [] if unpacked is None else [self._decode(_cut(unpacked, n, i, min(i + step, n)), dtype)
+                                             for i in range(0, n, step)]
+        pieces, kept = [] if self.kept is None else [self.kept], 0
+        if fresh:
+            x = fresh[0] if len(fresh) == 1 else torch.cat(fresh, 2)
+            ends = np.frombuffer(self.ends, np.int64)[self.kept_pages:] - first
+            per_token = x[:, :, :1].numel() * x.element_size()
+            fit = int(np.count_nonzero(ends * per_token <= room))          # ends grow: a prefix of the pages
+            if fit:
+                tokens = int(ends[fit - 1])
+                kept = tokens * per_token                     # a copy (cat): a view would hold all of x's storage
+                self.kept = torch.cat((x[:, :, :0] if self.kept is None else self.kept, x[:, :, :tokens]), 2)
+                self.kept_pages += fit
+                pieces, x = [self.kept], x[:, :, tokens:]
+            pieces.append(x)
+        if self.tail_tokens:
+            pieces.append(self._decode(self.tail, dtype))
+        return torch.cat(pieces, 2), kept
+
+    def _decode(self, codes, dtype):
+        return self.quantizer.decode(codes, self.layer, self.which).to(dtype)
 
     @property
     def nbytes(self):
+        """(pages, tail, decoded) bytes."""
         tail = 0 if self.tail is None else sum(t.numel() * t.element_size() for t in self.tail.values())
-        return sum(a.nbytes for a in self.arenas.values()), tail
-
-
-def decoded_parts(parts, dtype, kernel=False):
-    """[part] -> each one's x_hat in dtype (None for a part with no codes), the pages of all unpacked together."""
-    paged = [part for part in parts if part.arenas]
-    options = {"kernel": True} if kernel else {}
-    unpacked = parts[0].quantizer.unpack_many([part.pages() for part in paged], **options) if paged else []
-    codes = dict(zip(map(id, paged), unpacked))
-    return [part.decoded(codes.get(id(part)), dtype) if part.coded else None for part in parts]
+        decoded = 0 if self.kept is None else self.kept.numel() * self.kept.element_size()
+        return sum(a.nbytes for a in self.arenas.values()), tail, decoded
 
 
 def _cut(codes, tokens, first, last):
@@ -141,9 +174,10 @@ class LayerStore:
 
 class StoredKVCache:
     """A KV cache for Qwen3.generate / forward that stores `quantizer`'s codes (module docstring). The model's
-    windowed hook must be this quantizer (kv_store.install)."""
+    windowed hook must be this quantizer (kv_store.install). decoded_bytes: how many bytes of its first pages'
+    decoded values it keeps (0: every page is read back on every step)."""
 
-    def __init__(self, num_layers, quantizer, kernel=False, page_tokens=None):
+    def __init__(self, num_layers, quantizer, kernel=False, page_tokens=None, decoded_bytes=DECODED_BYTES):
         if not isinstance(quantizer, KVHook):
             raise ValueError(f"a stored KV cache needs one of the engine's KV quantizers, got {type(quantizer)}")
         if getattr(quantizer, "dither", False):
@@ -155,7 +189,10 @@ class StoredKVCache:
                                         or page_tokens < 1 or page_tokens % quantizer.block):
             raise ValueError(f"page_tokens={page_tokens!r}: must be a positive multiple of the quantizer's "
                              f"{quantizer.block}-token block")
+        if isinstance(decoded_bytes, bool) or not isinstance(decoded_bytes, int) or decoded_bytes < 0:
+            raise ValueError(f"decoded_bytes={decoded_bytes!r}: must be an integer >= 0")
         self.quantizer, self.kernel, self.page_tokens = quantizer, kernel, page_tokens
+        self.room = decoded_bytes                     # what is left of decoded_bytes
         self.layers = [None] * num_layers
 
     @property
@@ -198,7 +235,7 @@ class StoredKVCache:
         if length - s.coded > window:
             raise ValueError(f"the KV transform left {length - s.coded} positions uncoded, more than its window "
                              f"of {window}")
-        k_coded, v_coded = decoded_parts(s.parts, k.dtype, self.kernel)
+        k_coded, v_coded = self._read(s.parts, k.dtype)
         k_coded = k[:, :, :0] if k_coded is None else k_coded
         v_coded = v[:, :, :0] if v_coded is None else v_coded
         if s.first_k is not None:
@@ -212,17 +249,32 @@ class StoredKVCache:
         s.first_exact, s.length = keep, length
         return k_all, v_all, k_hat, v_hat
 
+    def _read(self, parts, dtype):
+        """[part] -> each one's x_hat in dtype (None for a part with no codes): the unread pages of all unpacked
+        together (a layer's K and V in one lockstep), the ones that fit what is left of decoded_bytes kept."""
+        unread = [part for part in parts if part.unread]
+        options = {"kernel": True} if self.kernel else {}
+        unpacked = self.quantizer.unpack_many([part.pages() for part in unread], **options) if unread else []
+        codes = dict(zip(map(id, unread), unpacked))
+        out = []
+        for part in parts:
+            x_hat, kept = part.decoded(codes.get(id(part)), dtype, self.room) if part.coded else (None, 0)
+            self.room -= kept
+            out.append(x_hat)
+        return out
+
     def nbytes(self):
         """Resident bytes: {"pages", "tail", "exact", "total"} (the codes' arrays and checks, the unpaged codes,
-        the exact window and first keys)."""
-        pages = tail = exact = 0
+        the exact window and first keys: what the cache stores) and "decoded" (the kept values of its first pages,
+        at most decoded_bytes: a copy of what those pages hold, apart from the total)."""
+        pages = tail = exact = decoded = 0
         for s in filter(None, self.layers):
             for part in s.parts:
-                p, t = part.nbytes
-                pages, tail = pages + p, tail + t
+                p, t, d = part.nbytes
+                pages, tail, decoded = pages + p, tail + t, decoded + d
             for t in (s.exact_k, s.exact_v, s.first_k):
                 exact += 0 if t is None else t.numel() * t.element_size()
-        return {"pages": pages, "tail": tail, "exact": exact, "total": pages + tail + exact}
+        return {"pages": pages, "tail": tail, "exact": exact, "total": pages + tail + exact, "decoded": decoded}
 
     def bf16_bytes(self):
         """What a bf16 cache of the same positions holds: 2 bytes per K and V scalar."""
@@ -233,11 +285,11 @@ class StoredKVCache:
         return 2 * 2 * b * h * d * s.length * len(self.layers)
 
 
-def install(model, quantizer, kernel=False, page_tokens=None):
+def install(model, quantizer, kernel=False, page_tokens=None, decoded_bytes=DECODED_BYTES):
     """Put quantizer on the model's windowed KV hook and return an empty StoredKVCache for it (one per sequence)."""
     quantizer.adopt(model.cfg)
     model.set_kv_transform(quantizer, window=quantizer.window)
-    return StoredKVCache(model.cfg.num_hidden_layers, quantizer, kernel, page_tokens)
+    return StoredKVCache(model.cfg.num_hidden_layers, quantizer, kernel, page_tokens, decoded_bytes)
 
 
 @torch.no_grad()
@@ -263,7 +315,8 @@ NAMES = {**{lat.lower(): "lattice" for lat in LATTICES}, "q8_0": "ggml", "q4_0":
 
 
 def parse_kv_spec(spec):
-    """SPEC (module docstring) -> a KV quantizer; ValueError naming what is wrong, and the SPEC."""
+    """SPEC (module docstring) -> a KV quantizer; ValueError naming what is wrong (an option given twice too), and
+    the SPEC."""
     try:
         return _parse(spec)
     except ValueError as e:
@@ -286,6 +339,8 @@ def _parse(spec):
         if not eq or key not in types:
             raise ValueError(f"--kv-cache {spec}: {item!r} is not an option of {name} (key=value, keys: "
                              f"{', '.join(types)})")
+        if key in options:
+            raise ValueError(f"--kv-cache {spec}: {key} is given twice")
         try:
             options[key] = types[key](raw)
         except ValueError:
