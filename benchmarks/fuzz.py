@@ -30,8 +30,9 @@ into one folder, a full disk (a real tmpfs), --out equal to the source, the user
 counted: mixed or incomplete checkpoints accepted, user files lost, tracebacks (all must be 0).
 
 What a user types (--input-cases N): benchmarks/fuzz_inputs.py, `run.py quantize --model` with hostile option
-values, calibration files and tokenizers' added-token ids: each refused with one `error:` line before the model's
-weights are read, in bounded time and memory, or accepted and its checkpoint loads with finite weights.
+values, calibration files and tokenizers, `generate` with hostile prompt files and tokenizers, `eval --ctx`: each
+refused with one `error:` line before the model's weights are read, in bounded time and memory, or accepted (and a
+checkpoint written loads with finite weights).
 """
 
 import argparse
