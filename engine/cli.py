@@ -382,11 +382,12 @@ def model_bytes(path):
 def spell(tokenizer, ids):
     """The bytes ids spell: exact for a byte-level vocabulary, the tokenizer's own decoder otherwise; an incomplete
     UTF-8 character at the end is held back until its last byte arrives."""
-    from engine.checkpoints.tokenizer import token_bytes
+    from engine.checkpoints.tokenizer import rust_calls, token_bytes
     try:
         text = token_bytes(tokenizer, ids)
     except ValueError:                                   # a SentencePiece-style vocabulary: its own decoder
-        return tokenizer.decode(ids).rstrip("\ufffd").encode("utf-8")
+        with rust_calls(tokenizer):
+            return tokenizer.decode(ids).rstrip("\ufffd").encode("utf-8")
     for cut in range(min(3, len(text)), 0, -1):          # hold back a partial character (at most 3 bytes)
         try:
             text[len(text) - cut:].decode("utf-8")

@@ -220,8 +220,8 @@ def calibration_bytes(tokens):
 
 
 def _calibration_text(source, tokenizer, tokens):
-    """The Corpus of a calibration source ("pydoc" or a file, its first calibration_bytes(tokens)); a file the
-    tokenizer cannot take is a ValueError naming it (the Rust tokenizer panics on some input: not an Exception)."""
+    """The Corpus of a calibration source ("pydoc" or a file, its first calibration_bytes(tokens)); text the
+    tokenizer cannot take (not UTF-8, a panic of the Rust library) is a ValueError naming the source."""
     if source == PYDOC:
         data = default_corpus()
     else:
@@ -229,11 +229,8 @@ def _calibration_text(source, tokenizer, tokens):
             data = f.read(calibration_bytes(tokens))
     try:
         return Corpus.from_text(data, tokenizer)
-    except BaseException as e:                       # pyo3's PanicException derives from BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)):
-            raise
-        raise ValueError(f"--calib {source}: the tokenizer cannot read it ({type(e).__name__}: "
-                         f"{str(e)[:120]})") from None
+    except ValueError as e:
+        raise ValueError(f"--calib {source}: {e}") from None
 
 
 def real_calibration(sources, tokenizer, seq_len, n, model, one_thread=False):

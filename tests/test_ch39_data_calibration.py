@@ -191,16 +191,17 @@ def test_a_huge_file_is_read_only_as_far_as_the_calibration_needs(tmp_path):
     assert calibration_bytes(10 ** 9) == 64 << 20
 
 
-def test_a_file_the_tokenizer_cannot_take_is_one_error(tmp_path, monkeypatch):
-    class Panic(BaseException):                                  # what pyo3 raises when the Rust tokenizer panics
-        pass
-
-    def panics(*args, **kwargs):
-        raise Panic("tokenizer panicked")
-    path = _file(tmp_path, "a.txt", ["w1"], ["w2"])
-    monkeypatch.setattr(Corpus, "from_text", panics)
-    with pytest.raises(ValueError, match=r"a\.txt: the tokenizer cannot read it \(Panic: tokenizer panicked\)"):
-        calibration_ids([str(path)], _word_tokenizer(), seq_len=8, n=2)
+def test_a_file_the_tokenizer_panics_on_is_one_error_naming_both(tmp_path):
+    """The Rust tokenizer panics (a pre-tokenizer regex past Oniguruma's retry limit): one ValueError."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fuzz_inputs import AAA, text_tokenizer
+    from engine.checkpoints.tokenizer import load_tokenizer
+    (tmp_path / "tok").mkdir()
+    text_tokenizer(tmp_path / "tok", ("split", "(a+)+$"))
+    (tmp_path / "a.txt").write_text(AAA)
+    with pytest.raises(ValueError, match=r"^--calib .*a\.txt: .*tokenizer\.json: the tokenizers library failed on it "
+                                         r"\(Onig: Regex search error"):
+        calibration_ids([str(tmp_path / "a.txt")], load_tokenizer(tmp_path / "tok"), seq_len=8, n=2)
 
 
 @pytest.mark.parametrize("args,match", [(("--calib-samples", "1000000000"), "needs about .* GiB for the hidden"),

@@ -13,9 +13,13 @@ non-empty merges list, no BOS); a GGUF source passes its keys on unchanged; a by
 converted (tokens, merges, types, specials, chat template), its pre-tokenizer named by which of llama.cpp's splits
 reproduce its ids on llama.cpp's fingerprint text (CHKTXT).
 """
+import contextlib
 import itertools
 import json
+import os
 import shutil
+import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,22 +86,63 @@ def encode(tok, data):
     except UnicodeDecodeError as e:
         raise ValueError(f"the text is not UTF-8 (at byte {e.start}); only the byte tokenizer reads any "
                          "bytes") from None
-    return torch.tensor(tok.encode(text, add_special_tokens=False).ids, dtype=torch.long)
+    with rust_calls(tok):
+        return torch.tensor(tok.encode(text, add_special_tokens=False).ids, dtype=torch.long)
+
+
+# ---- calls into the Rust library ----------------------------------------------------------------------------------
+
+def tokenizer_file(tok):
+    """The file a tokenizer was read from (load_tokenizer records it as tok.file), to name in errors."""
+    return getattr(tok, "file", None) or "the tokenizer"
+
+
+@contextlib.contextmanager
+def rust_calls(tok_or_name):
+    """Around calls into the tokenizers library (Rust): a panic there (a pre-tokenizer regex past Oniguruma's retry
+    limit, a charsmap it cannot parse, a template naming a token it lacks) reaches Python as pyo3's PanicException,
+    a BaseException that no `except Exception` catches, after Rust's panic hook has written it, and under
+    RUST_BACKTRACE a backtrace, to stderr. It becomes one ValueError naming the tokenizer's file; stderr (file
+    descriptor 2) is held in a temporary file during the call and passed on only when nothing panicked."""
+    name = tok_or_name if isinstance(tok_or_name, (str, Path)) else tokenizer_file(tok_or_name)
+    sys.stderr.flush()
+    saved, panic = os.dup(2), None
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException as e:                               # pyo3_runtime is made at run time: no import
+            if type(e).__name__ != "PanicException":
+                raise
+            panic = e
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if panic is None and held.tell():
+                held.seek(0)
+                sys.stderr.buffer.write(held.read())
+                sys.stderr.flush()
+    if panic is not None:
+        raise ValueError(f"{name}: the tokenizers library failed on it ({str(panic)[:200]})") from None
 
 
 def bos_id(tok):
     """The id tok's post-processor puts before every sequence (Llama 3's <|begin_of_text|>), or None (Qwen, bytes)."""
     if tok is None:
         return None
-    enc = tok.encode("a")
+    with rust_calls(tok):
+        enc = tok.encode("a")
     return enc.ids[0] if enc.special_tokens_mask[0] else None
 
 
 def _from_json_file(path, what):
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:                               # the Rust side names what is wrong
-        raise ValueError(f"{what} is not a valid tokenizer.json: {e}") from None
+    with rust_calls(what):
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:                           # the Rust side names what is wrong
+            raise ValueError(f"{what} is not a valid tokenizer.json: {e}") from None
+    tok.file = str(what)
+    return tok
 
 
 def _is_byte_model(folder):
@@ -146,7 +191,8 @@ def read_tokenizer_folder(folder):
 def load_tokenizer(path=None):
     """A tokenizers.Tokenizer: None -> the byte tokenizer; a folder -> its tokenizer.json (a folder of the byte model
     written before tokenizer files were: the byte tokenizer); a file -> a GGUF file's vocabulary. A tokenizer with
-    ids beyond the model's vocabulary (config.json's vocab_size, the GGUF embedding's rows) is refused."""
+    ids beyond the model's vocabulary (config.json's vocab_size, the GGUF embedding's rows) is refused. tok.file
+    records the file read, for errors to name (tokenizer_file)."""
     if path is None:
         return byte_tokenizer()
     path = Path(path)
@@ -162,9 +208,11 @@ def load_tokenizer(path=None):
             return byte_tokenizer()
         raise ValueError(f"no tokenizer.json in {path} (a SentencePiece-only tokenizer.model is not read)")
     if path.is_file():
-        with GGUFFile(path) as f:
+        with GGUFFile(path) as f, rust_calls(path):
             embedding = f.tensors.get("token_embd.weight")
-            return check_vocabulary(gguf_tokenizer(f)[0], embedding and embedding.shape[0], path)
+            tok = check_vocabulary(gguf_tokenizer(f)[0], embedding and embedding.shape[0], path)
+        tok.file = str(path)
+        return tok
     raise ValueError(f"{path}: no such tokenizer folder or GGUF file")
 
 
@@ -276,7 +324,8 @@ def hf_tokenizer_metadata(directory, vocab_size):
     template = config.get("chat_template") if template is None else template
     if isinstance(template, str):
         meta["tokenizer.chat_template"] = template
-    meta["tokenizer.ggml.pre"] = _pre_tokenizer_name(tok, meta)
+    with rust_calls(tok):
+        meta["tokenizer.ggml.pre"] = _pre_tokenizer_name(tok, meta)
     return meta
 
 
