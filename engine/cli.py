@@ -245,10 +245,10 @@ def eval_real(args):
     from engine.loaders import checkpoint_source, model_digest
     from engine.checkpoints.models import load_model
     from engine.checkpoints.tokenizer import load_tokenizer
-    from engine.data import Corpus, load_corpus
+    from engine.data import text_corpus
     from engine.evaluation import compare_models, markdown_table
     from engine.formats.numerics.base import decoded_weights, impl, model_bits
-    corpus = Corpus.from_text(load_corpus(args.text), load_tokenizer(ref_path))
+    corpus = text_corpus(args.text, load_tokenizer(ref_path))
     chunks = corpus.eval_chunks(args.ctx, args.chunks)                  # short text fails before any model loads
     source = checkpoint_source(q_path) if q_path is not None and q_path.is_dir() else None
     log(f"loading {ref_path} ...")
@@ -292,19 +292,15 @@ def eval_real(args):
 def cmd_generate(args):
     if args.prompt_file is not None:
         check_text(args.prompt_file, "--prompt-file")
-        try:
-            args.prompt = Path(args.prompt_file).read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") \
-                from None
-    if not args.prompt:
-        raise ValueError("--prompt is empty" if args.prompt_file is None else
-                         f"--prompt-file {args.prompt_file} is empty")
+        if Path(args.prompt_file).stat().st_size == 0:
+            raise ValueError(f"--prompt-file {args.prompt_file} is empty")
+    elif not args.prompt:
+        raise ValueError("--prompt is empty")
     check_text(args.text)
     if args.model is not None:
         check_model_path(args.model)
     import torch
-    from engine.checkpoints.tokenizer import encode, load_tokenizer
+    from engine.checkpoints.tokenizer import load_tokenizer
     from engine.formats.numerics.base import decoded_weights, impl
     from engine.training import tiny_setup
     from engine.checkpoints.models import model_config
@@ -313,13 +309,9 @@ def cmd_generate(args):
     # The model's context bounds the prompt and the new tokens, as llama.cpp's context does: checked before the
     # model loads (the prompt's tokens from the tokenizer, the context from the config alone).
     tokenizer = load_tokenizer(args.model)
-    ids = encode(tokenizer, args.prompt.encode("utf-8"))[None]
-    if ids.numel() == 0:
-        raise ValueError("--prompt is empty")
     cfg = Qwen3Config() if args.model is None else model_config(args.model)
     context = cfg.max_position_embeddings
-    if ids.shape[1] >= context:
-        raise ValueError(f"--prompt is {ids.shape[1]} tokens, and the model's context is {context}: shorten it")
+    ids = prompt_ids(args, tokenizer, context)
     if ids.shape[1] + args.max_new_tokens > context:
         log(f"generating at most {context - ids.shape[1]} tokens: the model's context is {context} and the prompt "
             f"is {ids.shape[1]}")
@@ -374,6 +366,31 @@ def cmd_generate(args):
         log(kv_summary(args.kv_cache, cache))
 
 
+def prompt_ids(args, tokenizer, context):
+    """--prompt or --prompt-file's ids [1, n], n < context: the file read and the text tokenized only as far as the
+    context needs (read_tokens, counting up to twice the context: room for its piece boundaries), so that a huge
+    file, or a tokenizer that multiplies text, is the same one "too long" line."""
+    import io
+    from engine.checkpoints.tokenizer import read_tokens
+    flag = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
+    try:
+        with open(args.prompt_file, "rb") if args.prompt_file else io.BytesIO(args.prompt.encode()) as stream:
+            ids, data, complete = read_tokens(tokenizer, stream, limit=2 * context)
+        if complete:
+            data.decode("utf-8")                                  # the byte tokenizer reads any bytes: a prompt is text
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    if not complete:
+        raise ValueError(f"{flag} is more than {2 * context} tokens, and the model's context is {context}: shorten it")
+    if len(ids) >= context:
+        raise ValueError(f"{flag} is {len(ids)} tokens, and the model's context is {context}: shorten it")
+    if len(ids) == 0:
+        raise ValueError(f"{flag} is empty")
+    return ids[None]
+
+
 def model_bytes(path):
     path = Path(path)
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.glob("*.safetensors"))
@@ -382,17 +399,9 @@ def model_bytes(path):
 def spell(tokenizer, ids):
     """The bytes ids spell: exact for a byte-level vocabulary, the tokenizer's own decoder otherwise; an incomplete
     UTF-8 character at the end is held back until its last byte arrives."""
-    from engine.checkpoints.tokenizer import rust_calls, token_bytes
+    from engine.checkpoints.tokenizer import complete_utf8, rust_calls, token_bytes
     try:
-        text = token_bytes(tokenizer, ids)
+        return complete_utf8(token_bytes(tokenizer, ids))
     except ValueError:                                   # a SentencePiece-style vocabulary: its own decoder
         with rust_calls(tokenizer):
             return tokenizer.decode(ids).rstrip("\ufffd").encode("utf-8")
-    for cut in range(min(3, len(text)), 0, -1):          # hold back a partial character (at most 3 bytes)
-        try:
-            text[len(text) - cut:].decode("utf-8")
-            break
-        except UnicodeDecodeError:
-            if text[len(text) - cut] >> 6 == 0b11:       # the lead byte of the unfinished character
-                return text[:len(text) - cut]
-    return text

@@ -213,3 +213,17 @@ def test_calibration_sizes_beyond_memory_or_context_are_refused_first(tmp_path, 
                          cwd=ROOT)
     assert out.returncode == 1 and re.search(match, out.stderr.strip().splitlines()[-1]), out.stderr
     assert not (tmp_path / "q").exists() and "calibration:" not in out.stderr
+
+
+def test_a_file_cut_inside_a_character_calibrates_on_the_characters_before(tmp_path):
+    """red before: the first calibration_bytes of a UTF-8 file ended inside an "é" (2 bytes) and the whole text was
+    refused as not UTF-8."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fuzz_inputs import text_tokenizer
+    from engine.checkpoints.tokenizer import load_tokenizer
+    from engine.data import calibration_bytes
+    (tmp_path / "tok").mkdir()
+    text_tokenizer(tmp_path / "tok", "prefix-space")                 # byte-level, read as UTF-8 text
+    (tmp_path / "e.txt").write_text("a" + "é" * (calibration_bytes(16) // 2 + 8))   # byte 2 MiB starts an "é"
+    ids = calibration_ids([str(tmp_path / "e.txt")], load_tokenizer(tmp_path / "tok"), seq_len=8, n=2).ids
+    assert ids.shape == (2, 8) and set(ids.flatten().tolist()) <= set("é".encode())

@@ -195,3 +195,11 @@ def test_a_panic_of_the_tokenizers_library_is_a_value_error_naming_the_file(tmp_
         bos_id(tok) if where == "bos_id" else encode(tok, "a" * 3000 + "!")
     assert "panicked" not in capfd.readouterr().err
 
+
+def test_a_tokenizer_that_multiplies_text_is_refused_after_one_small_piece(tmp_path):
+    """red before: each "a" of a corpus became 1,000 tokens, all of them made (a 10,000-fold normalizer on the
+    built-in corpus: hundreds of millions); now the first piece's 16 bytes make 16,000, more than 16 a byte."""
+    tok = load_tokenizer(_fuzzed(tmp_path / "tok", ("expand", 1000)))
+    with pytest.raises(ValueError, match="tokenizer.json: the tokenizer makes 16000 tokens of 16 bytes of text, more "
+                                         "than 16 a byte"):
+        Corpus.from_text("a" * 3000, tok)
