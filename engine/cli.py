@@ -120,13 +120,19 @@ def check_calibration(args):
         check_sources(args.calib)
 
 
+def check_context(tokens, flag, cfg):
+    """A sequence length (--ctx, --calib-len) within the model's context (cfg: its Qwen3Config, read from its header
+    or config.json alone), as generate's prompt and new tokens are: positions past it were never trained, and
+    attention's cost grows with their square."""
+    if tokens > cfg.max_position_embeddings:
+        raise ValueError(f"{flag} {tokens} is longer than the model's context ({cfg.max_position_embeddings} tokens)")
+
+
 def check_calibration_size(args, cfg):
     """--calib-len within the model's context (cfg: its Qwen3Config, read from its header or config.json alone) and
     --calib-samples' hidden states within the memory this machine has: checked before the model loads."""
     from engine.formats.numerics.base import available_memory
-    if args.calib_len > cfg.max_position_embeddings:
-        raise ValueError(f"--calib-len {args.calib_len} is longer than the model's context "
-                         f"({cfg.max_position_embeddings} tokens)")
+    check_context(args.calib_len, "--calib-len", cfg)
     need = args.calib_samples * args.calib_len * cfg.hidden_size * 4 * CALIBRATION_COPIES
     free = available_memory()
     if free is not None and need > free:
@@ -162,6 +168,7 @@ def cmd_quantformats(args):
     if args.model is not None:
         from engine.checkpoints.models import model_config
         cfg = model_config(args.model)
+        check_context(args.ctx, "--ctx", cfg)
         check_calibration_size(args, cfg)
         check_kv_cache(args, args.ctx, cfg.head_dim, "--ctx")
         return quantformats.real_table(args, selected)
@@ -238,9 +245,10 @@ def eval_real(args):
     ref_path = check_model_path(args.model)
     q_path = None if args.quantized is None else check_model_path(args.quantized, "--quantized")
     check_text(args.text)
-    if args.kv_cache is not None:
-        from engine.checkpoints.models import model_config
-        check_kv_cache(args, args.ctx, model_config(ref_path).head_dim, "--ctx")
+    from engine.checkpoints.models import model_config
+    for path in filter(None, (ref_path, q_path)):
+        check_context(args.ctx, "--ctx", model_config(path))
+    check_kv_cache(args, args.ctx, model_config(ref_path).head_dim, "--ctx")
     import torch
     from engine.loaders import checkpoint_source, model_digest
     from engine.checkpoints.models import load_model

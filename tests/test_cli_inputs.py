@@ -1,6 +1,6 @@
 """What a user gives run.py is read only as far as the command needs it: a prompt file and a tokenizer that
-multiplies text cost the model's context, not the file's size; eval's --text its first MAX_TEXT_TOKENS tokens; a
-tokenizer that panics in Rust is one `error:` line naming its file."""
+multiplies text cost the model's context, not the file's size; eval's --text its first MAX_TEXT_TOKENS tokens; --ctx
+stays within the model's context; a tokenizer that panics in Rust is one `error:` line naming its file."""
 import json
 import sys
 from pathlib import Path
@@ -102,3 +102,14 @@ def test_eval_reads_its_text_only_as_far_as_max_text_tokens(dense, tmp_path, mon
     evaluated, calibrated = data.text_corpus(text, tok), data.read_corpus(text, tok, 10 ** 9)
     assert 20_000 < len(evaluated.train) + len(evaluated.held_out) < 20_000 + tokenizers.LAST_PIECE
     assert calibrated.digest == evaluated.digest
+
+
+def test_eval_refuses_a_ctx_beyond_the_models_context_before_loading(dense):
+    """red before: --ctx 4097 on a model of 4096 positions was evaluated silently, --ctx 16384 too (13.4 GB)."""
+    for argv in (["eval", "--model", str(dense), "--quantized", str(dense), "--ctx", "4097", "--chunks", "1"],
+                 ["eval", "--model", str(dense), "--quantized", str(dense), "--ctx", "16384"],
+                 ["quantformats", "--model", str(dense), "--rows", "RTN int4", "--ctx", "4097"]):
+        out = run(*argv)
+        assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == \
+            f"error: --ctx {argv[argv.index('--ctx') + 1]} is longer than the model's context (4096 tokens)", out.stderr
+        assert "loading" not in out.stderr
