@@ -104,7 +104,8 @@ def kv_summary(spec, cache):
 # ---- a real model's calibration ----------------------------------------------------------------------------------
 
 # Holding the calibration: each sequence's hidden states, in float32, about this many times over (a layer's inputs,
-# its outputs, and the attention and residual states layer_runs keeps to avoid recomputing them).
+# its outputs, and the attention and residual states layer_runs keeps to avoid recomputing them); and, for the
+# batch of sequences in one forward pass, attention's scores (engine.qwen3.attention_bytes).
 CALIBRATION_COPIES = 4
 
 
@@ -130,15 +131,19 @@ def check_context(tokens, flag, cfg):
 
 def check_calibration_size(args, cfg):
     """--calib-len within the model's context (cfg: its Qwen3Config, read from its header or config.json alone) and
-    --calib-samples' hidden states within the memory this machine has: checked before the model loads."""
+    --calib-samples' hidden states and attention within the memory this machine has: checked before the model
+    loads."""
     from engine.formats.numerics.base import available_memory
+    from engine.formats.numerics.calibration import BATCH_SIZE
+    from engine.qwen3 import attention_bytes
     check_context(args.calib_len, "--calib-len", cfg)
-    need = args.calib_samples * args.calib_len * cfg.hidden_size * 4 * CALIBRATION_COPIES
+    need = args.calib_samples * args.calib_len * cfg.hidden_size * 4 * CALIBRATION_COPIES + \
+        attention_bytes(cfg, min(args.calib_samples, BATCH_SIZE), args.calib_len)
     free = available_memory()
     if free is not None and need > free:
         raise ValueError(f"--calib-samples {args.calib_samples} x --calib-len {args.calib_len} needs about "
-                         f"{need / 2 ** 30:.1f} GiB for the hidden states (hidden size {cfg.hidden_size}); "
-                         f"{free / 2 ** 30:.1f} GiB is available")
+                         f"{need / 2 ** 30:.1f} GiB for the hidden states (hidden size {cfg.hidden_size}) and "
+                         f"attention's scores; {free / 2 ** 30:.1f} GiB is available")
 
 
 # ---- quantformats -----------------------------------------------------------------------------------------------
