@@ -30,9 +30,9 @@ into one folder, a full disk (a real tmpfs), --out equal to the source, the user
 counted: mixed or incomplete checkpoints accepted, user files lost, tracebacks (all must be 0).
 
 What a user types (--input-cases N): benchmarks/fuzz_inputs.py, `run.py quantize --model` with hostile option
-values, calibration files and tokenizers' added-token ids, and `run.py generate --model` with hostile --kv-cache
-SPECs: each refused with one `error:` line before the model's weights are read, in bounded time and memory, or
-accepted and its checkpoint loads with finite weights (generate: it reports its cache).
+values, calibration files and tokenizers, `generate` with hostile prompt files, tokenizers and --kv-cache SPECs,
+`eval --ctx`: each refused with one `error:` line before the model's weights are read, in bounded time and memory,
+or accepted (a checkpoint written loads with finite weights; generate reports its cache).
 """
 
 import argparse

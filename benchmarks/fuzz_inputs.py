@@ -1,10 +1,10 @@
 """Fuzz campaign, part 4: what a user types (benchmarks/fuzz.py --input-cases N runs it; alone: this file).
 
-    python benchmarks/fuzz_inputs.py [--cases 120] [--kinds options calib tokenizer kvcache] [--seed 0]
-                                     [--timeout 120]
+    python benchmarks/fuzz_inputs.py [--cases 120] [--kinds options calib tokenizer ...] [--seed 0] [--timeout 120]
 
-Each case is one `run.py quantize --model M` command (`run.py generate --model M` for kvcache), in its own process,
-on a small random model M (a dense Hugging Face folder with the byte tokenizer), with one hostile input:
+Each case is one `run.py quantize --model M` command (generate and eval for the kinds after tokenizer), in its own
+process, on a small random model M (a dense Hugging Face folder with the byte tokenizer, a context of 256 tokens),
+with one hostile input:
   options    one of a method's keywords (--option KEY=VALUE, or the flags --bits, --group-size, --order, --bpw)
              given a value from HOSTILE (zero, negative, 1e300, NaN, 2^63, JSON lists and objects, empty and long
              text, ...) or its default; or a key misspelled, unknown, or another method's; in 3 cases of 10 with a
@@ -13,7 +13,16 @@ on a small random model M (a dense Hugging Face folder with the byte tokenizer),
              a folder, a FIFO, /dev/zero, a dangling link, an unreadable file) or `self`, with --calib-samples and
              --calib-len from SIZES
   tokenizer  M's tokenizer.json with an added token of an id from TOKEN_IDS (the vocabulary size, 10^6, 2^31-1,
-             -1, 2^63, "7", 1.5, null) or an added-token list broken in another way (BROKEN_TOKENIZERS)
+             -1, 2^63, "7", 1.5, null), an added-token list broken in another way, a charsmap the library cannot
+             parse or a template naming a token it lacks (BROKEN_TOKENIZERS: the last two panic in Rust)
+  prompt     `generate --prompt-file` a file of PROMPT_FILES (a 2 GiB sparse file, 16 MB of prose, text whose tail is
+             not UTF-8, just under and at the context, ...) through the byte tokenizer or one that is not (a prefix
+             space)
+  normalizer M's tokenizer with a normalizer that replaces "a" by EXPANSIONS "a"s (2 to 100,000), then a prompt of
+             3,000 "a"s to generate, or quantize calibrating on pydoc
+  regex      M's tokenizer with a pre-tokenizer that splits on a BACKTRACKING regex ((a+)+$ ...), then a prompt, or a
+             --calib file, of 3,000 "a"s and a "!"
+  ctx        `eval --ctx` of CONTEXTS, beyond M's context of 256 and within it
   kvcache    generate's --kv-cache SPEC: a cache name of KV_NAMES with up to three options (its own, or of KV_KEYS),
              each given a value from HOSTILE or a plain one, in 1 case of 4 one key given twice; half with a
              --prefill-chunk from SIZES or 1 (a one-token-at-a-time read of the 180-token prompt)
@@ -22,8 +31,8 @@ Outcomes:
   refused        exit 1 with one `error:` line on stderr, the last (after what the run logs as it goes), or
                  argparse's usage and its error: line (exit 2); no traceback; before any of M's weights was read
   refused-late   the same, but after M's weights were read (a value checked only once the model is loaded)
-  accepted       exit 0, and the checkpoint written loads with every weight finite (kvcache: the run reports
-                 its cache)
+  accepted       exit 0, and the checkpoint written loads with every weight finite (generate, eval: exit 0;
+                 kvcache: the run reports its cache)
   broken         exit 0, but what was written does not load or holds non-finite weights (kvcache: or the SPEC
                  gives a key twice or exact_keys beyond M's context, which must be refused)
   traceback      anything else: a traceback, more lines, another exit code
@@ -58,7 +67,7 @@ from engine.formats.quantized_checkpoints import method_options  # noqa: E402
 from engine.loaders import save_dense  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 
-KINDS = ("options", "calib", "tokenizer", "kvcache")
+KINDS = ("options", "calib", "tokenizer", "prompt", "normalizer", "regex", "ctx", "kvcache")
 OUTCOMES = ("refused", "refused-late", "accepted", "broken", "traceback", "hang", "memory")
 FAILURES = ("refused-late", "broken", "traceback", "hang", "memory")
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -80,7 +89,14 @@ SIZES = ("0", "-1", "1", "2", "4", "255", "256", "257", "1000000000", "1e3", "na
 CALIB_FILES = ("empty", "one-byte", "random", "invalid-utf8", "nuls", "sparse-2g", "folder", "fifo", "dev-zero",
                "dangling", "unreadable", "prose", "self", "self+prose")
 TOKEN_IDS = (256, 255, 1_000_000, 2 ** 31 - 1, 2 ** 31, -1, 2 ** 63, "7", 1.5, None)
-BROKEN_TOKENIZERS = ("duplicate-id", "no-content", "not-a-list", "not-json", "empty-content", "huge-content")
+BROKEN_TOKENIZERS = ("duplicate-id", "no-content", "not-a-list", "not-json", "empty-content", "huge-content",
+                     "charsmap", "template")
+PROMPT_FILES = ("sparse-2g", "prose-16m", "one-line-4m", "utf8-tail", "at-context", "under-context", "invalid-utf8",
+                "empty")
+EXPANSIONS = (2, 10, 100, 10_000, 100_000)
+BACKTRACKING = ("(a+)+$", "(a|aa)+$", "(a*)*$", "(a+)+b", "(.*a){20}")
+CONTEXTS = ("255", "256", "257", "512", "16384", "1000000000")
+AAA = "a" * 3000 + "!"
 KV_NAMES = ("e8:3", "d4:2.5", "z:4", "e8", "e9:3", "q4_0", "fp8", "fp8:head", "kivi:2", "kivi:3", "bf16", "")
 KV_KEYS = ("window", "exact_keys", "seed", "rotation", "group", "key_order", "bogus")
 KV_PLAIN = ("0", "4", "8", "32", "288", "none", "signs", "qjl")          # 288: beyond M's context
@@ -120,9 +136,26 @@ def input_cases(n, kinds=KINDS, seed=0):
         elif kind == "tokenizer":
             case["tokenizer"] = rng.choice([*TOKEN_IDS, *BROKEN_TOKENIZERS])
         else:
-            _fuzz_kv_cache(case, rng)
+            _fuzz_kv_cache(case, rng) if kind == "kvcache" else _fuzz_text(case, rng)
         cases.append(case)
     return cases
+
+
+def _fuzz_text(case, rng):
+    """A case of the kinds that read text: generate's prompt, a tokenizer that multiplies or backtracks, eval --ctx."""
+    kind = case["kind"]
+    case["command"] = "eval" if kind == "ctx" else "generate" if kind == "prompt" else rng.choice(
+        ("generate", "quantize"))
+    if case["command"] == "quantize":
+        case["method"], case["options"] = "gptq", dict(CHEAP["gptq"])
+    if kind == "prompt":
+        case["prompt"], case["tokenizer"] = rng.choice(PROMPT_FILES), rng.choice(("bytes", "prefix-space"))
+    elif kind == "normalizer":
+        case["tokenizer"] = ("expand", rng.choice(EXPANSIONS))
+    elif kind == "regex":
+        case["tokenizer"] = ("split", rng.choice(BACKTRACKING))
+    else:
+        case["flags"] = ["--ctx", rng.choice(CONTEXTS), "--chunks", "1"]
 
 
 def _fuzz_option(case, rng):
@@ -160,10 +193,17 @@ def _fuzz_kv_cache(case, rng):
         case["flags"] += ["--prefill-chunk", rng.choice(("1", *SIZES))]
 
 
-def argv(case, model, out, calib_file):
+def argv(case, model, out, calib_file, prompt_file=None):
     if case["kind"] == "kvcache":
-        return ["generate", "--model", str(model), "--prompt-file", str(out.parent / "prompt.txt"),
-                "--max-new-tokens", "2", "--kv-cache", case["kv_cache"], *case["flags"]]
+        return ["generate", "--model", str(model), "--prompt-file", str(prompt_file), "--max-new-tokens", "2",
+                "--kv-cache", case["kv_cache"], *case["flags"]]
+    if case.get("command") == "generate":
+        return ["generate", "--model", str(model), "--prompt-file", str(prompt_file), "--max-new-tokens", "2"]
+    if case.get("command") == "eval":
+        return ["eval", "--model", str(model), "--quantized", str(model), *case["flags"]]
+    if case["kind"] == "regex":
+        return ["quantize", "--model", str(model), "--method", "gptq", "--out", str(out), "--calib", str(prompt_file),
+                "--calib-samples", "1", "--calib-len", "32"]
     if {"llama.cpp", "gguf"} & set(case["flags"]):
         out = out.with_suffix(".gguf")
     args = ["quantize", "--model", str(model), "--method", case["method"], "--out", str(out)]
@@ -214,6 +254,36 @@ def calib_source(name, where, rng):
     return [str(path)]
 
 
+def prompt_source(name, where):
+    """The --prompt-file of PROMPT_FILES' `name` (M's context: 256 tokens), made under `where`."""
+    path = where / "prompt.txt"
+    prose = b"The quick brown fox jumps over the lazy dog. "
+    if name == "sparse-2g":
+        with open(path, "wb") as f:
+            f.truncate(2 << 30)                       # NULs: valid UTF-8
+    else:
+        path.write_bytes({"prose-16m": prose * ((16 << 20) // len(prose)), "one-line-4m": b"x" * (4 << 20),
+                          "utf8-tail": prose * 20_000 + b"\xff" * 1000, "at-context": b"x" * 256,
+                          "under-context": b"x" * 200, "invalid-utf8": b"\xff\xfe" * 100, "empty": b""}[name])
+    return path
+
+
+def text_tokenizer(folder, how):
+    """M's tokenizer.json changed as the text kinds need: "bytes" (unchanged), "prefix-space" (a space put before
+    the text: no longer the byte tokenizer, so read as UTF-8 text, piece by piece), ("expand", n): a normalizer
+    that replaces "a" by n "a"s, ("split", pattern): a pre-tokenizer that first splits on the regex pattern."""
+    spec = json.loads(byte_tokenizer().to_str())
+    if how == "prefix-space":
+        spec["pre_tokenizer"]["add_prefix_space"] = True
+    elif how[0] == "expand":
+        spec["normalizer"] = {"type": "Replace", "pattern": {"String": "a"}, "content": "a" * how[1]}
+    elif how[0] == "split":
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": how[1]}, "behavior": "Isolated", "invert": False},
+            spec["pre_tokenizer"]]}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+
+
 def break_tokenizer(folder, how):
     """M's tokenizer.json with an added token "<|fuzz|>" of id `how` (TOKEN_IDS) or broken as BROKEN_TOKENIZERS."""
     path = folder / "tokenizer.json"
@@ -225,6 +295,12 @@ def break_tokenizer(folder, how):
                                 "no-content": [{k: v for k, v in token.items() if k != "content"}],
                                 "not-a-list": {"a": token}, "empty-content": [{**token, "content": ""}],
                                 "huge-content": [{**token, "content": "x" * 1_000_000}]}.get(how, [])
+        if how == "charsmap":
+            spec["normalizer"] = {"type": "Precompiled", "precompiled_charsmap": "AAAA"}
+        if how == "template":
+            spec["post_processor"] = {"type": "TemplateProcessing", "single": [
+                {"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [], "special_tokens": {}}
         path.write_text("{not json" if how == "not-json" else json.dumps(spec))
     else:
         spec["added_tokens"] = [{**token, "id": how}]
@@ -243,13 +319,16 @@ def run_case(case, model, scratch, timeout=120.0, memory_gib=1.0):
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     source = model
-    if case["kind"] == "tokenizer":
+    if case["kind"] in ("tokenizer", "prompt", "normalizer", "regex"):
         source = scratch / "model"
         shutil.copytree(model, source)
-        break_tokenizer(source, case["tokenizer"])
+        (break_tokenizer if case["kind"] == "tokenizer" else text_tokenizer)(source, case["tokenizer"])
     calib = calib_source(case["calib"], scratch, random.Random(case["seed"])) if case["calib"] else None
+    prompt = prompt_source(case["prompt"], scratch) if case["kind"] == "prompt" else scratch / "prompt.txt"
+    if case["kind"] in ("normalizer", "regex"):
+        prompt.write_text(AAA)
     if case["kind"] == "kvcache":
-        (scratch / "prompt.txt").write_text("The quick brown fox jumps over the lazy dog. " * 4)     # 180 tokens
+        prompt.write_text("The quick brown fox jumps over the lazy dog. " * 4)     # 180 tokens
     out, marker = scratch / "out", scratch / "read"
     env = dict(os.environ, FUZZ_READ=str(marker), PYTHONPATH=str(ROOT), TQDM_DISABLE="1", OMP_NUM_THREADS="1")
     limit = int(4 * memory_gib * (1 << 30)) + (3 << 30)     # address space: torch maps far more than it touches
@@ -258,7 +337,8 @@ def run_case(case, model, scratch, timeout=120.0, memory_gib=1.0):
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-c", WATCH, str(ROOT / "run.py"), *argv(case, source, out, calib)],
+    process = subprocess.Popen([sys.executable, "-c", WATCH, str(ROOT / "run.py"),
+                                *argv(case, source, out, calib, prompt)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=scratch,
                                preexec_fn=cap)
     stderr = []
@@ -279,7 +359,9 @@ def run_case(case, model, scratch, timeout=120.0, memory_gib=1.0):
     if "can't allocate memory" in text or "MemoryError" in text:
         return "memory", detail, seconds, peak
     if process.returncode == 0:
-        return (_kv_accepted(case, text) if case["kind"] == "kvcache" else _accepted(out, case)), detail, seconds, peak
+        accepted = _kv_accepted(case, text) if case["kind"] == "kvcache" else "accepted" if case.get(
+            "command") in ("generate", "eval") else _accepted(out, case)
+        return accepted, detail, seconds, peak
     if peak > memory_gib * (1 << 30):                     # what a refusal or a failure may cost
         return "memory", f"peak RSS {peak / 2 ** 30:.2f} GiB; {detail}", seconds, peak
     usage_error = process.returncode == 2 and lines and lines[0].startswith("usage:") and "error:" in lines[-1]
@@ -348,9 +430,16 @@ def campaign(root, n, kinds=KINDS, seed=0, timeout=120.0, memory_gib=1.0, worker
 def describe(case):
     what = {"options": " ".join([*(f"{k}={v[:40]!r}" for k, v in case["options"].items()), *case["flags"]]),
             "calib": f"--calib {case['calib']} {' '.join(case['flags'])}",
-            "tokenizer": f"added token {case['tokenizer']!r}",
+            "tokenizer": f"added token {case['tokenizer']!r}", "prompt": f"--prompt-file {case.get('prompt')}",
+            "normalizer": "", "regex": "", "ctx": " ".join(case["flags"]),
             "kvcache": f"--kv-cache {case.get('kv_cache', '')[:80]!r} {' '.join(case['flags'])}"}[case["kind"]]
-    return f"{case['kind']} {what}" if case["kind"] == "kvcache" else f"{case['kind']} {case['method']} {what}"
+    if case["kind"] in ("prompt", "normalizer", "regex"):
+        what += f" tokenizer {case['tokenizer']!r}"
+    if case["kind"] == "kvcache":
+        return f"{case['kind']} {what}"
+    if case.get("command") in ("generate", "eval"):
+        return f"{case['kind']} {case['command']} {what}"
+    return f"{case['kind']} {case['method']} {what}"
 
 
 def report(results):

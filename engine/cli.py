@@ -111,7 +111,8 @@ def kv_summary(spec, cache):
 # ---- a real model's calibration ----------------------------------------------------------------------------------
 
 # Holding the calibration: each sequence's hidden states, in float32, about this many times over (a layer's inputs,
-# its outputs, and the attention and residual states layer_runs keeps to avoid recomputing them).
+# its outputs, and the attention and residual states layer_runs keeps to avoid recomputing them); and, for the
+# batch of sequences in one forward pass, attention's scores (engine.qwen3.attention_bytes).
 CALIBRATION_COPIES = 4
 
 
@@ -127,19 +128,29 @@ def check_calibration(args):
         check_sources(args.calib)
 
 
+def check_context(tokens, flag, cfg):
+    """A sequence length (--ctx, --calib-len) within the model's context (cfg: its Qwen3Config, read from its header
+    or config.json alone), as generate's prompt and new tokens are: positions past it were never trained, and
+    attention's cost grows with their square."""
+    if tokens > cfg.max_position_embeddings:
+        raise ValueError(f"{flag} {tokens} is longer than the model's context ({cfg.max_position_embeddings} tokens)")
+
+
 def check_calibration_size(args, cfg):
     """--calib-len within the model's context (cfg: its Qwen3Config, read from its header or config.json alone) and
-    --calib-samples' hidden states within the memory this machine has: checked before the model loads."""
+    --calib-samples' hidden states and attention within the memory this machine has: checked before the model
+    loads."""
     from engine.formats.numerics.base import available_memory
-    if args.calib_len > cfg.max_position_embeddings:
-        raise ValueError(f"--calib-len {args.calib_len} is longer than the model's context "
-                         f"({cfg.max_position_embeddings} tokens)")
-    need = args.calib_samples * args.calib_len * cfg.hidden_size * 4 * CALIBRATION_COPIES
+    from engine.formats.numerics.calibration import BATCH_SIZE
+    from engine.qwen3 import attention_bytes
+    check_context(args.calib_len, "--calib-len", cfg)
+    need = args.calib_samples * args.calib_len * cfg.hidden_size * 4 * CALIBRATION_COPIES + \
+        attention_bytes(cfg, min(args.calib_samples, BATCH_SIZE), args.calib_len)
     free = available_memory()
     if free is not None and need > free:
         raise ValueError(f"--calib-samples {args.calib_samples} x --calib-len {args.calib_len} needs about "
-                         f"{need / 2 ** 30:.1f} GiB for the hidden states (hidden size {cfg.hidden_size}); "
-                         f"{free / 2 ** 30:.1f} GiB is available")
+                         f"{need / 2 ** 30:.1f} GiB for the hidden states (hidden size {cfg.hidden_size}) and "
+                         f"attention's scores; {free / 2 ** 30:.1f} GiB is available")
 
 
 # ---- quantformats -----------------------------------------------------------------------------------------------
@@ -169,6 +180,7 @@ def cmd_quantformats(args):
     if args.model is not None:
         from engine.checkpoints.models import model_config
         cfg = model_config(args.model)
+        check_context(args.ctx, "--ctx", cfg)
         check_calibration_size(args, cfg)
         check_kv_cache(args, args.ctx, cfg.head_dim, "--ctx")
         return quantformats.real_table(args, selected)
@@ -245,17 +257,18 @@ def eval_real(args):
     ref_path = check_model_path(args.model)
     q_path = None if args.quantized is None else check_model_path(args.quantized, "--quantized")
     check_text(args.text)
-    if args.kv_cache is not None:
-        from engine.checkpoints.models import model_config
-        check_kv_cache(args, args.ctx, model_config(ref_path).head_dim, "--ctx")
+    from engine.checkpoints.models import model_config
+    for path in filter(None, (ref_path, q_path)):
+        check_context(args.ctx, "--ctx", model_config(path))
+    check_kv_cache(args, args.ctx, model_config(ref_path).head_dim, "--ctx")
     import torch
     from engine.loaders import checkpoint_source, model_digest
     from engine.checkpoints.models import load_model
     from engine.checkpoints.tokenizer import load_tokenizer
-    from engine.data import Corpus, load_corpus
+    from engine.data import text_corpus
     from engine.evaluation import compare_models, markdown_table
     from engine.formats.numerics.base import decoded_weights, impl, model_bits
-    corpus = Corpus.from_text(load_corpus(args.text), load_tokenizer(ref_path))
+    corpus = text_corpus(args.text, load_tokenizer(ref_path))
     chunks = corpus.eval_chunks(args.ctx, args.chunks)                  # short text fails before any model loads
     source = checkpoint_source(q_path) if q_path is not None and q_path.is_dir() else None
     log(f"loading {ref_path} ...")
@@ -299,19 +312,15 @@ def eval_real(args):
 def cmd_generate(args):
     if args.prompt_file is not None:
         check_text(args.prompt_file, "--prompt-file")
-        try:
-            args.prompt = Path(args.prompt_file).read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") \
-                from None
-    if not args.prompt:
-        raise ValueError("--prompt is empty" if args.prompt_file is None else
-                         f"--prompt-file {args.prompt_file} is empty")
+        if Path(args.prompt_file).stat().st_size == 0:
+            raise ValueError(f"--prompt-file {args.prompt_file} is empty")
+    elif not args.prompt:
+        raise ValueError("--prompt is empty")
     check_text(args.text)
     if args.model is not None:
         check_model_path(args.model)
     import torch
-    from engine.checkpoints.tokenizer import encode, load_tokenizer
+    from engine.checkpoints.tokenizer import load_tokenizer
     from engine.formats.numerics.base import decoded_weights, impl
     from engine.training import tiny_setup
     from engine.checkpoints.models import model_config
@@ -320,13 +329,9 @@ def cmd_generate(args):
     # The model's context bounds the prompt and the new tokens, as llama.cpp's context does: checked before the
     # model loads (the prompt's tokens from the tokenizer, the context from the config alone).
     tokenizer = load_tokenizer(args.model)
-    ids = encode(tokenizer, args.prompt.encode("utf-8"))[None]
-    if ids.numel() == 0:
-        raise ValueError("--prompt is empty")
     cfg = Qwen3Config() if args.model is None else model_config(args.model)
     context = cfg.max_position_embeddings
-    if ids.shape[1] >= context:
-        raise ValueError(f"--prompt is {ids.shape[1]} tokens, and the model's context is {context}: shorten it")
+    ids = prompt_ids(args, tokenizer, context)
     if ids.shape[1] + args.max_new_tokens > context:
         log(f"generating at most {context - ids.shape[1]} tokens: the model's context is {context} and the prompt "
             f"is {ids.shape[1]}")
@@ -381,6 +386,31 @@ def cmd_generate(args):
         log(kv_summary(args.kv_cache, cache))
 
 
+def prompt_ids(args, tokenizer, context):
+    """--prompt or --prompt-file's ids [1, n], n < context: the file read and the text tokenized only as far as the
+    context needs (read_tokens, counting up to twice the context: room for its piece boundaries), so that a huge
+    file, or a tokenizer that multiplies text, is the same one "too long" line."""
+    import io
+    from engine.checkpoints.tokenizer import read_tokens
+    flag = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
+    try:
+        with open(args.prompt_file, "rb") if args.prompt_file else io.BytesIO(args.prompt.encode()) as stream:
+            ids, data, complete = read_tokens(tokenizer, stream, limit=2 * context)
+        if complete:
+            data.decode("utf-8")                                  # the byte tokenizer reads any bytes: a prompt is text
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    if not complete:
+        raise ValueError(f"{flag} is more than {2 * context} tokens, and the model's context is {context}: shorten it")
+    if len(ids) >= context:
+        raise ValueError(f"{flag} is {len(ids)} tokens, and the model's context is {context}: shorten it")
+    if len(ids) == 0:
+        raise ValueError(f"{flag} is empty")
+    return ids[None]
+
+
 def model_bytes(path):
     path = Path(path)
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.glob("*.safetensors"))
@@ -389,16 +419,9 @@ def model_bytes(path):
 def spell(tokenizer, ids):
     """The bytes ids spell: exact for a byte-level vocabulary, the tokenizer's own decoder otherwise; an incomplete
     UTF-8 character at the end is held back until its last byte arrives."""
-    from engine.checkpoints.tokenizer import token_bytes
+    from engine.checkpoints.tokenizer import complete_utf8, rust_calls, token_bytes
     try:
-        text = token_bytes(tokenizer, ids)
+        return complete_utf8(token_bytes(tokenizer, ids))
     except ValueError:                                   # a SentencePiece-style vocabulary: its own decoder
-        return tokenizer.decode(ids).rstrip("\ufffd").encode("utf-8")
-    for cut in range(min(3, len(text)), 0, -1):          # hold back a partial character (at most 3 bytes)
-        try:
-            text[len(text) - cut:].decode("utf-8")
-            break
-        except UnicodeDecodeError:
-            if text[len(text) - cut] >> 6 == 0b11:       # the lead byte of the unfinished character
-                return text[:len(text) - cut]
-    return text
+        with rust_calls(tokenizer):
+            return tokenizer.decode(ids).rstrip("\ufffd").encode("utf-8")

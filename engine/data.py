@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .safetensors_io import tensor_digest
-from .checkpoints.tokenizer import bos_id, encode, is_byte_tokenizer
+from .checkpoints.tokenizer import bos_id, encode, is_byte_tokenizer, read_tokens
 from .console import bar, log
 from .formats.numerics.sensitivity import self_generated_ids
 
@@ -63,10 +63,14 @@ class Corpus:
     def from_text(cls, data, tokenizer=None, held_out=0.1):
         """Text (bytes or str) tokenized by `tokenizer` (None: bytes); the last `held_out` fraction of the ids (in
         (0, 1]; 1 for a file kept only for evaluation) is held out."""
+        data = data.encode("utf-8") if isinstance(data, str) else data
+        return cls.from_ids(encode(tokenizer, data), data, tokenizer, held_out)
+
+    @classmethod
+    def from_ids(cls, ids, data, tokenizer=None, held_out=0.1):
+        """ids long [n], the tokenization of the bytes `data` by `tokenizer` (from_text, read_corpus)."""
         if not 0 < held_out <= 1:
             raise ValueError(f"held_out must be in (0, 1], got {held_out!r}")
-        data = data.encode("utf-8") if isinstance(data, str) else data
-        ids = encode(tokenizer, data)
         digest = hashlib.sha256(data)
         if tokenizer is not None and not is_byte_tokenizer(tokenizer):
             digest.update(tokenizer.to_str().encode())
@@ -214,26 +218,44 @@ def calibration_ids(sources, tokenizer, seq_len=512, n=32, seed=1234, model=None
 
 def calibration_bytes(tokens):
     """How much of a file a calibration of `tokens` tokens reads: 16 bytes a token (about four times the text the
-    windows take, at ~4 bytes a token of prose), at least 2 MiB and at most 64 MiB, so that a huge file costs no
-    more time and memory than that (tokenizing costs some hundred bytes a token)."""
-    return min(max(16 * tokens, 2 << 20), 64 << 20)
+    windows take, at ~4 bytes a token of prose), at least 2 MiB and at most MAX_TEXT_BYTES, so that a huge file
+    costs no more time and memory than that (tokenizing costs some hundred bytes a token)."""
+    return min(max(16 * tokens, 2 << 20), MAX_TEXT_BYTES)
+
+
+# The most of a text file that calibration or evaluation reads: its first MAX_TEXT_BYTES, and of those no more than
+# about MAX_TEXT_TOKENS tokens (~16 MB of prose; ~0.7 GB to tokenize at once). Evaluation reads up to both limits
+# whatever it needs, calibration up to calibration_bytes: evaluation's held-out tenth always lies past the training
+# part a calibration on the same file draws its windows from.
+MAX_TEXT_BYTES = 64 << 20
+MAX_TEXT_TOKENS = 1 << 22
+
+
+def read_corpus(path, tokenizer, max_bytes=MAX_TEXT_BYTES, flag="--text"):
+    """The Corpus (last tenth held out) of a text file's beginning: its first max_bytes (whole characters), and no
+    more of those than MAX_TEXT_TOKENS tokens need (read_tokens: read and counted in pieces, stopped once past).
+    Text the tokenizer cannot take is a ValueError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            ids, data, _ = read_tokens(tokenizer, f, MAX_TEXT_TOKENS, max_bytes)
+    except ValueError as e:
+        raise ValueError(f"{flag} {path}: {e}") from None
+    return Corpus.from_ids(ids, data, tokenizer)
+
+
+def text_corpus(path, tokenizer):
+    """The held-out text a real model is evaluated on: --text FILE (read_corpus), or the built-in corpus."""
+    return Corpus.from_text(default_corpus(), tokenizer) if path is None else read_corpus(path, tokenizer)
 
 
 def _calibration_text(source, tokenizer, tokens):
-    """The Corpus of a calibration source ("pydoc" or a file, its first calibration_bytes(tokens)); a file the
-    tokenizer cannot take is a ValueError naming it (the Rust tokenizer panics on some input: not an Exception)."""
-    if source == PYDOC:
-        data = default_corpus()
-    else:
-        with open(source, "rb") as f:
-            data = f.read(calibration_bytes(tokens))
+    """The Corpus of a calibration source: "pydoc", or a file's first calibration_bytes(tokens) (read_corpus)."""
+    if source != PYDOC:
+        return read_corpus(source, tokenizer, calibration_bytes(tokens), "--calib")
     try:
-        return Corpus.from_text(data, tokenizer)
-    except BaseException as e:                       # pyo3's PanicException derives from BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)):
-            raise
-        raise ValueError(f"--calib {source}: the tokenizer cannot read it ({type(e).__name__}: "
-                         f"{str(e)[:120]})") from None
+        return Corpus.from_text(default_corpus(), tokenizer)
+    except ValueError as e:
+        raise ValueError(f"--calib {PYDOC}: {e}") from None
 
 
 def real_calibration(sources, tokenizer, seq_len, n, model, one_thread=False):

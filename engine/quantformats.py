@@ -15,7 +15,7 @@ import torch
 from .checkpoints.models import load_model
 from .checkpoints.tokenizer import load_tokenizer
 from .console import bar, clock, log
-from .data import Corpus, load_corpus, real_calibration
+from .data import real_calibration, text_corpus
 from .evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats, markdown_table, perplexity
 from . import tables
 from .formats.numerics.base import decoded_weights, impl, model_bits
@@ -104,8 +104,7 @@ def real_table(args, selected):
     weights), on held-out text the calibration never saw; each row's time and peak resident memory."""
     path = Path(args.model)
     tokenizer = load_tokenizer(path)
-    corpus = Corpus.from_text(load_corpus(args.text), tokenizer)
-    chunks = corpus.eval_chunks(args.ctx, args.chunks)
+    chunks = text_corpus(args.text, tokenizer).eval_chunks(args.ctx, args.chunks)
     loaded = []
 
     def reference_model():                          # loaded once, after the calibration files are tokenized

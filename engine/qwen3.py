@@ -121,6 +121,25 @@ class KVCache:
         return k, v, torch.cat((k_hat, k[:, :, n:]), 2), torch.cat((v_hat, v[:, :, n:]), 2)
 
 
+# Attention's scores [B, heads, T, L] are float32, held about three times over (the scores, the masked copy, the
+# softmax): T = L = 16384 at 4 heads would be 13 GB. Queries go through in blocks of rows whose scores hold at most
+# SCORE_ELEMENTS floats (64 MB), each block against the positions its queries see (a causal block's later columns
+# are all masked): the same math, its sums shorter by masked zeros, so equal up to float rounding.
+SCORE_ELEMENTS = 1 << 24
+
+
+def score_rows(batch, heads, length):
+    """Query rows per block of attention over `length` positions."""
+    return max(1, SCORE_ELEMENTS // (batch * heads * length))
+
+
+def attention_bytes(cfg, batch, tokens):
+    """Peak bytes of attention's scores in one forward pass of ids [batch, tokens] (three float32 copies of a
+    block)."""
+    rows = min(tokens, score_rows(batch, cfg.num_attention_heads, tokens))
+    return 3 * 4 * batch * cfg.num_attention_heads * rows * tokens
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen3Config, index: int):
         super().__init__()
@@ -153,7 +172,12 @@ class Attention(nn.Module):
         causal = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
         if coded is not None:
             coded.append(torch.ones_like(causal).tril(past - self.kv_window))  # t - s >= window: the coded K/V
-        out = self._attend(q, k, v, causal, coded)
+        rows, blocks = score_rows(b, cfg.num_attention_heads, k.shape[2]), []
+        for i in range(0, t, rows):                    # a long sequence's queries, in blocks of rows: each block
+            n = past + min(i + rows, t)                # against the positions its last query sees
+            blocks.append(self._attend(q[:, :, i:i + rows], k[:, :, :n], v[:, :, :n], causal[i:i + rows, :n],
+                                       coded and [c[:, :, :n] for c in coded[:2]] + [coded[2][i:i + rows, :n]]))
+        out = torch.cat(blocks, 2)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _attend(self, q, k, v, causal, coded=None):

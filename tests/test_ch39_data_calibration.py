@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -191,16 +192,27 @@ def test_a_huge_file_is_read_only_as_far_as_the_calibration_needs(tmp_path):
     assert calibration_bytes(10 ** 9) == 64 << 20
 
 
-def test_a_file_the_tokenizer_cannot_take_is_one_error(tmp_path, monkeypatch):
-    class Panic(BaseException):                                  # what pyo3 raises when the Rust tokenizer panics
-        pass
+def test_a_file_the_tokenizer_panics_on_is_one_error_naming_both(tmp_path):
+    """The Rust tokenizer panics (a pre-tokenizer regex past Oniguruma's retry limit): one ValueError."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fuzz_inputs import AAA, text_tokenizer
+    from engine.checkpoints.tokenizer import load_tokenizer
+    (tmp_path / "tok").mkdir()
+    text_tokenizer(tmp_path / "tok", ("split", "(a+)+$"))
+    (tmp_path / "a.txt").write_text(AAA)
+    with pytest.raises(ValueError, match=r"^--calib .*a\.txt: .*tokenizer\.json: the tokenizers library failed on it "
+                                         r"\(Onig: Regex search error"):
+        calibration_ids([str(tmp_path / "a.txt")], load_tokenizer(tmp_path / "tok"), seq_len=8, n=2)
 
-    def panics(*args, **kwargs):
-        raise Panic("tokenizer panicked")
-    path = _file(tmp_path, "a.txt", ["w1"], ["w2"])
-    monkeypatch.setattr(Corpus, "from_text", panics)
-    with pytest.raises(ValueError, match=r"a\.txt: the tokenizer cannot read it \(Panic: tokenizer panicked\)"):
-        calibration_ids([str(path)], _word_tokenizer(), seq_len=8, n=2)
+
+def test_the_memory_check_counts_attentions_scores(tiny_cfg, monkeypatch):
+    """red before: only the hidden states were counted: 4 x 4096 tokens of the tiny model, 16 MiB counted while
+    attention's scores took 3.6 GB (now 192 MiB: blocks of 256 query rows)."""
+    from engine import cli
+    from engine.formats.numerics import base
+    monkeypatch.setattr(base, "available_memory", lambda: 100 << 20)
+    with pytest.raises(ValueError, match="needs about 0.2 GiB for the hidden states .* and attention's scores"):
+        cli.check_calibration_size(SimpleNamespace(calib_samples=4, calib_len=4096), tiny_cfg)
 
 
 @pytest.mark.parametrize("args,match", [(("--calib-samples", "1000000000"), "needs about .* GiB for the hidden"),
@@ -212,3 +224,17 @@ def test_calibration_sizes_beyond_memory_or_context_are_refused_first(tmp_path, 
                          cwd=ROOT)
     assert out.returncode == 1 and re.search(match, out.stderr.strip().splitlines()[-1]), out.stderr
     assert not (tmp_path / "q").exists() and "calibration:" not in out.stderr
+
+
+def test_a_file_cut_inside_a_character_calibrates_on_the_characters_before(tmp_path):
+    """red before: the first calibration_bytes of a UTF-8 file ended inside an "é" (2 bytes) and the whole text was
+    refused as not UTF-8."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fuzz_inputs import text_tokenizer
+    from engine.checkpoints.tokenizer import load_tokenizer
+    from engine.data import calibration_bytes
+    (tmp_path / "tok").mkdir()
+    text_tokenizer(tmp_path / "tok", "prefix-space")                 # byte-level, read as UTF-8 text
+    (tmp_path / "e.txt").write_text("a" + "é" * (calibration_bytes(16) // 2 + 8))   # byte 2 MiB starts an "é"
+    ids = calibration_ids([str(tmp_path / "e.txt")], load_tokenizer(tmp_path / "tok"), seq_len=8, n=2).ids
+    assert ids.shape == (2, 8) and set(ids.flatten().tolist()) <= set("é".encode())

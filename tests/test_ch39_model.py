@@ -64,6 +64,26 @@ def test_kv_transform_sees_rotated_k_and_v_and_changes_output(tiny_model):
     assert not torch.allclose(base, changed) and torch.equal(base, again)
 
 
+@pytest.mark.parametrize("window", [None, 8])
+def test_attention_goes_through_in_blocks_of_bounded_scores(tiny_model, monkeypatch, window):
+    """red before: each forward held one [batch, heads, T, T] score tensor (calibrating 4 x 4096 tokens on a 4-head
+    model: 3.6 GB). Blocks of 10 query rows give the same logits up to float rounding, with a windowed KV transform
+    too (its coded band lies across blocks; a block against all positions put coded keys where a query's window
+    is: 1e-4 off)."""
+    from engine import qwen3
+    ids = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(3))
+    if window is not None:
+        tiny_model.set_kv_transform(lambda k, v, index, start: (k.half().float(), v.half().float()), window=window)
+    with torch.no_grad():
+        whole = tiny_model(ids)
+        monkeypatch.setattr(qwen3, "SCORE_ELEMENTS", 2 * 4 * 100 * 10, raising=False)   # batch x heads x L x rows
+        rows, attend = [], qwen3.Attention._attend
+        monkeypatch.setattr(qwen3.Attention, "_attend", lambda self, q, *args: rows.append(q.shape[2]) or
+                            attend(self, q, *args))
+        blocks = tiny_model(ids)
+    assert rows == [10] * 20 and torch.allclose(blocks, whole, rtol=0, atol=1e-5)     # 2 layers x 10 blocks
+
+
 FAMILIES = {"llama": dict(attention_bias=True, mlp_bias=True, rope_theta=5e5,
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),

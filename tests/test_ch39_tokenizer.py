@@ -170,3 +170,36 @@ def test_an_added_token_on_an_id_another_token_holds_is_refused_where_the_librar
     with pytest.raises(ValueError, match="'<\\|fuzz\\|>' has id 256 \\(tokenizer.json gives it id 255, which another "
                                          "token holds"):
         load_tokenizer(tmp_path / "ck")
+
+
+def _fuzzed(folder, how):
+    """A folder with only a tokenizer.json, the byte tokenizer changed as benchmarks/fuzz_inputs.py changes it."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fuzz_inputs import break_tokenizer, text_tokenizer
+    folder.mkdir()
+    (break_tokenizer if isinstance(how, str) else text_tokenizer)(folder, how)
+    return folder
+
+
+@pytest.mark.parametrize("how,where", [("charsmap", "load"), ("template", "bos_id"), (("split", "(a+)+$"), "encode")])
+def test_a_panic_of_the_tokenizers_library_is_a_value_error_naming_the_file(tmp_path, capfd, how, where):
+    """red before: pyo3's PanicException, a BaseException, went past every `except Exception`, after Rust had
+    printed the panic (a backtrace under RUST_BACKTRACE) on stderr. A charsmap it cannot parse panics on loading,
+    a template naming a token it lacks on encoding with special tokens, a regex past Oniguruma's retry limit on
+    splitting."""
+    folder = _fuzzed(tmp_path / "tok", how)
+    with pytest.raises(ValueError, match=f"^{folder / 'tokenizer.json'}: the tokenizers library failed on it"):
+        tok = load_tokenizer(folder)                          # "load": fails here
+        bos_id(tok) if where == "bos_id" else encode(tok, "a" * 3000 + "!")
+    assert "panicked" not in capfd.readouterr().err
+
+
+def test_a_tokenizer_that_multiplies_text_is_refused_after_one_small_piece(tmp_path):
+    """red before: each "a" of a corpus became 1,000 tokens, all of them made (a 10,000-fold normalizer on the
+    built-in corpus: hundreds of millions); now the first piece's 16 bytes make 16,000, more than 16 a byte."""
+    tok = load_tokenizer(_fuzzed(tmp_path / "tok", ("expand", 1000)))
+    with pytest.raises(ValueError, match="tokenizer.json: the tokenizer makes 16000 tokens of 16 bytes of text, more "
+                                         "than 16 a byte"):
+        Corpus.from_text("a" * 3000, tok)

@@ -13,9 +13,15 @@ non-empty merges list, no BOS); a GGUF source passes its keys on unchanged; a by
 converted (tokens, merges, types, specials, chat template), its pre-tokenizer named by which of llama.cpp's splits
 reproduce its ids on llama.cpp's fingerprint text (CHKTXT).
 """
+import codecs
+import contextlib
+import io
 import itertools
 import json
+import os
 import shutil
+import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,32 +78,128 @@ def token_bytes(tok, ids):
 
 def encode(tok, data):
     """bytes (or str) -> ids, long [n], without special tokens. The byte tokenizer (or None) takes any bytes, valid
-    UTF-8 or not; every other tokenizer reads UTF-8 text."""
+    UTF-8 or not; every other tokenizer reads UTF-8 text (read_tokens: a tokenizer that expands text is refused)."""
     if isinstance(data, str):
         data = data.encode("utf-8")
+    return read_tokens(tok, io.BytesIO(data))[0]
+
+
+# ---- text read only as far as it is needed --------------------------------------------------------------------------
+
+FIRST_PIECE, LAST_PIECE = 1 << 4, 1 << 16        # bytes tokenized at once to count, doubling from the first
+TOKENS_PER_BYTE = 16                             # at most; byte-level BPE makes at most one, a byte fallback one
+
+
+def read_tokens(tok, stream, limit=None, max_bytes=None):
+    """Tokenize a binary stream (a file opened "rb", io.BytesIO) without reading or tokenizing more than needed:
+    (ids long [n], data: the bytes read, complete: whether that is all of the stream).
+
+    Reading stops at the stream's end, after max_bytes (a character cut there is left out), or once more than
+    `limit` tokens are counted. Counting tokenizes piece by piece, FIRST_PIECE bytes first, doubling: a normalizer
+    that expands each character 10,000-fold costs one small piece, not the whole text at once; more than
+    TOKENS_PER_BYTE tokens a byte is a ValueError. A piece boundary may split a word (a token or two more than
+    the whole text has: give `limit` room); ids are always one tokenization of all of `data`, exactly what the whole
+    text gives. The byte tokenizer (or None) reads any bytes, its ids their values; other tokenizers read UTF-8."""
     if tok is None or is_byte_tokenizer(tok):
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"the text is not UTF-8 (at byte {e.start}); only the byte tokenizer reads any "
-                         "bytes") from None
-    return torch.tensor(tok.encode(text, add_special_tokens=False).ids, dtype=torch.long)
+        caps = [n for n in (max_bytes, None if limit is None else limit + 1) if n is not None]
+        data = stream.read(min(caps)) if caps else stream.read()
+        complete = not caps or len(data) < min(caps) or not stream.read(1)
+        ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.zeros(0, dtype=torch.long)
+        return ids, data, complete
+    decoder, data, pieces, count, size = codecs.getincrementaldecoder("utf-8")(), bytearray(), [], 0, FIRST_PIECE
+    while True:
+        raw = stream.read(size if max_bytes is None else min(size, max_bytes - len(data)))
+        at_end = not raw and (max_bytes is None or len(data) < max_bytes or not stream.read(1))
+        held = len(decoder.getstate()[0])                         # a character's first bytes, from the last read
+        try:
+            piece = decoder.decode(raw, final=at_end)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"the text is not UTF-8 (at byte {len(data) - held + e.start}); only the byte tokenizer "
+                             "reads any bytes") from None
+        data += raw
+        if piece:
+            with rust_calls(tok):
+                count += len(tok.encode(piece, add_special_tokens=False))
+            pieces.append(piece)
+        if limit is not None and count > limit:
+            break
+        if count > TOKENS_PER_BYTE * (len(data) + 1):
+            raise ValueError(f"{tokenizer_file(tok)}: the tokenizer makes {count} tokens of {len(data)} bytes of "
+                             f"text, more than {TOKENS_PER_BYTE} a byte (a normalizer that multiplies characters?)")
+        if at_end or not raw:
+            break
+        size = min(2 * size, LAST_PIECE)
+    data = bytes(data[:len(data) - len(decoder.getstate()[0])])   # without a character max_bytes cut
+    with rust_calls(tok):
+        ids = tok.encode("".join(pieces), add_special_tokens=False).ids
+    return torch.tensor(ids, dtype=torch.long), data, at_end
+
+
+def complete_utf8(data):
+    """bytes without the first bytes of a UTF-8 character that they end inside (at most 3)."""
+    for cut in range(min(3, len(data)), 0, -1):
+        try:
+            data[len(data) - cut:].decode("utf-8")
+            return data
+        except UnicodeDecodeError:
+            if data[len(data) - cut] >> 6 == 0b11:               # the lead byte of the unfinished character
+                return data[:len(data) - cut]
+    return data
+
+
+# ---- calls into the Rust library ----------------------------------------------------------------------------------
+
+def tokenizer_file(tok):
+    """The file a tokenizer was read from (load_tokenizer records it as tok.file), to name in errors."""
+    return getattr(tok, "file", None) or "the tokenizer"
+
+
+@contextlib.contextmanager
+def rust_calls(tok_or_name):
+    """Around calls into the tokenizers library (Rust): a panic there (a pre-tokenizer regex past Oniguruma's retry
+    limit, a charsmap it cannot parse, a template naming a token it lacks) reaches Python as pyo3's PanicException,
+    a BaseException that no `except Exception` catches, after Rust's panic hook has written it, and under
+    RUST_BACKTRACE a backtrace, to stderr. It becomes one ValueError naming the tokenizer's file; stderr (file
+    descriptor 2) is held in a temporary file during the call and passed on only when nothing panicked."""
+    name = tok_or_name if isinstance(tok_or_name, (str, Path)) else tokenizer_file(tok_or_name)
+    sys.stderr.flush()
+    saved, panic = os.dup(2), None
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException as e:                               # pyo3_runtime is made at run time: no import
+            if type(e).__name__ != "PanicException":
+                raise
+            panic = e
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if panic is None and held.tell():
+                held.seek(0)
+                sys.stderr.buffer.write(held.read())
+                sys.stderr.flush()
+    if panic is not None:
+        raise ValueError(f"{name}: the tokenizers library failed on it ({str(panic)[:200]})") from None
 
 
 def bos_id(tok):
     """The id tok's post-processor puts before every sequence (Llama 3's <|begin_of_text|>), or None (Qwen, bytes)."""
     if tok is None:
         return None
-    enc = tok.encode("a")
+    with rust_calls(tok):
+        enc = tok.encode("a")
     return enc.ids[0] if enc.special_tokens_mask[0] else None
 
 
 def _from_json_file(path, what):
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:                               # the Rust side names what is wrong
-        raise ValueError(f"{what} is not a valid tokenizer.json: {e}") from None
+    with rust_calls(what):
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:                           # the Rust side names what is wrong
+            raise ValueError(f"{what} is not a valid tokenizer.json: {e}") from None
+    tok.file = str(what)
+    return tok
 
 
 def _is_byte_model(folder):
@@ -146,7 +248,8 @@ def read_tokenizer_folder(folder):
 def load_tokenizer(path=None):
     """A tokenizers.Tokenizer: None -> the byte tokenizer; a folder -> its tokenizer.json (a folder of the byte model
     written before tokenizer files were: the byte tokenizer); a file -> a GGUF file's vocabulary. A tokenizer with
-    ids beyond the model's vocabulary (config.json's vocab_size, the GGUF embedding's rows) is refused."""
+    ids beyond the model's vocabulary (config.json's vocab_size, the GGUF embedding's rows) is refused. tok.file
+    records the file read, for errors to name (tokenizer_file)."""
     if path is None:
         return byte_tokenizer()
     path = Path(path)
@@ -162,9 +265,11 @@ def load_tokenizer(path=None):
             return byte_tokenizer()
         raise ValueError(f"no tokenizer.json in {path} (a SentencePiece-only tokenizer.model is not read)")
     if path.is_file():
-        with GGUFFile(path) as f:
+        with GGUFFile(path) as f, rust_calls(path):
             embedding = f.tensors.get("token_embd.weight")
-            return check_vocabulary(gguf_tokenizer(f)[0], embedding and embedding.shape[0], path)
+            tok = check_vocabulary(gguf_tokenizer(f)[0], embedding and embedding.shape[0], path)
+        tok.file = str(path)
+        return tok
     raise ValueError(f"{path}: no such tokenizer folder or GGUF file")
 
 
@@ -276,7 +381,8 @@ def hf_tokenizer_metadata(directory, vocab_size):
     template = config.get("chat_template") if template is None else template
     if isinstance(template, str):
         meta["tokenizer.chat_template"] = template
-    meta["tokenizer.ggml.pre"] = _pre_tokenizer_name(tok, meta)
+    with rust_calls(tok):
+        meta["tokenizer.ggml.pre"] = _pre_tokenizer_name(tok, meta)
     return meta
 
 

@@ -34,6 +34,8 @@ from ...distributed import slot_of
 from .base import QuantLinear, linear_names, replace_linears
 from .layer_runs import ResumingRuns
 
+BATCH_SIZE = 8                  # calibration sequences in one forward pass (by_layer's default)
+
 # The linears of a decoder layer, in forward order, grouped into the steps whose members read the same input.
 SEQUENTIAL_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
                     ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
@@ -285,7 +287,7 @@ def first_layer_batches(model, ids, batch_size):
     return batches
 
 
-def decoder_layers(model, calibration_ids, batch_size=8, method="calibration", inputs_from="quantized",
+def decoder_layers(model, calibration_ids, batch_size=BATCH_SIZE, method="calibration", inputs_from="quantized",
                    fisher=False):
     """Yield a LayerCalibration for each decoder layer of `model`, in order. The caller captures and quantizes
     inside the loop body; the next layer then receives this layer's outputs, computed after the body
@@ -316,7 +318,7 @@ def whole_model(model):
     return LayerCalibration(model, 0, None, prefix="")
 
 
-def by_layer(model, method, calibration_ids=None, batch_size=8, **options):
+def by_layer(model, method, calibration_ids=None, batch_size=BATCH_SIZE, **options):
     """Quantize `model` in place, one decoder layer at a time: method.quantize_layer(LayerCalibration, **options) on
     each (the same function the streaming converter, engine.checkpoints.streaming.quantize_checkpoint, calls on layers
     read from disk), the layers' inputs as method.calibration(options) says (a CheckpointMethod states it once).
