@@ -31,7 +31,7 @@ from engine.data import Corpus, load_corpus
 from engine.evaluation import held_out_logits, kl_stats
 from engine.formats.numerics import affine
 from engine.formats import entropy, entropy_feedback, entropy_rate, nf4
-from engine.formats.numerics.base import model_bits
+from engine.layers import model_bits
 from engine.formats.numerics.sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 from engine.qwen3 import Qwen3Config
 from engine.training import TrainConfig, trained_model

@@ -47,9 +47,9 @@ from engine.checkpoints.gguf_writer import gguf_name, write_gguf  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, kl_per_position  # noqa: E402
 from engine.formats.numerics import affine  # noqa: E402
 from engine.formats import awq, entropy, fp8, gptq, lattice, mx, nf4, trellis  # noqa: E402
-from engine.formats.llama_cpp import ggml  # noqa: E402
+from engine.formats.llama_cpp import ggml, gptq_ggml  # noqa: E402
 from engine.safe_writes import folder_size  # noqa: E402
-from engine.formats.numerics.base import model_bits  # noqa: E402
+from engine.layers import model_bits  # noqa: E402
 
 OUT = Path(os.environ.get("ENGINE_FRONTIER", Path.home() / ".cache" / "engine" / "frontier"))
 RATES = (2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.5, 8.0)
@@ -70,25 +70,25 @@ ENGINE_ROWS = [   # (label, quantize(model, calibration, **options), options): c
     # GPTQ's codes on llama.cpp's own grids (the scales llama-quantize --imatrix picks with the calibration's
     # importance, its blocks; a row not a multiple of 256 gets llama.cpp's fallback type, as the GGUF file would),
     # and a mix of those types at a bits budget picked by measured error
-    *[(f"GPTQ on llama.cpp's {t} imatrix grid", gptq.quantize, dict(ggml_type=t))
+    *[(f"GPTQ on llama.cpp's {t} imatrix grid", gptq_ggml.quantize, dict(ggml_type=t))
       for t in ("Q6_K", "Q5_K", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K")],
-    *[(f"GPTQ on llama.cpp's IQ4_XS imatrix grid, damp {d}", gptq.quantize, dict(ggml_type="IQ4_XS", damp=d))
+    *[(f"GPTQ on llama.cpp's IQ4_XS imatrix grid, damp {d}", gptq_ggml.quantize, dict(ggml_type="IQ4_XS", damp=d))
       for d in (0.1, 0.3)],
-    *[(f"GPTQ on llama.cpp's {t} imatrix grid, damp 0.1", gptq.quantize, dict(ggml_type=t, damp=0.1))
+    *[(f"GPTQ on llama.cpp's {t} imatrix grid, damp 0.1", gptq_ggml.quantize, dict(ggml_type=t, damp=0.1))
       for t in ("Q5_K", "Q4_K")],
-    ("GPTQ on llama.cpp's imatrix grids, IQ4_NL, down_proj Q3_K, damp 0.1", gptq.quantize,
+    ("GPTQ on llama.cpp's imatrix grids, IQ4_NL, down_proj Q3_K, damp 0.1", gptq_ggml.quantize,
      dict(damp=0.1, ggml_type={**dict.fromkeys(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"], "IQ4_NL"),
                                "mlp.down_proj": "Q3_K"})),
     # 6.03 and 4.43: budgets at the size of llama.cpp's Q5_K_M and IQ4_XS + imatrix files of SmolLM2 (6.035, 4.4375)
-    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}", gptq.quantize, dict(bpw=b))
+    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}", gptq_ggml.quantize, dict(bpw=b))
       for b in (6.03, 6.0, 5.5, 4.5, 4.4, 3.5)],
-    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, damp 0.1", gptq.quantize, dict(bpw=b, damp=0.1))
+    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, damp 0.1", gptq_ggml.quantize, dict(bpw=b, damp=0.1))
       for b in (4.5, 4.43, 4.25)],
     # the same mixes planned in the model's output KL (plan="fisher": each row's error weighted by its output Fisher)
-    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, Fisher plan", gptq.quantize, dict(bpw=b, plan="fisher"))
+    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, Fisher plan", gptq_ggml.quantize, dict(bpw=b, plan="fisher"))
       for b in (6.0, 5.5)],
-    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, damp 0.1, Fisher plan", gptq.quantize,
+    *[(f"GPTQ K-quant mix, imatrix grids, --bpw {b}, damp 0.1, Fisher plan", gptq_ggml.quantize,
        dict(bpw=b, damp=0.1, plan="fisher")) for b in (4.5, 4.25)],
     *[(f"lattice E8, {b} bps", lattice.quantize, dict(lattice="E8", bps=b)) for b in (4.0, 3.0, 2.0)],
     *[(f"EntQuant Float8+ANS, ~{b} bpw", entropy.quantize, dict(bpw=b, tol=0.05)) for b in (4.0, 3.0, 2.1)],

@@ -33,7 +33,7 @@ from engine.loaders import read_config
 from engine.checkpoints.models import load_model
 from engine.safetensors_io import DTYPE_BYTES, snapshot_tensors, tensor_specs
 from engine.formats import gptq
-from engine.formats.numerics.base import quantized_linears
+from engine.layers import quantized_linears
 from engine.formats.llama_cpp.ggml import GGML_TYPES
 
 HERE = Path(__file__).resolve().parent

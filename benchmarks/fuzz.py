@@ -63,7 +63,7 @@ from fuzz_writers import faults_campaign
 from engine.loaders import load_dense
 from engine.formats.quantized_checkpoints import load_quantized
 from engine.safetensors_io import snapshot_tensors, tensor_digest
-from engine.formats.numerics.base import QuantLinear
+from engine.layers import QuantLinear
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTCOMES = ("ok-identical", "ValueError", "other", "hang", "memory", "non-finite", "overflow", "silent-different",

@@ -62,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import byte_tokenizer, export_tokenizer, load_tokenizer  # noqa: E402
 from engine.formats.kv import kv_store  # noqa: E402
-from engine.formats.numerics.base import QuantLinear  # noqa: E402
+from engine.layers import QuantLinear  # noqa: E402
 from engine.formats.quantized_checkpoints import method_options  # noqa: E402
 from engine.loaders import save_dense  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402

@@ -30,7 +30,7 @@ from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.formats.numerics import affine  # noqa: E402
 from engine.formats import gptq  # noqa: E402
-from engine.formats.numerics.base import quantized_linears  # noqa: E402
+from engine.layers import quantized_linears  # noqa: E402
 
 QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 

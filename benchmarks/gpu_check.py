@@ -343,7 +343,7 @@ def quantformats(torch, impl, device, rows):
     """run.py quantformats --impl IMPL for these rows, its evaluation on `device`: {label: raw KL stats}."""
     import run
     from engine import evaluation, quantformats
-    from engine.formats.numerics.base import impl as use_impl
+    from engine.layers import impl as use_impl
     recorded = []
     evaluate, kl_stats = quantformats.evaluate, quantformats.kl_stats
 

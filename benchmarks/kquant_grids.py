@@ -20,7 +20,8 @@ import torch
 
 from engine.checkpoints.models import load_model
 from engine.formats.llama_cpp import ggml
-from engine.formats import gptq, gptq_ggml
+from engine.formats import gptq
+from engine.formats.llama_cpp import gptq_ggml
 from engine.formats.numerics.calibration import capture
 
 

@@ -37,8 +37,9 @@ from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats  # noqa: E402
-from engine.formats import gptq, gptq_ggml  # noqa: E402
-from engine.formats.numerics.base import linear_names, quantized_linears  # noqa: E402
+from engine.formats import gptq  # noqa: E402
+from engine.formats.llama_cpp import gptq_ggml
+from engine.layers import linear_names, quantized_linears  # noqa: E402
 from engine.qwen3 import Qwen3Config  # noqa: E402
 from engine.training import TrainConfig, trained_model  # noqa: E402
 
@@ -132,7 +133,7 @@ def main(argv=None):
             model = rtn(reference, kind)
         else:
             model = copy.deepcopy(reference)
-            gptq.quantize(model, calibration, ggml_type=kind, **({"bpw": bpw} if bpw else {}))
+            gptq_ggml.quantize(model, calibration, ggml_type=kind, **({"bpw": bpw} if bpw else {}))
         seconds = time.perf_counter() - t0
         path = args.out / (label.replace(" ", "-") + ".gguf")
         report = write_gguf(model, path, tokenizer=tokenizer, force=True)

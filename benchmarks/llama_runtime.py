@@ -33,6 +33,7 @@ from engine.checkpoints.gguf import GGUFFile  # noqa: E402
 from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
 from engine.formats import gptq  # noqa: E402
+from engine.formats.llama_cpp import gptq_ggml  # noqa: E402
 
 
 def scored(logprobs):
@@ -66,7 +67,7 @@ def main(argv=None):
         ours = files / f"engine-gptq-{kind}-damp{args.damp}-llama-embedding.gguf"
         if not ours.exists():
             quantized = copy.deepcopy(model)
-            gptq.quantize(quantized, calibration, ggml_type=kind, damp=args.damp)
+            gptq_ggml.quantize(quantized, calibration, ggml_type=kind, damp=args.damp)
             write_gguf(quantized, ours, tokenizer=folder / "reference.gguf", embedding_type="llama.cpp")
         theirs = files / f"llama-{kind}-imatrix-own-embedding.gguf"
         if not theirs.exists():

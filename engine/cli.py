@@ -140,7 +140,7 @@ def check_calibration_size(args, cfg):
     """--calib-len within the model's context (cfg: its Qwen3Config, read from its header or config.json alone) and
     --calib-samples' hidden states and attention within the memory this machine has: checked before the model
     loads."""
-    from engine.formats.numerics.base import available_memory
+    from engine.layers import available_memory
     from engine.formats.numerics.calibration import BATCH_SIZE
     from engine.qwen3 import attention_bytes
     check_context(args.calib_len, "--calib-len", cfg)
@@ -232,7 +232,7 @@ def cmd_eval(args):
     from engine.checkpoints.models import load_model
     from engine.evaluation import held_out_logits, kl_stats
     from engine.quantformats import evaluate
-    from engine.formats.numerics.base import model_bits
+    from engine.layers import model_bits
     from engine.training import tiny_setup
     path = Path(args.checkpoint)
     source = checkpoint_source(path) if path.is_dir() else None   # a missing or broken checkpoint fails here
@@ -267,7 +267,7 @@ def eval_real(args):
     from engine.checkpoints.tokenizer import load_tokenizer
     from engine.data import text_corpus
     from engine.evaluation import compare_models, markdown_table
-    from engine.formats.numerics.base import decoded_weights, impl, model_bits
+    from engine.layers import decoded_weights, impl, model_bits
     corpus = text_corpus(args.text, load_tokenizer(ref_path))
     chunks = corpus.eval_chunks(args.ctx, args.chunks)                  # short text fails before any model loads
     source = checkpoint_source(q_path) if q_path is not None and q_path.is_dir() else None
@@ -321,7 +321,7 @@ def cmd_generate(args):
         check_model_path(args.model)
     import torch
     from engine.checkpoints.tokenizer import load_tokenizer
-    from engine.formats.numerics.base import decoded_weights, impl
+    from engine.layers import decoded_weights, impl
     from engine.training import tiny_setup
     from engine.checkpoints.models import model_config
     from engine.qwen3 import Qwen3Config

@@ -27,7 +27,6 @@ import datetime
 import os
 import signal
 
-SLOTS = 8                  # calibration slots: the most ranks a data-aware conversion can use
 TIMEOUT = 1800             # seconds a rank waits for another before giving up (ENGINE_DIST_TIMEOUT overrides it)
 
 
@@ -219,7 +218,7 @@ def _exchanged_classes():
     attributes, which may only be such objects in turn: no code runs."""
     from pathlib import Path
 
-    from .formats.numerics.base import QuantLinear
+    from .layers import QuantLinear
     classes, todo = [type(Path())], [QuantLinear]
     while todo:
         classes.append(todo.pop())
@@ -227,13 +226,9 @@ def _exchanged_classes():
     return classes
 
 
-def slot_of(batch, batches):
-    """Batch index -> its slot (contiguous slots, the same for any number of ranks)."""
-    return batch * SLOTS // batches
-
-
 def share(batches, rank, world):
     """range of the batch indices rank `rank` of `world` calibrates with: the batches of its slots."""
+    from .formats.numerics.calibration import SLOTS, slot_of    # (torch: run.py imports this file before parsing)
     first_slot, end_slot = rank * SLOTS // world, (rank + 1) * SLOTS // world
     mine = [b for b in range(batches) if first_slot <= slot_of(b, batches) < end_slot]
     return range(mine[0], mine[-1] + 1) if mine else range(0)
@@ -241,6 +236,7 @@ def share(batches, rank, world):
 
 def check_world(world, data_aware):
     """ValueError unless a conversion can use `world` ranks."""
+    from .formats.numerics.calibration import SLOTS
     if data_aware and world > SLOTS:
         raise ValueError(f"{world} ranks: a data-aware method splits its calibration into {SLOTS} slots, so it uses "
                          f"at most {SLOTS} ranks")

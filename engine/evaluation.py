@@ -28,7 +28,7 @@ import math
 import numpy as np
 import torch
 
-from .formats.numerics.base import impl as use_impl
+from .layers import impl as use_impl
 
 SLICE_ELEMENTS = 1 << 20          # float64 log-probabilities are computed this many at a time (8 MB per buffer)
 

@@ -15,7 +15,7 @@ import re
 import torch
 from torch import nn
 
-from .formats.numerics.base import linear_names
+from .layers import linear_names
 from .qwen3 import Qwen3, Qwen3Config
 from .safe_writes import atomic_directory, recover_interrupted_swap
 from .safetensors_io import (checkpoint_records, float_digest, nbytes, read_json, save_file, snapshot_tensors,
@@ -141,7 +141,7 @@ def place(model, name, value, dtype, device):
 def install_layer(model, name, layer, device="cpu"):
     """Put a quantized layer (a QuantLinear built from a format's tensors) in place of the model's nn.Linear `name`,
     which must exist and have the layer's shape."""
-    from .formats.numerics.base import QuantLinear
+    from .layers import QuantLinear
     try:
         linear = model.get_submodule(name)           # (not a dict of every module: that per layer is quadratic)
     except AttributeError:
@@ -202,7 +202,7 @@ def model_digest(model):
     """SHA-256 of the weights a model computes with, as float32 (so that a lossless bf16 / f16 -> f32 load gives the
     same digest, and a quantized layer counts as its dequantized weight): the provenance a quantized checkpoint
     records, and `run.py eval` checks."""
-    from .formats.numerics.base import QuantLinear
+    from .layers import QuantLinear
     tensors = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):

@@ -18,7 +18,7 @@ from .console import bar, clock, log
 from .data import real_calibration, text_corpus
 from .evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats, markdown_table, perplexity
 from . import tables
-from .formats.numerics.base import decoded_weights, impl, model_bits
+from .layers import decoded_weights, impl, model_bits
 from .tables import expected_seconds
 from .training import tiny_setup
 

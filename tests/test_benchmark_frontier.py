@@ -17,7 +17,7 @@ import frontier_reference  # noqa: E402
 from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
 from engine.formats.numerics import affine  # noqa: E402
-from engine.formats.numerics.base import quantized_linears  # noqa: E402
+from engine.layers import quantized_linears  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

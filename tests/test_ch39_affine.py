@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from engine.formats.numerics import affine, base
+from engine.formats.numerics import affine
 from engine.formats.numerics.affine import (AffineQuantLinear, affine_codes, choose_clip, choose_clip_reference,
                                             fake_quantize, find_params, pack_bits, pack_int32, pack_nibbles,
                                             quantize_to_affine, unpack_bits, unpack_int32, unpack_nibbles)
-from engine.formats.numerics.base import quantized_linears
+from engine.layers import impl, quantized_linears, set_impl
 
 
 def test_find_params_covers_the_range_and_rounds_scales_to_f16():
@@ -75,7 +75,7 @@ def test_input_permutation_is_undone():
     stored = w[:, perm]                                          # columns kept in the order perm
     layer = AffineQuantLinear.from_weight(stored, 4, 16, perm=perm)
     assert torch.allclose(layer.dequantize()[:, perm], fake_quantize(stored, 4, 16))
-    with base.impl("engine"):
+    with impl("engine"):
         y = layer(x)
     assert torch.allclose(y, x @ layer.dequantize().T, atol=1e-4)
 
@@ -87,7 +87,7 @@ def test_triton_kernel_equals_torch_on_odd_shapes(bits, m, n, k, group):
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
     layer = AffineQuantLinear.from_weight(w, bits, group)
     reference = layer(x)
-    with base.impl("engine"):
+    with impl("engine"):
         out = layer(x)
     assert torch.allclose(out, reference, atol=1e-4, rtol=1e-4)
 
@@ -133,7 +133,7 @@ def test_rtn_quantize_model_replaces_every_linear_but_lm_head(tiny_model):
 
 def test_impl_switch_rejects_unknown_names():
     with pytest.raises(ValueError, match="impl"):
-        base.set_impl("cuda")
+        set_impl("cuda")
 
 
 def test_a_free_offset_is_never_rounded_onto_an_integer_zero_point():

@@ -8,9 +8,9 @@ from torch import nn
 from engine.formats import compressed_tensors as ct
 from engine.formats.fp8 import FP8BlockLinear
 from engine.formats.mx import MXFP4Linear, NVFP4Linear
-from engine.formats.numerics import affine, base
+from engine.formats.numerics import affine
 from engine.formats.numerics.affine import AffineQuantLinear
-from engine.formats.numerics.base import quantized_linears
+from engine.layers import impl, quantized_linears
 from engine.qwen3 import Qwen3
 from helpers import method_io
 
@@ -290,7 +290,7 @@ def test_qwen3_checkpoint_round_trip_and_kernels(tmp_path, registered, tiny_cfg,
     with torch.no_grad():
         reference = tiny_model(ids)
         torch.testing.assert_close(loaded(ids), reference, rtol=1e-5, atol=1e-5)
-        with base.impl("engine"):                              # the loaded layers run their kernels
+        with impl("engine"):                              # the loaded layers run their kernels
             torch.testing.assert_close(loaded(ids), reference, rtol=1e-4, atol=1e-4)
 
 

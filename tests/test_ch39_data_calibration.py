@@ -209,8 +209,8 @@ def test_the_memory_check_counts_attentions_scores(tiny_cfg, monkeypatch):
     """red before: only the hidden states were counted: 4 x 4096 tokens of the tiny model, 16 MiB counted while
     attention's scores took 3.6 GB (now 192 MiB: blocks of 256 query rows)."""
     from engine import cli
-    from engine.formats.numerics import base
-    monkeypatch.setattr(base, "available_memory", lambda: 100 << 20)
+    from engine import layers as ground
+    monkeypatch.setattr(ground, "available_memory", lambda: 100 << 20)
     with pytest.raises(ValueError, match="needs about 0.2 GiB for the hidden states .* and attention's scores"):
         cli.check_calibration_size(SimpleNamespace(calib_samples=4, calib_len=4096), tiny_cfg)
 

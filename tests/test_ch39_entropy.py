@@ -11,7 +11,7 @@ import torch
 from helpers import rewrite_tensors
 from engine.coding import rans
 from engine.evaluation import kl_stats
-from engine.formats.numerics import base
+from engine.layers import impl
 from engine.formats import entropy as E
 from engine.formats import entropy_feedback as F
 from engine.formats import entropy_scales as S
@@ -105,7 +105,7 @@ def test_model_runs_block_by_block_from_one_shared_buffer(tiny_model, tiny_cfg, 
         calls = []
         triton_decode = stream_decoders.rans_decode
         monkeypatch.setattr(stream_decoders, "rans_decode", lambda *a: (calls.append(1), triton_decode(*a))[1])
-        with base.impl("engine"):                        # the Triton decoder, also without a GPU
+        with impl("engine"):                        # the Triton decoder, also without a GPU
             assert torch.allclose(tiny_model(ids), logits, atol=1e-4, rtol=1e-4)
         assert len(calls) == 2
     streams = sum(len(m.stream) for m in quantized.values())

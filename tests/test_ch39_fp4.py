@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.formats.numerics import base
+from engine.layers import impl
 from engine.formats.llama_cpp import ggml
 from engine.formats import mx
 from engine.kernels import triton_formats
@@ -230,7 +230,7 @@ def test_kernels_equal_torch(n, k, m):
         # with x = I the kernel hands back exactly the weight it decoded
         assert torch.equal(layer.kernel_matmul(torch.eye(k)).T, layer.dequantize())
         x = torch.randn(m, k)
-        with base.impl("engine"):
+        with impl("engine"):
             y_engine = layer(x)
         assert torch.allclose(y_engine, layer(x), rtol=1e-5, atol=1e-5)
     assert _layers(n, k)[0].scales[1, 0] == 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.formats.numerics import base
+from engine.layers import impl
 from engine.formats import fp8
 from helpers import same
 
@@ -124,7 +124,7 @@ def test_kernel_equals_torch(shape, block, m):
     eye = torch.eye(shape[1])
     assert torch.equal(layer.kernel_matmul(eye).T, layer.dequantize())
     x = torch.randn(m, shape[1])
-    with base.impl("engine"):
+    with impl("engine"):
         y_engine = layer(x)
     y_torch = layer(x)
     assert torch.allclose(y_engine, y_torch, rtol=1e-5, atol=1e-5)

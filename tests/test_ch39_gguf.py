@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.checkpoints import gguf, gguf_tokenizer, tokenizer
-from engine.formats.numerics import base
+from engine.layers import impl
 from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.affine import AffineQuantLinear
 from engine.formats.mx import MXFP4Linear
@@ -274,7 +274,7 @@ def test_kernel_equals_reference_on_gguf_layouts(type_name):
     _, block, _ = ggml.GGML_TYPES[type_name]
     layer = ggml.quantized_linear(random_blocks(type_name, 5, block), type_name, (5, block))
     x = torch.randn(3, block, generator=torch.Generator().manual_seed(0))
-    with base.impl("engine"):
+    with impl("engine"):
         y = layer(x)
     assert torch.allclose(y, x @ layer.dequantize().T, atol=1e-5, rtol=1e-5)
 

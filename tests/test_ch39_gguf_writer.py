@@ -14,7 +14,7 @@ from engine.formats.numerics import affine
 from engine.formats import fp8, mx, nf4
 from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.affine import AffineQuantLinear
-from engine.formats.numerics.base import quantized_linears
+from engine.layers import quantized_linears
 from engine.formats.mx import dequantize_nvfp4
 from engine.qwen3 import Qwen3, Qwen3Config
 from test_ch39_gguf import bpe_metadata, gguf_bytes, write

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.formats import quantized_checkpoints as registry
-from engine.formats.numerics import affine, base, calibration
+from engine.layers import impl
+from engine.formats.numerics import affine, calibration
 from engine.formats import gptq
 from helpers import rtn_baseline, same
 
@@ -228,9 +229,9 @@ def test_act_order_g_idx_and_runtime_permutation():
     w_hat = gptq.dequantize_gptq(codes, scales, zeros, g_idx)
     assert torch.equal(layer.dequantize(), w_hat)
     x = torch.randn(5, 64)
-    with base.impl("torch"):
+    with impl("torch"):
         assert torch.allclose(layer(x), x @ w_hat.T, atol=1e-5)
-    with base.impl("engine"):
+    with impl("engine"):
         assert torch.allclose(layer(x), x @ w_hat.T, atol=1e-4)
     # without act-order the columns are already in group order: nothing to permute
     plain = gptq.to_runtime(*gptq.gptq_quantize(w, h, 4, 16), 16)

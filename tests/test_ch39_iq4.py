@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.formats import gptq, gptq_ggml
+from engine.formats import gptq
+from engine.formats.llama_cpp import gptq_ggml
 from engine.formats.llama_cpp import ggml, ggml_quants, iq4
 from test_ch39_gguf import random_blocks
 from test_ch39_kquants import hessian, importance, libggml, weights

@@ -17,8 +17,9 @@ import torch
 from engine.checkpoints import gguf, gguf_writer, serving
 from engine.formats.quantized_checkpoints import METHODS, load_quantized, save_quantized
 from engine.formats.llama_cpp import bit_plan, ggml, ggml_quants
-from engine.formats import gptq, gptq_ggml
-from engine.formats.numerics.base import quantized_linears
+from engine.formats import gptq
+from engine.formats.llama_cpp import gptq_ggml
+from engine.layers import quantized_linears
 from engine.qwen3 import Qwen3, Qwen3Config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -276,7 +277,7 @@ def calibration_ids(vocab=256):
 def quantized_model(cfg, ggml_type, seed=0):
     torch.manual_seed(seed)
     model = Qwen3(cfg).eval()
-    qcfg = gptq.quantize(model, calibration_ids(), ggml_type=ggml_type)
+    qcfg = gptq_ggml.quantize(model, calibration_ids(), ggml_type=ggml_type)
     return model, qcfg
 
 
@@ -315,7 +316,7 @@ def test_bad_ggml_requests_are_refused_before_any_work():
     with pytest.raises(ValueError, match="ggml_type '.*' is not one of"):
         quantized_model(K_CFG, "Q7_K")
     with pytest.raises(ValueError, match="GGML blocks store no column permutation"):
-        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="Q4_K", order="act_order")
+        gptq_ggml.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="Q4_K", order="act_order")
     with pytest.raises(ValueError, match="only llama.cpp loads"):
         serving.check_target("vllm", "gptq", {"ggml_type": "Q4_K"})
     with pytest.raises(ValueError, match="ggml_type 'Q9_K' is not one of"):          # the one check of options
@@ -323,14 +324,14 @@ def test_bad_ggml_requests_are_refused_before_any_work():
     with pytest.raises(ValueError, match=r"option ggml_type of method 'gptq' must be one of .*, got \['Q4_K'\]"):
         METHODS["gptq"].checked({"ggml_type": ["Q4_K"]})
     with pytest.raises(ValueError, match="ggml_type 'Q4_X' is not one of"):
-        gptq.validate({"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": "Q4_X"})
+        gptq_ggml.validate({"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": "Q4_X"})
     with pytest.raises(ValueError, match="imatrix=False chooses the grid of a GGML type"):
-        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), imatrix=False)
+        gptq_ggml.quantize(Qwen3(K_CFG).eval(), calibration_ids(), imatrix=False)
 
 
 def test_the_config_records_which_grid_gptq_used():
     assert quantized_model(FALLBACK_CFG, "Q4_K")[1]["imatrix"] is True
-    assert gptq.quantize(Qwen3(FALLBACK_CFG).eval(), calibration_ids(), ggml_type="Q4_K", imatrix=False)["imatrix"] \
+    assert gptq_ggml.quantize(Qwen3(FALLBACK_CFG).eval(), calibration_ids(), ggml_type="Q4_K", imatrix=False)["imatrix"] \
         is False
 
 
@@ -496,7 +497,7 @@ def test_the_plan_prices_each_type_by_gptqs_error_under_the_output_fisher():
 def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
     torch.manual_seed(0)
     model = Qwen3(K_CFG).eval()
-    qcfg = gptq.quantize(model, calibration_ids(), bpw=4.0)                           # a budget alone: a mix
+    qcfg = gptq_ggml.quantize(model, calibration_ids(), bpw=4.0)                           # a budget alone: a mix
     assert qcfg["ggml_type"] == "mix" and qcfg["bpw"] == 4.0 and len(set(qcfg["ggml_types"].values())) > 1
     gguf_writer.write_gguf(model, tmp_path / "m.gguf")
     with gguf.GGUFFile(tmp_path / "m.gguf") as f:
@@ -504,13 +505,13 @@ def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
         bits = sum(f.raw(key).numel() * 8 for key in f.tensors if key.split(".")[-2] in gguf.LINEARS)
     assert bits <= 4.0 * sum(int(np.prod(info.shape)) for info in linears)
     with pytest.raises(ValueError, match=r"option bpw of method 'gptq' must be a number in \[2.625, 8.5\], got 2.5"):
-        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix", bpw=2.5)
+        gptq_ggml.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix", bpw=2.5)
     with pytest.raises(ValueError, match="needs a bits budget"):
-        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix")
+        gptq_ggml.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="mix")
     with pytest.raises(ValueError, match=r"plan='fisher' prices the candidates of a bits budget's mix; it needs bpw"):
-        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="Q4_K", plan="fisher")
+        gptq_ggml.quantize(Qwen3(K_CFG).eval(), calibration_ids(), ggml_type="Q4_K", plan="fisher")
     with pytest.raises(ValueError, match=r"option plan of method 'gptq' must be one of 'layer_output', 'fisher'"):
-        gptq.quantize(Qwen3(K_CFG).eval(), calibration_ids(), bpw=4.5, plan="kl")
+        gptq_ggml.quantize(Qwen3(K_CFG).eval(), calibration_ids(), bpw=4.5, plan="kl")
 
 
 @pytest.mark.parametrize("plan", gptq_ggml.PLANS)
@@ -524,7 +525,7 @@ def test_a_budget_is_spent_within_one_percent_and_beats_the_single_type_of_its_s
 
     def quantized(**options):
         m = copy.deepcopy(model)
-        qcfg = gptq.quantize(m, calibration_ids(), **options)
+        qcfg = gptq_ggml.quantize(m, calibration_ids(), **options)
         layers = quantized_linears(m).values()
         bits = sum(q.storage_bits() for q in layers) / sum(q.in_features * q.out_features for q in layers)
         with torch.no_grad():
@@ -620,7 +621,7 @@ def test_export_refuses_a_source_whose_digests_do_not_match(tmp_path, source):
 def test_a_budget_the_row_widths_cannot_meet_is_refused_before_quantizing(tmp_path):
     """Rows of 96 (not a multiple of 256) have no GGML type below 4.5 bits: a --bpw under what the cheapest types
     reach is one error line from the config alone, and nothing is written."""
-    from engine.formats.gptq_ggml import check_budget
+    from engine.formats.llama_cpp.gptq_ggml import check_budget
     from engine.loaders import save_dense
     from test_cli import run
     with pytest.raises(ValueError, match=r"allow no GGML mix below 4\.\d+ bits per weight"):
@@ -630,7 +631,7 @@ def test_a_budget_the_row_widths_cannot_meet_is_refused_before_quantizing(tmp_pa
     model = Qwen3(FALLBACK_CFG).eval()
     for calibration in (None, calibration_ids()):               # the library too, before its calibration pass
         with pytest.raises(ValueError, match=r"allow no GGML mix below 4\.\d+ bits per weight"):
-            gptq.quantize(model, calibration, bpw=3.0)
+            gptq_ggml.quantize(model, calibration, bpw=3.0)
     save_dense(model, tmp_path / "m")
     out = run("quantize", "--model", str(tmp_path / "m"), "--method", "gptq", "--target", "llama.cpp", "--bpw",
               "3.0", "--calib", "self", "--out", str(tmp_path / "q.gguf"))

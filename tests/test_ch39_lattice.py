@@ -9,9 +9,8 @@ import torch
 
 from engine.formats import quantized_checkpoints as registry
 from engine.coding import rice
-from engine.formats.numerics import base
 from engine.formats import lattice as L
-from engine.formats.numerics.base import quantized_linears
+from engine.layers import impl, quantized_linears
 from engine.kernels import stream_decoders
 
 PAPER_RATES_21DB = {"E8": 3.74, "D4": 3.77, "A2": 3.81, "Z": 3.84}
@@ -144,7 +143,7 @@ def test_lattice_linear_engine_matches_torch_and_counts_storage():
     snr = 10 * torch.log10(w.pow(2).sum() / (layer.dequantize() - w).pow(2).sum())
     assert abs(float(snr) - 20.0) < 1.0
     x = torch.randn(3, 32)
-    with base.impl("engine"):
+    with impl("engine"):
         y_engine = layer(x)
     y_torch = layer(x)
     assert torch.allclose(y_engine, y_torch, rtol=1e-4, atol=1e-5)

@@ -194,7 +194,7 @@ def test_decoded_weights_are_reused_and_redone_when_the_layer_changes(tiny_model
     """Inside decoded_weights each quantized layer decodes once; a layer whose buffers change in place decodes
     again; outside, nothing is kept. Outputs equal the undecoded path's."""
     from engine.formats.numerics import affine
-    from engine.formats.numerics.base import decoded_weights, quantized_linears
+    from engine.layers import decoded_weights, quantized_linears
     affine.quantize(tiny_model, bits=4, group_size=32)
     layer = quantized_linears(tiny_model)["model.layers.0.mlp.up_proj"]
     calls = []
@@ -219,7 +219,7 @@ def test_decoded_weights_are_reused_and_redone_when_the_layer_changes(tiny_model
 
 def test_decoded_weights_keep_nothing_under_the_engine_implementation(tiny_model):
     from engine.formats.numerics import affine
-    from engine.formats.numerics.base import decoded_weights, impl
+    from engine.layers import decoded_weights, impl
     affine.quantize(tiny_model, bits=4, group_size=32)
     with impl("engine"), decoded_weights(tiny_model) as kept:
         assert not kept

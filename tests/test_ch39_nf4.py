@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.formats.numerics import base
+from engine.layers import impl, quantized_linears
 from engine.formats import nf4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -21,13 +21,13 @@ def test_nf4_levels_bits_and_kernel():
     nearest = levels.gather(-1, (levels - w[..., None]).abs().argmin(-1, keepdim=True))[..., 0]
     assert torch.allclose(deq, nearest)
     x = torch.randn(5, 130)
-    with base.impl("engine"):
+    with impl("engine"):
         assert torch.allclose(layer(x), x @ deq.T, atol=1e-4, rtol=1e-4)
 
 
 def test_quantize_replaces_every_block_linear_and_describes_them(tiny_model):
     qcfg = nf4.quantize(tiny_model, group_size=32)
-    layers = base.quantized_linears(tiny_model)
+    layers = quantized_linears(tiny_model)
     assert len(layers) == 14 and all(isinstance(m, nf4.NF4Linear) and m.group_size == 32 for m in layers.values())
     assert isinstance(tiny_model.lm_head, torch.nn.Linear)                  # lm_head (tied) stays dense
     assert qcfg == {"quant_method": "nf4", "bits": 4, "group_size": 32, "scale_dtype": "float16"}
@@ -50,7 +50,7 @@ def test_bitsandbytes_layout_round_trips_the_codes_and_absmax(tiny_model, tmp_pa
     from engine.formats.quantized_checkpoints import save_quantized
     from engine.safetensors_io import TensorReader
     save_quantized(tiny_model, tmp_path / "nf4", "nf4", group_size=32)
-    layer = base.quantized_linears(tiny_model)["model.layers.0.self_attn.q_proj"]
+    layer = quantized_linears(tiny_model)["model.layers.0.self_attn.q_proj"]
     reader = TensorReader(tmp_path / "nf4")
     name = "model.layers.0.self_attn.q_proj.weight"
     packed, absmax = reader.read(name), reader.read(name + ".absmax")

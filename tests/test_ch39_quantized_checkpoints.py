@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.formats import quantized_checkpoints as qc
-from engine.formats.numerics.base import QuantLinear
+from engine.layers import QuantLinear
 from engine.formats.quantized_checkpoints import METHODS, load_quantized, save_quantized
 from engine.safetensors_io import snapshot_tensors
 from helpers import rewrite_tensors, same

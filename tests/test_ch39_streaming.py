@@ -21,6 +21,7 @@ from engine.formats.quantized_checkpoints import load_quantized, save_quantized
 from engine.safetensors_io import INDEX, checkpoint_records, snapshot_tensors
 from engine.checkpoints.streaming import quantize_checkpoint
 from engine.formats import gptq
+from engine.formats.llama_cpp import gptq_ggml
 from engine.qwen3 import Qwen3, Qwen3Config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,7 +74,6 @@ def test_a_bpw_mix_streams_with_the_same_fisher_and_plan(three_layers, source, i
     """GPTQ's --bpw mix can price its candidates with the model's output Fisher (plan=fisher): from disk it is
     measured one layer at a time, the tied head held, and the Fisher each layer's plan sees, the plan and every
     byte equal the in-memory path's."""
-    from engine.formats import gptq_ggml
     seen, layer_errors = [], gptq_ggml.layer_errors
 
     def spy(layer, names, *args, **kwargs):
@@ -138,7 +138,7 @@ class _Killed(Exception):
 
 def _watched_gptq(monkeypatch, seen, dies_at=None):
     """Put a GPTQ in the registry that records which layers it quantizes and raises at layer `dies_at`."""
-    real = gptq.CHECKPOINT
+    real = gptq_ggml.CHECKPOINT                                          # the registry's GPTQ, unwrapped
 
     def quantize_layer(layer, **options):
         seen.append(layer.index)

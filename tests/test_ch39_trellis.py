@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from engine.formats import quantized_checkpoints as registry
-from engine.formats.numerics import base
 from engine.formats.numerics import affine, hadamard
 from engine.formats import trellis, trellis_viterbi as viterbi
-from engine.formats.numerics.base import quantized_linears
+from engine.layers import impl, quantized_linears
 from engine.kernels import triton_formats
 from engine.qwen3 import Qwen3, Qwen3Config
 from helpers import same
@@ -266,7 +265,7 @@ def test_kernel_equals_torch_decoder(code, tail_biting, L, K, tile):
     assert torch.equal(w_kernel, layer.decode_rotated())
     x = torch.randn(5, 256)
     y_torch = layer(x)
-    with base.impl("engine"):
+    with impl("engine"):
         y_engine = layer(x)
     assert torch.allclose(y_engine, y_torch, rtol=1e-4, atol=1e-4)
 
@@ -393,7 +392,7 @@ def test_model_quantize_engine_and_checkpoint_round_trip(tiny_model, tmp_path):
     assert all(m.bits_per_weight == (2 * 64 + 16) / 64 + 64 / (m.in_features * m.out_features) for m in layers.values())
     with torch.no_grad():
         ref = tiny_model(ids)
-        with base.impl("engine"):
+        with impl("engine"):
             engine = tiny_model(ids)
     assert torch.allclose(engine, ref, rtol=1e-3, atol=1e-3)
     registry.save_quantized(tiny_model, tmp_path / "ckpt", "trellis", quantization_config=config)

@@ -126,7 +126,7 @@ def test_every_cli_method_has_a_test():
 @pytest.mark.parametrize("method", sorted(CLI_METHODS))
 def test_quantize_writes_every_method_from_the_command_line(method, tmp_path, capsys):
     from engine.checkpoints.models import load_model
-    from engine.formats.numerics.base import quantized_linears
+    from engine.layers import quantized_linears
     flags, quant_method, fmt = CLI_METHODS[method]
     cli().main(["quantize", "--method", method, "--steps", "2", "--out", str(tmp_path / "ck"), *flags])
     qcfg = json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]
@@ -298,16 +298,19 @@ def test_the_library_checks_options_where_the_cli_does(tiny_model):
     """gptq.quantize from Python: the same table, the same refusals, before any calibration pass."""
     import torch
 
-    from engine.formats import gptq, gptq_ggml
+    from engine.formats import gptq
+    from engine.formats.llama_cpp import gptq_ggml
     from engine.formats import entropy
     from engine import cli_quantize
     ids = torch.randint(0, 256, (2, 16))
-    for bad, match in ((dict(damp=-1), "damp of method 'gptq' must be a number in"),
-                       (dict(damp=float("nan")), "damp"), (dict(group_size=0), "group_size"),
-                       (dict(bogus=1), "takes no option 'bogus'"),
-                       (dict(ggml_type="Q4_K", bits=4), "takes no bits")):
+    for quantize, bad, match in ((gptq.quantize, dict(damp=-1), "damp of method 'gptq' must be a number in"),
+                                 (gptq.quantize, dict(damp=float("nan")), "damp"),
+                                 (gptq.quantize, dict(group_size=0), "group_size"),
+                                 (gptq.quantize, dict(bogus=1), "takes no option 'bogus'"),
+                                 (gptq.quantize, dict(ggml_type="Q4_K"), "takes no option 'ggml_type'"),
+                                 (gptq_ggml.quantize, dict(ggml_type="Q4_K", bits=4), "takes no bits")):
         with pytest.raises(ValueError, match=match):
-            gptq.quantize(tiny_model, ids, **bad)
+            quantize(tiny_model, ids, **bad)
     assert cli_quantize.BPW_RANGE == {"gptq": gptq_ggml.BPW_RANGE, "entquant": entropy.BPW_RANGE}
 
 

@@ -18,6 +18,7 @@ import torch
 from engine import distributed
 from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files
 from engine.formats.numerics.affine import AffineQuantLinear
+from engine.formats.numerics import calibration
 from engine.formats.numerics.calibration import InputStats
 from engine.loaders import save_dense
 from engine.qwen3 import Qwen3, Qwen3Config
@@ -84,12 +85,12 @@ def test_slot_sums_split_over_ranks_fold_to_the_one_process_sums():
     batches = [torch.randn(40, 24, generator=g) * 10 ** (4 * torch.randn(1, generator=g)) for _ in range(16)]
     one = InputStats(24)
     for b, x in enumerate(batches):
-        one.add(x, distributed.slot_of(b, len(batches)))
+        one.add(x, calibration.slot_of(b, len(batches)))
     halves = []
     for rank in range(2):
         part = InputStats(24, keep_slots=True)
         for b in distributed.share(len(batches), rank, 2):
-            part.add(batches[b], distributed.slot_of(b, len(batches)))
+            part.add(batches[b], calibration.slot_of(b, len(batches)))
         halves.append(part)
     assert [len(h.parts) for h in halves] == [4, 4]                 # each rank keeps its 4 slots apart
     folded = halves[0].parts + halves[1].parts

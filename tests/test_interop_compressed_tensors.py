@@ -14,7 +14,7 @@ from engine.formats import compressed_tensors as ct
 from engine.formats.fp8 import FP8BlockLinear
 from engine.formats.mx import E2M1, MXFP4Linear, NVFP4Linear
 from engine.formats.numerics.affine import AffineQuantLinear, pack_int32
-from engine.formats.numerics.base import quantized_linears
+from engine.layers import quantized_linears
 from helpers import method_io
 
 pytestmark = [pytest.mark.interop,

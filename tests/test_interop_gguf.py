@@ -15,7 +15,7 @@ from engine.loaders import load_dense, save_dense
 from engine.safetensors_io import snapshot_tensors
 from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.affine import AffineQuantLinear
-from engine.formats.numerics.base import QuantLinear
+from engine.layers import QuantLinear
 from engine.qwen3 import Qwen3, Qwen3Config
 from test_ch39_gguf import K_CFG, _has_llama, _tokenizer, bpe_metadata, gguf_name, needs_smollm2, random_blocks
 

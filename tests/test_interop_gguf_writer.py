@@ -16,7 +16,7 @@ from engine.checkpoints import gguf, gguf_writer
 from engine.checkpoints.tokenizer import BYTE_CHARS
 from engine.formats.quantized_checkpoints import load_quantized, save_quantized
 from engine.formats.llama_cpp import ggml
-from engine.formats.numerics.base import quantized_linears
+from engine.layers import quantized_linears
 from engine.formats.mx import dequantize_nvfp4
 from engine.qwen3 import Qwen3
 from test_ch39_gguf_writer import QUANTIZERS, SMALL, logits, small_model, with_f16_offsets

@@ -18,7 +18,7 @@ import torch
 from engine.formats import quantized_checkpoints as registry
 from engine.formats.numerics import affine
 from engine.formats import awq, gptq
-from engine.formats.numerics.base import quantized_linears
+from engine.layers import quantized_linears
 
 pytestmark = pytest.mark.interop
 

@@ -16,8 +16,9 @@ from clients import client_python, compare, run_client  # noqa: E402
 
 from engine.checkpoints import gguf, gguf_writer  # noqa: E402
 from engine.formats.llama_cpp import ggml  # noqa: E402
-from engine.formats import gptq, gptq_ggml  # noqa: E402
-from engine.formats.numerics.base import linear_names, quantized_linears  # noqa: E402
+from engine.formats import gptq  # noqa: E402
+from engine.formats.llama_cpp import gptq_ggml  # noqa: E402
+from engine.layers import linear_names, quantized_linears  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 
 PYTHON = client_python("llamacpp", install=False)[0]
@@ -61,7 +62,7 @@ def test_llama_cpp_quantizer_writes_the_engines_round_to_nearest(tmp_path):
 @pytest.mark.parametrize("kind", [*ggml.K_QUANTS, *ggml.IQ4, "mix"])
 def test_llama_cpp_runs_the_engines_gptq_files_as_the_engine_does(tmp_path, kind):
     m = model()
-    gptq.quantize(m, ids(8, 64, seed=2), ggml_type=kind, **({"bpw": 4.0} if kind == "mix" else {}))
+    gptq_ggml.quantize(m, ids(8, 64, seed=2), ggml_type=kind, **({"bpw": 4.0} if kind == "mix" else {}))
     path = tmp_path / "m.gguf"
     gguf_writer.write_gguf(m, path)
     x = ids()

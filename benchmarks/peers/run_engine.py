@@ -24,7 +24,7 @@ from engine.formats.quantized_checkpoints import METHODS, method_options  # noqa
 from engine.safetensors_io import TensorReader  # noqa: E402
 from engine.checkpoints.streaming import quantize_checkpoint  # noqa: E402
 from engine.cli_quantize import parse_value  # noqa: E402
-from engine.formats.numerics.base import model_bits  # noqa: E402
+from engine.layers import model_bits  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models  # noqa: E402
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from ..formats.numerics.base import QuantLinear
+from ..layers import QuantLinear
 from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, TYPE_NAMES, dequantize, quantized_linear
 from ..qwen3 import Qwen3Config
 from ..loaders import check_complete, check_layer_count, install_layer, place, skeleton

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..formats.numerics.affine import AffineQuantLinear, unpack_nibbles
-from ..formats.numerics.base import QuantLinear
+from ..layers import QuantLinear
 from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, INTEGER, IQ4, QK_K, GGMLLinear, encode
 from ..formats.llama_cpp.ggml_quants import FALLBACK, blocks, check_type, quantize
 from ..formats.mx import MXFP4Linear, NVFP4Linear

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from ..formats.numerics.base import quantized_linears
+from ..layers import quantized_linears
 from ..formats.quantized_checkpoints import load_quantized
 from ..loaders import load_dense, read_config
 from ..qwen3 import Qwen3Config

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..formats import gptq, gptq_ggml
+from ..formats import gptq
+from ..formats.llama_cpp import gptq_ggml
 from ..qwen3 import Qwen3Config
 from .gguf import load_gguf
 from .gguf_writer import write_gguf
@@ -135,7 +136,7 @@ def gguf_options(method, options):
         raise ValueError("llama.cpp: GPTQ act-order permutes the input columns; GGML blocks store no permutation")
     if method == "gptq" and options.get("bpw") is not None:              # a K-quant mix that meets the budget
         options.setdefault("ggml_type", gptq_ggml.MIX)
-    if method == "gptq" and gptq.GGML_OPTIONS & options.keys():       # llama.cpp's own grids: gptq_ggml.rules
+    if method == "gptq" and gptq_ggml.on_grids(options):              # llama.cpp's own grids: gptq_ggml.rules
         return options
     if method == "bitsandbytes":
         raise ValueError("llama.cpp: GGML has no NF4 type (nf4 is bitsandbytes' layout, for transformers)")

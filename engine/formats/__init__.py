@@ -1,7 +1,6 @@
 """The book's quantization methods, one file each; the chapter's loader and writer; and three rooms of shared parts.
 
   gptq.py                    GPTQ (chapter 39): gptq_quantize, the AutoGPTQ v1 / v2 layout, to_runtime
-  gptq_ggml.py               GPTQ's codes on llama.cpp's grids (K-quants, Q4_0 ... Q8_0), held as GGML blocks
   gptq_order.py              GPTQ's column orders (natural, act-order, static groups, group-aware), both GPTQs'
   awq.py                     AWQ: search_scale, apply_awq, the AutoAWQ GEMM layout
   fp8.py                     FP8 E4M3 with 128 x 128 block scales, w8a8_reference, FP8BlockLinear
@@ -20,7 +19,8 @@
   quantized_checkpoints.py   the chapter's loader and writer: load_quantized, save_quantized, build, PARTS
   numerics/                  what the methods share: base, affine, obq, calibration, layer_runs, minifloats,
                              hadamard, sensitivity
-  llama_cpp/                 llama.cpp's blocks: ggml (decoders), ggml_quants (quantizers), bit_plan
+  llama_cpp/                 llama.cpp's blocks: ggml (decoders), ggml_quants (quantizers), bit_plan, and
+                             gptq_ggml (GPTQ's codes on llama.cpp's grids, held as GGML blocks)
   kv/                        the KV cache: kv_cache (the lattice cache, the hook), kv_baselines (FP8, q8_0, q4_0, KIVI),
                              kv_store (the cache that holds codes: generate / eval --kv-cache)
 """

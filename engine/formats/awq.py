@@ -27,7 +27,7 @@ import torch
 from .numerics import calibration
 from .numerics.affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize,  # noqa: F401
                      pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
-from .numerics.base import CheckpointMethod, bool_option, choice_option, config_field, int_option, scale_tensor
+from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, scale_tensor
 from .numerics.calibration import InputStats
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -216,4 +216,5 @@ OPTIONS = {"group_size": int_option(64, 1, also=(-1,)),
            "clip": bool_option(True)}
 CHECKPOINT = CheckpointMethod(name="awq", parts=lambda qcfg: ("qweight", "qzeros", "scales"), read=_read,
                               write=_write, quantize=quantize, validate=validate, quantize_layer=quantize_layer,
-                              calibration=lambda options: "float", options=OPTIONS)
+                              calibration=lambda options: "float", options=OPTIONS,
+                              book_defaults=lambda options: {"group_size": 128})

@@ -30,8 +30,8 @@ computed at run time by vLLM and are not emulated here; static activation scales
 import torch
 
 from .numerics.affine import AffineQuantLinear, pack_int32, unpack_int32
-from .numerics.base import (CheckpointMethod, bool_option, choice_option, config_field, int_option, matrix_shape,
-                            quantized_linears, scale_tensor)
+from ..layers import quantized_linears
+from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, matrix_shape, scale_tensor
 from .numerics.calibration import whole_model
 from .fp8 import FP8BlockLinear
 from .mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear

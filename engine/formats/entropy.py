@@ -44,8 +44,8 @@ from ..coding.rans import PROB_BITS
 from ..coding.rans_fast import rans_encode_many
 from ..kernels import triton_formats
 from .numerics import calibration
-from .numerics.base import (CheckpointMethod, QuantLinear, choice_option, config_field, int_option,
-                            matrix_shape, number_option, replace_linears)
+from ..layers import QuantLinear, replace_linears
+from .method import CheckpointMethod, choice_option, config_field, int_option, matrix_shape, number_option
 from .entropy_decoder import BlockDecoder, block_context
 from .entropy_feedback import check_damp, feedback_weight, parse_feedback, self_hessians
 from .entropy_rate import lambda_for_bpw, load_lambda_table

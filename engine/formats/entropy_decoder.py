@@ -10,7 +10,7 @@ import torch
 from ..coding.rans import PROB_BITS, RansStream
 from ..coding.rans_fast import rans_decode
 from ..kernels import stream_decoders
-from .numerics.base import get_impl
+from ..layers import get_impl
 
 
 def block_context(index, layers, prob_bits=PROB_BITS):

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from ..kernels import triton_formats
 from ..kernels.triton_formats import fp8_block_kernel, fp8_block_matmul  # noqa: F401  (the book's names)
-from .numerics.base import CheckpointMethod, QuantLinear, config_field, int_option, scale_tensor
+from ..layers import QuantLinear
+from .method import CheckpointMethod, config_field, int_option, scale_tensor
 from .numerics.calibration import whole_model
 from .numerics.minifloats import E4M3_MAX
 

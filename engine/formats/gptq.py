@@ -31,19 +31,16 @@ import warnings
 
 import torch
 
-from . import gptq_ggml
 from .gptq_order import DEFAULT as DEFAULT_ORDER
 from .gptq_order import ORDERS, SEARCH, SEARCHED, check_order, visit_order
 from .numerics import calibration
 from .numerics.affine import AffineQuantLinear, affine_parts, as_int32, find_params, grouped, pack_int32  # noqa: F401
 from .numerics.affine import unpack_int32
-from .numerics.base import (CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option,
-                            scale_tensor)
+from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option, scale_tensor
 from .numerics.calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
 from .numerics.obq import error_feedback, inverse_cholesky, layer_error
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
-GGML = "ggml"                      # an engine folder of GGML blocks (gptq_ggml.py), on its way into a GGUF file
 PACKABLE_BITS = (2, 4, 8)          # bit widths that tile an int32 word exactly (3-bit GPTQ uses a split layout)
 
 
@@ -262,7 +259,7 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
     steps (GPTQModel's "true sequential"). order: a name of ORDERS, or "search" (each linear's order chosen by
     search_order, three GPTQs per linear; the file stays plain). For a v1 checkpoint (the default) every zero point
     is kept >= 1 (min_zero). Returns the quantization_config: desc_act says whether g_idx is permuted (the only
-    case that needs it), order records the visit. GPTQ on llama.cpp's grids is gptq_ggml.quantize_layer."""
+    case that needs it), order records the visit. GPTQ on llama.cpp's grids is llama_cpp/gptq_ggml.py's."""
     qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
                      "desc_act": permuted({"order": order}),
                      "sym": sym, "checkpoint_format": checkpoint_format})
@@ -284,18 +281,10 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
                                  "order")}
 
 
-def quantize_any_layer(layer, **options):
-    """The registry's entry: GPTQ on llama.cpp's grids (gptq_ggml.quantize_layer) when the options name a GGML type
-    or a bits budget, plain GPTQ (quantize_layer) otherwise."""
-    if GGML_OPTIONS & options.keys():
-        return gptq_ggml.quantize_layer(layer, **options)
-    return quantize_layer(layer, **options)
-
-
 def quantize(model, calibration_ids, batch_size=8, **options):
     """GPTQ every decoder layer of `model` in place, each layer's inputs coming from the quantized layers before it
     (engine.formats.numerics.calibration); calibration_ids [B, T] go through in batches of batch_size. Options: those
-    of quantize_layer, or gptq_ggml.quantize_layer's. Returns the quantization_config."""
+    of quantize_layer. Returns the quantization_config."""
     return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
 
 
@@ -309,10 +298,7 @@ def validate(qcfg):
     group_size = config_field(qcfg, "group_size", DEFAULTS["group_size"], int, lambda g: g == -1 or g >= 1,
                               "-1 or a positive int")
     fmt = config_field(qcfg, "checkpoint_format", DEFAULTS["checkpoint_format"], str,
-                       lambda f: f in (*CHECKPOINT_FORMATS, GGML), f"one of {(*CHECKPOINT_FORMATS, GGML)}")
-    if fmt == GGML:
-        gptq_ggml.check_request(qcfg.get("ggml_type"))
-        return {**qcfg, "checkpoint_format": fmt}                     # bits, group_size and sym do not apply
+                       lambda f: f in CHECKPOINT_FORMATS, f"one of {CHECKPOINT_FORMATS}")
     names = (*ORDERS, SEARCH)
     order = config_field(qcfg, "order", None, (str, type(None)), lambda o: o is None or o in names, f"one of {names}")
     for key in ("desc_act", "sym", "static_groups", "act_group_aware", "order_search"):
@@ -324,8 +310,6 @@ def validate(qcfg):
 
 
 def _read(parts, qcfg):
-    if qcfg["checkpoint_format"] == GGML:
-        return gptq_ggml.read_parts(parts)
     bits, group_size, fmt = qcfg["bits"], qcfg["group_size"], qcfg["checkpoint_format"]
     qweight, qzeros, scales, g_idx = (parts[k] for k in PARTS)
     if any(t.dtype != torch.int32 for t in (qweight, qzeros)) or qweight.dim() != 2 or qzeros.dim() != 2:
@@ -348,8 +332,6 @@ def _read(parts, qcfg):
 
 
 def _write(layer, qcfg):
-    if qcfg["checkpoint_format"] == GGML:
-        return gptq_ggml.write_parts(layer)
     bits, group_size, fmt = qcfg["bits"], qcfg["group_size"], qcfg["checkpoint_format"]
     codes, scales, zeros, g_idx = affine_parts(layer)
     if layer.bits != bits or layer.group_size != (layer.in_features if group_size == -1 else group_size):
@@ -366,36 +348,14 @@ def _write(layer, qcfg):
 
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
-PLAIN_OPTIONS = {"bits", "group_size", "sym", "checkpoint_format"}
-GGML_OPTIONS = {"ggml_type", "bpw", "imatrix", "refit", "plan"}
 OPTIONS = {"bits": choice_option(DEFAULTS["bits"], PACKABLE_BITS),
            "group_size": int_option(DEFAULTS["group_size"], 1, also=(-1,)),
            "order": choice_option(DEFAULTS["order"], (*ORDERS, SEARCH)),
            "damp": number_option(DEFAULTS["damp"], 0, 1, open_low=True),
            "sym": bool_option(DEFAULTS["sym"]),
-           "checkpoint_format": choice_option(DEFAULTS["checkpoint_format"], CHECKPOINT_FORMATS),
-           **gptq_ggml.OPTIONS}
+           "checkpoint_format": choice_option(DEFAULTS["checkpoint_format"], CHECKPOINT_FORMATS)}
 
-
-def rules(options):
-    """GPTQ's plain options and those of llama.cpp's grids do not mix (gptq_ggml.rules says the rest of the
-    latter's)."""
-    if GGML_OPTIONS & options.keys():
-        mixed = sorted(PLAIN_OPTIONS & options.keys())
-        if mixed:
-            raise ValueError(f"GPTQ on llama.cpp's grids (ggml_type, bpw) takes no {', '.join(mixed)}: the GGML "
-                             "type fixes its bits and blocks")
-        gptq_ggml.rules(options)
-
-
-def fits(cfg, options):
-    """A bits budget is one a GGML mix of cfg's row widths can meet (gptq_ggml.check_budget), from the config alone."""
-    if options.get("bpw") is not None:
-        gptq_ggml.check_budget(cfg, options["bpw"])
-
-
-CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize,
-                              parts=lambda qcfg: gptq_ggml.PARTS if qcfg["checkpoint_format"] == GGML else PARTS,
-                              validate=validate, quantize_layer=quantize_any_layer,
-                              calibration=lambda options: "quantized", options=OPTIONS, rules=rules, fits=fits,
-                              output_fisher=lambda options: options.get("plan") == "fisher")
+CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize, parts=lambda qcfg: PARTS,
+                              validate=validate, quantize_layer=quantize_layer,
+                              calibration=lambda options: "quantized", options=OPTIONS,
+                              book_defaults=lambda options: {"group_size": 128, "order": "natural"})

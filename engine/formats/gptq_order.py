@@ -1,5 +1,5 @@
 """GPTQ's column orders: in which order the error-feedback loop visits a layer's columns, and which columns share a
-grid (shared by plain GPTQ, gptq.py, and GPTQ on llama.cpp's grids, gptq_ggml.py).
+grid (shared by plain GPTQ, gptq.py, and GPTQ on llama.cpp's grids, llama_cpp/gptq_ggml.py).
 
 The column order, one name of ORDERS (as in AutoGPTQ / GPTQModel configs), and what each costs the checkpoint:
 

@@ -40,7 +40,8 @@ from ..coding.rice import (ESCAPE, RAW_BITS, RICE_K_MAX, SUBSTREAM, RiceStreams,
                            stream_ends, unzigzag, zigzag)
 from ..kernels import stream_decoders
 from .numerics.affine import pack_bits, unpack_bits
-from .numerics.base import CheckpointMethod, Option, QuantLinear, choice_option, config_field, int_option
+from ..layers import QuantLinear
+from .method import CheckpointMethod, Option, choice_option, config_field, int_option
 from .numerics.calibration import whole_model
 from .numerics.hadamard import fitting_tile, rotate, unrotate
 

@@ -22,7 +22,7 @@ import torch
 
 from ..kernels import triton_formats
 from .numerics.affine import pack_nibbles, unpack_nibbles
-from .numerics.base import QuantLinear
+from ..layers import QuantLinear
 from .numerics.calibration import whole_model
 from .numerics.minifloats import E2M1, E2M1_MAX, E4M3_MAX, e8m0_to_float, to_e2m1
 

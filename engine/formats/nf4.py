@@ -27,7 +27,8 @@ import torch
 
 from ..kernels import triton_formats
 from .numerics.affine import grouped, pack_bits, unpack_bits
-from .numerics.base import CheckpointMethod, QuantLinear, choice_option, linear_names
+from ..layers import QuantLinear, linear_names
+from .method import CheckpointMethod, choice_option
 from .numerics.calibration import whole_model
 
 NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,

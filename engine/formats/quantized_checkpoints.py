@@ -5,15 +5,17 @@ All the Hugging Face formats share a structure: config.json's `quantization_conf
 (`quant_method`), and each quantized linear's tensors sit under the linear's name (`...q_proj.qweight`,
 `...q_proj.scales`, ...). Everything else (embeddings, norms, layers a method left dense) is stored as usual.
 
-A method is a `CheckpointMethod` (engine.formats.base) defined in its own file; adding a format is that file plus one
-line in `METHODS` below. The loader loop itself is engine/loaders.py's (the book's `assign` / `read_config`), the
+A method is a `CheckpointMethod` (engine/formats/method.py) defined in its own file; adding a format is that file plus
+one line in `METHODS` below. The loader loop itself is engine/loaders.py's (the book's `assign` / `read_config`), the
 files engine/safetensors_io.py's (`snapshot_tensors`, `save_file`). GGUF files and the layer-by-layer converter are
 engine/checkpoints/'s: they build on this module.
 """
 import dataclasses
 import hashlib
+import importlib
 import json
 import math
+from collections.abc import Mapping, MutableMapping
 
 import torch
 
@@ -22,11 +24,43 @@ from ..loaders import (check_complete, default_dtype, install_layer, load_tensor
 from ..qwen3 import Qwen3Config
 from ..safe_writes import atomic_directory, check_output
 from ..safetensors_io import DTYPE_BYTES, checkpoint_records, nbytes, save_file, tensor_specs, write_json
-from . import awq, compressed_tensors, entropy, fp8, gptq, lattice, nf4, trellis
-from .numerics.base import QuantLinear, linear_names, quantized_linears
+from ..layers import QuantLinear, linear_names, quantized_linears
 
-METHODS = {m.name: m for m in (gptq.CHECKPOINT, awq.CHECKPOINT, fp8.CHECKPOINT, compressed_tensors.CHECKPOINT,
-                               trellis.CHECKPOINT, entropy.CHECKPOINT, lattice.CHECKPOINT, nf4.CHECKPOINT)}
+
+class Registry(MutableMapping):
+    """{quant_method: CheckpointMethod}, each method's module imported when it is first asked for, so that reading a
+    GPTQ file imports GPTQ's code and no other method's. {name: module}: the module's CHECKPOINT is the method (a
+    method set by assignment, e.g. a test's wrapper, is kept as given)."""
+
+    def __init__(self, modules):
+        self.modules, self.loaded = dict(modules), {}
+
+    def __getitem__(self, name):
+        if name not in self.loaded:
+            self.loaded[name] = importlib.import_module(self.modules[name]).CHECKPOINT
+        return self.loaded[name]
+
+    def __setitem__(self, name, method):
+        self.modules.setdefault(name, None)
+        self.loaded[name] = method
+
+    def __delitem__(self, name):
+        del self.modules[name]
+        self.loaded.pop(name, None)
+
+    def __iter__(self):
+        return iter(self.modules)
+
+    def __len__(self):
+        return len(self.modules)
+
+
+# GPTQ's entry is GPTQ with llama.cpp's grids as well (llama_cpp/gptq_ggml.py extends gptq.py's CHECKPOINT; without
+# a GGML option or a checkpoint_format "ggml" it is plain GPTQ). Adding a method is its file and one line here.
+METHODS = Registry({"gptq": "engine.formats.llama_cpp.gptq_ggml", "awq": "engine.formats.awq",
+                    "fp8": "engine.formats.fp8", "compressed-tensors": "engine.formats.compressed_tensors",
+                    "trellis": "engine.formats.trellis", "entquant": "engine.formats.entropy",
+                    "lattice": "engine.formats.lattice", "bitsandbytes": "engine.formats.nf4"})
 
 # Formats whose files are another method's layout: name -> (method, options fixed, {option: default} a user sets).
 # `--method rtn` writes compressed-tensors pack-quantized (what llm-compressor writes and vLLM serves), mxfp4 / nvfp4
@@ -36,10 +70,6 @@ ALIASES = {"rtn": ("compressed-tensors", {"format": "pack-quantized"},
            "mxfp4": ("compressed-tensors", {"format": "mxfp4-pack-quantized"}, {}),
            "nvfp4": ("compressed-tensors", {"format": "nvfp4-pack-quantized"}, {}),
            "nf4": ("bitsandbytes", {}, {"group_size": 64})}
-
-
-# save_quantized's defaults for the book's two integer methods, as the book's writer has them
-BOOK_DEFAULTS = {"gptq": {"group_size": 128, "order": "natural"}, "awq": {"group_size": 128}}
 
 
 def method_options(method):
@@ -100,9 +130,25 @@ def _default_parts(method):
             return None
 
 
-# The book's PARTS: {method: the tensors it stores per quantized linear}; METHODS[name].parts(config) gives them for
-# any configuration (GPTQ's GGML blocks, compressed-tensors' formats).
-PARTS = {name: parts for name, m in METHODS.items() if (parts := _default_parts(m)) is not None}
+class _Parts(Mapping):
+    """The book's PARTS, {method: the tensors it stores per quantized linear} in its default layout (for methods
+    whose tensors depend on the configuration, compressed-tensors' formats, METHODS[name].parts(config) gives
+    them), computed as METHODS imports each method."""
+
+    def __getitem__(self, name):
+        parts = _default_parts(METHODS[name])
+        if parts is None:
+            raise KeyError(name)
+        return parts
+
+    def __iter__(self):
+        return (name for name in METHODS if _default_parts(METHODS[name]) is not None)
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+PARTS = _Parts()
 
 
 def build(method, parts, q, dtype=None):
@@ -252,10 +298,8 @@ def save_quantized(model, directory, method, calibration_ids=None, group_size=No
             options.setdefault("order", "act_order" if act_order else "natural")
     layers = quantized_linears(model)
     if not layers:
-        defaults = dict(BOOK_DEFAULTS.get(method, {}))
-        if method == "gptq" and gptq.GGML_OPTIONS & options.keys():
-            defaults.pop("group_size")                   # a GGML type fixes its own blocks
-        options = {**defaults, **options}
+        if method in METHODS:
+            options = {**METHODS[method].book_defaults(options), **options}
         if "group_size" in options and "group_size" not in method_options(method):
             raise ValueError(f"method {method!r} takes no option 'group_size' (the book's group_size is GPTQ's and "
                              f"AWQ's); it takes {sorted(method_options(method))}")

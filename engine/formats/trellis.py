@@ -36,7 +36,8 @@ from ..kernels import triton_formats
 from .numerics import calibration, hadamard
 from . import trellis_viterbi as viterbi
 from .trellis_stream import pack_stream, stream_bits, stream_checksum, stream_states
-from .numerics.base import CheckpointMethod, Option, QuantLinear, bool_option, choice_option, config_field, int_option
+from ..layers import QuantLinear
+from .method import CheckpointMethod, Option, bool_option, choice_option, config_field, int_option
 from .numerics.obq import error_feedback, inverse_cholesky
 from .numerics.hadamard import random_hadamard  # noqa: F401  (the book imports it from here)
 

@@ -3,4 +3,5 @@
   ggml.py          the block table (every GGML type's id, size, layout), the reference decoders, encode, GGMLLinear
   ggml_quants.py   llama.cpp's quantizers (ggml-quants.c), round-to-nearest and with an importance matrix, bit-exact
   bit_plan.py      spending a bits budget: each candidate's measured error, a greedy knapsack over the linears
+  gptq_ggml.py     GPTQ's codes on these grids (K-quants, Q4_0 ... Q8_0, IQ4): gptq.py's method extended
 """

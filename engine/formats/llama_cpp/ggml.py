@@ -45,7 +45,7 @@ element i.
 
 A layer read from GGML blocks is a `GGMLLinear`: an AffineQuantLinear (codes, per-group scale and offset: the
 engine's one integer layer and kernel) that also keeps the blocks it came from, so a file is written back byte for
-byte and its size is the blocks' (Q4_K: 4.5 bits per weight). GPTQ's GGML grids (engine/formats/gptq_ggml.py) build
+byte and its size is the blocks' (Q4_K: 4.5 bits per weight). GPTQ's GGML grids (engine/formats/llama_cpp/gptq_ggml.py) build
 their layers the same way, from blocks.
 
 The writer's side is the inverse of the decoders: `encode` for the 32-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4,

@@ -1,6 +1,5 @@
-"""What the methods share.
+"""What the methods share (QuantLinear itself, the impl switch and the model walkers: engine/layers.py).
 
-  base.py          QuantLinear (torch / engine paths, bits), CheckpointMethod, decoded_weights
   affine.py        chapter 38's AffineQuantLinear, round-to-nearest (find_params, quantize_to_affine), the packers
   obq.py           the error-feedback loop (OBQ / GPTQ / LDLQ): textbook and lazy-batch, tested equal
   calibration.py   a linear's input statistics (Hessian, mean |x|), captured one decoder layer at a time

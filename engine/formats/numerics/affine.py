@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import triton_formats
-from .base import QuantLinear
+from ...layers import QuantLinear
 from .calibration import whole_model
 
 

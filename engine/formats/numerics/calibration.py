@@ -28,11 +28,17 @@ has one owner rank make each linear and send it to the others, so every method r
 import torch
 from tqdm import tqdm
 
-from .sensitivity import output_fisher
-
-from ...distributed import slot_of
-from .base import QuantLinear, linear_names, replace_linears
+from ...layers import QuantLinear, linear_names, replace_linears
 from .layer_runs import ResumingRuns
+
+# The calibration batches are cut into SLOTS contiguous slots, each summed from zero in batch order and the slots
+# folded in slot order: the same sums, bit for bit, whether one process or up to SLOTS ranks hold the slots.
+SLOTS = 8
+
+
+def slot_of(batch, batches):
+    """Batch index -> its slot (contiguous slots, the same for any number of ranks)."""
+    return batch * SLOTS // batches
 
 BATCH_SIZE = 8                  # calibration sequences in one forward pass (by_layer's default)
 
@@ -304,7 +310,10 @@ def decoder_layers(model, calibration_ids, batch_size=BATCH_SIZE, method="calibr
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     ids = check_ids(calibration_ids, model.cfg.vocab_size, method)
     batches = first_layer_batches(model, ids, batch_size)
-    grads = output_fisher(model, batches) if fisher else None
+    grads = None
+    if fisher:                                  # only GPTQ's Fisher-priced mix asks: sensitivity.py is its part
+        from .sensitivity import output_fisher
+        grads = output_fisher(model, batches)
     for i, layer in enumerate(model.model.layers):
         cal = LayerCalibration(layer, i, batches, method, fisher=grads)
         ahead = cal.outputs() if inputs_from == "float" else None

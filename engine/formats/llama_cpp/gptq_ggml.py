@@ -23,16 +23,24 @@ imatrix=False keeps it. appendix/frontier.md.)
 
 A row that is not a multiple of 256 cannot hold super-blocks; llama.cpp then writes its FALLBACK type (Q4_K -> Q5_0,
 Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0), and so does `ggml_type_for`.
+
+This file extends gptq.py (which knows nothing of llama.cpp): its CHECKPOINT is GPTQ's with the GGML options
+(ggml_type, bpw, imatrix, refit, plan) and checkpoint_format "ggml" (an engine folder of GGML blocks on its way
+into a GGUF file); the registry (quantized_checkpoints.METHODS) holds it under "gptq". Without a GGML option or
+config it is plain GPTQ, gptq.py's own path.
 """
+import dataclasses
+
 import torch
 
-from .gptq_order import DEFAULT as DEFAULT_ORDER
-from .gptq_order import ORDERS, SEARCH, visit_order
-from .llama_cpp import bit_plan, ggml, ggml_quants, iq4
-from .numerics import calibration
-from .numerics.affine import AffineQuantLinear
-from .numerics.base import Option, bool_option, choice_option, number_option
-from .numerics.obq import error_feedback, inverse_cholesky, layer_error
+from .. import gptq
+from ..gptq_order import DEFAULT as DEFAULT_ORDER
+from ..gptq_order import ORDERS, SEARCH, visit_order
+from ..method import Option, bool_option, choice_option, number_option
+from ..numerics import calibration
+from ..numerics.affine import AffineQuantLinear
+from ..numerics.obq import error_feedback, inverse_cholesky, layer_error
+from . import bit_plan, ggml, ggml_quants, iq4
 
 # codes per integer type: 2^bits, the digit in the type's name (Q8_0 stores int8, codes 0..255 meaning -128..127);
 # the IQ4 types' codes are the 16 levels K + 128 (ggml.IQ4_LEVELS)
@@ -372,7 +380,7 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
             **({"bpw": bpw, "plan": plan} if bpw is not None else {})}
 
 
-# ---- the engine folder on the way to a GGUF file (gptq.py's checkpoint_format "ggml") ----------------------------
+# ---- the engine folder on the way to a GGUF file (checkpoint_format "ggml") ----------------------------------------
 
 PARTS = ("ggml_blocks", "ggml_type")
 
@@ -397,3 +405,63 @@ def read_parts(parts):
     if raw.shape[1] % size:
         raise ValueError(f"GPTQ ggml_blocks rows of {raw.shape[1]} bytes are not whole {name} blocks of {size}")
     return ggml_layer(raw, name, raw.shape[1] // size * block, parts.get("bias"))
+
+
+# ---- GPTQ's registry entry, with llama.cpp's grids ------------------------------------------------------------------
+
+GGML = "ggml"                      # checkpoint_format of an engine folder of GGML blocks
+GGML_OPTIONS = set(OPTIONS)
+PLAIN_OPTIONS = {"bits", "group_size", "sym", "checkpoint_format"}
+
+
+def on_grids(options):
+    """Whether options (or a quantization_config) ask for GPTQ on llama.cpp's grids."""
+    return bool(GGML_OPTIONS & options.keys()) or options.get("checkpoint_format") == GGML
+
+
+def validate(qcfg):
+    """gptq.validate, or for checkpoint_format "ggml" the GGML request (bits, group_size and sym do not apply)."""
+    if qcfg.get("checkpoint_format") != GGML:
+        return gptq.validate(qcfg)
+    check_request(qcfg.get("ggml_type"))
+    return dict(qcfg)
+
+
+def all_rules(options):
+    """GPTQ's plain options and those of llama.cpp's grids do not mix; each side's own rules otherwise."""
+    if not GGML_OPTIONS & options.keys():
+        return gptq.CHECKPOINT.rules and gptq.CHECKPOINT.rules(options)
+    mixed = sorted(PLAIN_OPTIONS & options.keys())
+    if mixed:
+        raise ValueError(f"GPTQ on llama.cpp's grids (ggml_type, bpw) takes no {', '.join(mixed)}: the GGML type fixes "
+                         "its bits and blocks")
+    rules(options)
+
+
+def fits(cfg, options):
+    """A bits budget is one a GGML mix of cfg's row widths can meet (check_budget), from the config alone."""
+    if options.get("bpw") is not None:
+        check_budget(cfg, options["bpw"])
+
+
+def quantize_any_layer(layer, **options):
+    """GPTQ on llama.cpp's grids (quantize_layer) when the options name a GGML type or a bits budget, plain GPTQ
+    (gptq.quantize_layer) otherwise."""
+    return (quantize_layer if on_grids(options) else gptq.quantize_layer)(layer, **options)
+
+
+def quantize(model, calibration_ids, batch_size=8, **options):
+    """gptq.quantize with llama.cpp's grids among the options (ggml_type, bpw, ...): every decoder layer in place."""
+    return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
+
+
+CHECKPOINT = dataclasses.replace(
+    gptq.CHECKPOINT, quantize=quantize, quantize_layer=quantize_any_layer, validate=validate, rules=all_rules,
+    fits=fits, options={**gptq.CHECKPOINT.options, **OPTIONS},
+    parts=lambda qcfg: PARTS if qcfg["checkpoint_format"] == GGML else gptq.PARTS,
+    read=lambda parts, qcfg: read_parts(parts) if qcfg["checkpoint_format"] == GGML else gptq.CHECKPOINT.read(
+        parts, qcfg),
+    write=lambda layer, qcfg: write_parts(layer) if qcfg["checkpoint_format"] == GGML else gptq.CHECKPOINT.write(
+        layer, qcfg),
+    output_fisher=lambda options: options.get("plan") == "fisher",
+    book_defaults=lambda options: {"order": "natural"} if on_grids(options) else gptq.CHECKPOINT.book_defaults(options))
