@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine import cli, cli_quantize
 from engine.cli_quantize import BPW_RANGE, GROUP_SIZES
-from engine.distributed import Follower, RankLost, Stopped
+from engine.distributed import Follower, RankLost
 
 EMBEDDING_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K", "IQ4_NL", "IQ4_XS", "llama.cpp")
@@ -250,7 +250,7 @@ def main(argv=None):
             if getattr(args, flag, None) is not None:
                 setattr(args, flag, cli.model_argument(getattr(args, flag), f"--{flag}"))
         commands[args.command](args)
-    except (ValueError, RankLost, Stopped) as e:
+    except (ValueError, RankLost) as e:
         raise SystemExit(f"error: {e}")
     except Follower:                                      # rank 0 refused and said why
         raise SystemExit(1)

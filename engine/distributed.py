@@ -26,6 +26,7 @@ layers, rebuilt without running any code they name): a rank that sends anything 
 import datetime
 import os
 import signal
+import sys
 
 TIMEOUT = 1800             # seconds a rank waits for another before giving up (ENGINE_DIST_TIMEOUT overrides it)
 
@@ -37,12 +38,6 @@ def launched():
 
 class RankLost(RuntimeError):
     """An exchange with another rank failed (it died, the group timed out, or it sent what is refused)."""
-
-
-class Stopped(BaseException):
-    """SIGTERM reached this rank (torchrun stops every rank so once one has failed). A BaseException, as
-    KeyboardInterrupt is, so that no `except Exception` (or the RuntimeError an exchange turns into RankLost) on the
-    way swallows it."""
 
 
 class Follower(Exception):
@@ -85,13 +80,17 @@ class Group:
 
     def _stopped(self, signum, frame):
         """SIGTERM: torchrun ends every rank this way once one has died, often before this rank's next exchange
-        would have noticed. Ignored once this rank is ending anyway (its own error on the way, or the group closed):
-        one cut short there would leave without its line."""
+        would have noticed. The rank prints its one line and leaves at once, as the kill would have ended it (what is
+        written is the progress record's, so the same command resumes; the lock goes with the process). Not an
+        exception: raised inside torch's C code one can come out as another error. Ignored once this rank is ending
+        anyway (its own error on the way, or the group closed)."""
         if self.ending:
             return
         self.ending = True
-        raise Stopped(f"rank {self.rank}: stopped by SIGTERM, which torchrun sends every rank when one has failed "
-                       "(its report names that rank); run the same command again to resume")
+        sys.stderr.write(f"error: rank {self.rank}: stopped by SIGTERM, which torchrun sends every rank when one has "
+                         "failed (its report names that rank); run the same command again to resume\n")
+        sys.stderr.flush()
+        os._exit(1)
 
     def _lost(self, peer, what, e):
         self.ending = True

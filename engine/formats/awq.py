@@ -73,7 +73,7 @@ SCALING_PAIRS = (("input_layernorm", None, ("self_attn.q_proj", "self_attn.k_pro
 
 
 @torch.no_grad()
-def quantize_layer(layer, group_size=64, bits=4, clip=True):
+def quantize_layer(layer, group_size=128, bits=4, clip=True):
     """Scale, clip and quantize one decoder layer's linears (a calibration.LayerCalibration) in place, AutoAWQ's
     way. Returns the quantization_config AutoAWQ writes.
 
@@ -211,10 +211,9 @@ def _write(layer, qcfg):
     return to_checkpoint(layer)
 
 
-OPTIONS = {"group_size": int_option(64, 1, also=(-1,)),
+OPTIONS = {"group_size": int_option(128, 1, also=(-1,)),
            "bits": choice_option(4, (4,)),                        # AutoAWQ GEMM's files hold 4-bit codes only
            "clip": bool_option(True)}
 CHECKPOINT = CheckpointMethod(name="awq", parts=lambda qcfg: ("qweight", "qzeros", "scales"), read=_read,
                               write=_write, quantize=quantize, validate=validate, quantize_layer=quantize_layer,
-                              calibration=lambda options: "float", options=OPTIONS,
-                              book_defaults=lambda options: {"group_size": 128})
+                              calibration=lambda options: "float", options=OPTIONS)
