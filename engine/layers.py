@@ -163,6 +163,11 @@ def model_bits(model):
     return sum(layer.storage_bits() for layer in layers) / weights if weights else None
 
 
+# The linears of a decoder layer, in forward order, grouped into the steps whose members read the same input.
+SEQUENTIAL_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                    ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
 def linear_names(model):
     """The names of the model's nn.Linear layers that quantization replaces: all but lm_head, in module order."""
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]

@@ -25,6 +25,10 @@ The papers' methods and other tools' layouts:
   nf4.py                     bitsandbytes' NF4, the layout transformers' load_in_4bit reads
   compressed_tensors.py      llm-compressor's layouts (pack-quantized, float-quantized, NVFP4, MXFP4)
 
+A method's file holds its format and its algorithm; what it needs only to quantize a whole model (the model walk,
+numerics/calibration.py) or to run its Triton kernel (kernels/, the engine path) it imports where it does that, so
+the book's core reads, and imports, without them.
+
 Rooms a reader can skip (they import the core; the core never imports them):
   llama_cpp/                 llama.cpp's blocks: ggml (decoders), ggml_quants (quantizers), bit_plan, and
                              gptq_ggml (GPTQ's codes on llama.cpp's grids, extending gptq.py's method)

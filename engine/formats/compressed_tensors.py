@@ -32,7 +32,6 @@ import torch
 from .numerics.affine import AffineQuantLinear, pack_int32, unpack_int32
 from ..layers import quantized_linears
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, matrix_shape, scale_tensor
-from .numerics.calibration import whole_model
 from .fp8 import FP8BlockLinear
 from .mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear
 
@@ -291,6 +290,7 @@ def quantize_layer(layer, format="pack-quantized", group_size=64, symmetric=True
 
 def quantize(model, calibration_ids=None, **options):
     """Quantize every linear but lm_head in place (data-free: calibration_ids is not used)."""
+    from .numerics.calibration import whole_model      # the whole model as one layer (data-free)
     return quantize_layer(whole_model(model), **CHECKPOINT.checked(options))
 
 

@@ -42,7 +42,6 @@ import torch
 from ..console import log
 from ..coding.rans import PROB_BITS
 from ..coding.rans_fast import rans_encode_many
-from ..kernels import triton_formats
 from .numerics import calibration
 from ..layers import QuantLinear, replace_linears
 from .method import CheckpointMethod, choice_option, config_field, int_option, matrix_shape, number_option
@@ -125,6 +124,7 @@ class EntQuantLinear(QuantLinear):
         return w
 
     def kernel_matmul(self, x2d):
+        from ..kernels import triton_formats      # Triton: imported by the engine path only
         y = triton_formats.entquant_matmul(x2d, self.codes(), torch.exp2(self.log_scale.float()), self.fmt)
         if self.super_index.numel():                            # y[:, o] += x[:, i] * (w_super - 0): codes hold 0
             rows, cols = self.super_index.long() // self.in_features, self.super_index.long() % self.in_features

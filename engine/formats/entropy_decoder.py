@@ -9,7 +9,6 @@ import torch
 
 from ..coding.rans import PROB_BITS, RansStream
 from ..coding.rans_fast import rans_decode
-from ..kernels import stream_decoders
 from ..layers import get_impl
 
 
@@ -64,6 +63,7 @@ class BlockDecoder:
             if get_impl() == "engine":
                 if (index, out.device) not in self.on_device:
                     self.on_device[index, out.device] = stream.tensors(out.device)
+                from ..kernels import stream_decoders      # Triton: imported by the engine path only
                 stream_decoders.rans_decode(*self.on_device[index, out.device], out, stream.prob_bits)
             else:
                 out.copy_(rans_decode(stream))

@@ -20,7 +20,6 @@ from ..kernels import triton_formats
 from ..kernels.triton_formats import fp8_block_kernel, fp8_block_matmul  # noqa: F401  (the book's names)
 from ..layers import QuantLinear
 from .method import CheckpointMethod, config_field, int_option, scale_tensor
-from .numerics.calibration import whole_model
 from .numerics.minifloats import E4M3_MAX
 
 
@@ -152,6 +151,7 @@ def quantize_layer(layer, block=128):
 
 def quantize(model, calibration_ids=None, **options):
     """FP8 every linear but lm_head, in place (data-free: calibration_ids is not used)."""
+    from .numerics.calibration import whole_model      # the whole model as one layer (data-free)
     return quantize_layer(whole_model(model), **CHECKPOINT.checked(options))
 
 

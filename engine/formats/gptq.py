@@ -31,13 +31,12 @@ import warnings
 
 import torch
 
+from ..layers import SEQUENTIAL_STEPS
 from .gptq_order import DEFAULT as DEFAULT_ORDER
 from .gptq_order import ORDERS, SEARCH, SEARCHED, check_order, visit_order
-from .numerics import calibration
+from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option, scale_tensor
 from .numerics.affine import AffineQuantLinear, affine_parts, as_int32, find_params, grouped, pack_int32  # noqa: F401
 from .numerics.affine import unpack_int32
-from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option, scale_tensor
-from .numerics.calibration import hessian_from  # noqa: F401  (the book's gptq.hessian_from)
 from .numerics.obq import error_feedback, inverse_cholesky, layer_error
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -49,6 +48,13 @@ DEFAULTS = {"bits": 4, "group_size": 128, "order": DEFAULT_ORDER, "damp": 0.01, 
 
 
 # ---- the algorithm ----------------------------------------------------------------------------------------------
+
+def hessian_from(inputs):
+    """The book's gptq.hessian_from: inputs [..., in] (or an iterable of such batches) -> H = 2 X^T X / n [in, in],
+    accumulated as the model walk accumulates it (calibration.InputStats, float64)."""
+    from .numerics.calibration import InputStats        # the walk's statistics, imported where they are used
+    return InputStats.of(inputs).hessian
+
 
 def group_grid(w, bits, sym=False, min_zero=0, f16=True):
     """w [rows, n] -> (scale, zero) [rows], as affine.find_params (f16 as there), but with zero >= min_zero.
@@ -264,7 +270,7 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
                      "desc_act": permuted({"order": order}),
                      "sym": sym, "checkpoint_format": checkpoint_format})
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
-    for step in calibration.SEQUENTIAL_STEPS:
+    for step in SEQUENTIAL_STEPS:
         hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
 
         def make(name, linear, hessians=hessians):
@@ -285,7 +291,8 @@ def quantize(model, calibration_ids, batch_size=8, **options):
     """GPTQ every decoder layer of `model` in place, each layer's inputs coming from the quantized layers before it
     (engine.formats.numerics.calibration); calibration_ids [B, T] go through in batches of batch_size. Options: those
     of quantize_layer. Returns the quantization_config."""
-    return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
+    from .numerics.calibration import by_layer          # the model walk: only a whole model needs it
+    return by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
 
 
 # ---- the registry entry -----------------------------------------------------------------------------------------

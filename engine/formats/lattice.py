@@ -38,11 +38,9 @@ import torch
 
 from ..coding.rice import (ESCAPE, RAW_BITS, RICE_K_MAX, SUBSTREAM, RiceStreams, rice_bits, rice_decode, rice_encode,
                            stream_ends, unzigzag, zigzag)
-from ..kernels import stream_decoders
 from .numerics.affine import pack_bits, unpack_bits
 from ..layers import QuantLinear
 from .method import CheckpointMethod, Option, choice_option, config_field, int_option
-from .numerics.calibration import whole_model
 from .numerics.hadamard import fitting_tile, rotate, unrotate
 
 TABLE_PATH = Path(__file__).resolve().parents[2] / "data" / "lattice_snr_bps.json"
@@ -331,6 +329,7 @@ class LatticeLinear(QuantLinear):
 
     def kernel_matmul(self, x2d):
         count, ends = self.in_features * self.out_features, stream_ends(self.offsets, int(self.header[3]))
+        from ..kernels import stream_decoders      # Triton: imported by the engine path only
         w = stream_decoders.lattice_decode(self.payload, self.offsets, self.rice_ks, count, ends, self.lattice,
                                            self.scales.float(), self.in_features, SUBSTREAM, ESCAPE, RAW_BITS)
         return rotate(x2d, self._signs().to(x2d.device), self.tile) @ w.reshape(self.out_features, -1).T
@@ -387,6 +386,7 @@ def quantize_layer(layer, lattice="E8", bps=3.0, tile=128, seed=0):
 
 def quantize(model, calibration_ids=None, **options):
     """Quantize every linear but lm_head in place (data-free: calibration_ids is unused)."""
+    from .numerics.calibration import whole_model      # the whole model as one layer (data-free)
     return quantize_layer(whole_model(model), **CHECKPOINT.checked(options))
 
 

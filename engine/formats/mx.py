@@ -20,10 +20,8 @@ in_features, so a ragged tail is a ValueError rather than silent padding.
 """
 import torch
 
-from ..kernels import triton_formats
 from .numerics.affine import pack_nibbles, unpack_nibbles
 from ..layers import QuantLinear
-from .numerics.calibration import whole_model
 from .numerics.minifloats import E2M1, E2M1_MAX, E4M3_MAX, e8m0_to_float, to_e2m1
 
 MX_BLOCK, NV_BLOCK = 32, 16
@@ -139,6 +137,7 @@ class MXFP4Linear(QuantLinear):
         return dequantize_mxfp4(self.blocks, self.scales, "interleaved")
 
     def kernel_matmul(self, x2d):
+        from ..kernels import triton_formats      # Triton: imported by the engine path only
         return triton_formats.mxfp4_matmul(x2d, self.blocks, self.scales, E2M1)
 
     def storage_bits(self):
@@ -177,6 +176,7 @@ class NVFP4Linear(QuantLinear):
         return dequantize_nvfp4(self.packed, self.block_scale, self.tensor_scale)
 
     def kernel_matmul(self, x2d):
+        from ..kernels import triton_formats      # Triton: imported by the engine path only
         return triton_formats.nvfp4_matmul(x2d, self.packed, self.block_scale, self.tensor_scale, E2M1)
 
     def storage_bits(self):
@@ -204,4 +204,5 @@ def quantize_layer(layer, format="mxfp4"):
 
 def quantize(model, calibration_ids=None, **options):
     """MXFP4 / NVFP4 every linear but lm_head, in place (data-free: calibration_ids is not used)."""
+    from .numerics.calibration import whole_model      # the whole model as one layer (data-free)
     return quantize_layer(whole_model(model), **options)

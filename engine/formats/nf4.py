@@ -25,11 +25,9 @@ import json
 
 import torch
 
-from ..kernels import triton_formats
 from .numerics.affine import grouped, pack_bits, unpack_bits
 from ..layers import QuantLinear, linear_names
 from .method import CheckpointMethod, choice_option
-from .numerics.calibration import whole_model
 
 NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                           -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
@@ -76,6 +74,7 @@ class NF4Linear(QuantLinear):
         return NF4_TABLE[codes] * a
 
     def kernel_matmul(self, x2d):
+        from ..kernels import triton_formats      # Triton: imported by the engine path only
         return triton_formats.nf4_matmul(x2d, self.packed, self.absmax.float(), NF4_TABLE,
                                          self.group_size)
 
@@ -95,6 +94,7 @@ def quantize_layer(layer, group_size=64):
 
 def quantize(model, calibration_ids=None, **options):
     """NF4 every linear but lm_head, in place (data-free: calibration_ids is ignored)."""
+    from .numerics.calibration import whole_model      # the whole model as one layer (data-free)
     return quantize_layer(whole_model(model), **options)
 
 
@@ -181,6 +181,7 @@ def bnb_quantize_layer(layer, group_size=64):
 
 def bnb_quantize(model, calibration_ids=None, **options):
     """NF4 every linear but lm_head in bitsandbytes' blocks, in place (data-free)."""
+    from .numerics.calibration import whole_model      # the whole model as one layer (data-free)
     return bnb_quantize_layer(whole_model(model), **CHECKPOINT.checked(options))
 
 

@@ -32,11 +32,10 @@ import functools
 
 import torch
 
-from ..kernels import triton_formats
-from .numerics import calibration, hadamard
+from .numerics import hadamard
 from . import trellis_viterbi as viterbi
 from .trellis_stream import pack_stream, stream_bits, stream_checksum, stream_states
-from ..layers import QuantLinear
+from ..layers import SEQUENTIAL_STEPS, QuantLinear
 from .method import CheckpointMethod, Option, bool_option, choice_option, config_field, int_option
 from .numerics.obq import error_feedback, inverse_cholesky
 from .numerics.hadamard import random_hadamard  # noqa: F401  (the book imports it from here)
@@ -334,6 +333,7 @@ class TrellisLinear(QuantLinear):
 
     def kernel_matmul(self, x2d):
         mean, inv_std = code_stats(self.L, self.code)
+        from ..kernels import triton_formats      # Triton: imported by the engine path only
         return triton_formats.trellis_matmul(rotate(x2d, self.group, self.seed), self.codes, self.scales.float(),
                                              self.L, self.K, self.tile, mean, inv_std, self.code, HASH[self.code])
 
@@ -360,7 +360,7 @@ def quantize_layer(layer, L=8, K=2, code="1mad", tail_biting=False, tile=None, g
     tile = tuple(tile) if tile is not None else ((16, 16) if ldlq else (1, group))
     if ldlq:                              # the linears of one sequential step read one input: one stacked weight
         stats, coded = layer.capture(), {}
-        for step in calibration.SEQUENTIAL_STEPS:
+        for step in SEQUENTIAL_STEPS:
             names = [layer.prefix + n for n in step]
             weights = [layer.module(n).weight.detach().float() for n in names]
             codes, scales, _ = block_ldlq(torch.cat(weights), stats[names[0]].hessian, L, K, group, seed, code,
@@ -383,9 +383,10 @@ def quantize_layer(layer, L=8, K=2, code="1mad", tail_biting=False, tile=None, g
 def quantize(model, calibration_ids=None, batch_size=8, **options):
     """Trellis-code every linear but lm_head in place: the whole model at once (data-free), or with ldlq=True one
     decoder layer at a time on calibration_ids [B, T]. Options: those of quantize_layer."""
+    from .numerics.calibration import by_layer, whole_model     # the model walk: only a whole model needs it
     if options.get("ldlq"):
-        return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
-    return quantize_layer(calibration.whole_model(model), **CHECKPOINT.checked(options))
+        return by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
+    return quantize_layer(whole_model(model), **CHECKPOINT.checked(options))
 
 
 def _is_tile(tile):

@@ -33,6 +33,7 @@ import dataclasses
 
 import torch
 
+from ...layers import SEQUENTIAL_STEPS
 from .. import gptq
 from ..gptq_order import DEFAULT as DEFAULT_ORDER
 from ..gptq_order import ORDERS, SEARCH, visit_order
@@ -359,13 +360,13 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
     quantization_config, with the type each linear got (ggml_types)."""
     ggml_type = MIX if ggml_type is None else ggml_type
     rules(dict(ggml_type=ggml_type, order=order, bpw=bpw, imatrix=imatrix, plan=plan))
-    names = [n for step in calibration.SEQUENTIAL_STEPS for n in step]
+    names = [n for step in SEQUENTIAL_STEPS for n in step]
     if ggml_type == MIX:
         wanted = plan_mix(layer, names, bpw, damp, order, imatrix, refit, plan)
     else:
         wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
     types = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
-    for step in calibration.SEQUENTIAL_STEPS:
+    for step in SEQUENTIAL_STEPS:
         hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
 
         def make(name, linear, hessians=hessians):

@@ -22,9 +22,7 @@ Codes are packed little-end first: `pack_bits` puts 8 / b codes in a byte (our r
 import torch
 import torch.nn.functional as F
 
-from ...kernels import triton_formats
 from ...layers import QuantLinear
-from .calibration import whole_model
 
 
 # ---- choosing the grid ------------------------------------------------------------------------------------------
@@ -315,6 +313,7 @@ class AffineQuantLinear(QuantLinear):
     def kernel_matmul(self, x2d):
         if self.perm is not None:
             x2d = x2d[:, self.perm]
+        from ...kernels import triton_formats      # Triton: imported by the engine path only
         return triton_formats.affine_matmul(x2d, self.packed, self.scales, self.offsets, self.group_size, self.bits)
 
     def storage_bits(self):
@@ -352,4 +351,5 @@ def quantize_layer(layer, bits=4, group_size=64, sym=False):
 
 def quantize(model, calibration_ids=None, **options):
     """Round-to-nearest every linear but lm_head, in place (data-free: calibration_ids is not used)."""
+    from .calibration import whole_model      # the whole model as one layer (data-free)
     return quantize_layer(whole_model(model), **options)

@@ -28,7 +28,7 @@ has one owner rank make each linear and send it to the others, so every method r
 import torch
 from tqdm import tqdm
 
-from ...layers import QuantLinear, linear_names, replace_linears
+from ...layers import SEQUENTIAL_STEPS, QuantLinear, linear_names, replace_linears
 from .layer_runs import ResumingRuns
 
 # The calibration batches are cut into SLOTS contiguous slots, each summed from zero in batch order and the slots
@@ -42,9 +42,6 @@ def slot_of(batch, batches):
 
 BATCH_SIZE = 8                  # calibration sequences in one forward pass (by_layer's default)
 
-# The linears of a decoder layer, in forward order, grouped into the steps whose members read the same input.
-SEQUENTIAL_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
-                    ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
 class InputStats:
