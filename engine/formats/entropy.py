@@ -49,7 +49,7 @@ from .entropy_decoder import BlockDecoder, block_context
 from .entropy_feedback import check_damp, feedback_weight, parse_feedback, self_hessians
 from .entropy_rate import lambda_for_bpw, load_lambda_table
 from .entropy_scales import CODE_MAX, entquant_scales, super_weight_mask
-from .numerics.minifloats import E4M3_MAX
+from .numerics.minifloats import E4M3_HALF_SHIFT, E4M3_MAX, e4m3_halves
 from .numerics.sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 
 
@@ -100,6 +100,7 @@ class EntQuantLinear(QuantLinear):
                                         else stream.to(torch.uint8).reshape(-1).contiguous()))
         self.register_buffer("super_index", idx.contiguous())
         self.register_buffer("super_value", val.contiguous())
+        self.register_buffer("held", None)              # its own codes uint8 [out, in] once hold_codes decoded them
         self.decoder, self.block_index, self.buffer_offset, self.stream_bits = None, None, 0, None
 
     def bind(self, decoder, block_index, buffer_offset, stream_bits):
@@ -109,7 +110,10 @@ class EntQuantLinear(QuantLinear):
                                                                                 stream_bits)
 
     def codes(self):
-        """The layer's codes uint8 [out, in], decoding its block first if the buffer holds another one."""
+        """The layer's codes uint8 [out, in]: its own once hold_codes gave them, else its block's share of the
+        decoder's buffer (decoding the block first if the buffer holds another one)."""
+        if self.held is not None:
+            return self.held
         if self.decoder is None:
             raise ValueError("EntQuantLinear is not attached to a block decoder: call "
                              "engine.formats.entropy.attach_decoder(model) after building or loading the model")
@@ -122,6 +126,21 @@ class EntQuantLinear(QuantLinear):
         if self.super_index.numel():
             w.view(-1)[self.super_index.long()] = self.super_value
         return w
+
+    def decode_rows(self, out, start, stop):
+        """Rows start:stop: Float8 codes as e4m3_halves (values * 2^-8) times 2^s * 2^8, or int8 codes times 2^s
+        (dequantize's products), then the super weights of those rows."""
+        codes, scale = self.codes()[start:stop], torch.exp2(self.log_scale[start:stop].float())
+        if self.fmt == "float8":
+            out.copy_(e4m3_halves(codes))
+            scale = scale * E4M3_HALF_SHIFT
+        else:
+            out.copy_(codes.view(torch.int8))
+        out.mul_(scale[:, None])
+        if self.super_index.numel():
+            first, last = start * self.in_features, stop * self.in_features
+            inside = (self.super_index >= first) & (self.super_index < last)
+            out.view(-1)[self.super_index[inside].long() - first] = self.super_value[inside]
 
     def kernel_matmul(self, x2d):
         from ..kernels import triton_formats      # Triton: imported by the engine path only
@@ -163,6 +182,27 @@ def attach_decoder(model, prob_bits=PROB_BITS):
         _hook_block(block, decoder if i in blocks else None, i)
     model.entquant_decoder = decoder
     return decoder
+
+
+def hold_codes(model):
+    """Decode every block's stream once and give each layer its own codes (`held`: E4M3 or int8 bytes, 1 byte per
+    weight), then drop the streams, the decoder and its pre-hooks: the model decodes nothing per token after this
+    (engine.runtime's compact and exact forms). Each layer's storage_bits stays its share of the stream it came
+    from."""
+    decoder = getattr(model, "entquant_decoder", None)
+    if decoder is None:
+        return
+    for index, layers in decoder.blocks.items():
+        buffer = decoder.decode(index)
+        for m in layers:
+            size = m.in_features * m.out_features
+            m.held = buffer[m.buffer_offset:m.buffer_offset + size].view(m.out_features, m.in_features).clone()
+    for index, block in enumerate(_blocks_of(model)):
+        _hook_block(block, None, index)
+    for layers in decoder.blocks.values():
+        for m in layers:
+            m.stream, m.decoder = torch.zeros(0, dtype=torch.uint8), None
+    del model.entquant_decoder
 
 
 def _hook_block(block, decoder, index):

@@ -71,4 +71,14 @@ class BlockDecoder:
         return self.buffer
 
     def pre_hook(self, index, module, args):
-        self.decode(index)
+        """Decode block `index` before its transformer layer runs, unless every one of its layers already holds its
+        weight decoded (inside layers.decoded_weights): then the buffer is not read this forward."""
+        if not all(getattr(m, "_keep_decoded", False) and getattr(m, "_decoded", None) is not None
+                   for m in self.blocks[index]):
+            self.decode(index)
+
+    def held_bytes(self):
+        """Bytes this decoder holds besides the layers' streams: its block buffer and the parsed streams' tables and
+        words (NumPy)."""
+        parsed = sum(a.nbytes for s in self.streams.values() for a in vars(s).values() if isinstance(a, np.ndarray))
+        return (0 if self.buffer is None else self.buffer.numel()) + parsed

@@ -327,6 +327,16 @@ class LatticeLinear(QuantLinear):
     def dequantize(self):
         return unrotate(self.rotated_weight(), self._signs(), self.tile)
 
+    @property
+    def row_align(self):                    # the Rice sub-streams run across rows: decode_rows decodes all of them
+        return self.out_features
+
+    def runtime_input(self, x2d):
+        return rotate(x2d, self._signs().to(x2d.device), self.tile)
+
+    def decode_rows(self, out, start, stop):
+        out.copy_(self.rotated_weight()[start:stop])
+
     def kernel_matmul(self, x2d):
         count, ends = self.in_features * self.out_features, stream_ends(self.offsets, int(self.header[3]))
         from ..kernels import stream_decoders      # Triton: imported by the engine path only

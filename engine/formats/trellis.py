@@ -322,6 +322,7 @@ class TrellisLinear(QuantLinear):
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("crc", torch.tensor([expected], dtype=torch.int64))
+        self.row_align = th                                     # decode_rows decodes whole tile rows
         self.decode_rotated()                                   # a malformed stream fails here, not mid-forward
 
     def decode_rotated(self):
@@ -330,6 +331,16 @@ class TrellisLinear(QuantLinear):
 
     def dequantize(self):
         return unrotate(self.decode_rotated(), self.group, self.seed)
+
+    def runtime_input(self, x2d):
+        return rotate(x2d, self.group, self.seed)
+
+    def decode_rows(self, out, start, stop):
+        """Rows start:stop (whole tile rows: row_align) of the rotated weight, which runtime_input's x multiplies."""
+        th = self.tile[0]
+        tiles = slice(start // th, stop // th)
+        out.copy_(decode_trellis(self.codes[tiles], self.scales[tiles], self.L, self.K, self.code, self.tail_biting,
+                                 self.tile))
 
     def kernel_matmul(self, x2d):
         mean, inv_std = code_stats(self.L, self.code)
