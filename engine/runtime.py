@@ -118,13 +118,13 @@ class Int4Linear(RunLinear):
 
 class Int8Linear(RunLinear):
     """8-bit affine codes through PyTorch's int8 kernel (`_weight_int8pack_mm`: per-row scales only), one group of
-    g inputs at a time: w = q * s + o = c * s + (o + 128 s) with c = q - 128 int8, so
+    g >= 32 inputs at a time: w = q * s + o = c * s + (o + 128 s) with c = q - 128 int8, so
 
         y = sum_g  (x_g @ c_g^T) * s_g  +  (sum of x over each group) @ (o + 128 s)^T
 
-    codes int8 [groups, out, g] (each group one contiguous matrix), scales float32 [groups, out] (exact: the
-    embedding reads its rows from them) and their bf16 copy for the kernel, offsets (o + 128 s) [groups, out] or
-    None when every one is 0 (Q8_0, GPTQ's symmetric int8: an integer zero point of 128)."""
+    codes int8 [groups, out, g] (each group one contiguous matrix), scales and offsets float32 [groups, out] (exact:
+    an embedding reads its rows from them, as dequantize computes them) and the scales' bf16 copy for the kernel;
+    offsets None where o = -128 s (Q8_0, GPTQ's symmetric int8: an integer zero point of 128)."""
 
     def __init__(self, layer):
         super().__init__(layer)
@@ -132,16 +132,16 @@ class Int8Linear(RunLinear):
         self.group_size = g
         codes = layer.weight_codes.bitwise_xor(128).view(torch.int8)        # q - 128: the top bit flipped
         self.register_buffer("codes", codes.view(self.out_features, groups, g).transpose(0, 1).contiguous())
-        s = layer.scales.float()
+        s, o = layer.scales.float(), layer.offsets.float()
         self.register_buffer("scales", s.T.contiguous())
         self.register_buffer("kernel_scales", self.scales.bfloat16())
-        offsets = (layer.offsets.float() + 128 * s).T.contiguous()
-        self.register_buffer("offsets", None if not bool(offsets.any()) else offsets)
+        self.register_buffer("offsets", None if torch.equal(o, -128 * s) else o.T.contiguous())
         self.register_buffer("perm", layer.perm)
 
     @staticmethod
     def takes(layer):
-        return getattr(layer, "bits", None) == 8 and layer.in_features % layer.group_size == 0
+        return (getattr(layer, "bits", None) == 8 and layer.group_size >= 32
+                and layer.in_features % layer.group_size == 0)
 
     def matmul(self, x2d):
         if self.perm is not None:
@@ -152,13 +152,14 @@ class Int8Linear(RunLinear):
         for j in range(len(xb)):
             y += torch.ops.aten._weight_int8pack_mm(xb[j], self.codes[j], self.kernel_scales[j])
         if self.offsets is not None:
-            y += groups.sum(-1) @ self.offsets
+            y += groups.sum(-1) @ (self.offsets + 128 * self.scales)
         return y
 
     def rows(self, ids):
-        w = self.codes[:, ids].float() * self.scales[:, ids, None]         # [groups, n, g]
-        if self.offsets is not None:
-            w += self.offsets[:, ids, None]
+        """dequantize()'s rows, q * s + o with q = c + 128, float for float."""
+        s = self.scales[:, ids, None]
+        o = -128 * s if self.offsets is None else self.offsets[:, ids, None]
+        w = (self.codes[:, ids].float() + 128) * s + o                       # [groups, n, g]
         return w.transpose(0, 1).reshape(len(ids), -1)
 
 

@@ -250,12 +250,6 @@ class GGMLLinear(AffineQuantLinear):
     def storage_bits(self):
         return self.raw.numel() * 8
 
-    def compact(self):
-        """The same codes and grid as a plain AffineQuantLinear (sharing them), without the blocks: what it runs
-        with, once no file is to be written from it."""
-        return AffineQuantLinear(self.packed, self.scales, self.offsets, self.group_size, True, self.bias, self.dtype,
-                                 bits=self.bits, in_features=self.in_features)
-
 
 def quantized_linear(raw, type_name, shape, bias=None, tensor_scale=None, keep_blocks=True):
     """raw uint8 [nbytes] of a quantized weight [out, in] -> the engine layer holding exactly its codes and grid:

@@ -335,6 +335,14 @@ class AffineQuantLinear(QuantLinear):
         else:
             out.view(len(out), -1, g).mul_(scales[..., None]).add_(offsets[..., None])
 
+    def compact(self):
+        """The same codes and grid, as a plain layer of free offsets: without the integer zero points (and a GGUF
+        layer's blocks) that only a checkpoint writer reads."""
+        if type(self) is AffineQuantLinear and self.zeros is None:
+            return self
+        return AffineQuantLinear(self.packed, self.scales, self.offsets, self.group_size, True, self.bias, self.dtype,
+                                 bits=self.bits, in_features=self.in_features, perm=self.perm)
+
     def rows(self, ids):
         w = dequantize_affine(unpack_bits(self.packed[ids], self.bits, self.in_features), self.scales[ids],
                               self.offsets[ids], self.group_size)
