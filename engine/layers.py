@@ -88,15 +88,18 @@ class QuantLinear(nn.Module):
 
     def decode_rows(self, out, start, stop):
         """Write rows start:stop of the weight runtime_input's x multiplies into out (float32 [stop - start, in], a
-        view of a shared buffer), exactly dequantize()'s values. This generic one decodes the whole weight; a format
-        overrides it with a decode of those rows alone."""
+        view of a shared buffer), exactly dequantize()'s values; or, returning row scales [stop - start], values
+        that times them (out * scales[:, None]) are exactly those (the product's outputs are scaled instead, one
+        pass less). This generic one decodes the whole weight; a format overrides it with a decode of those rows."""
         out.copy_(self.dequantize()[start:stop])
 
     def rows(self, ids):
         """dequantize()[ids] (ids int64 [n]) -> float32 [n, in], decoding those rows alone: an embedding's lookup."""
         out = torch.empty(len(ids), self.in_features)
         for i, row in enumerate(ids.tolist()):
-            self.decode_rows(out[i:i + 1], row, row + 1)
+            scale = self.decode_rows(out[i:i + 1], row, row + 1)
+            if scale is not None:
+                out[i:i + 1] *= scale[:, None]
         return out
 
     def compact(self):

@@ -167,7 +167,8 @@ class DecodedLinear(RunLinear):
     """A layer that keeps its own codes (`layer`, a QuantLinear) and multiplies through its decode: rows of the
     weight, as many as fit CHUNK floats (a multiple of layer.row_align), are decoded into the model's shared
     Workspace (layer.decode_rows) and multiplied in float32, the input first put in the basis the codes are in
-    (layer.runtime_input: a rotation, an act-order permutation). Exact: the weight dequantize() gives."""
+    (layer.runtime_input: a rotation, an act-order permutation), the outputs scaled where decode_rows left a row
+    scale to them. Exact: the weight dequantize() gives (up to the order of float32 rounding)."""
 
     def __init__(self, layer, workspace):
         super().__init__(layer)
@@ -180,14 +181,16 @@ class DecodedLinear(RunLinear):
         out_f, cols = self.out_features, x2d.shape[1]
         if self.chunk >= out_f:
             w = self.workspace.take(out_f, cols)
-            self.layer.decode_rows(w, 0, out_f)
-            return x2d @ w.T
+            scale = self.layer.decode_rows(w, 0, out_f)
+            return x2d @ w.T if scale is None else (x2d @ w.T).mul_(scale)
         y = x2d.new_empty(len(x2d), out_f)
         for start in range(0, out_f, self.chunk):
             stop = min(start + self.chunk, out_f)
             w = self.workspace.take(stop - start, cols)
-            self.layer.decode_rows(w, start, stop)
-            torch.matmul(x2d, w.T, out=y[:, start:stop]) if len(x2d) == 1 else y[:, start:stop].copy_(x2d @ w.T)
+            scale = self.layer.decode_rows(w, start, stop)
+            y[:, start:stop] = x2d @ w.T
+            if scale is not None:
+                y[:, start:stop] *= scale
         return y
 
     def rows(self, ids):

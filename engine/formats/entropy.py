@@ -128,14 +128,14 @@ class EntQuantLinear(QuantLinear):
         return w
 
     def decode_rows(self, out, start, stop):
-        """Rows start:stop: Float8 codes as e4m3_halves (values * 2^-8) times 2^s * 2^8, or int8 codes times 2^s
-        (dequantize's products), then the super weights of those rows."""
+        """Rows start:stop. Float8: the codes as e4m3_halves (values * 2^-8), returning the row scales 2^s * 2^8 the
+        outputs still need (the products by them are dequantize's). Int8: the codes times 2^s, then the super
+        weights of those rows."""
         codes, scale = self.codes()[start:stop], torch.exp2(self.log_scale[start:stop].float())
         if self.fmt == "float8":
             out.copy_(e4m3_halves(codes))
-            scale = scale * E4M3_HALF_SHIFT
-        else:
-            out.copy_(codes.view(torch.int8))
+            return scale * E4M3_HALF_SHIFT
+        out.copy_(codes.view(torch.int8))
         out.mul_(scale[:, None])
         if self.super_index.numel():
             first, last = start * self.in_features, stop * self.in_features

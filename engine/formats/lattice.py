@@ -41,7 +41,7 @@ from ..coding.rice import (ESCAPE, RAW_BITS, RICE_K_MAX, SUBSTREAM, RiceStreams,
 from .numerics.affine import pack_bits, unpack_bits
 from ..layers import QuantLinear
 from .method import CheckpointMethod, Option, choice_option, config_field, int_option
-from .numerics.hadamard import fitting_tile, rotate, unrotate
+from .numerics.hadamard import fitting_tile, rotate, rotate_by_product, unrotate
 
 TABLE_PATH = Path(__file__).resolve().parents[2] / "data" / "lattice_snr_bps.json"
 
@@ -332,7 +332,7 @@ class LatticeLinear(QuantLinear):
         return self.out_features
 
     def runtime_input(self, x2d):
-        return rotate(x2d, self._signs().to(x2d.device), self.tile)
+        return rotate_by_product(x2d, self._signs().to(x2d.device), self.tile)
 
     def decode_rows(self, out, start, stop):
         out.copy_(self.rotated_weight()[start:stop])

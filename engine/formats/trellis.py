@@ -250,7 +250,8 @@ def decode_trellis(codes, scales, L=8, K=2, code="1mad", tail_biting=False, tile
         raise ValueError("corrupted stream: a scale is not finite")
     R, C, nbytes = codes.shape
     states = stream_states(codes.reshape(R * C, nbytes), L, K, th * tw, tail_biting)
-    w = _codebook(L, code)[states] * scales.reshape(-1, 1).float()
+    w = torch.index_select(_codebook(L, code), 0, states.reshape(-1)).view(states.shape)
+    w *= scales.reshape(-1, 1).float()
     return from_tiles(w.reshape(R, C, -1), (th, tw))
 
 
@@ -333,7 +334,7 @@ class TrellisLinear(QuantLinear):
         return unrotate(self.decode_rotated(), self.group, self.seed)
 
     def runtime_input(self, x2d):
-        return rotate(x2d, self.group, self.seed)
+        return hadamard.rotate_by_product(x2d, hadamard.random_signs(self.group, self.seed), self.group)
 
     def decode_rows(self, out, start, stop):
         """Rows start:stop (whole tile rows: row_align) of the rotated weight, which runtime_input's x multiplies."""

@@ -62,6 +62,12 @@ def e4m3_halves(codes):
     return w.mul_(128).bitwise_and_(-16385).view(torch.float16)            # -16385 = 0xBFFF: clear bit 14
 
 
+def byte_values(table, codes):
+    """table float32 [256] indexed by the bytes codes (uint8 or a 1-byte float type) [...] -> float32 [...]: a
+    scale byte's value in one gather (E8M0_VALUES, E4M3_VALUES), where its arithmetic takes a handful of passes."""
+    return torch.index_select(table, 0, codes.reshape(-1).view(torch.uint8).to(torch.int32)).view(codes.shape)
+
+
 def pair_table(levels):
     """levels float32 [16] (a 4-bit code's values) -> float64 [256] whose entry b holds levels[b & 15] and
     levels[b >> 4] as two float32 in memory order: a byte of two codes, low nibble first, looked up at once."""
