@@ -88,6 +88,22 @@ def apply_rope(x, cos, sin):
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+_rotations = [None, None]      # (cos, the matrices rope_matrices made from it): the layers of a forward share them
+
+
+def rope_matrices(cos, sin):
+    """(cos, sin) [T, d] -> R [T, d, d] with x @ R[t] = apply_rope(x, cos, sin) at position t (up to rounding): RoPE
+    as one product (the fast path's), made once per forward pass, whose layers all get the same tables."""
+    if _rotations[0] is not cos:
+        half = cos.shape[-1] // 2
+        r = torch.diag_embed(cos)
+        i = torch.arange(half, device=cos.device)
+        r[:, i + half, i] = -sin[:, :half]
+        r[:, i, i + half] = sin[:, half:]
+        _rotations[:] = cos, r
+    return _rotations[1]
+
+
 class KVCache:
     """Keys and values of the tokens seen so far, per layer: [B, kv_heads, T, head_dim]. Under a windowed KV
     transform they are exact, and the transform's coded K/V of the first positions are kept beside them."""
@@ -198,19 +214,21 @@ class Attention(nn.Module):
 
     def _fast(self, x, cos, sin, cache):
         """forward in fewer ops, for a model that runs (set_fast): q, k and v from one projection where they are
-        fused (and RoPE on q and k at once where no norm sits between), torch's scaled_dot_product_attention (its
-        softmax in the activations' dtype, as this file's in float32 models). The same math: equal up to rounding."""
+        fused, RoPE as one product by each position's rotation (rope_matrices; on q and k at once where no norm sits
+        between), torch's scaled_dot_product_attention (its softmax in the activations' dtype, as this file's in
+        float32 models). The same math: equal up to rounding."""
         b, t, _ = x.shape
         h, kv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         plain = isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
+        rotation = rope_matrices(cos.to(x.dtype), sin.to(x.dtype))             # [t, d, d]
         if self.qkv is not None and plain:
             qkv = self.qkv(x).view(b, t, -1, d).transpose(1, 2)          # [b, h + 2 kv, t, d]
-            qk = apply_rope(qkv[:, :h + kv], cos, sin)
+            qk = (qkv[:, :h + kv, :, None] @ rotation).squeeze(3)
             q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]
         else:
             q, k, v = self._project(x)
-            q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)
-            k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)
+            q = (self.q_norm(q).transpose(1, 2)[:, :, :, None] @ rotation).squeeze(3)
+            k = (self.k_norm(k).transpose(1, 2)[:, :, :, None] @ rotation).squeeze(3)
             v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.index, k, v)
