@@ -9,7 +9,8 @@ Rows: `gguf` is the file itself; every other row is `run.py quantize --model smo
 when DIR/M is absent: GPTQ and AWQ take about 5 minutes each here; EntQuant at --bpw 2.1). Each (row, threads,
 weights) runs in a fresh process (its peak RSS is its own): load (to_run), prepare the run-time form, a 16-token
 prompt, --tokens new tokens greedily. Tokens/s counts the tokens after the first (the decode steps); the first-token
-latency is the prefill plus the first step. llama.cpp runs the GGUF file the same way when `llama_cpp` imports here
+latency is the prefill plus the first step. Threads wait passively (OMP_WAIT_POLICY=PASSIVE unless it is set): on a
+machine other processes share, OpenMP's spinning waits make a second thread 5x slower than one. llama.cpp runs the GGUF file the same way when `llama_cpp` imports here
 or in benchmarks/clients.py's venv (never installed by this script: `pip install llama-cpp-python==0.3.36` is a
 20-60 minute build); otherwise its row says so.
 
@@ -132,7 +133,8 @@ def llama_python():
 def measure(python, what, path, threads, tokens):
     done = subprocess.run([str(python), str(Path(__file__).resolve()), "--child", what, str(path), str(threads),
                            str(tokens)], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)})
+                          env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "OMP_NUM_THREADS": str(threads),
+                               "PYTHONPATH": str(ROOT)})
     lines = [json.loads(s) for s in done.stdout.splitlines() if s.startswith("{")]
     if not lines:
         tail = [s for s in done.stderr.splitlines() if s.strip()] or [f"exit status {done.returncode}"]

@@ -14,7 +14,7 @@ from engine.formats import entropy as E, fp8, lattice, mx, nf4, trellis
 from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.affine import AffineQuantLinear
 from engine.layers import QuantEmbedding, decoded_weights, impl
-from engine.qwen3 import Qwen3, Qwen3Config
+from engine.qwen3 import KVCache, Qwen3, Qwen3Config
 from test_ch39_gguf import U32, gguf_bytes, gguf_name, qwen3_metadata, random_blocks, raw_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,8 +89,8 @@ def test_decode_rows_gives_dequantize_bit_for_bit(name):
     align, out_f = layer.row_align, layer.out_features
     for start, stop in ((0, out_f), (align, min(out_f, 3 * align))):
         buffer = torch.full((stop - start, layer.in_features), float("nan"))
-        layer.compact().decode_rows(buffer, start, stop)
-        assert torch.equal(buffer, want[start:stop]), (start, stop)
+        scale = layer.compact().decode_rows(buffer, start, stop)
+        assert torch.equal(buffer if scale is None else buffer * scale[:, None], want[start:stop]), (start, stop)
 
 
 @pytest.mark.parametrize("name", LAYERS)
@@ -308,6 +308,9 @@ def test_the_fast_path_computes_the_same_model(model_type, tiny_cfg):
         model.set_fast()
         assert torch.allclose(model(ids), want, rtol=1e-5, atol=1e-5)
         assert torch.equal(model.generate(ids, 5), tokens)
+        cache = KVCache(cfg.num_hidden_layers)                  # a prompt read in two pieces: the causal mask
+        pieces = torch.cat((model(ids[:, :4], cache), model(ids[:, 4:], cache)), 1)
+        assert torch.allclose(pieces, want, rtol=1e-5, atol=1e-5)
         model.set_kv_transform(lambda k, v, index: (k, v))
         assert torch.equal(model(ids), want)
 
@@ -319,6 +322,12 @@ def run(*args):
 
 
 def test_a_choice_a_model_cannot_take_is_one_error_line(tmp_path):
+    """--weights stream is EntQuant's; under --impl engine (the Triton kernels on the stored codes, unchanged) there
+    is nothing to choose: the layers stay as they load."""
+    assert runtime.choose(None, "engine", None) is None and runtime.choose(None, "torch", None) == "compact"
+    model = load_model(_gguf(tmp_path))
+    with runtime.running(model, None):
+        assert isinstance(model.model.layers[0].mlp.up_proj, ggml.GGMLLinear)
     path = str(_gguf(tmp_path))
     for args, message in ((["--weights", "stream"], "is not an EntQuant checkpoint"),
                           (["--impl", "engine", "--weights", "compact"], "--impl engine runs each layer's Triton")):
