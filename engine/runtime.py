@@ -10,9 +10,13 @@ form does not need:
             and zeros
             8-bit affine codes (Q8_0, Q5 / Q6 / IQ types, GPTQ       PyTorch's int8 kernel, one group of inputs at a
             int8): int8 codes + scales (+ offsets)                   time (its scales are per row), bf16 (Int8Linear)
+            EntQuant: its Float8 bytes, each block's stream decoded  where they are int8 multiples of one step (Int8
+            once at load (or its Int8 codes), a scale per row        codes; Float8 values under 0.25, as a low-rate
+                                                                     model's are): the int8 kernel, per-row scales,
+                                                                     in one call (Int8RowsLinear); else decoded:
             anything else: its own codes (FP8, MXFP4, NVFP4, NF4,    decoded, a few rows at a time, into ONE float32
-            trellis, lattice, the other K-quants, EntQuant's         buffer the model shares, then one float32
-            Float8 bytes decoded once at load)                       matmul per chunk (DecodedLinear): exact
+            trellis, lattice, the other K-quants)                    buffer the model shares, then one float32
+                                                                     matmul per chunk (DecodedLinear): exact
   exact     every layer its own codes                                as above (DecodedLinear): the float32 weight
                                                                      dequantize() gives, multiplied in float32
   stream    EntQuant only: its rANS streams; one transformer block   DecodedLinear, the block decoded by its
@@ -163,6 +167,28 @@ class Int8Linear(RunLinear):
         return w.transpose(0, 1).reshape(len(ids), -1)
 
 
+class Int8RowsLinear(RunLinear):
+    """int8 codes with one scale per output row (an EntQuant layer's: layer.int8_rows) through PyTorch's int8 kernel
+    in one call: its scales 1 (exact in bf16; x and its output are bf16), the row scales applied to the output in
+    float32, Int8 EntQuant's super weights added beside (their codes hold 0), exactly."""
+
+    def __init__(self, layer, codes, scales):
+        super().__init__(layer)
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("ones", torch.ones(self.out_features, dtype=torch.bfloat16))
+        rows, cols = layer.super_index.long() // self.in_features, layer.super_index.long() % self.in_features
+        self.register_buffer("super_rows", rows if len(rows) else None)
+        self.register_buffer("super_cols", cols if len(rows) else None)
+        self.register_buffer("super_values", layer.super_value.float() if len(rows) else None)
+
+    def matmul(self, x2d):
+        y = torch.ops.aten._weight_int8pack_mm(x2d.bfloat16(), self.codes, self.ones).float().mul_(self.scales)
+        if self.super_rows is not None:
+            y.index_add_(1, self.super_rows, x2d[:, self.super_cols] * self.super_values)
+        return y
+
+
 class DecodedLinear(RunLinear):
     """A layer that keeps its own codes (`layer`, a QuantLinear) and multiplies through its decode: rows of the
     weight, as many as fit CHUNK floats (a multiple of layer.row_align), are decoded into the model's shared
@@ -205,6 +231,9 @@ def form(layer, weights, workspace, rows=False):
         return Int4Linear(layer)
     if weights == "compact" and Int8Linear.takes(layer):
         return Int8Linear(layer)
+    parts = layer.int8_rows() if weights == "compact" and hasattr(layer, "int8_rows") else None
+    if parts is not None:
+        return Int8RowsLinear(layer, *parts)
     return DecodedLinear(layer, workspace)
 
 
@@ -226,7 +255,7 @@ def prepare(model, weights="compact"):
     if weights == "float32":
         raise ValueError("float32 copies are layers.decoded_weights(model), not a run-time form")
     if weights != "stream" and getattr(model, "entquant_decoder", None) is not None:
-        from .formats.entropy import hold_codes
+        from .formats.entropy_decoder import hold_codes
         hold_codes(model)                          # each block's stream decoded once, to its Float8 bytes
     workspace = model.runtime_workspace = Workspace()
     for block in getattr(getattr(model, "model", None), "layers", ()):

@@ -142,6 +142,18 @@ class EntQuantLinear(QuantLinear):
             inside = (self.super_index >= first) & (self.super_index < last)
             out.view(-1)[self.super_index[inside].long() - first] = self.super_value[inside]
 
+    def int8_rows(self):
+        """(codes int8 [out, in], row scales float32 [out]) with the weight = codes * scales[:, None] (super weights
+        aside), or None: Int8 codes as they are; Float8 bytes as c = 512 v where every |v| < 0.25 (each then a
+        multiple of 2^-9, E4M3's finest step, that fits an int8: a low-rate model's codes all are). What
+        engine.runtime's int8 kernel multiplies by."""
+        codes, scale = self.codes(), torch.exp2(self.log_scale.float())
+        if self.fmt == "int8":
+            return codes.view(torch.int8), scale
+        if bool(((codes & 0x7F) > 0x27).any()):                 # 0x27 = 0.234375, 0x28 = 0.25: 128 steps of 2^-9
+            return None
+        return (codes.view(torch.float8_e4m3fn).float() * 512).to(torch.int8), scale / 512
+
     def kernel_matmul(self, x2d):
         from ..kernels import triton_formats      # Triton: imported by the engine path only
         y = triton_formats.entquant_matmul(x2d, self.codes(), torch.exp2(self.log_scale.float()), self.fmt)
@@ -182,27 +194,6 @@ def attach_decoder(model, prob_bits=PROB_BITS):
         _hook_block(block, decoder if i in blocks else None, i)
     model.entquant_decoder = decoder
     return decoder
-
-
-def hold_codes(model):
-    """Decode every block's stream once and give each layer its own codes (`held`: E4M3 or int8 bytes, 1 byte per
-    weight), then drop the streams, the decoder and its pre-hooks: the model decodes nothing per token after this
-    (engine.runtime's compact and exact forms). Each layer's storage_bits stays its share of the stream it came
-    from."""
-    decoder = getattr(model, "entquant_decoder", None)
-    if decoder is None:
-        return
-    for index, layers in decoder.blocks.items():
-        buffer = decoder.decode(index)
-        for m in layers:
-            size = m.in_features * m.out_features
-            m.held = buffer[m.buffer_offset:m.buffer_offset + size].view(m.out_features, m.in_features).clone()
-    for index, block in enumerate(_blocks_of(model)):
-        _hook_block(block, None, index)
-    for layers in decoder.blocks.values():
-        for m in layers:
-            m.stream, m.decoder = torch.zeros(0, dtype=torch.uint8), None
-    del model.entquant_decoder
 
 
 def _hook_block(block, decoder, index):
