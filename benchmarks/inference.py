@@ -213,7 +213,7 @@ def table(results):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="+", default=["llama.cpp", "gguf", *METHODS],
+    parser.add_argument("--rows", nargs="*", default=["llama.cpp", "gguf", *METHODS],
                         help="llama.cpp, gguf and/or engine methods (default: all)")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--weights", nargs="+", default=["compact"],
