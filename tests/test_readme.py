@@ -315,11 +315,22 @@ PARSE_ONLY = r"""
 import argparse, contextlib, io, json, runpy, sys
 class Parsed(Exception):
     pass
-parse_args = argparse.ArgumentParser.parse_args
+parse_args, parse_known_args = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+inside = []
 def parse_and_stop(self, args=None, namespace=None):
-    parse_args(self, args, namespace)
+    inside.append(self)
+    try:
+        parse_args(self, args, namespace)
+    finally:
+        inside.pop()
+    raise Parsed
+def known_and_stop(self, args=None, namespace=None):
+    result = parse_known_args(self, args, namespace)
+    if inside:                          # parse_args at work (or a subcommand's parser): let it finish
+        return result
     raise Parsed
 argparse.ArgumentParser.parse_args = parse_and_stop
+argparse.ArgumentParser.parse_known_args = known_and_stop
 results = []
 for script, argv in json.loads(sys.argv[1]):
     sys.argv, err = [script, *argv], io.StringIO()
@@ -351,7 +362,7 @@ def test_benchmark_commands_parse_and_their_help_exits_0():
     if not cases:
         return
     out = subprocess.run([sys.executable, "-c", PARSE_ONLY, json.dumps(cases)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     failed = [f"{label}: {why}" for label, why in zip(labels, json.loads(out.stdout.splitlines()[-1])) if why]
     assert not failed, "README's benchmark commands that do not parse:\n" + "\n".join(failed)
@@ -363,7 +374,7 @@ def layout():
     """{path: README line} of every file and folder README's layout names, each resolved against the folder its line
     is under (a folder token later on a line is a sibling of the line's folder, or else inside it)."""
     block = section("## Layout").split("```")[1].splitlines()[1:]
-    first = LINES.index("## Layout") + 3
+    first = LINES.index("## Layout") + 4                 # the heading, a blank line, the fence: 1-based
     named, stack = {}, []
     for number, line in enumerate(block, first):
         tokens = [t.strip(",;:()") for t in line.split()]
