@@ -133,10 +133,14 @@ def subcommands(parser):
 
 
 def section(title):
-    """README's text under the heading `title`, up to the next heading of any level."""
-    start = README.index(f"\n{title}\n")
-    end = README.find("\n#", start + len(title) + 2)
-    return README[start:end if end != -1 else None]
+    """README's text under the heading `title`, up to the next heading of any level (not a comment in a code block)."""
+    start, inside, end = LINES.index(title), False, len(LINES)
+    for number in range(start + 1, len(LINES)):
+        inside ^= LINES[number].startswith("```")
+        if not inside and LINES[number].startswith("#"):
+            end = number
+            break
+    return "\n".join(LINES[start:end])
 
 
 # ---- the page itself ------------------------------------------------------------------------------------------
