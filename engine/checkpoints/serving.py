@@ -184,7 +184,7 @@ def check_target(target, method, options, fmt="safetensors"):
 
 
 def markdown_table():
-    """README's table of what loads where, the reasons as numbered notes below it."""
+    """The table of what loads where (appendix/serving.md), the reasons as numbered notes below it."""
     lines, notes = ["| checkpoint | " + " | ".join(TARGETS) + " |", "|---|" + "---|" * len(TARGETS)], []
     for kind, row in LOADS.items():
         cells = []

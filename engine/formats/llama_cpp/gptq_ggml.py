@@ -281,7 +281,7 @@ def layer_errors(layer, names, damp=0.01, order=DEFAULT_ORDER, imatrix=True, ref
 def plan_mix(layer, names, bpw, damp=0.01, order=DEFAULT_ORDER, imatrix=True, refit=True, plan="layer_output"):
     """{relative name: type}: the type of each linear that meets `bpw` over the layer's linears with the lowest
     added error in `plan`'s currency (bit_plan.choose on layer_errors' costs). Each layer spends the budget on its
-    own linears: a budget shared by the whole model did worse, in either currency (README)."""
+    own linears: a budget shared by the whole model did worse, in either currency (appendix/serving.md)."""
     table = layer_errors(layer, names, damp, order, imatrix, refit, plan=plan)
     weights = sum(layer.module(layer.prefix + n).weight.numel() for n in names)
     try:
