@@ -58,7 +58,7 @@ def test_a_prompt_file_is_read_only_as_far_as_the_context_needs(dense, tmp_path,
 
 def test_a_prompt_within_the_context_is_the_whole_texts_tokenization(tmp_path):
     """Counting tokenizes pieces that cut words ([UNK] halves here), but the ids are the whole text's."""
-    from test_ch39_data import _word_tokenizer
+    from test_data import _word_tokenizer
     tok = _word_tokenizer()
     text = " ".join(f"w{i % 1000}" for i in range(3000))
     (tmp_path / "prompt.txt").write_text(text)

@@ -12,7 +12,7 @@ from engine.checkpoints.tokenizer import (BYTE_CHARS, bos_id, byte_tokenizer, co
                                            write_tokenizer_files)
 from engine.data import Corpus
 from engine.qwen3 import Qwen3Config
-from test_ch39_gguf import ARR, BOOL, I32, STR, gguf_bytes, write
+from test_gguf import ARR, BOOL, I32, STR, gguf_bytes, write
 
 TEXT = "".join(map(chr, range(256))) + "Plain ASCII, Ünïcödé, \u6771\u4eac, \t tabs\r\n and \U0001F600 \x00\x7f\u0080\u00ad\u00ff\u0100 " * 3
 
