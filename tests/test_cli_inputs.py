@@ -13,8 +13,7 @@ from engine.checkpoints import tokenizer as tokenizers
 from engine.loaders import save_dense
 from test_cli import run
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from fuzz_inputs import AAA, text_tokenizer  # noqa: E402  (the fuzzer's hostile tokenizers)
+from fuzz_inputs import AAA, text_tokenizer  # (the fuzzer's hostile tokenizers: tests/fuzz/)
 
 
 @pytest.fixture
