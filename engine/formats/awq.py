@@ -26,7 +26,7 @@ import torch
 
 from .numerics import calibration
 from .numerics.affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize,  # noqa: F401
-                     pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
+                              group_width, pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, scale_tensor
 from .numerics.calibration import InputStats
 
@@ -87,8 +87,8 @@ def quantize_layer(layer, group_size=128, bits=4, clip=True):
     stats = layer.capture([names[0] for _, _, names in SCALING_PAIRS])
     clips = {}
 
-    def group(linear):                                  # -1: AutoAWQ's one group per row
-        return linear.in_features if group_size == -1 else group_size
+    def group(linear):
+        return group_width(group_size, linear.in_features)
 
     for norm, previous, names in SCALING_PAIRS:
         linears = [layer.layer.get_submodule(n) for n in names]
@@ -174,7 +174,7 @@ def from_checkpoint(qweight, qzeros, scales, group_size, bias=None, dtype=None):
     if any(t.dtype != torch.int32 or t.dim() != 2 for t in (qweight, qzeros)):
         raise ValueError("AWQ qweight / qzeros must be 2-D int32")
     in_f, out_f = qweight.shape[0], qweight.shape[1] * 8
-    group_size = in_f if group_size == -1 else group_size
+    group_size = group_width(group_size, in_f)
     groups = -(-in_f // group_size)
     if tuple(qzeros.shape) != (groups, out_f // 8) or tuple(scales.shape) != (groups, out_f):
         raise ValueError(f"AWQ qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not fit qweight "
@@ -206,7 +206,7 @@ def _read(parts, qcfg):
 
 def _write(layer, qcfg):
     group_size = qcfg["group_size"]
-    if layer.group_size != (layer.in_features if group_size == -1 else group_size):
+    if layer.group_size != group_width(group_size, layer.in_features):
         raise ValueError(f"layer has group size {layer.group_size}; config says {group_size}")
     return to_checkpoint(layer)
 

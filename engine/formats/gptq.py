@@ -36,7 +36,7 @@ from .gptq_order import DEFAULT as DEFAULT_ORDER
 from .gptq_order import ORDERS, SEARCH, SEARCHED, check_order, visit_order
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option, scale_tensor
 from .numerics.affine import AffineQuantLinear, affine_parts, as_int32, find_params, grouped, pack_int32  # noqa: F401
-from .numerics.affine import unpack_int32
+from .numerics.affine import group_width, unpack_int32
 from .numerics.obq import error_feedback, inverse_cholesky, layer_error
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -81,7 +81,7 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
     The book's arguments: act_order=False visits the columns in their natural order, True by decreasing H_ii with
     groups that are ranges of the visit (a permuted g_idx). block: the lazy batch of obq.error_feedback.
     The engine's, as keywords: order (a name of ORDERS, or an Order) instead of act_order, e.g.
-    order="act_order_static"; group_size -1 (or any value <= 0) = one group per row; min_zero=1 keeps every zero
+    order="act_order_static"; group_size -1 = one group per row (affine.group_width); min_zero=1 keeps every zero
     point storable in a v1 checkpoint; sym puts the zero point in the middle of the grid."""
     if not isinstance(act_order, bool):
         raise ValueError(f"act_order (the 5th argument) is True or False, got {act_order!r}; the engine's other "
@@ -91,10 +91,12 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
     elif act_order and check_order(order) != ORDERS["act_order"]:
         raise ValueError(f"act_order=True and order={order!r} ask for two visits; give one")
     spec = check_order(order)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size >= 1 or group_size == -1):
+        raise ValueError(f"group_size must be a positive int or -1 (one group per row), got {group_size!r}")
     out_f, cols = weight.shape
     if hessian.shape != (cols, cols):
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({cols}, {cols})")
-    group_size = cols if group_size <= 0 else group_size
+    group_size = group_width(group_size, cols)
     W, H = weight.float().clone(), hessian.float()
     diag = torch.diag(H).clone()
     dead = diag == 0                                       # inputs never active: their weights cannot matter
@@ -274,7 +276,7 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
         hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
 
         def make(name, linear, hessians=hessians):
-            group = linear.in_features if group_size == -1 else group_size          # -1: one group per row
+            group = group_width(group_size, linear.in_features)
             weight, options = linear.weight.detach(), dict(damp=damp, sym=sym, min_zero=min_zero)
             if order == SEARCH:
                 parts, _ = search_order(weight, hessians[name], bits, group, **options)
@@ -323,7 +325,7 @@ def _read(parts, qcfg):
         raise ValueError("GPTQ qweight / qzeros must be 2-D int32")
     per = 32 // bits
     in_f, out_f = qweight.shape[0] * per, qweight.shape[1]
-    group_size = in_f if group_size == -1 else group_size
+    group_size = group_width(group_size, in_f)
     groups = -(-in_f // group_size)
     want = {"qzeros": (groups, out_f // per), "scales": (groups, out_f), "g_idx": (in_f,)}
     for k, shape in want.items():
@@ -341,7 +343,7 @@ def _read(parts, qcfg):
 def _write(layer, qcfg):
     bits, group_size, fmt = qcfg["bits"], qcfg["group_size"], qcfg["checkpoint_format"]
     codes, scales, zeros, g_idx = affine_parts(layer)
-    if layer.bits != bits or layer.group_size != (layer.in_features if group_size == -1 else group_size):
+    if layer.bits != bits or layer.group_size != group_width(group_size, layer.in_features):
         raise ValueError(f"layer has {layer.bits} bits, group {layer.group_size}; config says {bits}, {group_size}")
     if layer.perm is not None and not qcfg.get("desc_act", False):
         raise ValueError("an act-order layer (permuted g_idx) needs desc_act=true in its config: loaders that trust "
