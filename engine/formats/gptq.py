@@ -4,7 +4,7 @@ the columns not yet quantized, so that the layer's OUTPUT on calibration inputs 
     minimize ||X W_hat^T - X W^T||^2,   Hessian H = 2 X^T X / n   (the same for every output row)
     column i:  e = (w_i - quant(w_i)) / [H^-1]_ii,   w_j <- w_j - e [H^-1]_ij   for every later column j
 
-The loop itself is engine/formats/numerics/obq.py's (H^-1's Cholesky factor damped by 1% of mean(diag H), updates applied
+The loop itself is numerics/obq.py's (H^-1's Cholesky factor damped by 1% of mean(diag H), updates applied
 lazily a block of 128 columns at a time); this file is GPTQ's quantizer for it: each group's grid
 (affine.find_params: f16 scale, integer zero) is chosen from the group's weights as corrected when the loop enters
 the group, then every column is rounded on its group's grid. The scale is rounded to f16 when it is chosen, so GPTQ
