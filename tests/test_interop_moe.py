@@ -55,3 +55,28 @@ def test_the_engines_moe_checkpoint_loads_in_transformers_with_equal_logits(tmp_
     ours = load_dense(source)
     save_dense(ours, tmp_path / "ours")
     assert (hf_logits(tmp_path / "ours") - ours(ids())).abs().max() < 1e-5
+
+
+def test_gguf_py_reads_the_engines_qwen3moe_file_with_llama_cpps_stacked_shapes(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from engine.checkpoints.gguf_writer import write_gguf
+    from engine.qwen3 import Qwen3, Qwen3MoeConfig
+    cfg = Qwen3MoeConfig(**{**SIZES, "vocab_size": 256, "num_experts": 4, "moe_intermediate_size": 32})
+    model = Qwen3(cfg)
+    write_gguf(model, tmp_path / "moe.gguf")
+    reader = gguf.GGUFReader(tmp_path / "moe.gguf")
+    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3MOE]
+    names = {gguf.TENSOR_NAMES[t].format(bid=0) for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN3MOE]}
+    tensors = {t.name: t for t in reader.tensors}
+    assert {n.removesuffix(".weight") for n in tensors if n.startswith(("blk.0.", "token", "output"))} <= names
+    assert "blk.0.ffn_gate_exps" in names and "blk.3.ffn_down_exps.weight" in tensors
+    field = reader.get_field(gguf.Keys.LLM.EXPERT_COUNT.format(arch=arch))
+    assert field.contents() == 4 and reader.get_field(gguf.Keys.General.ARCHITECTURE).contents() == arch
+    assert reader.get_field(gguf.Keys.LLM.EXPERT_USED_COUNT.format(arch=arch)).contents() == 2
+    assert reader.get_field(gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=arch)).contents() == 32
+    # GGUF's ne is [in, out, experts]; gguf-py's data is the torch order [experts, out, in]
+    assert tensors["blk.0.ffn_gate_exps.weight"].shape.tolist() == [48, 32, 4]
+    assert tensors["blk.0.ffn_down_exps.weight"].data.shape == (4, 48, 32)
+    assert tensors["blk.0.ffn_gate_inp.weight"].data.shape == (4, 48)
+    up = torch.from_numpy(tensors["blk.2.ffn_up_exps.weight"].data.copy())
+    assert torch.equal(up[3], model.model.layers[2].mlp.experts[3].up_proj.weight.detach())

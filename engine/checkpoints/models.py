@@ -11,7 +11,7 @@ from ..loaders import expert_parts, load_dense, read_config, unfused, unfused_sp
 from ..qwen3 import Qwen3Config
 from ..safe_writes import TOKENIZER_FILES
 from ..safetensors_io import DTYPE_BYTES, TensorReader
-from . import gguf
+from . import gguf, gguf_experts
 from .gguf_tokenizer import gguf_tokenizer
 from .tokenizer import check_vocabulary, export_tokenizer, load_tokenizer
 
@@ -65,7 +65,11 @@ class Source:
         if self.path.is_file() and self.path.suffix == ".gguf":
             self.gguf = gguf.GGUFFile(self.path)
             self.config = gguf.hf_config(self.gguf)
-            self.sizes = {gguf.hf_name(n)[0]: _read_bytes(info) for n, info in self.gguf.tensors.items()}
+            self.sizes = {}
+            for n, info in self.gguf.tensors.items():
+                name, kind = gguf.hf_name(n)
+                names = gguf_experts.expert_names(name, info.shape[0]) if kind in gguf_experts.STACKS else [name]
+                self.sizes.update(dict.fromkeys(names, _read_bytes(info) // len(names)))
         else:
             self.gguf = None
             self.config = read_config(self.path)
