@@ -7,7 +7,8 @@ import torch
 from engine.loaders import load_dense, save_dense
 
 transformers = pytest.importorskip("transformers")
-pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")]
 
 SIZES = dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=6, num_experts_per_tok=2,
@@ -80,3 +81,54 @@ def test_gguf_py_reads_the_engines_qwen3moe_file_with_llama_cpps_stacked_shapes(
     assert tensors["blk.0.ffn_gate_inp.weight"].data.shape == (4, 48)
     up = torch.from_numpy(tensors["blk.2.ffn_up_exps.weight"].data.copy())
     assert torch.equal(up[3], model.model.layers[2].mlp.experts[3].up_proj.weight.detach())
+
+
+# transformers 5.25 holds Qwen3-MoE's experts fused ([experts, rows, in] parameters, not nn.Linears). Its GPTQ path
+# (gptqmodel) replaces nn.Linears only, so a GPTQ-format file's per-expert qweight / qzeros are left out and the
+# experts stay randomly initialized (tried: logits off by ~8). Its compressed-tensors path with dequantize=True
+# decompresses each expert's packed weight and fuses it as its own checkpoints are: the format it loads MoE in, GPTQ's
+# codes included (an engine GPTQ model written as compressed-tensors pack-quantized). Two limits of that path: it
+# hands the experts' decompressor no zero points (an asymmetric scheme fails there; its layout is checked against
+# compressed-tensors' own decompressor below), and its fused FP8 experts read only blocks that divide the experts'
+# widths (as real MoE models' do: 768 = 6 x 128).
+@torch.no_grad()
+@pytest.mark.parametrize("method", ["rtn", "gptq-as-compressed-tensors", "fp8"])
+def test_a_quantized_moe_checkpoint_loads_in_transformers_with_the_engines_logits(method, tmp_path):
+    from engine.formats import compressed_tensors, gptq
+    from engine.formats.quantized_checkpoints import save_quantized
+    source = write_hf(tmp_path / "hf", *CASES["dense-layer-1-normalized-f32"])
+    ours = load_dense(source)
+    if method == "gptq-as-compressed-tensors":
+        qcfg = gptq.quantize(ours, ids(2), group_size=8, order="act_order_static", sym=True, expert_min_tokens=1)
+        assert qcfg["experts_rounded"][0] == [e for e, n in enumerate(qcfg["expert_tokens"][0]) if n == 0]
+        save_quantized(ours, tmp_path / "q", "compressed-tensors",
+                       quantization_config=compressed_tensors.config_for_model(ours))
+    else:
+        save_quantized(ours, tmp_path / "q", method,
+                       **(dict(group_size=8, symmetric=True) if method == "rtn" else dict(block=8)))
+    config = (transformers.FineGrainedFP8Config(dequantize=True) if method == "fp8" else
+              transformers.CompressedTensorsConfig(dequantize=True))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q", quantization_config=config,
+                                                              dtype=torch.float32).eval()
+    experts = theirs.model.layers[0].mlp.experts
+    assert torch.equal(experts.down_proj[3], ours.model.layers[0].mlp.experts[3].down_proj.dequantize())
+    assert (theirs(ids()).logits - ours(ids())).abs().max() < 1e-5
+
+
+def test_an_asymmetric_experts_layout_decompresses_with_compressed_tensors_own_code(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from engine.formats.quantized_checkpoints import load_quantized, save_quantized
+    from engine.safetensors_io import snapshot_tensors
+    ours = load_dense(write_hf(tmp_path / "hf", *CASES["dense-layer-1-normalized-f32"]))
+    config = save_quantized(ours, tmp_path / "q", "rtn", group_size=8)                # symmetric=False
+    scheme = QuantizationScheme.model_validate(config["config_groups"]["group_0"])
+    compressor = BaseCompressor.get_value_from_registry(config["format"])
+    stored, back = dict(snapshot_tensors(tmp_path / "q")), load_quantized(tmp_path / "q")
+    for name in ("model.layers.0.mlp.experts.5.gate_proj", "model.layers.3.mlp.experts.0.down_proj"):
+        state = {part: stored[f"{name}.{part}"] for part in ("weight_packed", "weight_scale", "weight_zero_point",
+                                                             "weight_shape")}
+        weight = compressor.decompress(state, scheme)["weight"].float()
+        assert torch.equal(weight, back.get_submodule(name).dequantize())
+        assert torch.equal(weight, ours.get_submodule(name).dequantize())

@@ -24,7 +24,7 @@ Checkpoint (AutoAWQ GEMM, 4-bit):
 """
 import torch
 
-from .numerics import calibration
+from .numerics import calibration, experts
 from .numerics.affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize,  # noqa: F401
                               group_width, pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, scale_tensor
@@ -216,4 +216,8 @@ OPTIONS = {"group_size": int_option(128, 1, also=(-1,)),
            "clip": bool_option(True)}
 CHECKPOINT = CheckpointMethod(name="awq", parts=lambda qcfg: ("qweight", "qzeros", "scales"), read=_read,
                               write=_write, quantize=quantize, validate=validate, quantize_layer=quantize_layer,
-                              calibration=lambda options: "float", options=OPTIONS)
+                              calibration=lambda options: "float", options=OPTIONS,
+                              fits=lambda cfg, options: experts.refuse(
+                                  cfg, "AWQ", "its scale for the experts' gate/up would fold into "
+                                  "post_attention_layernorm, which the router reads too, and each expert's down_proj "
+                                  "needs its own tokens' scale; use gptq, rtn or fp8"))
