@@ -175,7 +175,10 @@ def quantize_from_disk(args, method, options, started, group=None):
     quantizing its share, rank 0 writing and reporting."""
     first = group is None or group.first
     if args.format == "gguf":   # layer by layer into a folder of ours beside FILE, then one GGUF from it
+        from engine.checkpoints.gguf_writer import check_writable
+        from engine.checkpoints.models import model_config
         from engine.checkpoints.serving import export_gguf
+        check_writable(model_config(args.model))              # before any work (a MoE model llama.cpp cannot run)
         with gguf_workspace(args.out, group) as tmp:
             convert(args, tmp / "ck", method, options, group=group)
             if first:

@@ -179,10 +179,7 @@ def model_tensors(model, dense_type="F32", fallback=None, embedding_type=None):
     if embedding_type is not None and embedding_type not in EMBEDDING_TYPES:
         raise ValueError(f"embedding_type must be one of {EMBEDDING_TYPES} or None, got {embedding_type!r}")
     cfg = model.cfg
-    if architecture(cfg) not in ARCHITECTURES:
-        raise ValueError(f"model_type {cfg.model_type!r} has no GGUF architecture here ({sorted(ARCHITECTURES)})")
-    if architecture(cfg) == gguf_experts.ARCH:
-        gguf_experts.check_writable(cfg)
+    check_writable(cfg)
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     permuted = cfg.model_type == "llama"
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
@@ -237,6 +234,14 @@ def model_tensors(model, dense_type="F32", fallback=None, embedding_type=None):
 
 
 # ---- metadata ---------------------------------------------------------------------------------------------------
+
+def check_writable(cfg):
+    """ValueError, from the config alone, where llama.cpp has no architecture for the model or would run another."""
+    if architecture(cfg) not in ARCHITECTURES:
+        raise ValueError(f"model_type {cfg.model_type!r} has no GGUF architecture here ({sorted(ARCHITECTURES)})")
+    if architecture(cfg) == gguf_experts.ARCH:
+        gguf_experts.check_writable(cfg)
+
 
 def architecture(cfg):
     """The GGUF architecture of cfg's model_type (qwen3_moe: llama.cpp's qwen3moe)."""
