@@ -237,6 +237,7 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.in_features = cfg.hidden_size        # as a linear's: a calibration hook reads every token it routes
 
     def forward(self, x):
         probs = F.linear(x, self.weight).softmax(-1, dtype=torch.float32)

@@ -20,7 +20,8 @@ SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_la
 
 def run(*args, cwd):
     return subprocess.run([sys.executable, str(ROOT / "run.py"), *map(str, args)], capture_output=True, text=True,
-                          errors="replace", cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                          errors="replace", cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,8 @@ def test_a_moe_model_goes_into_a_qwen3moe_gguf_file_and_evaluates(folders):
 @pytest.mark.parametrize("args, message", [
     (["quantize", "--model", "mixed", "--method", "gptq", "--target", "llama.cpp", "--option", "ggml_type=Q4_0",
       "--out", "x.gguf"], "error: layers [1] of this qwen3_moe model are dense"),
-    (["quantize", "--model", "mixed", "--method", "awq", "--out", "x"], "error: AWQ is not implemented for Qwen3-MoE"),
+    (["quantize", "--model", "mixed", "--method", "trellis", "--option", "ldlq=true", "--out", "x"],
+     "error: trellis with ldlq=True is not implemented for Qwen3-MoE"),
 ])
 def test_what_a_moe_model_cannot_get_is_one_line_before_any_work(folders, args, message):
     out = run(*args, cwd=folders)

@@ -92,7 +92,7 @@ def test_the_default_threshold_is_each_experts_input_width(ids):
         assert rounded == ([e for e, n in enumerate(tokens) if n < 64] if tokens else [])
 
 
-@pytest.mark.parametrize("method", sorted(DATA_FREE) + ["gptq"])
+@pytest.mark.parametrize("method", sorted(DATA_FREE) + ["gptq", "awq"])
 def test_every_linear_method_quantizes_the_experts_and_loads_back(method, ids, tmp_path):
     model = tiny_moe()
     qcfg = save_quantized(model, tmp_path / "q", method, ids, **DATA_FREE.get(method, dict(group_size=32)))
@@ -108,7 +108,8 @@ def test_every_linear_method_quantizes_the_experts_and_loads_back(method, ids, t
 
 
 @pytest.mark.parametrize("method, options", [("gptq", dict(group_size=32, order="act_order_static")),
-                                             ("fp8", dict(block=32)), ("compressed-tensors", dict(group_size=32))])
+                                             ("awq", dict(group_size=32)), ("fp8", dict(block=32)),
+                                             ("compressed-tensors", dict(group_size=32))])
 def test_streaming_writes_what_the_in_memory_path_writes(method, options, source, ids, tmp_path):
     in_memory = save_quantized(tiny_moe(), tmp_path / "mem", method, ids, **options)
     streamed = quantize_checkpoint(source, tmp_path / "disk", method, ids, progress=False, **options)
@@ -132,7 +133,6 @@ def test_streaming_holds_one_layers_experts_at_a_time(source, ids, tmp_path, mon
 
 
 @pytest.mark.parametrize("method, options, match", [
-    ("awq", dict(group_size=32), r"AWQ is not implemented for Qwen3-MoE models: its scale .* post_attention_layernorm"),
     ("trellis", dict(ldlq=True, L=6, K=2, group=32), r"trellis with ldlq=True is not implemented for Qwen3-MoE"),
     ("entquant", dict(lam=14.5, feedback="calibration"), r"EntQuant's feedback and sensitivity is not implemented"),
     ("gptq", dict(ggml_type="mix", bpw=4.5), r"give one ggml_type for a Qwen3-MoE model"),
@@ -145,6 +145,25 @@ def test_what_a_method_cannot_do_with_experts_is_refused_before_any_work(method,
         quantize_checkpoint(source, tmp_path / "q", method, ids, progress=False, **options)
     with pytest.raises(ValueError, match=match):
         save_quantized(tiny_moe(), tmp_path / "m", method, ids, **options)
+
+
+@torch.no_grad()
+def test_awq_scales_the_router_with_the_experts_and_rounds_starved_experts_to_nearest(ids):
+    from engine.formats import awq
+    from engine.formats.numerics.affine import AffineQuantLinear
+    model, reference = tiny_moe(), tiny_moe()
+    qcfg = awq.quantize(model, ids, group_size=32, expert_min_tokens=30)
+    tokens, rounded = qcfg["expert_tokens"][0], qcfg["experts_rounded"][0]
+    assert sum(tokens) == 128 and rounded == [e for e, n in enumerate(tokens) if n < 30] and rounded
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    ours, theirs = model.model.layers[0], reference.model.layers[0]
+    assert not torch.equal(ours.mlp.gate.weight, theirs.mlp.gate.weight)              # the scale folded in ...
+    torch.testing.assert_close(ours.mlp.gate(ours.post_attention_layernorm(x))[0],    # ... routes as before
+                               theirs.mlp.gate(theirs.post_attention_layernorm(x))[0], rtol=1e-5, atol=1e-6)
+    for e in range(4):
+        down = theirs.mlp.experts[e].down_proj
+        rtn = AffineQuantLinear.from_linear(down, 4, 32).dequantize()      # no scale of its own, no clipping
+        assert torch.equal(ours.mlp.experts[e].down_proj.dequantize(), rtn) == (e in rounded)
 
 
 def test_the_dense_models_gptq_config_is_as_it_was(ids):

@@ -372,7 +372,7 @@ OPTIONS = {"bits": choice_option(DEFAULTS["bits"], PACKABLE_BITS),
            "damp": number_option(DEFAULTS["damp"], 0, 1, open_low=True),
            "sym": bool_option(DEFAULTS["sym"]),
            "checkpoint_format": choice_option(DEFAULTS["checkpoint_format"], CHECKPOINT_FORMATS),
-           "expert_min_tokens": int_option(None, 0)}
+           "expert_min_tokens": int_option(None, 1)}
 
 CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize, parts=lambda qcfg: PARTS,
                               validate=validate, quantize_layer=quantize_layer,

@@ -8,7 +8,8 @@ GPTQ's Hessian from n tokens has rank at most n: with fewer tokens than input co
 error feedback would fit the handful of tokens seen at the cost of every direction not seen. So an expert whose
 tokens number fewer than `min_tokens` (None: its input width, the least a full-rank Hessian needs) is rounded to
 nearest instead, on the same grid in the same file: GPTQ with H = I, whose inverse is diagonal, so that the error
-feedback moves no other column (obq.error_feedback). Never a NaN (no division by a zero count), never a skipped or a
+feedback moves no other column (obq.error_feedback); AWQ gives such an expert no scale or clipping of its own
+(awq.quantize_layer). Never a NaN (no division by a zero count), never a skipped or a
 zeroed expert. The router (mlp.gate) is not an nn.Linear and stays dense (compressed-tensors files say so in their
 `ignore` list, ROUTER_IGNORE, as llm-compressor's MoE recipes do, for readers that would match it as a linear).
 
