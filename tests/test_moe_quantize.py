@@ -118,6 +118,25 @@ def test_streaming_writes_what_the_in_memory_path_writes(method, options, source
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_fused_expert_folder_streams_to_the_same_checkpoint(source, ids, tmp_path):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(source / "model.safetensors")
+    for layer in (0, 2):
+        p = f"model.layers.{layer}.mlp.experts"
+        tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat([tensors.pop(f"{p}.{e}.gate_proj.weight"),
+                                                               tensors.pop(f"{p}.{e}.up_proj.weight")])
+                                                    for e in range(4)])
+        tensors[f"{p}.down_proj"] = torch.stack([tensors.pop(f"{p}.{e}.down_proj.weight") for e in range(4)])
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "config.json").write_text((source / "config.json").read_text())
+    save_file(tensors, tmp_path / "fused" / "model.safetensors", {"format": "pt"})
+    for folder in ("fused", "dense"):
+        quantize_checkpoint(tmp_path / "fused" if folder == "fused" else source, tmp_path / f"q-{folder}", "gptq",
+                            ids, progress=False, group_size=32)
+    a, b = dict(snapshot_tensors(tmp_path / "q-fused")), dict(snapshot_tensors(tmp_path / "q-dense"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_streaming_holds_one_layers_experts_at_a_time(source, ids, tmp_path, monkeypatch):
     from engine.checkpoints import streaming
     held, fill = [], streaming._fill
