@@ -191,3 +191,13 @@ def test_the_dense_models_gptq_config_is_as_it_was(ids):
     dense = Qwen3(Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16)).eval()
     assert not {"expert_tokens", "experts_rounded", "expert_min_tokens"} & gptq.quantize(copy.deepcopy(dense), ids,
                                                                                           group_size=32).keys()
+
+
+@torch.no_grad()
+def test_the_engines_kernels_run_the_quantized_experts_as_torch_does(ids):
+    from engine.layers import impl
+    model = tiny_moe()
+    gptq.quantize(model, ids, group_size=32, expert_min_tokens=1)
+    with impl("engine"):
+        kernels = model(ids[:1, :6])
+    torch.testing.assert_close(kernels, model(ids[:1, :6]), rtol=1e-4, atol=1e-5)
