@@ -276,13 +276,9 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
                      "desc_act": permuted({"order": order}),
                      "sym": sym, "checkpoint_format": checkpoint_format})
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
-    rows, few = {}, set()
+    steps = experts.StepHessians(expert_min_tokens)
     for step in sequential_steps(layer.layer):
-        stats = layer.capture(step)
-        hessians, starved = experts.hessians(stats, expert_min_tokens)
-        rows.update({name: s.rows for name, s in stats.items()})
-        few |= starved
-        del stats                                      # (each Hessian is made; the float64 sums can go)
+        hessians = steps(layer, step)
 
         def make(name, linear, hessians=hessians):
             group = group_width(group_size, linear.in_features)
@@ -295,7 +291,7 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
 
         layer.replace(make, names=hessians)
     return {**{k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
-                                    "order")}, **experts.layer_record(layer, rows, few, expert_min_tokens)}
+                                    "order")}, **steps.record(layer)}
 
 
 def quantize(model, calibration_ids, batch_size=8, **options):

@@ -358,9 +358,7 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
     the grid llama-quantize --imatrix picks with the Hessian's diagonal as the importance (True), or its plain
     round-to-nearest grid (False). refit: each block's f16 fields refit to GPTQ's codes where that helps
     (refit_scales). plan: the currency a mix's candidates are priced in (layer_errors). Returns the
-    quantization_config, with the type each linear got (ggml_types). A sparse layer's experts: as gptq.py's (each
-    its own tokens' Hessian, or round to nearest below expert_min_tokens: H = I, whose diagonal is also the flat
-    importance llama.cpp's quantizer uses without an importance matrix)."""
+    quantization_config, with the type each linear got (ggml_types). A sparse layer's experts: as gptq.py's."""
     ggml_type = MIX if ggml_type is None else ggml_type
     rules(dict(ggml_type=ggml_type, order=order, bpw=bpw, imatrix=imatrix, plan=plan))
     steps = sequential_steps(layer.layer)
@@ -370,13 +368,9 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
     else:
         wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
     types = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
-    rows, few = {}, set()
+    step_hessians = experts.StepHessians(expert_min_tokens)
     for step in steps:
-        stats = layer.capture(step)
-        hessians, starved = experts.hessians(stats, expert_min_tokens)
-        rows.update({name: s.rows for name, s in stats.items()})
-        few |= starved
-        del stats
+        hessians = step_hessians(layer, step)
 
         def make(name, linear, hessians=hessians):
             kind, H = types[name.removeprefix(layer.prefix)], hessians[name]
@@ -388,7 +382,7 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
     return {"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
             "desc_act": False, "imatrix": imatrix, "refit": refit, "ggml_types": types,
             **({"bpw": bpw, "plan": plan} if bpw is not None else {}),
-            **experts.layer_record(layer, rows, few, expert_min_tokens)}
+            **step_hessians.record(layer)}
 
 
 # ---- the engine folder on the way to a GGUF file (checkpoint_format "ggml") ----------------------------------------

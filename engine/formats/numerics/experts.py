@@ -51,6 +51,24 @@ def hessians(stats, min_tokens=None):
     return {name: torch.eye(s.in_features) if name in few else s.hessian for name, s in stats.items()}, few
 
 
+class StepHessians:
+    """GPTQ's Hessians step by step: steps(layer, step) -> {name: H} of layer.capture(step), a starved expert's the
+    identity; the token counts and starved names are kept for the layer's record (record(layer))."""
+
+    def __init__(self, min_tokens=None):
+        self.min_tokens, self.rows, self.few = min_tokens, {}, set()
+
+    def __call__(self, layer, step):
+        stats = layer.capture(step)                    # (its float64 sums go when this returns)
+        made, few = hessians(stats, self.min_tokens)
+        self.rows.update({name: s.rows for name, s in stats.items()})
+        self.few |= few
+        return made
+
+    def record(self, layer):
+        return layer_record(layer, self.rows, self.few, self.min_tokens)
+
+
 def is_moe(module):
     """Whether a model, or a decoder layer of one (a dense layer included), is Qwen3-MoE's."""
     cfg = getattr(module, "cfg", None) or getattr(getattr(module, "self_attn", None), "cfg", None)
