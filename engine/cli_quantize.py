@@ -98,7 +98,10 @@ def check_quantize_args(args):
     method, options = resolve(args.method, options)
     if args.target or args.format == "gguf":
         from engine.checkpoints.serving import check_target
-        options, args.format = check_target(args.target or "llama.cpp", method, options, args.format)
+        from engine.checkpoints.models import model_config
+        from engine.config import Qwen3MoeConfig
+        moe = args.model is not None and isinstance(model_config(args.model), Qwen3MoeConfig)
+        options, args.format = check_target(args.target or "llama.cpp", method, options, args.format, moe)
     from engine.formats.quantized_checkpoints import METHODS
     options = METHODS[method].checked(options)            # every option's range, and the method's rules, once
     if args.embedding_type is not None and args.format != "gguf":

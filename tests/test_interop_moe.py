@@ -132,3 +132,25 @@ def test_an_asymmetric_experts_layout_decompresses_with_compressed_tensors_own_c
         weight = compressor.decompress(state, scheme)["weight"].float()
         assert torch.equal(weight, back.get_submodule(name).dequantize())
         assert torch.equal(weight, ours.get_submodule(name).dequantize())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("method, options, kind", [
+    ("rtn", dict(group_size=8), "compressed-tensors int4 asym"), ("nvfp4", {}, "compressed-tensors nvfp4"),
+    ("awq", dict(group_size=8), "awq"), ("nf4", dict(group_size=32), "bitsandbytes")])
+def test_what_serving_says_transformers_refuses_for_moe_it_does(method, options, kind, tmp_path):
+    """serving.MOE_TRANSFORMERS' refusals, seen: transformers 5.25 raises, or computes other logits."""
+    from engine.checkpoints.serving import MOE_TRANSFORMERS
+    from engine.formats.quantized_checkpoints import save_quantized
+    assert MOE_TRANSFORMERS[kind][0] == "refuses"
+    widths = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, head_dim=16)   # NF4, NVFP4 blocks
+    ours = load_dense(write_hf(tmp_path / "hf", dict(mlp_only_layers=[1], **widths), torch.float32, None))
+    save_quantized(ours, tmp_path / "q", method, ids(2), **options)
+    config = {"awq": transformers.AwqConfig(bits=4, backend="torch_awq"), "nf4": None}.get(
+        method, transformers.CompressedTensorsConfig(dequantize=True))
+    try:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q", quantization_config=config,
+                                                                  dtype=torch.float32).eval()
+    except (RuntimeError, AssertionError, ValueError):
+        return
+    assert (theirs(ids()).logits - ours(ids())).abs().max() > 0.1
