@@ -6,8 +6,9 @@ gives the big-activation channels a finer relative grid. The 1/s folds into what
 match o's columns, as under GQA); in a sparse (Qwen3-MoE) layer, every expert's gate and up share the norm's scale
 (and the router's weight takes it), each expert's down its own up's (scaling_pairs). s = mean|x|^alpha (normalized
 by sqrt(max * min)), alpha from a 20-point grid minimizing the linears' output error; alpha = 0 is plain
-round-to-nearest, so the search never does worse than RTN on the error it measures. Then, as AutoAWQ does, each group's range is clipped (affine.choose_clip: the shrink that
-minimizes that group's output error), which matters more than the scales on a model without outlier channels.
+round-to-nearest, so the search never does worse than RTN on the error it measures. Then, as AutoAWQ does, each
+group's range is clipped (affine.choose_clip: the shrink that minimizes that group's output error), which matters
+more than the scales on a model without outlier channels.
 
 Improvements over the book's code (tested in tests/test_ch39_awq.py):
   * The book keeps every calibration input and recomputes x @ W^T for all tokens at each of the 20 alphas. The
