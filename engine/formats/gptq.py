@@ -31,11 +31,12 @@ import warnings
 
 import torch
 
-from ..layers import SEQUENTIAL_STEPS
+from ..layers import sequential_steps
 from .gptq_order import DEFAULT as DEFAULT_ORDER
 from .gptq_order import ORDERS, SEARCH, SEARCHED, check_order, visit_order
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option, scale_tensor
 from .numerics.affine import AffineQuantLinear, affine_parts, as_int32, find_params, grouped, pack_int32  # noqa: F401
+from .numerics import experts
 from .numerics.affine import group_width, unpack_int32
 from .numerics.obq import error_feedback, inverse_cholesky, layer_error
 
@@ -261,19 +262,23 @@ def permuted(options):
 
 @torch.no_grad()
 def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size"], order=DEFAULTS["order"],
-                   damp=DEFAULTS["damp"], sym=DEFAULTS["sym"], checkpoint_format=DEFAULTS["checkpoint_format"]):
+                   damp=DEFAULTS["damp"], sym=DEFAULTS["sym"], checkpoint_format=DEFAULTS["checkpoint_format"],
+                   expert_min_tokens=None):
     """GPTQ one decoder layer (a calibration.LayerCalibration) in place, step by step in forward order (q/k/v, o,
     gate/up, down): each step's Hessians come from the layer's inputs passed through its already-quantized earlier
     steps (GPTQModel's "true sequential"). order: a name of ORDERS, or "search" (each linear's order chosen by
     search_order, three GPTQs per linear; the file stays plain). For a v1 checkpoint (the default) every zero point
     is kept >= 1 (min_zero). Returns the quantization_config: desc_act says whether g_idx is permuted (the only
-    case that needs it), order records the visit. GPTQ on llama.cpp's grids is llama_cpp/gptq_ggml.py's."""
+    case that needs it), order records the visit. GPTQ on llama.cpp's grids is llama_cpp/gptq_ggml.py's.
+    A sparse (Qwen3-MoE) layer's experts each get the Hessian of the tokens routed to them; one that saw fewer than
+    expert_min_tokens (None: its input width) is rounded to nearest (numerics/experts.py, recorded in the config)."""
     qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
                      "desc_act": permuted({"order": order}),
                      "sym": sym, "checkpoint_format": checkpoint_format})
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
-    for step in SEQUENTIAL_STEPS:
-        hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
+    steps = experts.StepHessians(expert_min_tokens)
+    for step in sequential_steps(layer.layer):
+        hessians = steps(layer, step)
 
         def make(name, linear, hessians=hessians):
             group = group_width(group_size, linear.in_features)
@@ -285,8 +290,8 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
             return to_runtime(*parts, group, linear.bias, bits=bits)
 
         layer.replace(make, names=hessians)
-    return {k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
-                                 "order")}
+    return {**{k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
+                                    "order")}, **steps.record(layer)}
 
 
 def quantize(model, calibration_ids, batch_size=8, **options):
@@ -362,7 +367,8 @@ OPTIONS = {"bits": choice_option(DEFAULTS["bits"], PACKABLE_BITS),
            "order": choice_option(DEFAULTS["order"], (*ORDERS, SEARCH)),
            "damp": number_option(DEFAULTS["damp"], 0, 1, open_low=True),
            "sym": bool_option(DEFAULTS["sym"]),
-           "checkpoint_format": choice_option(DEFAULTS["checkpoint_format"], CHECKPOINT_FORMATS)}
+           "checkpoint_format": choice_option(DEFAULTS["checkpoint_format"], CHECKPOINT_FORMATS),
+           "expert_min_tokens": int_option(None, 1)}
 
 CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize, parts=lambda qcfg: PARTS,
                               validate=validate, quantize_layer=quantize_layer,
