@@ -20,7 +20,7 @@ chunks of --ctx tokens of each are scored, the second half of each chunk (compar
 
 Each cell is one JSON line, cached in --out (default ~/.cache/engine/calibration) with the self-generated ids, so an
 interrupted run resumes; the markdown table comes at the end. One model is quantized at a time (in memory; the
-streaming `run.py quantize` computes the same layers: tests/test_ch39_streaming.py).
+streaming `run.py quantize` computes the same layers: tests/test_streaming.py).
 """
 import argparse
 import copy

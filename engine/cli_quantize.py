@@ -98,7 +98,10 @@ def check_quantize_args(args):
     method, options = resolve(args.method, options)
     if args.target or args.format == "gguf":
         from engine.checkpoints.serving import check_target
-        options, args.format = check_target(args.target or "llama.cpp", method, options, args.format)
+        from engine.checkpoints.models import model_config
+        from engine.config import Qwen3MoeConfig
+        moe = args.model is not None and isinstance(model_config(args.model), Qwen3MoeConfig)
+        options, args.format = check_target(args.target or "llama.cpp", method, options, args.format, moe)
     from engine.formats.quantized_checkpoints import METHODS
     options = METHODS[method].checked(options)            # every option's range, and the method's rules, once
     if args.embedding_type is not None and args.format != "gguf":
@@ -175,7 +178,10 @@ def quantize_from_disk(args, method, options, started, group=None):
     quantizing its share, rank 0 writing and reporting."""
     first = group is None or group.first
     if args.format == "gguf":   # layer by layer into a folder of ours beside FILE, then one GGUF from it
+        from engine.checkpoints.gguf_writer import check_writable
+        from engine.checkpoints.models import model_config
         from engine.checkpoints.serving import export_gguf
+        check_writable(model_config(args.model))              # before any work (a MoE model llama.cpp cannot run)
         with gguf_workspace(args.out, group) as tmp:
             convert(args, tmp / "ck", method, options, group=group)
             if first:

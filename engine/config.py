@@ -1,5 +1,5 @@
-"""Qwen3Config: the configuration of the model family engine/qwen3.py runs (Qwen3, Qwen2, Llama), read from and
-written to Hugging Face's config.json.
+"""Qwen3Config: the configuration of the model family engine/qwen3.py runs (Qwen3, Qwen2, Llama; Qwen3-MoE as its
+subclass Qwen3MoeConfig), read from and written to Hugging Face's config.json.
 
 `from_hf` checks every field it reads for its exact type and range before anything is built (a size that is a bool
 or a float, a layer count of a billion, a NaN epsilon, an unknown RoPE scaling, sliding-window attention: each a
@@ -10,7 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 # What transformers' config classes assume for a key that config.json leaves out (None: derived, as there).
 HF_DEFAULTS = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
@@ -19,7 +20,12 @@ HF_DEFAULTS = {
               "bos_token_id": None, "eos_token_id": None},
     "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048,
               "bos_token_id": 1, "eos_token_id": 2},
+    "qwen3_moe": {"num_key_value_heads": 4, "head_dim": None, "max_position_embeddings": 32768,
+                  "bos_token_id": None, "eos_token_id": None},
 }
+# Qwen3MoeConfig's own keys and transformers' defaults for them (num_experts: 5.x writes it as num_local_experts)
+MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+                "decoder_sparse_step": 1, "mlp_only_layers": ()}
 ROPE_PARAMETERS = {"default": (), "linear": ("factor",),
                    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 DTYPES = ("float32", "float16", "bfloat16")
@@ -95,6 +101,9 @@ class Qwen3Config:
     def __post_init__(self):
         """Check every field's exact type and range (a bool is not a size), before any tensor exists."""
         _model_type(self.model_type)
+        if (self.model_type == "qwen3_moe") != isinstance(self, Qwen3MoeConfig):
+            raise ValueError(f"config model_type={self.model_type!r} goes with "
+                             f"{'Qwen3MoeConfig' if self.model_type == 'qwen3_moe' else 'Qwen3Config'}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                      "max_position_embeddings"):
             _size(name, getattr(self, name))
@@ -156,13 +165,17 @@ class Qwen3Config:
                              f"low_freq_factor={out['low_freq_factor']}")
         return out
 
+    def sparse(self, index):
+        """Whether decoder layer `index` holds experts (a Qwen3MoeConfig says; a dense model's never do)."""
+        return False
+
     @property
     def architecture(self):
         return ARCHITECTURES[self.model_type]
 
     @property
     def qk_norm(self):
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
 
     @property
     def qkv_bias(self):
@@ -189,7 +202,12 @@ class Qwen3Config:
         theta, scaling = _rope_from_hf(raw, defaults)
         heads = raw["num_attention_heads"]
         kv_heads = raw.get("num_key_value_heads", defaults["num_key_value_heads"])
-        cfg = cls(model_type=model_type, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+        moe = model_type == "qwen3_moe"
+        if moe and raw.get("use_sliding_window", False) is not False:
+            raise ValueError(f"config use_sliding_window={raw['use_sliding_window']!r}: qwen3_moe would slide every "
+                             "layer's window; only full attention is implemented")
+        new = Qwen3MoeConfig if moe else cls
+        cfg = new(model_type=model_type, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
                   intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
                   num_attention_heads=heads, num_key_value_heads=heads if kv_heads is None else kv_heads,
                   head_dim=raw.get("head_dim", defaults["head_dim"]),
@@ -201,7 +219,8 @@ class Qwen3Config:
                   initializer_range=raw.get("initializer_range", 0.02),
                   torch_dtype=raw.get("dtype") or raw.get("torch_dtype") or "float32",
                   bos_token_id=raw.get("bos_token_id", defaults["bos_token_id"]),
-                  eos_token_id=raw.get("eos_token_id", defaults["eos_token_id"]))
+                  eos_token_id=raw.get("eos_token_id", defaults["eos_token_id"]),
+                  **(_moe_from_hf(raw) if moe else {}))
         if model_type != "llama":
             _check_full_attention(raw, cfg.num_hidden_layers)
         return cfg
@@ -214,12 +233,60 @@ class Qwen3Config:
                                                            **(self.rope_scaling or {"rope_type": "default"})})
         if self.model_type == "qwen2":
             del raw["attention_bias"]
+        if isinstance(self, Qwen3MoeConfig):                 # transformers 4 reads num_experts, 5 num_local_experts
+            raw.update(mlp_only_layers=list(self.mlp_only_layers), num_local_experts=self.num_experts)
         if self.model_type == "llama":
             raw["pretraining_tp"] = 1
         else:
             del raw["mlp_bias"]
             raw.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
         return raw
+
+
+@dataclass
+class Qwen3MoeConfig(Qwen3Config):
+    """Qwen3-MoE (transformers' Qwen3MoeForCausalLM, the shape of Qwen3-30B-A3B): Qwen3's attention, and in each
+    sparse layer a router over num_experts SwiGLU experts of moe_intermediate_size, num_experts_per_tok of them per
+    token (their softmax weights renormalized to sum 1 if norm_topk_prob). Layer i is sparse unless it is in
+    mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step; a dense layer has an MLP of
+    intermediate_size, as Qwen3's."""
+    model_type: str = "qwen3_moe"
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            _size(name, getattr(self, name))
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"config num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts="
+                             f"{self.num_experts}: a token cannot be routed to more experts than there are")
+        _flag("norm_topk_prob", self.norm_topk_prob)
+        layers = self.mlp_only_layers
+        if not isinstance(layers, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int)
+                                                        or not 0 <= i < self.num_hidden_layers for i in layers):
+            raise ValueError(f"config mlp_only_layers={str(layers)[:80]}: must be a list of layer indices in "
+                             f"[0, {self.num_hidden_layers})")
+        self.mlp_only_layers = tuple(sorted(set(layers)))
+
+    def sparse(self, index):
+        return index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+
+
+def _moe_from_hf(raw):
+    """Qwen3MoeConfig's own fields from a config.json (num_experts under either of its names, which must agree)."""
+    names = [k for k in ("num_experts", "num_local_experts") if k in raw]
+    if len(names) == 2 and raw["num_experts"] != raw["num_local_experts"]:
+        raise ValueError(f"config num_experts={raw['num_experts']!r} and num_local_experts="
+                         f"{raw['num_local_experts']!r} disagree")
+    fields = {k: raw.get(k, v) for k, v in MOE_DEFAULTS.items()}
+    fields["num_experts"] = raw[names[0]] if names else MOE_DEFAULTS["num_experts"]
+    fields["mlp_only_layers"] = fields["mlp_only_layers"] if fields["mlp_only_layers"] is not None else ()
+    return fields
 
 
 def _check_full_attention(raw, num_layers):

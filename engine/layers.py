@@ -217,6 +217,28 @@ SEQUENTIAL_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
                     ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
+def sequential_steps(layer):
+    """A decoder layer's SEQUENTIAL_STEPS; in a sparse (Qwen3-MoE) layer the two MLP steps hold every expert's
+    linears (mlp.experts.E.gate_proj and up_proj, then each down_proj), each expert reading its own tokens."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    if experts is None:
+        return SEQUENTIAL_STEPS
+    return SEQUENTIAL_STEPS[:2] + tuple(tuple(f"mlp.experts.{e}.{name.removeprefix('mlp.')}"
+                                              for e in range(len(experts)) for name in step)
+                                        for step in SEQUENTIAL_STEPS[2:])
+
+
+def input_owner(name):
+    """The linear whose input `name` reads: the first of its sequential step within its own module (k_proj and
+    v_proj read q_proj's; up_proj its own MLP's or expert's gate_proj's); any other linear its own."""
+    parent, _, leaf = name.rpartition(".")
+    for step in SEQUENTIAL_STEPS:
+        leaves = [n.rpartition(".")[2] for n in step]
+        if leaf in leaves:
+            return f"{parent}.{leaves[0]}" if parent else leaves[0]
+    return name
+
+
 def linear_names(model):
     """The names of the model's nn.Linear layers that quantization replaces: all but lm_head, in module order."""
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]

@@ -7,7 +7,12 @@ before a byte of weights is read. Then `load_tensors`, the one loader loop (the 
 the tensors in one at a time, each placed where the meta tensor was: anything missing, unexpected or mis-shaped is a
 ValueError naming the tensor. Weights keep their stored dtype unless a dtype is asked for.
 
-`save_dense` writes what transformers' {Llama,Qwen2,Qwen3}ForCausalLM.from_pretrained reads.
+`save_dense` writes what transformers' {Llama,Qwen2,Qwen3,Qwen3Moe}ForCausalLM.from_pretrained reads.
+
+Qwen3-MoE's experts are read in either layout found in the wild: one tensor per expert linear
+(`mlp.experts.E.gate_proj.weight` [I, hidden], what transformers 5's save_pretrained writes and the engine's model
+holds), or transformers 5's fused in-memory layout, `mlp.experts.gate_up_proj` [E, 2I, hidden] (gate's rows, then
+up's) and `mlp.experts.down_proj` [E, hidden, I], split into the first as it is read (`unfused`).
 """
 import hashlib
 import re
@@ -60,6 +65,63 @@ def check_layer_count(cfg, specs, directory):
                          f"{f'; missing {missing}' if missing else ''}{f'; unexpected {extra}' if extra else ''})")
 
 
+FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def expert_parts(name, shape):
+    """[(per-expert weight name, expert, row slice)] that the fused expert tensor `name` of `shape` holds; None for
+    any other tensor."""
+    fused = FUSED_EXPERTS.fullmatch(name)
+    if fused is None:
+        return None
+    if len(shape) != 3 or (fused[2] == "gate_up_proj" and shape[1] % 2):
+        raise ValueError(f"{name}: a fused expert tensor must be [experts, {'2 x ' * (fused[2] == 'gate_up_proj')}"
+                         f"rows, columns], got shape {tuple(shape)}")
+    half = shape[1] // 2
+    rows = ({"gate_proj": slice(0, half), "up_proj": slice(half, None)} if fused[2] == "gate_up_proj"
+            else {"down_proj": slice(None)})
+    return [(f"{fused[1]}.{e}.{linear}.weight", e, r) for e in range(shape[0]) for linear, r in rows.items()]
+
+
+def unfused_specs(specs):
+    """{name: (dtype, shape)} with each fused expert tensor replaced by the per-expert weights it holds."""
+    out = {}
+    for name, (dtype, shape) in specs.items():
+        parts = expert_parts(name, shape)
+        for part, _, rows in parts or ():
+            if part in specs:
+                raise ValueError(f"{part} is stored twice: on its own and inside the fused {name}")
+            out[part] = (dtype, (len(range(shape[1])[rows]), shape[2]))
+        if parts is None:
+            out[name] = (dtype, shape)
+    return out
+
+
+def unfused(tensors):
+    """(name, tensor) pairs with each fused expert tensor split into its per-expert weights (copies: no two
+    parameters share a storage)."""
+    for name, value in tensors:
+        parts = expert_parts(name, value.shape)
+        if parts is None:
+            yield name, value
+        for part, e, rows in parts or ():
+            yield part, value[e, rows].clone()
+
+
+def check_experts(model, specs, directory):
+    """Every sparse layer's router and each expert's linears must be stored (any tensor of a linear counts: a
+    quantized format stores its parts), checked from the headers before a byte is read."""
+    linears = set(linear_names(model))
+    needed = {n for n in linears if ".mlp.experts." in n} | {n.removesuffix(".weight") for n, _ in
+                                                            model.named_parameters() if n.endswith(".mlp.gate.weight")}
+    if not needed:
+        return
+    missing = sorted(needed - {split_part(name, linears)[0] for name in specs})
+    if missing:
+        raise ValueError(f"{directory}: the experts' tensors of {len(missing)} linear(s) or router(s) are missing, "
+                         f"e.g. {missing[:3]} (config.json says num_experts={model.cfg.num_experts})")
+
+
 def split_part(name, linears):
     """'model.layers.0.mlp.up_proj.weight.absmax' -> ('model.layers.0.mlp.up_proj', 'weight.absmax'): the linear
     (a name in `linears`) a tensor belongs to and its part, which may itself hold dots (bitsandbytes' do); (name
@@ -104,10 +166,11 @@ def prepare(directory, parts=()):
     from config.json and the headers alone (parts: what a quantized format stores per linear, see check_shapes)."""
     raw = read_config(directory)
     cfg = Qwen3Config.from_hf(raw)
-    specs = tensor_specs(directory)
+    specs = unfused_specs(tensor_specs(directory))
     check_layer_count(cfg, specs, directory)
     model = skeleton(cfg)
     check_shapes(model, specs, directory, parts)
+    check_experts(model, specs, directory)
     return raw, cfg, model, specs
 
 
@@ -165,7 +228,7 @@ def load_tensors(model, directory, dtype, device="cpu", claim=None, verify=True)
     params = dict(model.named_parameters())
     tied = model.cfg.tie_word_embeddings
     loaded = set()
-    for name, value in snapshot_tensors(directory, verify):
+    for name, value in unfused(snapshot_tensors(directory, verify)):
         if claim is not None and claim(name, value):
             continue
         if name == "lm_head.weight" and tied:

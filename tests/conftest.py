@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import engine.kernels  # noqa: F401  (on a CPU: Triton's interpreter, set before a --yours FILE imports triton)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))       # the fuzzers, test tools: by their names
 from engine.qwen3 import Qwen3, Qwen3Config
 from sections import GRADED, SECTIONS, signature_problem
 

@@ -13,8 +13,7 @@ from engine.checkpoints import tokenizer as tokenizers
 from engine.loaders import save_dense
 from test_cli import run
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from fuzz_inputs import AAA, text_tokenizer  # noqa: E402  (the fuzzer's hostile tokenizers)
+from fuzz_inputs import AAA, text_tokenizer  # (the fuzzer's hostile tokenizers: tests/fuzz/)
 
 
 @pytest.fixture
@@ -58,7 +57,7 @@ def test_a_prompt_file_is_read_only_as_far_as_the_context_needs(dense, tmp_path,
 
 def test_a_prompt_within_the_context_is_the_whole_texts_tokenization(tmp_path):
     """Counting tokenizes pieces that cut words ([UNK] halves here), but the ids are the whole text's."""
-    from test_ch39_data import _word_tokenizer
+    from test_data import _word_tokenizer
     tok = _word_tokenizer()
     text = " ".join(f"w{i % 1000}" for i in range(3000))
     (tmp_path / "prompt.txt").write_text(text)

@@ -18,7 +18,7 @@ from engine.formats import quantized_checkpoints as registry
 from engine.loaders import save_dense
 from engine.checkpoints.tokenizer import export_tokenizer
 from test_cli import ROOT, run
-from test_ch39_safe_writes import HOLDER
+from test_safe_writes import HOLDER
 
 
 @pytest.fixture

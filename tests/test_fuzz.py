@@ -1,14 +1,14 @@
-"""The fuzz campaign of benchmarks/fuzz.py at CI size: a few hundred mutated checkpoints of every method and a few
+"""The fuzz campaign of tests/fuzz/fuzz.py at CI size: a few hundred mutated checkpoints of every method and a few
 hundred corrupted streams of every coder, each in a worker with a timeout and a memory cap, with a fixed seed; a
 slice of the writer faults (the model as its own output, the user's files inside a checkpoint); and of what a user
-types (benchmarks/fuzz_inputs.py: option values, calibration files, tokenizers, prompt files, eval --ctx)."""
+types (tests/fuzz/fuzz_inputs.py: option values, calibration files, tokenizers, prompt files, eval --ctx)."""
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
 import fuzz  # noqa: E402  (spawned workers import it by this name too: they inherit sys.path)
 import fuzz_inputs  # noqa: E402
 
@@ -36,7 +36,7 @@ def test_no_crash_hang_memory_failure_or_silent_wrong_decode(results):
 
 
 def test_writer_faults_lose_and_mix_nothing(tmp_path):
-    """A CI-sized slice of benchmarks/fuzz_writers.py (the whole campaign: `fuzz.py --faults`)."""
+    """A CI-sized slice of tests/fuzz/fuzz_writers.py (the whole campaign: `fuzz.py --faults`)."""
     counts = fuzz.faults_campaign(kinds=("source", "user"), user_trials=2, scratch=tmp_path / "faults")
     assert counts["source: refused with one error: line"] == 9
     assert counts["user: refused naming the user's entries"] == 2

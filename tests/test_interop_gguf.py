@@ -17,7 +17,7 @@ from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.affine import AffineQuantLinear
 from engine.layers import QuantLinear
 from engine.qwen3 import Qwen3, Qwen3Config
-from test_ch39_gguf import K_CFG, _has_llama, _tokenizer, bpe_metadata, gguf_name, needs_smollm2, random_blocks
+from test_gguf import K_CFG, _has_llama, _tokenizer, bpe_metadata, gguf_name, needs_smollm2, random_blocks
 
 pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("one_thread")]
 gg = pytest.importorskip("gguf")

@@ -19,7 +19,7 @@ from engine.formats.llama_cpp import ggml
 from engine.layers import quantized_linears
 from engine.formats.mx import dequantize_nvfp4
 from engine.qwen3 import Qwen3
-from test_ch39_gguf_writer import QUANTIZERS, SMALL, logits, small_model, with_f16_offsets
+from test_gguf_writer import QUANTIZERS, SMALL, logits, small_model, with_f16_offsets
 
 pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("one_thread")]
 gg = pytest.importorskip("gguf")

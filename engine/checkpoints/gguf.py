@@ -33,7 +33,8 @@ rotate-half RoPE pairs (i, i + D/2) to GGML's adjacent pairs (2i, 2i + 1):
     gguf_rows = hf_rows.reshape(heads, 2, D/2).swapaxes(1, 2)       (LlamaModel.permute in convert_hf_to_gguf.py)
 
 `unpermute_rows` undoes it (on the raw rows, so it works for every type); qwen2 and qwen3 are stored unpermuted.
-The tokenizer in the metadata is rebuilt by gguf_tokenizer.py.
+The tokenizer in the metadata is rebuilt by gguf_tokenizer.py; Qwen3-MoE's stacked experts (`qwen3moe`) are
+gguf_experts.py's.
 """
 import hashlib
 import importlib.util
@@ -51,6 +52,7 @@ from ..layers import QuantEmbedding, QuantLinear
 from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, TYPE_NAMES, dequantize, quantized_linear
 from ..qwen3 import Qwen3Config
 from ..loaders import check_complete, check_layer_count, install_layer, place, skeleton
+from . import gguf_experts
 
 MAGIC, DEFAULT_ALIGNMENT, MAX_NESTING = b"GGUF", 32, 8
 DIGESTS, DIGESTS_FILE_TYPE, METADATA_DIGEST = "engine.tensor_sha256", "engine.file_type", "engine.metadata_sha256"
@@ -259,12 +261,14 @@ class GGUFFile:
 
 # ---- names, permutation, config ---------------------------------------------------------------------------------
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 gguf_experts.ARCH: "Qwen3MoeForCausalLM"}                    # (model_type: gguf_experts.MODEL_TYPE)
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 TENSOR_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
                 "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                gguf_experts.ROUTER: "mlp.gate", **{k: gguf_experts.stack_name(k) for k in gguf_experts.STACKS}}
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -277,7 +281,8 @@ def hf_name(name):
     if base in GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{GLOBAL_NAMES[base]}.{suffix}", base
     extra = " (llama3-style RoPE frequency factors are not supported)" if base == "rope_freqs" else ""
-    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart in llama / qwen2 / qwen3{extra}")
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart in llama / qwen2 / qwen3 / qwen3moe"
+                     f"{extra}")
 
 
 def gguf_bits(path):
@@ -285,7 +290,8 @@ def gguf_bits(path):
     linears' stored bytes over their weights; every tensor's elements (a tied output is stored once)."""
     with GGUFFile(path) as f:
         infos = list(f.tensors.values())
-    linears = [i for i in infos if i.name.endswith(".weight") and i.name.split(".")[-2] in LINEARS]
+    linears = [i for i in infos if i.name.endswith(".weight") and i.name.split(".")[-2] in (*LINEARS,
+                                                                                           *gguf_experts.STACKS)]
     weights = sum(math.prod(i.shape) for i in linears)
     bits = 8 * sum(i.nbytes for i in linears) / weights if weights else None
     return bits, sum(math.prod(i.shape) for i in infos)
@@ -300,7 +306,7 @@ def unpermute_rows(rows, heads):
 
 
 def hf_config(f):
-    """What config.json would hold for the model in GGUFFile f (model_type llama / qwen2 / qwen3)."""
+    """What config.json would hold for the model in GGUFFile f (model_type llama / qwen2 / qwen3 / qwen3_moe)."""
     meta = f.metadata
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -328,8 +334,10 @@ def hf_config(f):
         rope.update(rope_type=scaling, factor=get("rope.scaling.factor", kind=float))
         if scaling == "yarn":
             rope["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
-    cfg = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
-           "intermediate_size": get("feed_forward_length"), "num_hidden_layers": get("block_count"),
+    moe = gguf_experts.moe_config(f, get) if arch == gguf_experts.ARCH else {}
+    cfg = {"architectures": [ARCHITECTURES[arch]], "model_type": gguf_experts.MODEL_TYPE if moe else arch,
+           "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": get("block_count"), **moe,
+           "intermediate_size": get("feed_forward_length", moe.get("moe_intermediate_size")),
            "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv", heads),
            "head_dim": head_dim, "rms_norm_eps": get("attention.layer_norm_rms_epsilon", kind=float),
            "rope_theta": rope["rope_theta"], "rope_parameters": rope, "hidden_act": "silu",
@@ -364,6 +372,10 @@ def hf_tensors(f, keep=None, dense=False, to_run=False):
 
     for info in f.tensors.values():
         name, kind = names[info.name]
+        if kind in gguf_experts.STACKS:                   # one expert's rows at a time, read once for all of them
+            if keep is None or any(map(keep, gguf_experts.expert_names(name, info.shape[0]))):
+                yield from gguf_experts.expert_tensors(info, name, f.raw(info.name), keep, dense)
+            continue
         if keep is not None and not keep(name):
             continue
         module, _, suffix = name.rpartition(".")

@@ -24,9 +24,10 @@ ValueError naming the layer and the reason, or, if the caller asks for it with f
 layer's dequantized weight in that type, logged.
 
 Names are gguf.py's tables read backwards (`model.layers.N.self_attn.q_proj` -> `blk.N.attn_q`); the architecture is
-the model's model_type (llama / qwen2 / qwen3); a tied lm_head writes no `output.weight`. For `llama` the q_proj and
-k_proj rows (of the raw blocks and of the bias) are permuted into GGML's adjacent RoPE pairs (`permute_rows`, the
-inverse of gguf.unpermute_rows). The `tokenizer.*` keys come from tokenizer.py's `tokenizer_metadata`.
+the model's model_type (llama / qwen2 / qwen3; qwen3_moe as `qwen3moe`, its experts stacked by gguf_experts.py, each
+stack in one GGML type); a tied lm_head writes no `output.weight`. For `llama` the q_proj and k_proj rows (of the raw
+blocks and of the bias) are permuted into GGML's adjacent RoPE pairs (`permute_rows`, the inverse of
+gguf.unpermute_rows). The `tokenizer.*` keys come from tokenizer.py's `tokenizer_metadata`.
 """
 import hashlib
 import logging
@@ -37,10 +38,11 @@ from pathlib import Path
 import torch
 
 from ..formats.numerics.affine import AffineQuantLinear, unpack_nibbles
-from ..layers import QuantLinear
+from ..layers import QuantLinear, linear_names
 from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, INTEGER, IQ4, QK_K, GGMLLinear, encode
 from ..formats.llama_cpp.ggml_quants import FALLBACK, blocks, check_type, quantize
 from ..formats.mx import MXFP4Linear, NVFP4Linear
+from . import gguf_experts
 from .gguf import ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, METADATA_DIGEST, TENSOR_NAMES
 from ..safe_writes import check_output_file, output_file, output_lock
 from ..safetensors_io import check_records
@@ -177,14 +179,16 @@ def model_tensors(model, dense_type="F32", fallback=None, embedding_type=None):
     if embedding_type is not None and embedding_type not in EMBEDDING_TYPES:
         raise ValueError(f"embedding_type must be one of {EMBEDDING_TYPES} or None, got {embedding_type!r}")
     cfg = model.cfg
-    if cfg.model_type not in ARCHITECTURES:
-        raise ValueError(f"model_type {cfg.model_type!r} has no GGUF architecture here ({sorted(ARCHITECTURES)})")
+    check_writable(cfg)
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     permuted = cfg.model_type == "llama"
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     tensors, report = [], {"types": Counter(), "fallbacks": {}, "offset_shift": 0.0}
+    experts = []                                             # stacked at the end, a stack per layer and linear
 
     def add(name, kind, shape, raw):
+        if gguf_experts.EXPERT_LINEAR.fullmatch(name):
+            return experts.append((name, kind, shape, raw))
         target = gguf_name(name)
         part = target.split(".")[-2]
         if permuted and part in heads and not name.endswith(".scale"):
@@ -216,23 +220,38 @@ def model_tensors(model, dense_type="F32", fallback=None, embedding_type=None):
     else:
         chosen = (embedding_type, embedding_type)
     embeddings = dict(zip(("model.embed_tokens.weight", "lm_head.weight"), chosen))
+    dense_linears = set(linear_names(model))
     for name, value in model.state_dict().items():
         module = name.rpartition(".")[0]
         if module in quantized or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        kind = embeddings.get(name) or dense_type
+        kind = embeddings.get(name) or ("F32" if name.endswith(".mlp.gate.weight") else dense_type)   # router: F32
         kind, raw = _dense(value, kind, name) if kind in DENSE else _quantized_embedding(value, kind, name)
         add(name, kind, value.shape, raw)
-        if value.dim() == 2 and gguf_name(name).split(".")[-2] in LINEARS:
+        if value.dim() == 2 and name.rpartition(".")[0] in dense_linears:
             report["types"][kind] += 1
-    return tensors, report
+    return tensors + gguf_experts.stack_experts(experts, gguf_name), report
 
 
 # ---- metadata ---------------------------------------------------------------------------------------------------
 
+def check_writable(cfg):
+    """ValueError, from the config alone, where llama.cpp has no architecture for the model or would run another."""
+    if architecture(cfg) not in ARCHITECTURES:
+        raise ValueError(f"model_type {cfg.model_type!r} has no GGUF architecture here ({sorted(ARCHITECTURES)})")
+    if architecture(cfg) == gguf_experts.ARCH:
+        gguf_experts.check_writable(cfg)
+
+
+def architecture(cfg):
+    """The GGUF architecture of cfg's model_type (qwen3_moe: llama.cpp's qwen3moe)."""
+    return gguf_experts.ARCH if cfg.model_type == gguf_experts.MODEL_TYPE else cfg.model_type
+
+
 def model_metadata(cfg, name="engine"):
-    """{key: value} of the architecture keys llama.cpp reads for cfg.model_type (llama / qwen2 / qwen3)."""
-    arch = cfg.model_type
+    """{key: value} of the architecture keys llama.cpp reads for cfg.model_type (llama / qwen2 / qwen3 /
+    qwen3_moe)."""
+    arch = architecture(cfg)
     meta = {"general.architecture": arch, "general.type": "model", "general.name": name,
             "general.quantization_version": 2, f"{arch}.vocab_size": cfg.vocab_size,
             f"{arch}.context_length": cfg.max_position_embeddings, f"{arch}.embedding_length": cfg.hidden_size,
@@ -242,6 +261,8 @@ def model_metadata(cfg, name="engine"):
             f"{arch}.attention.key_length": cfg.head_dim, f"{arch}.attention.value_length": cfg.head_dim,
             f"{arch}.rope.dimension_count": cfg.head_dim, f"{arch}.rope.freq_base": float(cfg.rope_theta),
             f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps)}
+    if arch == gguf_experts.ARCH:
+        meta.update(gguf_experts.moe_metadata(cfg))
     scaling = cfg.rope_scaling or {"rope_type": "default"}
     if scaling["rope_type"] == "linear":
         meta.update({f"{arch}.rope.scaling.type": "linear", f"{arch}.rope.scaling.factor": float(scaling["factor"])})

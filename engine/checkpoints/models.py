@@ -7,11 +7,11 @@ import torch
 
 from ..layers import quantized_linears
 from ..formats.quantized_checkpoints import load_quantized
-from ..loaders import load_dense, read_config
+from ..loaders import expert_parts, load_dense, read_config, unfused, unfused_specs
 from ..qwen3 import Qwen3Config
 from ..safe_writes import TOKENIZER_FILES
 from ..safetensors_io import DTYPE_BYTES, TensorReader
-from . import gguf
+from . import gguf, gguf_experts
 from .gguf_tokenizer import gguf_tokenizer
 from .tokenizer import check_vocabulary, export_tokenizer, load_tokenizer
 
@@ -79,12 +79,16 @@ class Source:
         if self.path.is_file() and self.path.suffix == ".gguf":
             self.gguf = gguf.GGUFFile(self.path)
             self.config = gguf.hf_config(self.gguf)
-            self.sizes = {gguf.hf_name(n)[0]: _read_bytes(info) for n, info in self.gguf.tensors.items()}
+            self.sizes = {}
+            for n, info in self.gguf.tensors.items():
+                name, kind = gguf.hf_name(n)
+                names = gguf_experts.expert_names(name, info.shape[0]) if kind in gguf_experts.STACKS else [name]
+                self.sizes.update(dict.fromkeys(names, _read_bytes(info) // len(names)))
         else:
             self.gguf = None
             self.config = read_config(self.path)
             self.reader = TensorReader(self.path)
-            self.specs = dict(self.reader.specs)
+            self.specs = unfused_specs(self.reader.specs)          # fused experts: as the per-expert weights
             self.sizes = {n: DTYPE_BYTES[dtype] * torch.Size(shape).numel() for n, (dtype, shape) in self.specs.items()}
 
     def tensors(self, keep):
@@ -92,8 +96,11 @@ class Source:
             yield from gguf.hf_tensors(self.gguf, keep, dense=True)
         else:
             for name in self.reader.names():
-                if keep(name):
+                parts = expert_parts(name, self.reader.specs[name][1])
+                if parts is None and keep(name):
                     yield name, self.reader.read(name)
+                elif parts is not None and any(keep(part) for part, _, _ in parts):
+                    yield from ((p, t) for p, t in unfused([(name, self.reader.read(name))]) if keep(p))
 
     def has_tokenizer(self):
         if self.gguf is None:

@@ -83,6 +83,20 @@ for _kind in ("compressed-tensors int4 sym", "compressed-tensors int4 asym", "co
     LOADS[_kind]["onnx"] = ("refuses", "model builder: 'ModelOpt FP8/NVFP4 checkpoints are only supported on the "
                                        "CUDA EP' (it takes every compressed-tensors checkpoint for ModelOpt)")
 
+# transformers 5.25 on Qwen3-MoE (engine files, tests/test_interop_moe.py): it holds the experts fused, as 3-D
+# parameters, and reads them from these kinds only; the rest of LOADS holds for the attention and dense layers.
+NOT_FUSED = "its {} loader replaces nn.Linears only, so the fused experts stay uninitialized"
+MOE_TRANSFORMERS = {
+    "dense": ("loads", ""), "compressed-tensors int4 sym": ("loads", ""), "compressed-tensors fp8": ("loads", ""),
+    "fp8": ("loads", "dequantized on CPU; the expert widths must be multiples of the block (real models' are)"),
+    "compressed-tensors mxfp4": ("loads", FP4_FLOAT32),
+    "gptq sym": ("refuses", NOT_FUSED.format("GPTQ")), "gptq asym": ("refuses", NOT_FUSED.format("GPTQ")),
+    "gptq act-order": ("refuses", NOT_FUSED.format("GPTQ")), "awq": ("refuses", NOT_FUSED.format("AWQ")),
+    "bitsandbytes": ("refuses", "it refuses the per-expert NF4 tensors ('ignore_mismatched_sizes')"),
+    "compressed-tensors int4 asym": ("refuses", "its experts' decompressor gets no zero points ('Asymmetric quant "
+                                                "requires zero-point values'): --option symmetric=true"),
+    "compressed-tensors nvfp4": ("refuses", "its fused experts decode to other weights (logits off by ~6 on a tiny "
+                                            "model)")}
 CT_FORMATS = {"pack-quantized": "int4", "float-quantized": "fp8", "nvfp4-pack-quantized": "nvfp4",
               "mxfp4-pack-quantized": "mxfp4"}
 
@@ -154,10 +168,11 @@ def gguf_options(method, options):
     return options
 
 
-def check_target(target, method, options, fmt="safetensors"):
+def check_target(target, method, options, fmt="safetensors", moe=False):
     """The settings `target` loads, for `run.py quantize --method ... --target ...`: returns (options, fmt) with
     the target's defaults filled in (vLLM: symmetric GPTQ; llama.cpp: GGUF with group size 32). A combination the
-    target refuses is a ValueError naming the reason; one refused only on a CPU, or loaded with a caveat, warns."""
+    target refuses is a ValueError naming the reason; one refused only on a CPU, or loaded with a caveat, warns.
+    moe: the model is Qwen3-MoE (transformers: MOE_TRANSFORMERS; llama.cpp: gguf_writer.check_writable)."""
     if target not in TARGETS:
         raise ValueError(f"--target must be one of {TARGETS}, got {target!r}")
     if target == "llama.cpp":
@@ -173,7 +188,11 @@ def check_target(target, method, options, fmt="safetensors"):
     picked = target == "vllm" and method == "gptq" and "sym" not in options
     if picked:
         options["sym"] = True
-    verdict, reason = LOADS[checkpoint_kind(method, options)].get(target, ("loads", ""))
+    kind = checkpoint_kind(method, options)
+    verdict, reason = LOADS[kind].get(target, ("loads", ""))
+    if moe and target == "transformers":
+        verdict, reason = MOE_TRANSFORMERS.get(kind, (verdict, reason))
+        reason = reason and f"(Qwen3-MoE) {reason}"
     if verdict == "refuses":
         raise ValueError(f"{target} cannot load this checkpoint: {reason}")
     if picked:
@@ -184,7 +203,7 @@ def check_target(target, method, options, fmt="safetensors"):
 
 
 def markdown_table():
-    """README's table of what loads where, the reasons as numbered notes below it."""
+    """The table of what loads where (appendix/serving.md), the reasons as numbered notes below it."""
     lines, notes = ["| checkpoint | " + " | ".join(TARGETS) + " |", "|---|" + "---|" * len(TARGETS)], []
     for kind, row in LOADS.items():
         cells = []

@@ -54,7 +54,7 @@ from ..formats.numerics.calibration import (LayerCalibration, check_ids, first_l
                                             merged_config)
 from ..formats.numerics.sensitivity import output_fisher
 from ..qwen3 import DecoderLayer, Qwen3Config
-from ..loaders import check_complete, check_layer_count, check_shapes, digest_of, place, skeleton
+from ..loaders import check_complete, check_experts, check_layer_count, check_shapes, digest_of, place, skeleton
 from ..formats.quantized_checkpoints import METHODS, LayerAssembler, checkpoint_tensors, config_digest
 from ..safe_writes import (check_apart, check_free_space, check_output, commit_directory, folder_size, is_disk_full,
                           output_lock, recover_interrupted_swap, resumable_directory, space_error)
@@ -116,6 +116,7 @@ class Conversion:
             self.model = skeleton(self.cfg)
             if self.source.gguf is None:
                 check_shapes(self.model, self.source.specs, self.source_path)
+                check_experts(self.model, self.source.specs, self.source_path)
             if self.source.has_tokenizer():
                 self.source.tokenizer()          # an id beyond the vocabulary: refused now, not copied into the output
             self.mode = self.entry.calibration(self.options)

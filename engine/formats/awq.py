@@ -3,10 +3,12 @@
 For input channel j with scale s_j > 0,  X W^T = (X diag(s)^-1) (W diag(s))^T  exactly; rounding W diag(s) then
 gives the big-activation channels a finer relative grid. The 1/s folds into whatever produced X: an RMSNorm weight
 (-> q, k, v and -> gate, up) or the previous linear's output rows (v -> o, up -> down; skipped when v's rows do not
-match o's columns, as under GQA). s = mean|x|^alpha (normalized by sqrt(max * min)), alpha from a 20-point grid
-minimizing the linears' output error; alpha = 0 is plain round-to-nearest, so the search never does worse than RTN
-on the error it measures. Then, as AutoAWQ does, each group's range is clipped (affine.choose_clip: the shrink that
-minimizes that group's output error), which matters more than the scales on a model without outlier channels.
+match o's columns, as under GQA); in a sparse (Qwen3-MoE) layer, every expert's gate and up share the norm's scale
+(and the router's weight takes it), each expert's down its own up's (scaling_pairs). s = mean|x|^alpha (normalized
+by sqrt(max * min)), alpha from a 20-point grid minimizing the linears' output error; alpha = 0 is plain
+round-to-nearest, so the search never does worse than RTN on the error it measures. Then, as AutoAWQ does, each
+group's range is clipped (affine.choose_clip: the shrink that minimizes that group's output error), which matters
+more than the scales on a model without outlier channels.
 
 Improvements over the book's code (tested in tests/test_ch39_awq.py):
   * The book keeps every calibration input and recomputes x @ W^T for all tokens at each of the 20 alphas. The
@@ -24,10 +26,11 @@ Checkpoint (AutoAWQ GEMM, 4-bit):
 """
 import torch
 
-from .numerics import calibration
+from .numerics import calibration, experts
 from .numerics.affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize,  # noqa: F401
-                     pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
+                              group_width, pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, scale_tensor
+from ..layers import input_owner
 from .numerics.calibration import InputStats
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -72,39 +75,63 @@ SCALING_PAIRS = (("input_layernorm", None, ("self_attn.q_proj", "self_attn.k_pro
                  (None, "mlp.up_proj", ("mlp.down_proj",)))
 
 
+def scaling_pairs(layer):
+    """SCALING_PAIRS of a decoder layer; a sparse (Qwen3-MoE) layer's: every expert's gate/up after
+    post_attention_layernorm (the router reads its output too: its weight takes the scale, exactly, and stays dense),
+    each expert's down after its own up."""
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is None:
+        return SCALING_PAIRS
+    each = range(len(experts))
+    return (SCALING_PAIRS[0], ("post_attention_layernorm", None, tuple(f"mlp.experts.{e}.{linear}" for e in each
+                                                                        for linear in ("gate_proj", "up_proj"))),
+            SCALING_PAIRS[2], *((None, f"mlp.experts.{e}.up_proj", (f"mlp.experts.{e}.down_proj",)) for e in each))
+
+
 @torch.no_grad()
-def quantize_layer(layer, group_size=128, bits=4, clip=True):
+def quantize_layer(layer, group_size=128, bits=4, clip=True, expert_min_tokens=None):
     """Scale, clip and quantize one decoder layer's linears (a calibration.LayerCalibration) in place, AutoAWQ's
     way. Returns the quantization_config AutoAWQ writes.
 
     The inputs of q, o, gate and down are summarized (InputStats) while the FLOAT layer runs on its calibration
     inputs (the layer's inputs are the float layers' outputs, as in AutoAWQ); then each pair's scale is searched and
     folded in, each group's clipping range is searched on the scaled weights (affine.choose_clip; clip=False: the
-    book's AWQ, scales only), and every linear is rounded to nearest within its clipped ranges."""
+    book's AWQ, scales only), and every linear is rounded to nearest within its clipped ranges.
+    A sparse layer (scaling_pairs): the experts' shared scale is searched on every token that reaches the block
+    (the router's inputs), as AutoAWQ's MoE models do; each expert's clipping and its down_proj's scale on its own
+    tokens. An expert that saw fewer than expert_min_tokens (None: its input width; numerics/experts.py) keeps the
+    shared scale its norm imposes and is otherwise rounded to nearest: no scale of its own, no clipping."""
     check_bits(bits)
     if not isinstance(clip, bool):
         raise ValueError(f"clip must be true or false, got {clip!r}")
-    stats = layer.capture([names[0] for _, _, names in SCALING_PAIRS])
+    pairs, router = scaling_pairs(layer.layer), getattr(layer.layer.mlp, "gate", None)
+    watched = [input_owner(n) for _, _, names in pairs for n in names] + ["mlp.gate"] * (router is not None)
+    stats = layer.capture(dict.fromkeys(watched))
+    few = experts.starved(stats, expert_min_tokens)
     clips = {}
 
-    def group(linear):                                  # -1: AutoAWQ's one group per row
-        return linear.in_features if group_size == -1 else group_size
+    def group(linear):
+        return group_width(group_size, linear.in_features)
 
-    for norm, previous, names in SCALING_PAIRS:
+    for norm, previous, names in pairs:
         linears = [layer.layer.get_submodule(n) for n in names]
-        inputs = stats[layer.prefix + names[0]]
+        shared = norm == "post_attention_layernorm" and router is not None       # the experts' gate/up
+        inputs = stats[layer.prefix + ("mlp.gate" if shared else names[0])]
         s = torch.ones(linears[0].in_features)
         previous = previous and layer.layer.get_submodule(previous)
-        if previous is None or previous.out_features == linears[0].in_features:      # GQA: v's rows feed
-            s, _ = search_scale([lin.weight for lin in linears], inputs, bits, group(linears[0]))  # several heads
-            _fold_scale(norm and layer.layer.get_submodule(norm), previous, linears, s)
+        starved = not shared and layer.prefix + names[0] in few           # an expert's down_proj, too few tokens
+        folds = previous is None or previous.out_features == linears[0].in_features   # GQA: v's rows feed several
+        if folds and not starved:                                                     # heads: no fold
+            s, _ = search_scale([lin.weight for lin in linears], inputs, bits, group(linears[0]))
+            _fold_scale(norm and layer.layer.get_submodule(norm), previous, linears + [router] * shared, s)
         # AutoAWQ's clipping search, on the scaled weights: their inputs x / s have the Gram matrix G / (s s^T)
-        gram = inputs.gram / (s[:, None] * s[None, :])
         for name, linear in zip(names, linears):
-            clips[layer.prefix + name] = (choose_clip(linear.weight.detach(), gram, bits, group(linear))
-                                          if clip else None)
+            own = layer.prefix + input_owner(name)
+            clips[layer.prefix + name] = (choose_clip(linear.weight.detach(), stats[own].gram / (s[:, None] * s),
+                                                      bits, group(linear)) if clip and own not in few else None)
     layer.replace(lambda name, linear: AffineQuantLinear.from_linear(linear, bits, group(linear), clip=clips[name]))
-    return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm",
+            **experts.layer_record(layer, {n: one.rows for n, one in stats.items()}, few, expert_min_tokens)}
 
 
 def quantize(model, calibration_ids, batch_size=8, **options):
@@ -174,7 +201,7 @@ def from_checkpoint(qweight, qzeros, scales, group_size, bias=None, dtype=None):
     if any(t.dtype != torch.int32 or t.dim() != 2 for t in (qweight, qzeros)):
         raise ValueError("AWQ qweight / qzeros must be 2-D int32")
     in_f, out_f = qweight.shape[0], qweight.shape[1] * 8
-    group_size = in_f if group_size == -1 else group_size
+    group_size = group_width(group_size, in_f)
     groups = -(-in_f // group_size)
     if tuple(qzeros.shape) != (groups, out_f // 8) or tuple(scales.shape) != (groups, out_f):
         raise ValueError(f"AWQ qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not fit qweight "
@@ -206,14 +233,14 @@ def _read(parts, qcfg):
 
 def _write(layer, qcfg):
     group_size = qcfg["group_size"]
-    if layer.group_size != (layer.in_features if group_size == -1 else group_size):
+    if layer.group_size != group_width(group_size, layer.in_features):
         raise ValueError(f"layer has group size {layer.group_size}; config says {group_size}")
     return to_checkpoint(layer)
 
 
 OPTIONS = {"group_size": int_option(128, 1, also=(-1,)),
            "bits": choice_option(4, (4,)),                        # AutoAWQ GEMM's files hold 4-bit codes only
-           "clip": bool_option(True)}
+           "clip": bool_option(True), "expert_min_tokens": int_option(None, 1)}
 CHECKPOINT = CheckpointMethod(name="awq", parts=lambda qcfg: ("qweight", "qzeros", "scales"), read=_read,
                               write=_write, quantize=quantize, validate=validate, quantize_layer=quantize_layer,
                               calibration=lambda options: "float", options=OPTIONS)

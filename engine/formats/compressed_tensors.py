@@ -29,6 +29,7 @@ computed at run time by vLLM and are not emulated here; static activation scales
 """
 import torch
 
+from .numerics import experts
 from .numerics.affine import AffineQuantLinear, pack_int32, unpack_int32
 from ..layers import quantized_linears
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, matrix_shape, scale_tensor
@@ -285,6 +286,13 @@ def quantize_layer(layer, format="pack-quantized", group_size=64, symmetric=True
         return (NVFP4Linear if format == "nvfp4-pack-quantized" else MXFP4Linear).from_linear(linear)
 
     layer.replace(make)
+    return moe_ignore(config, layer.layer)
+
+
+def moe_ignore(config, module):
+    """config, with a Qwen3-MoE model's routers in its ignore list (numerics/experts.py: ROUTER_IGNORE)."""
+    if experts.is_moe(module):
+        config["ignore"] = [*config["ignore"], experts.ROUTER_IGNORE]
     return config
 
 
@@ -307,12 +315,12 @@ def config_for_model(model):
             raise ValueError(f"layers differ ({len(kinds)} kinds): mixed precision is not supported")
         symmetric = all(layer.zeros is not None and bool((layer.zeros == 2 ** (layer.bits - 1)).all())
                         for layer in layers)
-        return quantization_config("pack-quantized", first.bits, first.group_size, symmetric)
+        return moe_ignore(quantization_config("pack-quantized", first.bits, first.group_size, symmetric), model)
     fmt = {FP8BlockLinear: "float-quantized", NVFP4Linear: "nvfp4-pack-quantized",
            MXFP4Linear: "mxfp4-pack-quantized"}.get(type(first))
     if fmt is None or any(type(layer) is not type(first) for layer in layers):
         raise ValueError(f"cannot describe {sorted({type(l).__name__ for l in layers})} layers as compressed-tensors")
-    return quantization_config(fmt, block=getattr(first, "block", 128))
+    return moe_ignore(quantization_config(fmt, block=getattr(first, "block", 128)), model)
 
 
 OPTIONS = {"format": choice_option("pack-quantized", CT_FORMATS), "group_size": int_option(64, 1, also=(-1,)),

@@ -42,7 +42,7 @@ import torch
 from ..console import log
 from ..coding.rans import PROB_BITS
 from ..coding.rans_fast import rans_encode_many
-from .numerics import calibration
+from .numerics import calibration, experts
 from ..layers import QuantLinear, replace_linears
 from .method import CheckpointMethod, choice_option, config_field, int_option, matrix_shape, number_option
 from .entropy_decoder import BlockDecoder, block_context
@@ -309,6 +309,7 @@ def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", supe
                             tol=tol, sensitivity=sensitivity, fisher_samples=fisher_samples, feedback=feedback,
                             feedback_samples=feedback_samples, feedback_damp=feedback_damp))
     sensitivity, feedback = check_options(lam, bpw, fmt, sensitivity, feedback, feedback_damp)
+    CHECKPOINT.fits(model.cfg, dict(sensitivity=sensitivity, feedback=feedback))
     if feedback == "calibration":                         # block by block, as GPTQ walks the model
         options = dict(lam=lam, bpw=bpw, fmt=fmt, super_weights=super_weights, max_iter=max_iter, lanes=lanes,
                        tol=tol, feedback=feedback, feedback_damp=feedback_damp)
@@ -428,4 +429,7 @@ CHECKPOINT = CheckpointMethod(name="entquant", parts=lambda quantization_config:
                               quantize=quantize, validate=validate, finish=finish_loading,
                               quantize_layer=quantize_layer, calibration=_calibration, options=OPTIONS,
                               rules=lambda options: check_options(**{k: options[k] for k in (
-                                  "lam", "bpw", "fmt", "sensitivity", "feedback", "feedback_damp") if k in options}))
+                                  "lam", "bpw", "fmt", "sensitivity", "feedback", "feedback_damp") if k in options}),
+                              fits=lambda cfg, options: (options.get("feedback") or options.get("sensitivity")) and
+                              experts.refuse(cfg, "EntQuant's feedback and sensitivity", "an expert that saw few "
+                                             "calibration tokens has no Hessian or Fisher to weight it by"))

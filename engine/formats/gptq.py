@@ -4,7 +4,7 @@ the columns not yet quantized, so that the layer's OUTPUT on calibration inputs 
     minimize ||X W_hat^T - X W^T||^2,   Hessian H = 2 X^T X / n   (the same for every output row)
     column i:  e = (w_i - quant(w_i)) / [H^-1]_ii,   w_j <- w_j - e [H^-1]_ij   for every later column j
 
-The loop itself is engine/formats/numerics/obq.py's (H^-1's Cholesky factor damped by 1% of mean(diag H), updates applied
+The loop itself is numerics/obq.py's (H^-1's Cholesky factor damped by 1% of mean(diag H), updates applied
 lazily a block of 128 columns at a time); this file is GPTQ's quantizer for it: each group's grid
 (affine.find_params: f16 scale, integer zero) is chosen from the group's weights as corrected when the loop enters
 the group, then every column is rounded on its group's grid. The scale is rounded to f16 when it is chosen, so GPTQ
@@ -31,12 +31,13 @@ import warnings
 
 import torch
 
-from ..layers import SEQUENTIAL_STEPS
+from ..layers import sequential_steps
 from .gptq_order import DEFAULT as DEFAULT_ORDER
 from .gptq_order import ORDERS, SEARCH, SEARCHED, check_order, visit_order
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option, scale_tensor
 from .numerics.affine import AffineQuantLinear, affine_parts, as_int32, find_params, grouped, pack_int32  # noqa: F401
-from .numerics.affine import unpack_int32
+from .numerics import experts
+from .numerics.affine import group_width, unpack_int32
 from .numerics.obq import error_feedback, inverse_cholesky, layer_error
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -81,7 +82,7 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
     The book's arguments: act_order=False visits the columns in their natural order, True by decreasing H_ii with
     groups that are ranges of the visit (a permuted g_idx). block: the lazy batch of obq.error_feedback.
     The engine's, as keywords: order (a name of ORDERS, or an Order) instead of act_order, e.g.
-    order="act_order_static"; group_size -1 (or any value <= 0) = one group per row; min_zero=1 keeps every zero
+    order="act_order_static"; group_size -1 = one group per row (affine.group_width); min_zero=1 keeps every zero
     point storable in a v1 checkpoint; sym puts the zero point in the middle of the grid."""
     if not isinstance(act_order, bool):
         raise ValueError(f"act_order (the 5th argument) is True or False, got {act_order!r}; the engine's other "
@@ -91,10 +92,12 @@ def gptq_quantize(weight, hessian, bits=4, group_size=128, act_order=False, damp
     elif act_order and check_order(order) != ORDERS["act_order"]:
         raise ValueError(f"act_order=True and order={order!r} ask for two visits; give one")
     spec = check_order(order)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size >= 1 or group_size == -1):
+        raise ValueError(f"group_size must be a positive int or -1 (one group per row), got {group_size!r}")
     out_f, cols = weight.shape
     if hessian.shape != (cols, cols):
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({cols}, {cols})")
-    group_size = cols if group_size <= 0 else group_size
+    group_size = group_width(group_size, cols)
     W, H = weight.float().clone(), hessian.float()
     diag = torch.diag(H).clone()
     dead = diag == 0                                       # inputs never active: their weights cannot matter
@@ -259,22 +262,26 @@ def permuted(options):
 
 @torch.no_grad()
 def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size"], order=DEFAULTS["order"],
-                   damp=DEFAULTS["damp"], sym=DEFAULTS["sym"], checkpoint_format=DEFAULTS["checkpoint_format"]):
+                   damp=DEFAULTS["damp"], sym=DEFAULTS["sym"], checkpoint_format=DEFAULTS["checkpoint_format"],
+                   expert_min_tokens=None):
     """GPTQ one decoder layer (a calibration.LayerCalibration) in place, step by step in forward order (q/k/v, o,
     gate/up, down): each step's Hessians come from the layer's inputs passed through its already-quantized earlier
     steps (GPTQModel's "true sequential"). order: a name of ORDERS, or "search" (each linear's order chosen by
     search_order, three GPTQs per linear; the file stays plain). For a v1 checkpoint (the default) every zero point
     is kept >= 1 (min_zero). Returns the quantization_config: desc_act says whether g_idx is permuted (the only
-    case that needs it), order records the visit. GPTQ on llama.cpp's grids is llama_cpp/gptq_ggml.py's."""
+    case that needs it), order records the visit. GPTQ on llama.cpp's grids is llama_cpp/gptq_ggml.py's.
+    A sparse (Qwen3-MoE) layer's experts each get the Hessian of the tokens routed to them; one that saw fewer than
+    expert_min_tokens (None: its input width) is rounded to nearest (numerics/experts.py, recorded in the config)."""
     qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
                      "desc_act": permuted({"order": order}),
                      "sym": sym, "checkpoint_format": checkpoint_format})
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
-    for step in SEQUENTIAL_STEPS:
-        hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
+    steps = experts.StepHessians(expert_min_tokens)
+    for step in sequential_steps(layer.layer):
+        hessians = steps(layer, step)
 
         def make(name, linear, hessians=hessians):
-            group = linear.in_features if group_size == -1 else group_size          # -1: one group per row
+            group = group_width(group_size, linear.in_features)
             weight, options = linear.weight.detach(), dict(damp=damp, sym=sym, min_zero=min_zero)
             if order == SEARCH:
                 parts, _ = search_order(weight, hessians[name], bits, group, **options)
@@ -283,8 +290,8 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
             return to_runtime(*parts, group, linear.bias, bits=bits)
 
         layer.replace(make, names=hessians)
-    return {k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
-                                 "order")}
+    return {**{k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
+                                    "order")}, **steps.record(layer)}
 
 
 def quantize(model, calibration_ids, batch_size=8, **options):
@@ -323,7 +330,7 @@ def _read(parts, qcfg):
         raise ValueError("GPTQ qweight / qzeros must be 2-D int32")
     per = 32 // bits
     in_f, out_f = qweight.shape[0] * per, qweight.shape[1]
-    group_size = in_f if group_size == -1 else group_size
+    group_size = group_width(group_size, in_f)
     groups = -(-in_f // group_size)
     want = {"qzeros": (groups, out_f // per), "scales": (groups, out_f), "g_idx": (in_f,)}
     for k, shape in want.items():
@@ -341,7 +348,7 @@ def _read(parts, qcfg):
 def _write(layer, qcfg):
     bits, group_size, fmt = qcfg["bits"], qcfg["group_size"], qcfg["checkpoint_format"]
     codes, scales, zeros, g_idx = affine_parts(layer)
-    if layer.bits != bits or layer.group_size != (layer.in_features if group_size == -1 else group_size):
+    if layer.bits != bits or layer.group_size != group_width(group_size, layer.in_features):
         raise ValueError(f"layer has {layer.bits} bits, group {layer.group_size}; config says {bits}, {group_size}")
     if layer.perm is not None and not qcfg.get("desc_act", False):
         raise ValueError("an act-order layer (permuted g_idx) needs desc_act=true in its config: loaders that trust "
@@ -360,7 +367,8 @@ OPTIONS = {"bits": choice_option(DEFAULTS["bits"], PACKABLE_BITS),
            "order": choice_option(DEFAULTS["order"], (*ORDERS, SEARCH)),
            "damp": number_option(DEFAULTS["damp"], 0, 1, open_low=True),
            "sym": bool_option(DEFAULTS["sym"]),
-           "checkpoint_format": choice_option(DEFAULTS["checkpoint_format"], CHECKPOINT_FORMATS)}
+           "checkpoint_format": choice_option(DEFAULTS["checkpoint_format"], CHECKPOINT_FORMATS),
+           "expert_min_tokens": int_option(None, 1)}
 
 CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize, parts=lambda qcfg: PARTS,
                               validate=validate, quantize_layer=quantize_layer,

@@ -38,7 +38,7 @@ def scale_tensor(t, name="scales"):
 @dataclass(frozen=True)
 class CheckpointMethod:
     """How one quantization method lives in a Hugging Face style checkpoint (config.json's quantization_config names
-    it; each quantized linear's tensors sit under the linear's name). formats/quantized_checkpoints.py keeps the registry.
+    it; each quantized linear's tensors sit under the linear's name). quantized_checkpoints.py keeps the registry.
 
       name      quantization_config["quant_method"] (or a registry key for a sub-format)
       parts     quantization_config -> the tensor suffixes one layer needs (e.g. ("qweight", "qzeros", ...))

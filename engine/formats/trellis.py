@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from .numerics import hadamard
+from .numerics import experts, hadamard
 from . import trellis_viterbi as viterbi
 from .trellis_stream import pack_stream, stream_bits, stream_checksum, stream_states
 from ..layers import SEQUENTIAL_STEPS, QuantLinear
@@ -445,4 +445,7 @@ CHECKPOINT = CheckpointMethod(name="trellis", parts=lambda q: ("trellis_codes", 
                               read=_read, write=_write, quantize=quantize, validate=validate,
                               quantize_layer=quantize_layer,
                               calibration=lambda options: "float" if options.get("ldlq") else None,
-                              options=OPTIONS, rules=_rules)
+                              options=OPTIONS, rules=_rules,
+                              fits=lambda cfg, options: options.get("ldlq") and experts.refuse(
+                                  cfg, "trellis with ldlq=True", "BlockLDLQ stacks a step's linears on one Hessian, "
+                                  "but each expert reads its own tokens; use ldlq=False"))

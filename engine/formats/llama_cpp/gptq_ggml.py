@@ -33,12 +33,13 @@ import dataclasses
 
 import torch
 
-from ...layers import SEQUENTIAL_STEPS
+from ...config import Qwen3MoeConfig
+from ...layers import sequential_steps
 from .. import gptq
 from ..gptq_order import DEFAULT as DEFAULT_ORDER
 from ..gptq_order import ORDERS, SEARCH, visit_order
 from ..method import Option, bool_option, choice_option, number_option
-from ..numerics import calibration
+from ..numerics import calibration, experts
 from ..numerics.affine import AffineQuantLinear
 from ..numerics.obq import error_feedback, inverse_cholesky, layer_error
 from . import bit_plan, ggml, ggml_quants, iq4
@@ -281,7 +282,7 @@ def layer_errors(layer, names, damp=0.01, order=DEFAULT_ORDER, imatrix=True, ref
 def plan_mix(layer, names, bpw, damp=0.01, order=DEFAULT_ORDER, imatrix=True, refit=True, plan="layer_output"):
     """{relative name: type}: the type of each linear that meets `bpw` over the layer's linears with the lowest
     added error in `plan`'s currency (bit_plan.choose on layer_errors' costs). Each layer spends the budget on its
-    own linears: a budget shared by the whole model did worse, in either currency (README)."""
+    own linears: a budget shared by the whole model did worse, in either currency (appendix/serving.md)."""
     table = layer_errors(layer, names, damp, order, imatrix, refit, plan=plan)
     weights = sum(layer.module(layer.prefix + n).weight.numel() for n in names)
     try:
@@ -349,7 +350,7 @@ def rules(options):
 
 @torch.no_grad()
 def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=None, imatrix=True, refit=True,
-                   plan=PLANS[0]):
+                   plan=PLANS[0], expert_min_tokens=None):
     """GPTQ one decoder layer (a calibration.LayerCalibration) onto GGML blocks, in place, step by step in forward
     order as gptq.quantize_layer does. ggml_type: one type for every linear (each falling back as llama.cpp does),
     {relative linear name: type}, or MIX (or None with bpw): the types plan_mix picks for `bpw` bits per weight over
@@ -357,17 +358,19 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
     the grid llama-quantize --imatrix picks with the Hessian's diagonal as the importance (True), or its plain
     round-to-nearest grid (False). refit: each block's f16 fields refit to GPTQ's codes where that helps
     (refit_scales). plan: the currency a mix's candidates are priced in (layer_errors). Returns the
-    quantization_config, with the type each linear got (ggml_types)."""
+    quantization_config, with the type each linear got (ggml_types). A sparse layer's experts: as gptq.py's."""
     ggml_type = MIX if ggml_type is None else ggml_type
     rules(dict(ggml_type=ggml_type, order=order, bpw=bpw, imatrix=imatrix, plan=plan))
-    names = [n for step in SEQUENTIAL_STEPS for n in step]
+    steps = sequential_steps(layer.layer)
+    names = [n for step in steps for n in step]
     if ggml_type == MIX:
         wanted = plan_mix(layer, names, bpw, damp, order, imatrix, refit, plan)
     else:
         wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
     types = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
-    for step in SEQUENTIAL_STEPS:
-        hessians = {name: stats.hessian for name, stats in layer.capture(step).items()}
+    step_hessians = experts.StepHessians(expert_min_tokens)
+    for step in steps:
+        hessians = step_hessians(layer, step)
 
         def make(name, linear, hessians=hessians):
             kind, H = types[name.removeprefix(layer.prefix)], hessians[name]
@@ -378,7 +381,8 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
         layer.replace(make, names=hessians)
     return {"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
             "desc_act": False, "imatrix": imatrix, "refit": refit, "ggml_types": types,
-            **({"bpw": bpw, "plan": plan} if bpw is not None else {})}
+            **({"bpw": bpw, "plan": plan} if bpw is not None else {}),
+            **step_hessians.record(layer)}
 
 
 # ---- the engine folder on the way to a GGUF file (checkpoint_format "ggml") ----------------------------------------
@@ -440,7 +444,11 @@ def all_rules(options):
 
 
 def fits(cfg, options):
-    """A bits budget is one a GGML mix of cfg's row widths can meet (check_budget), from the config alone."""
+    """A bits budget is one a GGML mix of cfg's row widths can meet (check_budget), from the config alone; a mix is
+    not for experts (llama.cpp stacks a layer's experts in one tensor of one type)."""
+    if on_grids(options) and options.get("ggml_type") in (None, MIX) and isinstance(cfg, Qwen3MoeConfig):
+        raise ValueError("a GGML bits budget (bpw) picks a type per linear, but llama.cpp stacks a sparse layer's "
+                         "experts in one tensor of one type: give one ggml_type for a Qwen3-MoE model")
     if options.get("bpw") is not None:
         check_budget(cfg, options["bpw"])
 

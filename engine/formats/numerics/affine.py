@@ -52,6 +52,15 @@ def find_params(w, bits, *, sym=False, f16=True):
     return scale, zero
 
 
+ONE_GROUP = -1          # a group_size configs write for one group per row (GPTQ, AutoAWQ)
+
+
+def group_width(group_size, in_features):
+    """A group_size as configs and options write it -> the columns each group holds: ONE_GROUP is the whole row.
+    The one place that reading is made."""
+    return in_features if group_size == ONE_GROUP else group_size
+
+
 def grouped(weight, group_size):
     """[out, in] -> [out, groups, group_size], zero-padding a ragged last group (zeros never change a range that
     already includes 0)."""

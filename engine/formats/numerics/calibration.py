@@ -28,7 +28,8 @@ has one owner rank make each linear and send it to the others, so every method r
 import torch
 from tqdm import tqdm
 
-from ...layers import SEQUENTIAL_STEPS, QuantLinear, linear_names, replace_linears
+from ...layers import QuantLinear, input_owner, linear_names, replace_linears, sequential_steps
+from .experts import PER_LAYER
 from .layer_runs import ResumingRuns
 
 # The calibration batches are cut into SLOTS contiguous slots, each summed from zero in batch order and the slots
@@ -108,6 +109,11 @@ class InputStats:
     @property
     def count(self):
         return self._total()[3]
+
+    @property
+    def rows(self):
+        """The input rows (tokens) added so far, 0 when none: an expert no calibration token was routed to."""
+        return sum(part[3] for part in self.parts)
 
     @property
     def gram(self):
@@ -213,7 +219,7 @@ class LayerCalibration:
     def linears(self, names=None):
         """{full name: module} of the layer's linears (`names`: relative names such as "self_attn.q_proj"; all of
         them, in forward order, by default)."""
-        names = [n for step in SEQUENTIAL_STEPS for n in step] if names is None else names
+        names = [n for step in sequential_steps(self.layer) for n in step] if names is None else names
         return {self.prefix + n: self.layer.get_submodule(n) for n in names}
 
     def module(self, name):
@@ -227,12 +233,12 @@ class LayerCalibration:
     @torch.no_grad()
     def capture(self, names=None):
         """{full name: InputStats} of the named linears' inputs (all of them by default) over every batch. Linears
-        of one sequential step read the same input, so its statistics are accumulated once and shared."""
+        that read the same input (layers.input_owner) accumulate their statistics once and share them. An expert's
+        linears see exactly the tokens routed to it (InputStats.rows counts them; none: 0)."""
         if self.batches is None:
             raise ValueError(f"{self.method} needs calibration_ids")
-        names = [n for step in SEQUENTIAL_STEPS for n in step] if names is None else list(names)
-        first = {n: next(s[0] for s in SEQUENTIAL_STEPS if n in s) if any(n in s for s in SEQUENTIAL_STEPS) else n
-                 for n in names}
+        names = [n for step in sequential_steps(self.layer) for n in step] if names is None else list(names)
+        first = {n: input_owner(n) for n in names}
         watched = self.linears(dict.fromkeys(first.values()))
         stats = capture(watched, self.batches, lambda b, args: self._run(b, args, watched.values()),
                         lambda b: slot_of(self.first + b, self.total), keep_slots=self.group is not None)
@@ -349,11 +355,12 @@ def layer_weights(layer):
 
 def merged_config(configs, weights):
     """One quantization_config from the layers' own: fields they agree on as they are; bits_per_weight (EntQuant's
-    per-block rate search) as the weight-weighted mean; any other field that differs as the list of per-layer values."""
+    per-block rate search) as the weight-weighted mean; any other field that differs, and those that are always one
+    value per layer (PER_LAYER: the experts' token counts), as the list of per-layer values."""
     merged = dict(configs[0])
     for key in merged:
         values = [c[key] for c in configs]
-        if any(v != values[0] for v in values):
+        if any(v != values[0] for v in values) or key in PER_LAYER:
             merged[key] = (sum(v * n for v, n in zip(values, weights)) / sum(weights)
                            if key == "bits_per_weight" else values)
     return merged

@@ -17,7 +17,7 @@ columns [out, step].
 `error_feedback_reference` is the textbook loop: each correction lands on every later column at once, out * in^2
 work in rank-one updates. `error_feedback` is GPTQ's lazy batch: corrections land inside a block of 128 columns
 at once and on the columns after the block in one matrix product when it ends, the same arithmetic in another
-order (equal to float rounding, tests/test_ch39_obq.py), most of it in large matmuls.
+order (equal to float rounding, tests/test_obq.py), most of it in large matmuls.
 """
 import torch
 

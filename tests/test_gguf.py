@@ -314,7 +314,7 @@ def test_names_map_to_hugging_face():
     assert gguf.hf_name("blk.2.ffn_norm.weight")[0] == "model.layers.2.post_attention_layernorm.weight"
     assert gguf.hf_name("output.weight")[0] == "lm_head.weight"
     with pytest.raises(ValueError, match="no Hugging Face counterpart"):
-        gguf.hf_name("blk.0.ffn_gate_exps.weight")
+        gguf.hf_name("blk.0.ffn_gate_shexp.weight")          # qwen2moe's shared expert
     with pytest.raises(ValueError, match="RoPE frequency factors"):
         gguf.hf_name("rope_freqs.weight")
 

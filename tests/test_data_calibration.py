@@ -194,7 +194,6 @@ def test_a_huge_file_is_read_only_as_far_as_the_calibration_needs(tmp_path):
 
 def test_a_file_the_tokenizer_panics_on_is_one_error_naming_both(tmp_path):
     """The Rust tokenizer panics (a pre-tokenizer regex past Oniguruma's retry limit): one ValueError."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from fuzz_inputs import AAA, text_tokenizer
     from engine.checkpoints.tokenizer import load_tokenizer
     (tmp_path / "tok").mkdir()
@@ -229,7 +228,6 @@ def test_calibration_sizes_beyond_memory_or_context_are_refused_first(tmp_path, 
 def test_a_file_cut_inside_a_character_calibrates_on_the_characters_before(tmp_path):
     """red before: the first calibration_bytes of a UTF-8 file ended inside an "é" (2 bytes) and the whole text was
     refused as not UTF-8."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from fuzz_inputs import text_tokenizer
     from engine.checkpoints.tokenizer import load_tokenizer
     from engine.data import calibration_bytes

@@ -8,8 +8,8 @@ import torch
 from engine.formats import gptq
 from engine.formats.llama_cpp import gptq_ggml
 from engine.formats.llama_cpp import ggml, ggml_quants, iq4
-from test_ch39_gguf import random_blocks
-from test_ch39_kquants import hessian, importance, libggml, weights
+from test_gguf import random_blocks
+from test_kquants import hessian, importance, libggml, weights
 
 gg = pytest.importorskip("gguf")
 IQ4 = ggml.IQ4
@@ -100,7 +100,7 @@ def test_iq4_xs_rows_not_a_multiple_of_256_fall_back_to_iq4_nl():
 
 @pytest.mark.parametrize("kind", IQ4)
 def test_gptq_keeps_llama_cpps_scales_and_only_picks_levels(kind):
-    """GPTQ on an IQ4 grid (before the scales are refit, test_ch39_kquants): the scales are llama-quantize
+    """GPTQ on an IQ4 grid (before the scales are refit, test_kquants): the scales are llama-quantize
     --imatrix's (importance diag(H) / 2), every code is one of the 16 levels, and feeding the error forward lowers
     the layer error below llama.cpp's own rounding."""
     w, H = torch.randn(32, 256, generator=torch.Generator().manual_seed(2)) * 0.05, hessian(256)

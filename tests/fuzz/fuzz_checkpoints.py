@@ -1,4 +1,4 @@
-"""Fuzz campaign, part 1: the pristine checkpoints and their mutations (benchmarks/fuzz.py runs them).
+"""Fuzz campaign, part 1: the pristine checkpoints and their mutations (tests/fuzz/fuzz.py runs them).
 
 From one small random Qwen3: one checkpoint per method (gptq, gptq act-order, awq, fp8, the four compressed-tensors
 formats, trellis, entquant, lattice), a dense one, a sharded dense one (three shards and model.safetensors.index.json)
@@ -32,7 +32,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.checkpoints import gguf, gguf_writer  # noqa: E402
 from engine.loaders import dense_tensors, load_dense, save_dense  # noqa: E402

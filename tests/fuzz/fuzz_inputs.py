@@ -1,6 +1,6 @@
-"""Fuzz campaign, part 4: what a user types (benchmarks/fuzz.py --input-cases N runs it; alone: this file).
+"""Fuzz campaign, part 4: what a user types (tests/fuzz/fuzz.py --input-cases N runs it; alone: this file).
 
-    python benchmarks/fuzz_inputs.py [--cases 120] [--kinds options calib tokenizer ...] [--seed 0] [--timeout 120]
+    python tests/fuzz/fuzz_inputs.py [--cases 120] [--kinds options calib tokenizer ...] [--seed 0] [--timeout 120]
 
 Each case is one `run.py quantize --model M` command (generate and eval for the kinds after tokenizer), in its own
 process, on a small random model M (a dense Hugging Face folder with the byte tokenizer, a context of 256 tokens),
@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.checkpoints.models import load_model  # noqa: E402

@@ -12,7 +12,7 @@ from engine.checkpoints.tokenizer import (BYTE_CHARS, bos_id, byte_tokenizer, co
                                            write_tokenizer_files)
 from engine.data import Corpus
 from engine.qwen3 import Qwen3Config
-from test_ch39_gguf import ARR, BOOL, I32, STR, gguf_bytes, write
+from test_gguf import ARR, BOOL, I32, STR, gguf_bytes, write
 
 TEXT = "".join(map(chr, range(256))) + "Plain ASCII, Ünïcödé, \u6771\u4eac, \t tabs\r\n and \U0001F600 \x00\x7f\u0080\u00ad\u00ff\u0100 " * 3
 
@@ -146,10 +146,7 @@ def test_transformers_reads_the_written_tokenizer(tmp_path):
 @pytest.mark.parametrize("token_id", [256, 1_000_000])
 def test_an_added_token_beyond_the_vocabulary_is_refused_when_the_tokenizer_loads(tmp_path, tiny_model, token_id):
     """red before: the tokenizer loaded, and generate's first forward pass died with an IndexError"""
-    import sys
-    from pathlib import Path
     from engine.loaders import save_dense
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from fuzz_checkpoints import tokenizer_with_added_token
     save_dense(tiny_model, tmp_path / "ck")
     tokenizer_with_added_token(tmp_path / "ck", token_id)
@@ -160,10 +157,7 @@ def test_an_added_token_beyond_the_vocabulary_is_refused_when_the_tokenizer_load
 def test_an_added_token_on_an_id_another_token_holds_is_refused_where_the_library_moves_it(tmp_path, tiny_model):
     """red before: id 255 is byte 255's, the tokenizers library silently gives "<|fuzz|>" id 256 instead, and the
     check read the file's 255 and let the tokenizer through"""
-    import sys
-    from pathlib import Path
     from engine.loaders import save_dense
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from fuzz_checkpoints import tokenizer_with_added_token
     save_dense(tiny_model, tmp_path / "ck")
     tokenizer_with_added_token(tmp_path / "ck", 255)
@@ -173,10 +167,7 @@ def test_an_added_token_on_an_id_another_token_holds_is_refused_where_the_librar
 
 
 def _fuzzed(folder, how):
-    """A folder with only a tokenizer.json, the byte tokenizer changed as benchmarks/fuzz_inputs.py changes it."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    """A folder with only a tokenizer.json, the byte tokenizer changed as tests/fuzz/fuzz_inputs.py changes it."""
     from fuzz_inputs import break_tokenizer, text_tokenizer
     folder.mkdir()
     (break_tokenizer if isinstance(how, str) else text_tokenizer)(folder, how)

@@ -1,6 +1,6 @@
-"""Fuzz campaign, part 3: faults of the writers (benchmarks/fuzz.py --faults runs it; alone: this file).
+"""Fuzz campaign, part 3: faults of the writers (tests/fuzz/fuzz.py --faults runs it; alone: this file).
 
-    python benchmarks/fuzz_writers.py [--kinds kill writers disk source user] [--writer-trials 6] [--seed 0]
+    python tests/fuzz/fuzz_writers.py [--kinds kill writers disk source user] [--writer-trials 6] [--seed 0]
 
 Everything runs `run.py` as a user would, each command in its own process, on two small random models A and B (B
 differs from A in one weight of layer 1), and then checks what is on disk:
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.loaders import save_dense  # noqa: E402

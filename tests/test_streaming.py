@@ -173,7 +173,7 @@ def test_a_partial_from_other_settings_is_started_over(source, ids, tmp_path):
 
 
 def test_a_gguf_source_streams_from_its_dequantized_weights(tiny_model, ids, tmp_path):
-    from test_ch39_gguf import U32, gguf_bytes, qwen3_metadata, qwen3_tensors, write      # the GGUF tests' writer
+    from test_gguf import U32, gguf_bytes, qwen3_metadata, qwen3_tensors, write      # the GGUF tests' writer
     tensors, _ = qwen3_tensors(tiny_model)
     path = write(tmp_path, gguf_bytes(qwen3_metadata(tiny_model.cfg) + [("qwen3.vocab_size", U32, 256)], tensors))
     quantize_checkpoint(path, tmp_path / "out", "gptq", ids, progress=False, group_size=32)

@@ -1,6 +1,6 @@
-"""Fuzz campaign, part 2: corrupted streams (benchmarks/fuzz.py runs them).
+"""Fuzz campaign, part 2: corrupted streams (tests/fuzz/fuzz.py runs them).
 
-The streams are those of the pristine checkpoints (benchmarks/fuzz_checkpoints.py): the rANS stream of each EntQuant
+The streams are those of the pristine checkpoints (tests/fuzz/fuzz_checkpoints.py): the rANS stream of each EntQuant
 block (and the same symbols coded in four sub-streams), the Rice sub-streams of every lattice layer, the trellis
 codes + scales of every trellis layer. A case (`stream_cases`) flips bits or bytes, truncates, extends, inserts,
 deletes, swaps sub-streams, tiles, blocks or layers, or changes the side data or the config fields a stream is bound

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.formats.llama_cpp import iq_low
-from test_ch39_kquants import libggml
+from test_kquants import libggml
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 gg = pytest.importorskip("gguf")

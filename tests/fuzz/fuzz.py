@@ -1,10 +1,10 @@
 """Fuzz campaign: mutated checkpoints of every method, corrupted streams of every coder, and a crash campaign.
 
-    python benchmarks/fuzz.py [--checkpoint-cases 2000] [--stream-cases 20000] [--seed 0] [--timeout 20]
+    python tests/fuzz/fuzz.py [--checkpoint-cases 2000] [--stream-cases 20000] [--seed 0] [--timeout 20]
                               [--memory-gib 3] [--workers 2] [--crash-kills 0] [--faults] [--input-cases 0] [--case N]
 
-What is mutated: benchmarks/fuzz_checkpoints.py (every method's checkpoint, dense, sharded and GGUF files) and
-benchmarks/fuzz_streams.py (rANS, Rice and trellis streams). This file runs the cases and counts the outcomes.
+What is mutated: tests/fuzz/fuzz_checkpoints.py (every method's checkpoint, dense, sharded and GGUF files) and
+tests/fuzz/fuzz_streams.py (rANS, Rice and trellis streams). This file runs the cases and counts the outcomes.
 
 Each case runs in a worker process (spawned once, reused, torch.set_num_threads(1), address space capped with
 RLIMIT_AS); a worker that does not answer within the timeout is killed and replaced. A checkpoint case loads the
@@ -25,11 +25,11 @@ Crash campaign (--crash-kills N): `run.py quantize --method fp8 --force` overwri
 run and N times at a uniformly random instant of its save; DIR must then load and hold the complete old or the
 complete new checkpoint, and after the next complete save no `.DIR.*` entry may be left.
 
-Writer faults (--faults): benchmarks/fuzz_writers.py, `run.py` killed at each rename of a conversion, two writers
+Writer faults (--faults): tests/fuzz/fuzz_writers.py, `run.py` killed at each rename of a conversion, two writers
 into one folder, a full disk (a real tmpfs), --out equal to the source, the user's files inside a checkpoint;
 counted: mixed or incomplete checkpoints accepted, user files lost, tracebacks (all must be 0).
 
-What a user types (--input-cases N): benchmarks/fuzz_inputs.py, `run.py quantize --model` with hostile option
+What a user types (--input-cases N): tests/fuzz/fuzz_inputs.py, `run.py quantize --model` with hostile option
 values, calibration files and tokenizers, `generate` with hostile prompt files, tokenizers and --kv-cache SPECs,
 `eval --ctx`: each refused with one `error:` line before the model's weights are read, in bounded time and memory,
 or accepted (a checkpoint written loads with finite weights; generate reports its cache).
@@ -65,7 +65,7 @@ from engine.formats.quantized_checkpoints import load_quantized
 from engine.safetensors_io import snapshot_tensors, tensor_digest
 from engine.layers import QuantLinear
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUTCOMES = ("ok-identical", "ValueError", "other", "hang", "memory", "non-finite", "overflow", "silent-different",
             "fuzzer-error")
 

@@ -583,7 +583,7 @@ def test_cli_writes_a_k_quant_mix_for_llama_cpp_within_the_budget(tmp_path):
 @pytest.mark.parametrize("kind", ggml.INTEGER)
 def test_a_gguf_file_of_any_integer_type_is_written_back_byte_for_byte(tmp_path, kind):
     """Blocks the engine did not make (random bytes, as any tool may write them) go back out exactly as read."""
-    from test_ch39_gguf import K_CFG as READ_CFG, U32, gguf_bytes, qwen3_metadata, qwen3_tensors, write
+    from test_gguf import K_CFG as READ_CFG, U32, gguf_bytes, qwen3_metadata, qwen3_tensors, write
     torch.manual_seed(0)
     tensors, _ = qwen3_tensors(Qwen3(READ_CFG).eval(), kind)
     source = write(tmp_path, gguf_bytes(qwen3_metadata(READ_CFG) + [("qwen3.vocab_size", U32, 64)], tensors))

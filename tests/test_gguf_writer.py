@@ -17,7 +17,7 @@ from engine.formats.numerics.affine import AffineQuantLinear
 from engine.layers import quantized_linears
 from engine.formats.mx import dequantize_nvfp4
 from engine.qwen3 import Qwen3, Qwen3Config
-from test_ch39_gguf import bpe_metadata, gguf_bytes, write
+from test_gguf import bpe_metadata, gguf_bytes, write
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,0 +1,70 @@
+"""run.py on Qwen3-MoE models: generate, quantize layer by layer from disk (into a folder and into a qwen3moe GGUF
+file), eval; what cannot be done refused in one line before any work."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.loaders import save_dense
+from engine.qwen3 import Qwen3, Qwen3MoeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+             initializer_range=0.2, max_position_embeddings=512)
+
+
+def run(*args, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *map(str, args)], capture_output=True, text=True,
+                          errors="replace", cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    for name, change in (("mixed", dict(mlp_only_layers=(1,))), ("sparse", {})):
+        torch.manual_seed(0)
+        save_dense(Qwen3(Qwen3MoeConfig(**{**SIZES, **change})), root / name)
+    return root
+
+
+def test_generate_quantize_and_eval_run_on_a_moe_model(folders):
+    out = run("generate", "--model", "mixed", "--prompt", "hello", "--max-new-tokens", "4", cwd=folders)
+    assert out.returncode == 0 and "4 tokens in" in out.stderr, out.stderr
+    out = run("quantize", "--model", "mixed", "--method", "gptq", "--calib-samples", "4", "--calib-len", "32",
+              "--option", "group_size=32", "--out", "q", cwd=folders)
+    assert out.returncode == 0, out.stderr
+    qcfg = json.loads((folders / "q" / "config.json").read_text())["quantization_config"]
+    assert qcfg["expert_tokens"][1] is None and sum(qcfg["expert_tokens"][0]) == 4 * 32 * 2
+    out = run("eval", "--model", "mixed", "--quantized", "q", "--chunks", "2", "--ctx", "32", cwd=folders)
+    assert out.returncode == 0, out.stderr
+    assert 0 < json.loads(out.stdout.splitlines()[0])["kl_nats"] < 1
+
+
+def test_a_moe_model_goes_into_a_qwen3moe_gguf_file_and_evaluates(folders):
+    out = run("quantize", "--model", "sparse", "--method", "gptq", "--target", "llama.cpp", "--option",
+              "ggml_type=Q4_0", "--calib-samples", "4", "--calib-len", "32", "--out", "m.gguf", cwd=folders)
+    assert out.returncode == 0 and '"types": {"Q4_0": 32}' in out.stderr, out.stderr
+    out = run("eval", "--model", "sparse", "--quantized", "m.gguf", "--chunks", "2", "--ctx", "32", cwd=folders)
+    assert out.returncode == 0 and 0 < json.loads(out.stdout.splitlines()[0])["kl_nats"] < 1, out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["quantize", "--model", "mixed", "--method", "gptq", "--target", "llama.cpp", "--option", "ggml_type=Q4_0",
+      "--out", "x.gguf"], "error: layers [1] of this qwen3_moe model are dense"),
+    (["quantize", "--model", "mixed", "--method", "trellis", "--option", "ldlq=true", "--out", "x"],
+     "error: trellis with ldlq=True is not implemented for Qwen3-MoE"),
+    (["quantize", "--model", "mixed", "--method", "rtn", "--target", "transformers", "--out", "x"],
+     "error: transformers cannot load this checkpoint: (Qwen3-MoE) its experts' decompressor gets no zero points"),
+    (["quantize", "--model", "mixed", "--method", "gptq", "--target", "transformers", "--out", "x"],
+     "error: transformers cannot load this checkpoint: (Qwen3-MoE) its GPTQ loader replaces nn.Linears only"),
+])
+def test_what_a_moe_model_cannot_get_is_one_line_before_any_work(folders, args, message):
+    out = run(*args, cwd=folders)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr
+    assert "layers:" not in out.stderr and not (folders / "x").exists() and not (folders / "x.gguf").exists()
