@@ -15,7 +15,7 @@ from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.affine import AffineQuantLinear
 from engine.layers import QuantEmbedding, decoded_weights, impl
 from engine.qwen3 import KVCache, Qwen3, Qwen3Config
-from test_ch39_gguf import U32, gguf_bytes, gguf_name, qwen3_metadata, random_blocks, raw_of
+from test_gguf import U32, gguf_bytes, gguf_name, qwen3_metadata, random_blocks, raw_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
