@@ -14,8 +14,12 @@ form does not need:
             once at load (or its Int8 codes), a scale per row        codes; Float8 values under 0.25, as a low-rate
                                                                      model's are): the int8 kernel, per-row scales,
                                                                      in one call (Int8RowsLinear); else decoded:
+            lattice E8 / D4 / Z: its streams decoded once at load    the int8 kernel, per-row scales, the input
+            into int8 codes and a scale per row                      rotated first (Int8RowsLinear)
+            trellis (L <= 8): its states replayed once at load, a    decoded a few rows at a time (one gather, one
+            byte a weight, with a scale per tile                     product) into the shared buffer (TableLinear)
             anything else: its own codes (FP8, MXFP4, NVFP4, NF4,    decoded, a few rows at a time, into ONE float32
-            trellis, lattice, the other K-quants)                    buffer the model shares, then one float32
+            A2, trellis L > 8, the other K-quants)                   buffer the model shares, then one float32
                                                                      matmul per chunk (DecodedLinear): exact
   exact     every layer its own codes                                as above (DecodedLinear): the float32 weight
                                                                      dequantize() gives, multiplied in float32
@@ -36,6 +40,7 @@ import torch
 from torch import nn
 
 from .formats.numerics.affine import AffineQuantLinear
+from .formats.numerics.hadamard import rotate_by_product
 from .layers import QuantEmbedding, QuantLinear, decoded_weights
 
 WEIGHTS = ("compact", "exact", "stream", "float32")
@@ -168,24 +173,59 @@ class Int8Linear(RunLinear):
 
 
 class Int8RowsLinear(RunLinear):
-    """int8 codes with one scale per output row (an EntQuant layer's: layer.int8_rows) through PyTorch's int8 kernel
-    in one call: its scales 1 (exact in bf16; x and its output are bf16), the row scales applied to the output in
-    float32, Int8 EntQuant's super weights added beside (their codes hold 0), exactly."""
+    """int8 codes with one scale per output row (layer.int8_rows: EntQuant's, a lattice's) through PyTorch's int8
+    kernel in one call: its scales 1 (exact in bf16; x and its output are bf16), the row scales applied to the
+    output in float32, Int8 EntQuant's super weights added beside (their codes hold 0), exactly. Codes in a rotated
+    basis (a lattice's) come with their rotation, (signs [in], tile): the input is rotated first."""
 
-    def __init__(self, layer, codes, scales):
+    def __init__(self, layer, codes, scales, rotation=None):
         super().__init__(layer)
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("ones", torch.ones(self.out_features, dtype=torch.bfloat16))
-        rows, cols = layer.super_index.long() // self.in_features, layer.super_index.long() % self.in_features
+        signs, self.tile = rotation or (None, None)              # (signs float32 [in], tile) or None
+        self.register_buffer("signs", signs)
+        index = getattr(layer, "super_index", torch.zeros(0, dtype=torch.int64)).long()
+        rows, cols = index // self.in_features, index % self.in_features
         self.register_buffer("super_rows", rows if len(rows) else None)
         self.register_buffer("super_cols", cols if len(rows) else None)
         self.register_buffer("super_values", layer.super_value.float() if len(rows) else None)
 
     def matmul(self, x2d):
+        if self.signs is not None:
+            x2d = rotate_by_product(x2d, self.signs, self.tile)
         y = torch.ops.aten._weight_int8pack_mm(x2d.bfloat16(), self.codes, self.ones).float().mul_(self.scales)
         if self.super_rows is not None:
             y.index_add_(1, self.super_rows, x2d[:, self.super_cols] * self.super_values)
+        return y
+
+
+class TableLinear(RunLinear):
+    """Codes that index a table of values, decoded once at load (layer.table_rows: a trellis's states): table
+    float32 [n], indices uint8 [out, in], scales float32 [out / th, in / tw] (one per tile of th x tw), and the
+    rotation (signs, tile) the input takes. Rows of W' = table[indices] * scale are decoded a few at a time into the
+    shared buffer (one gather, one product: decode's own) and multiplied in float32: exact."""
+
+    def __init__(self, layer, table, indices, scales, tile, rotation, workspace):
+        super().__init__(layer)
+        self.register_buffer("table", table)
+        self.register_buffer("indices", indices.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.tile, self.workspace = tile, workspace
+        signs, self.rotation_tile = rotation
+        self.register_buffer("signs", signs)
+        th = tile[0]
+        self.chunk = max(th, CHUNK // self.in_features // th * th)
+
+    def matmul(self, x2d):
+        x2d = rotate_by_product(x2d, self.signs, self.rotation_tile)
+        (th, tw), y = self.tile, x2d.new_empty(len(x2d), self.out_features)
+        for start in range(0, self.out_features, self.chunk):
+            stop = min(start + self.chunk, self.out_features)
+            w = self.workspace.take(stop - start, self.in_features)
+            torch.index_select(self.table, 0, self.indices[start:stop].reshape(-1).to(torch.int32), out=w.view(-1))
+            w.view(-1, th, self.in_features // tw, tw).mul_(self.scales[start // th:stop // th, None, :, None])
+            y[:, start:stop] = x2d @ w.T
         return y
 
 
@@ -234,6 +274,9 @@ def form(layer, weights, workspace, rows=False):
     parts = layer.int8_rows() if weights == "compact" and hasattr(layer, "int8_rows") else None
     if parts is not None:
         return Int8RowsLinear(layer, *parts)
+    parts = layer.table_rows() if weights == "compact" and hasattr(layer, "table_rows") else None
+    if parts is not None:
+        return TableLinear(layer, *parts, workspace)
     return DecodedLinear(layer, workspace)
 
 

@@ -310,6 +310,42 @@ def test_entquant_runs_through_the_int8_kernel_where_its_codes_fit(fmt):
         assert isinstance(runtime.form(layer, "compact", runtime.Workspace()), runtime.DecodedLinear)
 
 
+@pytest.mark.parametrize("name", ["E8", "D4", "Z", "A2"])
+def test_lattice_codes_run_through_the_int8_kernel_in_their_rotated_basis(name):
+    """E8, D4 and Z codes (one axis) are decoded once into int8 codes and row scales: the input rotated, then the
+    int8 kernel, |y - x W^T| <= 4u |x R^T| |W'|^T (x R^T in bf16, the output too); A2's two axes (sqrt(3), 1) are
+    no int8 multiples of one step: it stays on the exact decode."""
+    layer = lattice.quantize_weight(_weight(24, 128), name, tile=64)
+    form = runtime.form(layer, "compact", runtime.Workspace())
+    if name == "A2":
+        assert layer.int8_rows() is None and isinstance(form, runtime.DecodedLinear)
+        return
+    assert isinstance(form, runtime.Int8RowsLinear) and form.codes.dtype == torch.int8
+    x = _inputs(5, layer.in_features)
+    y = x @ layer.dequantize().T
+    bound = 4 * U * (layer.runtime_input(x).abs() @ layer.rotated_weight().abs().T) + 1e-6 * y.abs().max()
+    error = (form(x) - y).abs()
+    assert (error <= bound).all() and error.max() > 0
+
+
+@pytest.mark.parametrize("chunk", [256 * 16, 1 << 20])
+def test_trellis_states_decoded_once_give_the_exact_decode_bit_for_bit(chunk, monkeypatch):
+    """A trellis layer (L = 8) runs from its states, replayed once into a byte per weight: the same gather and tile
+    products as its exact decode, so the same outputs bit for bit, a few tile rows at a time or all at once; L = 16
+    keeps its streams (two bytes of states a weight would outgrow the stream 8x)."""
+    monkeypatch.setattr(runtime, "CHUNK", chunk)
+    layer = _trellis()
+    form = runtime.form(layer, "compact", runtime.Workspace())
+    assert isinstance(form, runtime.TableLinear) and form.indices.dtype == torch.uint8
+    assert form.indices.numel() == layer.in_features * layer.out_features
+    x = _inputs(3, layer.in_features)
+    assert torch.equal(form(x), runtime.DecodedLinear(layer, runtime.Workspace())(x))
+    codes, scales, _ = trellis.trellis_codes(_weight(16, 256), 16, 2, group=128, seed=3, tile=(16, 16))
+    wide = trellis.TrellisLinear(codes, scales, 16, 2, tile=(16, 16), group=128, seed=3)
+    assert wide.table_rows() is None and isinstance(runtime.form(wide, "compact", runtime.Workspace()),
+                                                    runtime.DecodedLinear)
+
+
 def test_stream_mode_counts_the_decoder_and_is_refused_elsewhere(tmp_path):
     model = runtime.prepare(_entquant("float8"), "stream")
     _logits(model)

@@ -337,6 +337,17 @@ class LatticeLinear(QuantLinear):
     def decode_rows(self, out, start, stop):
         out.copy_(self.rotated_weight()[start:stop])
 
+    def int8_rows(self):
+        """(codes int8 [out, in], row scales float32 [out], (signs [in], tile)) with W' = codes * scales[:, None],
+        the streams decoded once, W' multiplying the input rotated by (signs, tile) (engine.runtime's int8 kernel);
+        or None: A2's two axes differ (sqrt(3) and 1), or a code lies outside int8 (an escaped outlier)."""
+        if len(set(self.lattice.axis)) != 1:
+            return None
+        codes = decode_codes(self.streams(), self.lattice).reshape(self.out_features, self.in_features)
+        if bool((codes.abs() > 127).any()):
+            return None
+        return codes.to(torch.int8), self.scales.cpu().float() * self.lattice.axis[0], (self._signs(), self.tile)
+
     def kernel_matmul(self, x2d):
         count, ends = self.in_features * self.out_features, stream_ends(self.offsets, int(self.header[3]))
         from ..kernels import stream_decoders      # Triton: imported by the engine path only

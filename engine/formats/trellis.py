@@ -343,6 +343,18 @@ class TrellisLinear(QuantLinear):
         out.copy_(decode_trellis(self.codes[tiles], self.scales[tiles], self.L, self.K, self.code, self.tail_biting,
                                  self.tile))
 
+    def table_rows(self):
+        """(codebook float32 [2^L], states uint8 [out, in], scales float32 [R, C] one per tile, the tile, (signs [in],
+        group)): the shift registers replayed once, for engine.runtime's TableLinear (row r, column c of the rotated
+        weight is codebook[states[r, c]] * scales[r // th, c // tw], decode_trellis' product); None for L > 8."""
+        if self.L > 8:
+            return None
+        R, C, nbytes = self.codes.shape
+        states = stream_states(self.codes.reshape(R * C, nbytes), self.L, self.K, self.tile[0] * self.tile[1],
+                               self.tail_biting)
+        return (_codebook(self.L, self.code), from_tiles(states.to(torch.uint8).reshape(R, C, -1), self.tile),
+                self.scales.float(), self.tile, (hadamard.random_signs(self.group, self.seed), self.group))
+
     def kernel_matmul(self, x2d):
         mean, inv_std = code_stats(self.L, self.code)
         from ..kernels import triton_formats      # Triton: imported by the engine path only
