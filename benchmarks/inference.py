@@ -3,7 +3,7 @@ own formats written from it) generating at batch 1, on one and on two threads: t
 latency, peak resident memory, and the bytes the weights hold against the file's tensor bytes.
 
     python benchmarks/inference.py [--rows gguf rtn ...] [--threads 1 2] [--weights compact] [--tokens 64]
-                                   [--checkpoints DIR] [--errors] [--out FILE.json]
+                                   [--shape qwen3-1.7b] [--checkpoints DIR] [--errors] [--out FILE.json]
 
 Rows: `gguf` is the file itself; every other row is `run.py quantize --model smollm2 --method M --out DIR/M` (made
 when DIR/M is absent: GPTQ and AWQ take about 5 minutes each here; EntQuant at --bpw 2.1). Each (row, threads,
@@ -13,6 +13,12 @@ latency is the prefill plus the first step. Threads wait passively (OMP_WAIT_POL
 machine other processes share, OpenMP's spinning waits make a second thread 5x slower than one. llama.cpp runs the GGUF file the same way when `llama_cpp` imports here
 or in benchmarks/clients.py's venv (never installed by this script: `pip install llama-cpp-python==0.3.36` is a
 20-60 minute build); otherwise its row says so.
+
+--shape qwen3-1.7b runs a bigger model instead, to show how both scale: Qwen3-1.7B's shape (28 layers, hidden 2048,
+MLP 6144, 16 / 8 heads of 128) with SmolLM2's 49152-token vocabulary (the tokenizer this machine has), written with
+random weights by transformers' own Qwen3ForCausalLM, exported by `run.py export` as an F32 GGUF file and quantized
+data-free by llama.cpp's own quantizer to Q4_K_M (its `gguf` and `llama.cpp` rows); the engine's rows quantize the
+Hugging Face folder (`rtn`: data-free).
 
 --errors measures what the int4 / int8 kernels' bf16 rounding costs on SmolLM2: for every layer the compact form
 runs, the largest |y - y_exact| and its ratio to max |y_exact| on the model's own activations (a prompt's), and
@@ -49,15 +55,50 @@ def smollm2():
     return path
 
 
-def checkpoint(row, folder):
-    """The file or folder a row runs, quantized from SmolLM2 first when it is not there yet."""
+def checkpoint(row, folder, model):
+    """The file or folder a row runs: `model` (a GGUF file) for gguf, else quantized from it first when it is not
+    there yet (a Hugging Face folder beside a GGUF file of a --shape: from the folder)."""
     if row == "gguf":
-        return smollm2()
+        return model
     out = folder / row
     if not (out / "config.json").exists():
-        log(f"quantizing SmolLM2 with {row} into {out} ...")
-        subprocess.run([sys.executable, str(ROOT / "run.py"), "quantize", "--model", "smollm2", "--method", row,
+        source = model.parent / "hf" if (model.parent / "hf" / "config.json").exists() else model
+        log(f"quantizing {source} with {row} into {out} ...")
+        subprocess.run([sys.executable, str(ROOT / "run.py"), "quantize", "--model", str(source), "--method", row,
                         "--out", str(out), *METHODS[row]], check=True)
+    return out
+
+
+SHAPES = {"qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                             num_key_value_heads=8, head_dim=128, vocab_size=49152, max_position_embeddings=4096,
+                             tie_word_embeddings=True)}
+
+
+def shape_model(name, folder):
+    """folder/q4_k_m.gguf of the shape `name` (the module docstring), made when absent: the random Hugging Face
+    folder (folder/hf), its F32 GGUF (run.py export), llama.cpp's Q4_K_M of that (llama_model_quantize)."""
+    out = folder / "q4_k_m.gguf"
+    if out.exists():
+        return out
+    folder.mkdir(parents=True, exist_ok=True)
+    hf, f32 = folder / "hf", folder / "f32.gguf"
+    if not (hf / "config.json").exists():
+        import torch
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        from engine.checkpoints.tokenizer import export_tokenizer
+        log(f"writing a random {name} with transformers into {hf} ...")
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(Qwen3Config(**SHAPES[name])).to(torch.bfloat16).save_pretrained(hf)
+        export_tokenizer(smollm2(), hf)
+    if not f32.exists():
+        subprocess.run([sys.executable, str(ROOT / "run.py"), "export", str(hf), "--gguf", str(f32)], check=True)
+    python, why = llama_python()
+    if python is None:
+        raise SystemExit(f"error: --shape needs llama.cpp's quantizer: llama.cpp is {why}")
+    code = ("import llama_cpp, sys; p = llama_cpp.llama_model_quantize_default_params(); "
+            "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M; "
+            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
+    subprocess.run([str(python), "-c", code, str(f32), str(out)], check=True)
     return out
 
 
@@ -220,6 +261,7 @@ def main(argv=None):
                         help="the run-time forms to measure: compact, exact, stream (EntQuant), float32")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per run (default 64)")
     parser.add_argument("--checkpoints", type=Path, default=Path.home() / ".cache" / "engine" / "inference")
+    parser.add_argument("--shape", choices=SHAPES, help="a bigger random-weight model instead of SmolLM2")
     parser.add_argument("--errors", action="store_true", help="also measure the bf16 kernels' error and KL")
     parser.add_argument("--out", type=Path, help="also write every result to this JSON file")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -228,6 +270,8 @@ def main(argv=None):
         return child(args)
     results, info = [], machine()
     log(f"{info['cpu']}, {info['cores']} cores; {info['uptime']}")
+    folder = args.checkpoints / args.shape if args.shape else args.checkpoints
+    model = shape_model(args.shape, folder) if args.shape else smollm2()
     for row in args.rows:
         if row == "llama.cpp":
             python, why = llama_python()
@@ -236,7 +280,7 @@ def main(argv=None):
             python, why = sys.executable, None
             runs = [(w, t) for w in args.weights for t in args.threads
                     if w != "stream" or row == "entquant"]
-        path = smollm2() if row == "llama.cpp" else checkpoint(row, args.checkpoints)
+        path = model if row == "llama.cpp" else checkpoint(row, folder, model)
         for what, threads in runs:
             result = {"refused": f"skipped: llama.cpp is {why}"} if python is None else measure(
                 python, what, path, threads, args.tokens)
