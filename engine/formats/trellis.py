@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from .numerics import experts, hadamard
+from .numerics import hadamard
 from . import trellis_viterbi as viterbi
 from .trellis_stream import pack_stream, stream_bits, stream_checksum, stream_states
 from ..layers import SEQUENTIAL_STEPS, QuantLinear
@@ -453,11 +453,17 @@ OPTIONS = {"L": int_option(8, 2, 24), "K": int_option(2, 1, 8), "code": choice_o
            "tail_biting": bool_option(False),
            "tile": Option(None, lambda t: isinstance(t, (list, tuple)) and _is_tile(tuple(t)), "[rows, cols]"),
            "group": int_option(None, 2, 1 << 16), "seed": int_option(0, 0, (1 << 63) - 1), "ldlq": bool_option(False)}
+def _fits(cfg, options):
+    """Refuse BlockLDLQ on a Qwen3-MoE model (a model's matter: numerics/experts.py, imported only here)."""
+    from .numerics import experts
+    if options.get("ldlq"):
+        experts.refuse(cfg, "trellis with ldlq=True", "BlockLDLQ stacks a step's linears on one Hessian, but each "
+                       "expert reads its own tokens; use ldlq=False")
+
+
 CHECKPOINT = CheckpointMethod(name="trellis", parts=lambda q: ("trellis_codes", "trellis_scales", "trellis_crc"),
                               read=_read, write=_write, quantize=quantize, validate=validate,
                               quantize_layer=quantize_layer,
                               calibration=lambda options: "float" if options.get("ldlq") else None,
                               options=OPTIONS, rules=_rules,
-                              fits=lambda cfg, options: options.get("ldlq") and experts.refuse(
-                                  cfg, "trellis with ldlq=True", "BlockLDLQ stacks a step's linears on one Hessian, "
-                                  "but each expert reads its own tokens; use ldlq=False"))
+                              fits=_fits)
