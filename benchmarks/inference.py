@@ -3,7 +3,8 @@ own formats written from it) generating at batch 1, on one and on two threads: t
 latency, peak resident memory, and the bytes the weights hold against the file's tensor bytes.
 
     python benchmarks/inference.py [--rows gguf rtn ...] [--threads 1 2] [--weights compact] [--tokens 64]
-                                   [--shape qwen3-1.7b] [--checkpoints DIR] [--errors] [--out FILE.json]
+                                   [--shape qwen3-1.7b | --gguf FILE] [--checkpoints DIR] [--errors]
+                                   [--out FILE.json]
 
 Rows: `gguf` is the file itself; every other row is `run.py quantize --model smollm2 --method M --out DIR/M` (made
 when DIR/M is absent: GPTQ and AWQ take about 5 minutes each here; EntQuant at --bpw 2.1). Each (row, threads,
@@ -19,6 +20,9 @@ MLP 6144, 16 / 8 heads of 128) with SmolLM2's 49152-token vocabulary (the tokeni
 random weights by transformers' own Qwen3ForCausalLM, exported by `run.py export` as an F32 GGUF file and quantized
 data-free by llama.cpp's own quantizer to Q4_K_M (its `gguf` and `llama.cpp` rows); the engine's rows quantize the
 Hugging Face folder (`rtn`: data-free).
+
+--gguf FILE runs another GGUF file of SmolLM2 in the `gguf` and `llama.cpp` rows (one llama.cpp's quantizer wrote
+from `run.py export smollm2`'s F32 file, or the engine's own `--target llama.cpp`).
 
 --errors measures what the int4 / int8 kernels' bf16 rounding costs on SmolLM2: for every layer the compact form
 runs, the largest |y - y_exact| and its ratio to max |y_exact| on the model's own activations (a prompt's), and
@@ -261,7 +265,9 @@ def main(argv=None):
                         help="the run-time forms to measure: compact, exact, stream (EntQuant), float32")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per run (default 64)")
     parser.add_argument("--checkpoints", type=Path, default=Path.home() / ".cache" / "engine" / "inference")
-    parser.add_argument("--shape", choices=SHAPES, help="a bigger random-weight model instead of SmolLM2")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--shape", choices=SHAPES, help="a bigger random-weight model instead of SmolLM2")
+    which.add_argument("--gguf", type=Path, help="another GGUF file for the gguf and llama.cpp rows")
     parser.add_argument("--errors", action="store_true", help="also measure the bf16 kernels' error and KL")
     parser.add_argument("--out", type=Path, help="also write every result to this JSON file")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -271,7 +277,7 @@ def main(argv=None):
     results, info = [], machine()
     log(f"{info['cpu']}, {info['cores']} cores; {info['uptime']}")
     folder = args.checkpoints / args.shape if args.shape else args.checkpoints
-    model = shape_model(args.shape, folder) if args.shape else smollm2()
+    model = shape_model(args.shape, folder) if args.shape else args.gguf or smollm2()
     for row in args.rows:
         if row == "llama.cpp":
             python, why = llama_python()
