@@ -233,6 +233,39 @@ def share(batches, rank, world):
     return range(mine[0], mine[-1] + 1) if mine else range(0)
 
 
+def plan(linears, world, unit):
+    """{name: (rows, in_features)} of one step's linears (the step's order) -> {name: [(rank, first row, end row),
+    ...]}: who runs each linear's error feedback, on which of its output rows.
+
+    Rows are independent given H, so a linear's rows can be cut among the ranks, but every rank with a share pays
+    the whole inverse-Hessian factor (about in^3, as much as the feedback of in rows: rows * in^2) and an exchange.
+    So two plans are priced, in those integer units (every rank reaches the same plan): every linear whole, largest
+    first, each on the rank with the least work so far (the lowest on a tie); and the same after the largest linear
+    is cut into world shares of whole blocks of `unit` rows (obq.ROWS: a share that starts on a block gets the
+    bytes the whole matrix gives it). The cut is kept only where it lowers the step's longest rank: o_proj and
+    down_proj, alone in their steps; q/k/v and gate/up stay whole on 2 ranks."""
+    cost = {n: cols * cols * (rows + cols) for n, (rows, cols) in linears.items()}
+    order = sorted(linears, key=lambda n: -cost[n])                     # stable: the step's order on a tie
+
+    def placed(cut):
+        load, shares = [0] * world, {}
+        if cut is not None:
+            rows, cols = linears[cut]
+            blocks = -(-rows // unit)
+            ends = [min(rows, r * blocks // world * unit) for r in range(world + 1)]
+            shares[cut] = [(r, a, b) for r, (a, b) in enumerate(zip(ends, ends[1:])) if b > a]
+            for r, a, b in shares[cut]:
+                load[r] += cols * cols * (b - a + cols)
+        for name in order:
+            if name != cut:
+                r = min(range(world), key=lambda r: load[r])
+                shares[name], load[r] = [(r, 0, linears[name][0])], load[r] + cost[name]
+        return max(load), {name: shares[name] for name in linears}
+
+    whole, cut = placed(None), placed(order[0])
+    return cut[1] if cut[0] < whole[0] else whole[1]
+
+
 def check_world(world, data_aware):
     """ValueError unless a conversion can use `world` ranks."""
     from .formats.numerics.calibration import SLOTS

@@ -380,7 +380,7 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
             raw = gptq_ggml(linear.weight, H, kind, perm, damp, imatrix=imatrix, refit=refit)
             return ggml_layer(raw, kind, linear.in_features, linear.bias)
 
-        layer.replace(make, names=hessians)
+        layer.replace(make, names=hessians, rows=True)
     return {"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
             "desc_act": False, "imatrix": imatrix, "refit": refit, "ggml_types": types,
             **({"bpw": bpw, "plan": plan} if bpw is not None else {}),

@@ -23,14 +23,17 @@ results, kept apart so that this file reads as the walk itself.
 
 With several processes (engine/distributed.py) each rank walks the layers with its share of the batches: capture
 merges the ranks' statistics in a fixed order (InputStats' slots: the sums of one process, bit for bit) and replace
-has one owner rank make each linear and send it to the others, so every method runs unchanged.
+has one rank make each linear (or, for error feedback, each share of a large linear's rows) and send it to the others,
+so every method runs unchanged.
 """
 import torch
 from tqdm import tqdm
 
+from ...distributed import plan
 from ...layers import QuantLinear, input_owner, linear_names, replace_linears, sequential_steps
 from .experts import PER_LAYER
 from .layer_runs import ResumingRuns
+from .obq import ROWS
 
 # The calibration batches are cut into SLOTS contiguous slots, each summed from zero in batch order and the slots
 # folded in slot order: the same sums, bit for bit, whether one process or up to SLOTS ranks hold the slots.
@@ -145,6 +148,18 @@ def hessian_from(inputs):
     return InputStats.of(inputs).hessian
 
 
+def _rows(linear, first, end):
+    """An nn.Linear holding rows first .. end - 1 of `linear` (views of its weight and bias), the whole one as it
+    is."""
+    if first == 0 and end == linear.out_features:
+        return linear
+    share = torch.nn.Linear(linear.in_features, end - first, bias=linear.bias is not None, device="meta")
+    share.weight = torch.nn.Parameter(linear.weight[first:end], requires_grad=False)
+    if linear.bias is not None:
+        share.bias = torch.nn.Parameter(linear.bias[first:end], requires_grad=False)
+    return share
+
+
 class _Seen(Exception):
     """Raised by a pre-hook to end a forward once every watched linear has seen its input."""
 
@@ -195,19 +210,32 @@ class LayerCalibration:
         self.group, self.first = group, first
         self.total = len(batches or ()) if total is None else total
 
-    def replace(self, make, names=None):
+    def replace(self, make, names=None, rows=False):
         """Replace the layer's linears (all, or the full names in `names`) by make(full name, linear), in place. In a
-        group of processes each linear is made by one owner rank and sent to the others."""
+        group of processes each linear is made by the rank distributed.plan gives it and sent to the others; with
+        rows=True (make quantizes each output row on its own given the statistics, as error feedback does) a large
+        linear is cut into shares of rows, make gets a linear of one share's rows, and the shares' layers are joined
+        (QuantLinear.joined) on every rank."""
         names = None if names is None else {n.removeprefix(self.prefix) for n in names}
         if self.group is None:
             replaced = replace_linears(self.layer, lambda name, linear: make(self.prefix + name, linear), names)
         else:
             chosen = [n for n in linear_names(self.layer) if names is None or n in names]
-            owner = {n: (self.index + k) % self.group.world for k, n in enumerate(chosen)}
-            made = {n: make(self.prefix + n, self.layer.get_submodule(n)) for n in chosen
-                    if owner[n] == self.group.rank}
-            replaced = replace_linears(self.layer, lambda name, linear: self.group.broadcast(
-                made.get(name), owner[name], f"sharing {self.prefix}{name}"), set(chosen))
+            linears = {n: self.layer.get_submodule(n) for n in chosen}
+            if rows:
+                shares = plan({n: (m.out_features, m.in_features) for n, m in linears.items()}, self.group.world,
+                              ROWS)
+            else:                                       # whole linears, turn about
+                shares = {n: [((self.index + k) % self.group.world, 0, m.out_features)]
+                          for k, (n, m) in enumerate(linears.items())}
+            made = {(n, a): make(self.prefix + n, _rows(linears[n], a, b))
+                    for n in chosen for r, a, b in shares[n] if r == self.group.rank}
+
+            def gathered(name, linear):
+                parts = [self.group.broadcast(made.get((name, a)), r, f"sharing {self.prefix}{name}")
+                         for r, a, _ in shares[name]]
+                return parts[0] if len(parts) == 1 else type(parts[0]).joined(parts)
+            replaced = replace_linears(self.layer, gathered, set(chosen))
         self.runs.drop_stale()                          # what the replaced linears made is freed now
         return replaced
 
