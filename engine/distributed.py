@@ -143,15 +143,18 @@ class Group:
         self.bytes += data.numel()
         return self._received(data, src, what)
 
-    def fold(self, parts, add, what="summing calibration statistics"):
-        """parts: this rank's slot sums, in slot order -> the left fold of every rank's slot sums in rank order,
-        on every rank (add(total, part) -> total; total starts as the first part)."""
+    def fold(self, parts, add, finish=lambda total: total, what="summing calibration statistics"):
+        """parts: this rank's slot sums, in slot order -> finish(the left fold of every rank's slot sums in rank
+        order), on every rank (add(total, part) -> total; total starts as the first part; None if no rank has one).
+        A reduction, not an all-gather: each rank sends one running total to the next, and the last rank sends
+        every rank the finished total (InputStats: float32, half the float64 sums' bytes)."""
         total = None if self.rank == 0 else self.receive(self.rank - 1, what)
         for part in parts:
             total = part if total is None else add(total, part)
         if self.rank + 1 < self.world:
             self.send(total, self.rank + 1, what)
-        return self.broadcast(total, self.world - 1, what)
+            return self.broadcast(None, self.world - 1, what)
+        return self.broadcast(None if total is None else finish(total), self.world - 1, what)
 
     def close(self):
         """Leave the group: this rank's last step (a SIGTERM from now on is ignored)."""

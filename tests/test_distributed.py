@@ -106,10 +106,12 @@ def test_slot_sums_split_over_ranks_fold_to_the_one_process_sums():
             part.add(batches[b], calibration.slot_of(b, len(batches)))
         halves.append(part)
     assert [len(h.parts) for h in halves] == [4, 4]                 # each rank keeps its 4 slots apart
+    assert halves[0].parts[0][1].shape == (24 * 25 // 2,)           # X^T X's upper triangle: what a rank sends
     folded = halves[0].parts + halves[1].parts
     merged = InputStats(24)
     merged.parts = [[p[0], p[1].clone(), p[2].clone(), p[3]] for p in folded]        # folded in place
     assert torch.equal(merged.hessian, one.hessian) and torch.equal(merged.mean_abs, one.mean_abs)
+    assert torch.equal(merged.gram, merged.gram.T) and merged.gram.dtype == torch.float32
     naive = halves[0]._total()[1] + halves[1]._total()[1]
     assert not torch.equal(naive, one._total()[1])                 # the order matters: the fold is needed
 

@@ -26,6 +26,8 @@ merges the ranks' statistics in a fixed order (InputStats' slots: the sums of on
 has one rank make each linear (or, for error feedback, each share of a large linear's rows) and send it to the others,
 so every method runs unchanged.
 """
+import functools
+
 import torch
 from tqdm import tqdm
 
@@ -56,11 +58,14 @@ class InputStats:
     number of processes): each slot summed from zero in batch order, the slots folded left to right. A process that
     holds only some slots keeps their sums apart (keep_slots) until merge(group) folds them with the other ranks', so
     that any number of ranks reaches the sums of one process bit for bit. One process holds two float64 sums per
-    statistic (the total and the open slot's), the price of that order."""
+    statistic (the total and the open slot's), the price of that order. X^T X is symmetric, so only its upper
+    triangle is summed, kept and sent (half the bytes), and G is that triangle mirrored, on any BLAS; what the
+    methods read is float32, so the ranks receive the total already divided and rounded (half again)."""
 
     def __init__(self, in_features, keep_slots=False):
         self.in_features, self.keep_slots = in_features, keep_slots
         self.parts = []              # [slot, xtx, abs_sum, count]: closed slots (folded unless kept), then the open one
+        self.merged = None           # after merge: (G's upper triangle, mean_abs, count) as the ranks computed them
 
     @classmethod
     def of(cls, inputs):
@@ -85,53 +90,81 @@ class InputStats:
                 part[2].zero_()
                 part[0], part[3] = slot, 0
             else:
-                self.parts.append([slot, torch.zeros(self.in_features, self.in_features, dtype=torch.float64,
+                self.parts.append([slot, torch.zeros(_triangle(self.in_features), dtype=torch.float64,
                                                      device=x.device),
                                    torch.zeros(self.in_features, dtype=torch.float64, device=x.device), 0])
         part = self.parts[-1]
         # one batch's X^T X in float32 (a float64 matmul costs several times more), summed over batches in float64
         # (a long calibration run sums many large squares)
-        part[1] += (x.T @ x).double()
+        part[1] += (x.T @ x)[_upper(self.in_features, x.device)].double()
         part[2] += x.abs().sum(0, dtype=torch.float64)
         part[3] += x.shape[0]
 
     def merge(self, group):
-        """Fold this rank's slot sums with every other rank's (engine.distributed.Group.fold); the same on every
-        rank afterwards."""
-        total = group.fold(self.parts, _fold)
-        self.parts = [total] if total is not None else []
+        """Fold this rank's slot sums with every other rank's (engine.distributed.Group.fold): the last rank divides
+        the total (_final) and sends every rank the float32 statistics, the same on every rank afterwards."""
+        self.merged, self.parts = group.fold(self.parts, _fold, _final), []
 
     def _total(self):
         while len(self.parts) > 1:
             _fold(*self.parts[:2])
             del self.parts[1]
-        if not self.parts or self.parts[0][3] == 0:
-            raise ValueError("no calibration inputs reached this layer")
         return self.parts[0]
+
+    def _statistics(self):
+        final = self.merged if self.merged is not None or not self.parts else _final(self._total())
+        if final is None or final[2] == 0:
+            raise ValueError("no calibration inputs reached this layer")
+        return final
 
     @property
     def count(self):
-        return self._total()[3]
+        return self._statistics()[2]
 
     @property
     def rows(self):
         """The input rows (tokens) added so far, 0 when none: an expert no calibration token was routed to."""
-        return sum(part[3] for part in self.parts)
+        return self.merged[2] if self.merged is not None else sum(part[3] for part in self.parts)
 
     @property
     def gram(self):
-        _, xtx, _, n = self._total()
-        return (xtx / n).float()
+        return _mirrored(self._statistics()[0], self.in_features)
 
     @property
     def hessian(self):
-        _, xtx, _, n = self._total()
-        return (2 * xtx / n).float()
+        return 2 * self.gram                  # exact: (2 X^T X / n) in float32, but for subnormal entries
 
     @property
     def mean_abs(self):
-        _, _, abs_sum, n = self._total()
-        return (abs_sum / n).float()
+        return self._statistics()[1]
+
+
+@functools.cache
+def _upper_cpu(n):
+    return torch.ones(n, n, dtype=torch.bool).triu()
+
+
+def _upper(n, device):
+    """bool [n, n]: the upper triangle, diagonal included (X^T X[mask]: its entries row by row)."""
+    return _upper_cpu(n).to(device)
+
+
+def _triangle(n):
+    return n * (n + 1) // 2
+
+
+def _mirrored(upper, n):
+    """An upper triangle row by row [n (n + 1) / 2] -> the symmetric matrix [n, n] (adding zeros: exact)."""
+    full = torch.zeros(n, n, dtype=upper.dtype, device=upper.device)
+    full[_upper(n, upper.device)] = upper
+    return full + full.triu(1).T
+
+
+def _final(total):
+    """The folded slot sums [slot, xtx, abs_sum, count] -> (G's upper triangle, mean_abs, count), float32: what the
+    statistics are read from, in one process and, sent by the last rank, on every rank."""
+    _, xtx, abs_sum, n = total
+    return (xtx / n).float(), (abs_sum / n).float(), n
 
 
 def _fold(total, part):
