@@ -272,6 +272,18 @@ class LayerCalibration:
         self.runs.drop_stale()                          # what the replaced linears made is freed now
         return replaced
 
+    def by_rows(self, fn, weight):
+        """fn(weight) for an fn whose results are per output row (tensors whose first dimension follows weight's rows,
+        in blocks of them): error feedback given the statistics. In a group of processes each rank runs fn on its
+        share of the rows (distributed.plan) and the shares' results are joined on every rank."""
+        if self.group is None:
+            return fn(weight)
+        shares = plan({"weight": tuple(weight.shape)}, self.group.world, ROWS)["weight"]
+        mine = [fn(weight[a:b]) for r, a, b in shares if r == self.group.rank]
+        parts = [self.group.broadcast(mine[0] if r == self.group.rank else None, r, f"sharing {self.prefix} rows")
+                 for r, _, _ in shares]
+        return tuple(torch.cat(joined) for joined in zip(*parts))
+
     def _run(self, b, args, watched=()):
         """What self.layer(*args) returns for batch b (resumed where an earlier run of the batch stopped, when that
         gives the same result: ResumingRuns); `watched`: the modules whose inputs the caller captures."""
