@@ -272,14 +272,15 @@ class LayerCalibration:
         self.runs.drop_stale()                          # what the replaced linears made is freed now
         return replaced
 
-    def by_rows(self, fn, weight):
-        """fn(weight) for an fn whose results are per output row (tensors whose first dimension follows weight's rows,
-        in blocks of them): error feedback given the statistics. In a group of processes each rank runs fn on its
-        share of the rows (distributed.plan) and the shares' results are joined on every rank."""
+    def by_rows(self, fn, *rows):
+        """fn(*rows) for tensors whose first dimension is a weight's output rows (None passes as it is) and an fn
+        whose results are tensors per output row in turn (the first dimension follows the rows, in blocks of them):
+        error feedback given the statistics. In a group of processes each rank runs fn on its share of the rows
+        (distributed.plan) and the shares' results are joined on every rank."""
         if self.group is None:
-            return fn(weight)
-        shares = plan({"weight": tuple(weight.shape)}, self.group.world, ROWS)["weight"]
-        mine = [fn(weight[a:b]) for r, a, b in shares if r == self.group.rank]
+            return fn(*rows)
+        shares = plan({"weight": tuple(rows[0].shape[:2])}, self.group.world, ROWS)["weight"]
+        mine = [fn(*(t if t is None else t[a:b] for t in rows)) for r, a, b in shares if r == self.group.rank]
         parts = [self.group.broadcast(mine[0] if r == self.group.rank else None, r, f"sharing {self.prefix} rows")
                  for r, _, _ in shares]
         return tuple(torch.cat(joined) for joined in zip(*parts))
