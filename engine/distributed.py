@@ -5,14 +5,19 @@ needs, each exact and each naming the rank it lost when one dies.
 
 Data-free methods split the decoder layers: rank r quantizes layers r, r + N, r + 2N, ... and sends each one's
 tensors to rank 0. Data-aware methods split the calibration: each rank runs its contiguous share of the batches
-through every layer; each linear's input statistics (GPTQ's Hessian) are summed over the ranks, that linear is
-quantized by one owner rank and the result broadcast, so every rank continues from the same quantized layer.
+through every layer; each linear's input statistics (GPTQ's Hessian) are summed over the ranks, and each step's
+linears are shared out by `plan`: whole linears to ranks where that balances, and for error feedback (GPTQ, on
+llama.cpp's grids too, BlockLDLQ, EntQuant's feedback) a linear too long for one rank cut into shares of output rows
+(rows are independent given H: each rank runs the feedback on its rows with the factor made from the same H bytes,
+numerics/obq.py's products in fixed blocks of rows keep the bytes). Every rank gets every result, so every rank
+continues from the same quantized layer.
 
 Byte-identical to one process. A float64 sum depends on its order, so the statistics are always summed the same way,
 whatever the number of ranks: the batches are cut into SLOTS contiguous slots, each slot summed from zero in batch
 order, and the slot sums folded left to right (one process: as it goes; ranks: each holds its slots' sums until the
 running total of the slots before them arrives from the rank before, adds them and passes it on; the last rank
-broadcasts the total). Rank 0 is the only one that writes (so no shared file system is needed): the lock, the
+sends every rank the total, divided and in float32: half the bytes; only the upper triangle of the symmetric X^T X
+moves, half again). Rank 0 is the only one that writes (so no shared file system is needed): the lock, the
 progress record, every shard, the index and the provenance, in the same order as one process.
 
 A rank that dies (or a group that cannot form within the timeout) ends every other rank with one error line naming

@@ -281,8 +281,9 @@ class LayerCalibration:
             return fn(*rows)
         shares = plan({"weight": tuple(rows[0].shape[:2])}, self.group.world, ROWS)["weight"]
         mine = [fn(*(t if t is None else t[a:b] for t in rows)) for r, a, b in shares if r == self.group.rank]
-        parts = [self.group.broadcast(mine[0] if r == self.group.rank else None, r, f"sharing {self.prefix} rows")
-                 for r, _, _ in shares]
+        parts = [self.group.broadcast(mine[0] if r == self.group.rank else None, r,
+                                      f"sharing rows {first}-{end - 1} of a weight of {self.prefix[:-1]}")
+                 for r, first, end in shares]
         return tuple(torch.cat(joined) for joined in zip(*parts))
 
     def _run(self, b, args, watched=()):
