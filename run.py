@@ -85,6 +85,14 @@ def build_parser():
                        help="how quantized layers compute: torch (decode the weights, then one matmul: the "
                             "reference, default) or engine (each layer's Triton kernel; interpreted on a CPU, slow)")
 
+    def weights(p):
+        p.add_argument("--weights", choices=["compact", "exact", "stream", "float32"], default=None,
+                       help="what the quantized layers hold while the torch path runs: compact (default: their codes; "
+                            "4-bit affine through PyTorch's int4 kernel and 8-bit through its int8 kernel, bf16 "
+                            "scales; the rest decoded a few rows at a time into one shared buffer), exact (their "
+                            "codes, every layer decoded exactly), stream (EntQuant: its rANS streams, one block "
+                            "decoded per forward) or float32 (a float32 copy of every layer, 4 bytes a weight)")
+
     def real_eval(p):
         g = p.add_argument_group("a real model's evaluation (with --model)")
         g.add_argument("--ctx", type=int, default=512, help="tokens per held-out chunk (default 512)")
@@ -196,6 +204,7 @@ def build_parser():
     tiny(e, "the tiny model's training text (it must be the one the checkpoint was made from); a real model's "
             "held-out evaluation text (default: the built-in corpus)")
     impl(e)
+    weights(e)
     real_eval(e)
     kv(e)
 
@@ -211,6 +220,7 @@ def build_parser():
     tiny(g, "the tiny model's training text (default: the built-in corpus)",
          "the sampling seed, and the tiny model's training seed (default 0)")
     impl(g)
+    weights(g)
     kv(g)
     return parser
 

@@ -224,6 +224,9 @@ def cmd_eval(args):
         raise ValueError("--kv-cache evaluates a real model's cache: eval --model M --kv-cache SPEC")
     if args.model is not None or args.quantized is not None:
         return eval_real(args)
+    if getattr(args, "weights", None) is not None:
+        raise ValueError("--weights applies to a real model's eval (--model REF --quantized Q) and to generate; a "
+                         "tiny checkpoint's KL is measured on its float32 weights")
     if args.checkpoint is None:
         raise ValueError("give a checkpoint of the tiny model (a folder or .gguf file), or --model REF --quantized Q")
     check_model_path(args.checkpoint, "CHECKPOINT")
@@ -261,13 +264,15 @@ def eval_real(args):
     for path in filter(None, (ref_path, q_path)):
         check_context(args.ctx, "--ctx", model_config(path))
     check_kv_cache(args, args.ctx, model_config(ref_path).head_dim, "--ctx")
+    from engine import runtime
+    weights = runtime.choose(getattr(args, "weights", None), args.impl, q_path or ref_path)
     import torch
     from engine.loaders import checkpoint_source, model_digest
     from engine.checkpoints.models import load_model
     from engine.checkpoints.tokenizer import load_tokenizer
     from engine.data import text_corpus
     from engine.evaluation import compare_models, markdown_table
-    from engine.layers import decoded_weights, impl, model_bits
+    from engine.layers import impl, model_bits
     corpus = text_corpus(args.text, load_tokenizer(ref_path))
     chunks = corpus.eval_chunks(args.ctx, args.chunks)                  # short text fails before any model loads
     source = checkpoint_source(q_path) if q_path is not None and q_path.is_dir() else None
@@ -278,7 +283,7 @@ def eval_real(args):
                          f"({model_digest(reference)[:12]})")
     if q_path is not None:
         log(f"loading {q_path} ...")
-    quantized = reference if q_path is None else load_model(q_path)
+    quantized = reference if q_path is None else load_model(q_path, to_run=weights not in (None, "float32"))
     bits = model_bits(quantized)
     scored, kv = quantized, {}
     if args.kv_cache is not None:                     # each chunk read through a fresh stored cache, as a prefill
@@ -288,9 +293,10 @@ def eval_real(args):
             kv["quantizer"] = parse_kv_spec(args.kv_cache)
             logits, kv["cache"] = stored_logits(quantized, ids, kv["quantizer"], args.prefill_chunk)
             return logits
-    with impl(args.impl), decoded_weights(quantized):
+    with impl(args.impl), runtime.running(quantized, weights):
         stats = compare_models(reference, scored, chunks, impl=args.impl,
                                progress=lambda it: bar(it, desc="evaluating", unit="chunk"))
+        weight_bytes = runtime.held_bytes(quantized)
     label = q_path.name if q_path is not None else ref_path.name
     result = {"reference": str(ref_path), "quantized": str(q_path or ref_path), "bits": bits and round(bits, 3)}
     if kv:
@@ -307,6 +313,8 @@ def eval_real(args):
         + (f"; {bits:.3f} bits per quantized weight" if bits else ""))
     if kv:
         log(kv_summary(args.kv_cache, kv["cache"]) + f"; {result['kv_bits']} bits per K/V scalar counted")
+    log(f"{label}{f' ({weights})' if weights else ''}: "
+        + runtime.memory_line(quantized, q_path or ref_path, weight_bytes))
 
 
 def cmd_generate(args):
@@ -319,9 +327,11 @@ def cmd_generate(args):
     check_text(args.text)
     if args.model is not None:
         check_model_path(args.model)
+    from engine import runtime
+    weights = runtime.choose(getattr(args, "weights", None), args.impl, args.model)
     import torch
     from engine.checkpoints.tokenizer import load_tokenizer
-    from engine.layers import decoded_weights, impl
+    from engine.layers import impl
     from engine.training import tiny_setup
     from engine.checkpoints.models import model_config
     from engine.qwen3 import Qwen3Config
@@ -350,7 +360,8 @@ def cmd_generate(args):
         from engine.checkpoints.models import load_model
         log(f"loading {args.model} ...")
         model = load_model(args.model, progress=lambda it, total: bar(it, total=total, desc="loading",
-                                                                      unit="tensor", leave=False))
+                                                                      unit="tensor", leave=False),
+                           to_run=weights not in (None, "float32"))
     loaded = time.time()
     generator = torch.Generator().manual_seed(args.seed)
     state = {"first": None, "new": []}
@@ -364,8 +375,8 @@ def cmd_generate(args):
         state["shown"] = len(text)
 
     try:
-        with impl(args.impl), decoded_weights(model, progress=lambda it: bar(it, desc="decoding weights",
-                                                                                unit="layer", leave=False)) as kept:
+        with impl(args.impl), runtime.running(model, weights, lambda it: bar(it, desc="decoding weights",
+                                                                             unit="layer", leave=False)) as kept:
             decoded = time.time()
             cache = None
             if quantizer is not None:
@@ -373,17 +384,19 @@ def cmd_generate(args):
                 cache = install(model, quantizer)
             model.generate(ids, args.max_new_tokens, args.temperature, generator, on_token=show, cache=cache,
                            prefill_chunk=args.prefill_chunk)
+            weight_bytes = runtime.held_bytes(model)
     finally:
         torch.set_num_threads(threads)
     sys.stdout.buffer.write(b"\n")
     sys.stdout.buffer.flush()
     done = time.time()
     n = len(state["new"])
-    log(f"load {loaded - started:.1f} s, " + (f"decode weights {decoded - loaded:.1f} s, " if kept else "")
-        + f"first token {state['first'] - decoded:.2f} s after that, {n} tokens in {done - decoded:.1f} s "
-        f"({n / max(done - decoded, 1e-9):.1f} tokens/s)")
+    prepared = f"{'decode' if kept else 'prepare'} weights {decoded - loaded:.1f} s, " if weights else ""
+    log(f"load {loaded - started:.1f} s, {prepared}first token {state['first'] - decoded:.2f} s after that, {n} tokens "
+        f"in {done - decoded:.1f} s ({n / max(done - decoded, 1e-9):.1f} tokens/s)")
     if cache is not None:
         log(kv_summary(args.kv_cache, cache))
+    log(f"{weights or args.impl}: " + runtime.memory_line(model, args.model, weight_bytes))
 
 
 def prompt_ids(args, tokenizer, context):

@@ -80,6 +80,33 @@ class QuantLinear(nn.Module):
         """Every bit this layer's checkpoint tensors take (codes and metadata), bias excluded."""
         raise NotImplementedError
 
+    # ---- the run-time forms' side (engine/runtime.py) --------------------------------------------------------
+    row_align = 1                    # decode_rows takes row ranges that start and end at multiples of this
+
+    def runtime_input(self, x2d):
+        """x2d [M, in] -> the input in the basis decode_rows' weight is in (a rotation, an act-order order)."""
+        return x2d
+
+    def decode_rows(self, out, start, stop):
+        """Write rows start:stop of the weight runtime_input's x multiplies into out (float32 [stop - start, in], a
+        view of a shared buffer), exactly dequantize()'s values; or, returning row scales [stop - start], values
+        that times them (out * scales[:, None]) are exactly those (the product's outputs are scaled instead, one
+        pass less). This generic one decodes the whole weight; a format overrides it with a decode of those rows."""
+        out.copy_(self.dequantize()[start:stop])
+
+    def rows(self, ids):
+        """dequantize()[ids] (ids int64 [n]) -> float32 [n, in], decoding those rows alone: an embedding's lookup."""
+        out = torch.empty(len(ids), self.in_features)
+        for i, row in enumerate(ids.tolist()):
+            scale = self.decode_rows(out[i:i + 1], row, row + 1)
+            if scale is not None:
+                out[i:i + 1] *= scale[:, None]
+        return out
+
+    def compact(self):
+        """The layer as it runs: itself, or the same codes without what only a file needs (a GGUF layer's blocks)."""
+        return self
+
     @property
     def bits_per_weight(self) -> float:
         return self.storage_bits() / (self.in_features * self.out_features)
@@ -174,9 +201,31 @@ def decoded_weights(model, max_bytes=None, progress=None):
             layer._keep_decoded, layer._decoded = False, None
 
 
-def quantized_linears(model):
-    """{name: module} for every QuantLinear in the model."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+def quantized_linears(model, heads=False):
+    """{name: module} for every QuantLinear in the model but a quantized lm_head and the layer of a QuantEmbedding
+    (what the methods quantize; heads=True: those too)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)
+            and (heads or not (name == "lm_head" or name.endswith("embed_tokens.layer")))}
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding kept in its stored quantized type: `layer`, a QuantLinear [vocab, hidden] (a tied lm_head is
+    that same module), whose rows are decoded as the ids ask for them. ids [...] -> float32 [..., hidden]."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    @property
+    def num_embeddings(self):
+        return self.layer.out_features
+
+    @property
+    def embedding_dim(self):
+        return self.layer.in_features
+
+    def forward(self, ids):
+        return self.layer.rows(ids.reshape(-1)).reshape(*ids.shape, self.layer.in_features)
 
 
 def model_bits(model):

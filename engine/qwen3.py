@@ -47,12 +47,16 @@ from engine.config import Qwen3Config, Qwen3MoeConfig  # noqa: F401  (the MoE co
 
 
 class RMSNorm(nn.Module):
+    fast = False                     # torch's fused rms_norm on float32 (set_fast; the same values, one op)
+
     def __init__(self, dim, eps=1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x):
+        if self.fast and x.dtype == self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -89,6 +93,22 @@ def apply_rope(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+_rotations = [None, None]      # (cos, the matrices rope_matrices made from it): the layers of a forward share them
+
+
+def rope_matrices(cos, sin):
+    """(cos, sin) [T, d] -> R [T, d, d] with x @ R[t] = apply_rope(x, cos, sin) at position t (up to rounding): RoPE
+    as one product (the fast path's), made once per forward pass, whose layers all get the same tables."""
+    if _rotations[0] is not cos:
+        half = cos.shape[-1] // 2
+        r = torch.diag_embed(cos)
+        i = torch.arange(half, device=cos.device)
+        r[:, i + half, i] = -sin[:, :half]
+        r[:, i, i + half] = sin[:, half:]
+        _rotations[:] = cos, r
+    return _rotations[1]
 
 
 class KVCache:
@@ -148,6 +168,8 @@ def attention_bytes(cfg, batch, tokens):
 
 
 class Attention(nn.Module):
+    fast = False                     # set_fast: torch's scaled_dot_product_attention where no KV transform is set
+
     def __init__(self, cfg: Qwen3Config, index: int):
         super().__init__()
         self.index, self.cfg = index, cfg
@@ -159,13 +181,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.kv_transform, self.kv_window = None, None
+        self.qkv = None                  # a projection of q, k and v at once (engine.runtime fuses them), or None
 
     def forward(self, x, cos, sin, cache=None):
+        if self.fast and self.kv_transform is None:
+            return self._fast(x, cos, sin, cache)
         b, t, _ = x.shape
         cfg = self.cfg
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, cfg.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, cfg.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, cfg.head_dim).transpose(1, 2)
+        q, k, v = self._project(x)
+        q, k, v = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_transform is not None and self.kv_window is None:
             k, v = self.kv_transform(k, v, self.index)
@@ -185,6 +209,40 @@ class Attention(nn.Module):
             blocks.append(self._attend(q[:, :, i:i + rows], k[:, :, :n], v[:, :, :n], causal[i:i + rows, :n],
                                        coded and [c[:, :, :n] for c in coded[:2]] + [coded[2][i:i + rows, :n]]))
         out = torch.cat(blocks, 2)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _project(self, x):
+        """x [B, T, hidden] -> q, k, v [B, T, heads, head_dim], from the fused projection where there is one."""
+        b, t, _ = x.shape
+        h, kv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        if self.qkv is not None:
+            return self.qkv(x).view(b, t, -1, d).split((h, kv, kv), 2)
+        return (proj(x).view(b, t, -1, d) for proj in (self.q_proj, self.k_proj, self.v_proj))
+
+    def _fast(self, x, cos, sin, cache):
+        """forward in fewer ops, for a model that runs (set_fast): q, k and v from one projection where they are
+        fused, RoPE as one product by each position's rotation (rope_matrices; on q and k at once where no norm sits
+        between), torch's scaled_dot_product_attention (its softmax in the activations' dtype, as this file's in
+        float32 models). The same math: equal up to rounding."""
+        b, t, _ = x.shape
+        h, kv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        plain = isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
+        rotation = rope_matrices(cos.to(x.dtype), sin.to(x.dtype))             # [t, d, d]
+        if self.qkv is not None and plain:
+            qkv = self.qkv(x).view(b, t, -1, d).transpose(1, 2)          # [b, h + 2 kv, t, d]
+            qk = (qkv[:, :h + kv, :, None] @ rotation).squeeze(3)
+            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]
+        else:
+            q, k, v = self._project(x)
+            q = (self.q_norm(q).transpose(1, 2)[:, :, :, None] @ rotation).squeeze(3)
+            k = (self.k_norm(k).transpose(1, 2)[:, :, :, None] @ rotation).squeeze(3)
+            v = v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(self.index, k, v)
+        past = k.shape[2] - t
+        mask = None if t == 1 or past == 0 else torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=t > 1 and past == 0,
+                                             scale=d ** -0.5, enable_gqa=h != kv)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _attend(self, q, k, v, causal, coded=None):
@@ -223,8 +281,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, intermediate, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, intermediate, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up = None              # a projection of gate and up at once (engine.runtime fuses them), or None
 
     def forward(self, x):
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, -1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -328,6 +390,14 @@ class Qwen3(nn.Module):
         for layer in self.model.layers:
             h = layer(h, cos, sin, cache)
         return self.lm_head(self.model.norm(h))
+
+    def set_fast(self, fast=True):
+        """Run with torch's fused kernels (F.rms_norm on float32, scaled_dot_product_attention where no KV transform
+        is set): what engine.runtime.prepare turns on for generate and eval. The same math in fewer ops, equal up
+        to rounding; off (the default) this file computes as transformers' eager path, bit for bit."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.fast = fast
 
     def set_kv_transform(self, fn, window=None):
         """fn(k, v, layer_index) -> (k, v), or None to remove; with window R (an int >= 0) the windowed hook,

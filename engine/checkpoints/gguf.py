@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from ..layers import QuantLinear
+from ..layers import QuantEmbedding, QuantLinear
 from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, TYPE_NAMES, dequantize, quantized_linear
 from ..qwen3 import Qwen3Config
 from ..loaders import check_complete, check_layer_count, install_layer, place, skeleton
@@ -353,10 +353,12 @@ def hf_config(f):
     return cfg
 
 
-def hf_tensors(f, keep=None, dense=False):
+def hf_tensors(f, keep=None, dense=False, to_run=False):
     """Yields (HF name, tensor) for every dense tensor (quantized embeddings and lm_head are dequantized) and
     (HF module name, QuantLinear) for every quantized linear, with its bias attached; llama q/k rows unpermuted.
-    keep(HF name) -> bool selects tensors (e.g. one decoder layer's); dense=True dequantizes the linears too."""
+    keep(HF name) -> bool selects tensors (e.g. one decoder layer's); dense=True dequantizes the linears too;
+    to_run=True yields a quantized embedding and lm_head as layers too (model.embed_tokens, lm_head), and every
+    quantized layer without the GGML blocks it came from (a plain AffineQuantLinear: its codes and grid alone)."""
     cfg = hf_config(f)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     permuted = cfg["model_type"] == "llama"
@@ -379,12 +381,13 @@ def hf_tensors(f, keep=None, dense=False):
         module, _, suffix = name.rpartition(".")
         stem = info.name.rpartition(".")[0]
         weight = f.tensors.get(stem + ".weight")
-        if not dense and kind in LINEARS and weight is not None and weight.type_name not in DENSE:
+        linear = kind in LINEARS or (to_run and kind in ("token_embd", "output"))
+        if not dense and linear and weight is not None and weight.type_name not in DENSE:
             if suffix == "weight":                    # a quantized linear; its bias and scale go with it
                 bias = f.tensors.get(stem + ".bias")
                 bias = None if bias is None else dequantize(read(bias, kind), bias.type_name, bias.shape)
                 yield module, quantized_linear(read(info, kind), info.type_name, info.shape, bias,
-                                               _tensor_scale(f, stem))
+                                               _tensor_scale(f, stem), keep_blocks=not to_run)
         elif suffix == "scale":
             if weight is None or weight.type_name in DENSE:
                 raise ValueError(f"GGUF tensor {info.name}: a per-tensor scale on a dense weight is not supported")
@@ -404,19 +407,27 @@ def _tensor_scale(f, stem):
     return dequantize(f.raw(scale.name), "F32", (1,))[0]
 
 
-def load_gguf(path, dtype=torch.float32, device="cpu", progress=None):
+def load_gguf(path, dtype=torch.float32, device="cpu", progress=None, to_run=False):
     """The engine model of a GGUF file: dense tensors in `dtype`, quantized linears as the engine's layers. The
     model is built on the meta device once the block count is checked against the tensors the file holds.
-    progress(iterable, total), e.g. tqdm, wraps the tensors as they load."""
+    progress(iterable, total), e.g. tqdm, wraps the tensors as they load. to_run=True loads the model to run it
+    (engine.runtime): a quantized embedding stays in its stored type (a QuantEmbedding; a tied lm_head is its
+    layer), a quantized lm_head a quantized linear, and no layer keeps the blocks only a writer needs."""
     with GGUFFile(path) as f:
         cfg = Qwen3Config.from_hf(hf_config(f))
         check_layer_count(cfg, {hf_name(name)[0]: None for name in f.tensors}, path)
         model = skeleton(cfg)
         params = dict(model.named_parameters())
         loaded, built = set(), set()
-        tensors = hf_tensors(f)
+        tensors = hf_tensors(f, to_run=to_run)
         for name, value in progress(tensors, len(f.tensors)) if progress else tensors:
-            if isinstance(value, QuantLinear):
+            if isinstance(value, QuantLinear) and name == "model.embed_tokens":
+                if (value.out_features, value.in_features) != (cfg.vocab_size, cfg.hidden_size):
+                    raise ValueError(f"GGUF token_embd is {value.out_features} x {value.in_features}, the config "
+                                     f"says {cfg.vocab_size} x {cfg.hidden_size}")
+                model.model.embed_tokens = QuantEmbedding(value.to(device))
+                built.add(name)
+            elif isinstance(value, QuantLinear):
                 install_layer(model, name, value, device)
                 built.add(name)
             elif name in params:
@@ -424,7 +435,9 @@ def load_gguf(path, dtype=torch.float32, device="cpu", progress=None):
                 loaded.add(name)
             else:
                 raise ValueError(f"GGUF tensor {name} does not fit the model ({cfg.num_hidden_layers} layers)")
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and isinstance(model.model.embed_tokens, QuantEmbedding):
+            model.lm_head = model.model.embed_tokens.layer
+        elif cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
     check_complete(model, loaded, path, built)
     return model.eval()

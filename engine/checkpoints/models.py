@@ -16,14 +16,18 @@ from .gguf_tokenizer import gguf_tokenizer
 from .tokenizer import check_vocabulary, export_tokenizer, load_tokenizer
 
 
-def load_model(path, dtype=None, device="cpu", dense=False, progress=None):
+def load_model(path, dtype=None, device="cpu", dense=False, progress=None, to_run=False):
     """Any model the engine reads: a .gguf file (gguf.py), a quantized checkpoint folder (config.json with a
     quantization_config) or a dense one. dense=True turns every quantized layer into an nn.Linear holding its
     dequantized weight (float32): the reference a GGUF model's own quantization defines. progress(iterable, total),
-    e.g. tqdm, wraps a GGUF file's tensors as they load."""
+    e.g. tqdm, wraps a GGUF file's tensors as they load. to_run=True loads it to run (generate, eval:
+    engine.runtime.prepare comes next): a GGUF file's quantized embedding and lm_head stay in their stored type
+    instead of being dequantized, and its layers keep their codes without the blocks."""
     path = Path(path)
+    if dense and to_run:
+        raise ValueError("dense=True dequantizes every layer; to_run=True keeps them quantized")
     if path.suffix == ".gguf":
-        model = gguf.load_gguf(path, dtype or torch.float32, device, progress)
+        model = gguf.load_gguf(path, dtype or torch.float32, device, progress, to_run)
     elif isinstance(read_config(path).get("quantization_config"), dict):
         model = load_quantized(path, device, dtype)
     else:
@@ -42,6 +46,16 @@ def _dense_linear(layer):
         if layer.bias is not None:
             linear.bias.copy_(layer.bias)
     return linear
+
+
+def file_tensor_bytes(path):
+    """The bytes a model's files hold in tensors (a GGUF file's tensor data; a folder's safetensors tensors): what
+    its weights cost on disk, headers, metadata and the tokenizer left out."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        with gguf.GGUFFile(path) as f:
+            return sum(info.nbytes for info in f.tensors.values())
+    return sum(DTYPE_BYTES[dtype] * torch.Size(shape).numel() for dtype, shape in TensorReader(path).specs.values())
 
 
 def model_config(path):

@@ -49,7 +49,7 @@ from .entropy_decoder import BlockDecoder, block_context
 from .entropy_feedback import check_damp, feedback_weight, parse_feedback, self_hessians
 from .entropy_rate import lambda_for_bpw, load_lambda_table
 from .entropy_scales import CODE_MAX, entquant_scales, super_weight_mask
-from .numerics.minifloats import E4M3_MAX
+from .numerics.minifloats import E4M3_HALF_SHIFT, E4M3_MAX, e4m3_halves
 from .numerics.sensitivity import fisher_importance, parse_sensitivity, self_generated_ids
 
 
@@ -100,6 +100,7 @@ class EntQuantLinear(QuantLinear):
                                         else stream.to(torch.uint8).reshape(-1).contiguous()))
         self.register_buffer("super_index", idx.contiguous())
         self.register_buffer("super_value", val.contiguous())
+        self.register_buffer("held", None)              # its own codes uint8 [out, in] once hold_codes decoded them
         self.decoder, self.block_index, self.buffer_offset, self.stream_bits = None, None, 0, None
 
     def bind(self, decoder, block_index, buffer_offset, stream_bits):
@@ -109,7 +110,10 @@ class EntQuantLinear(QuantLinear):
                                                                                 stream_bits)
 
     def codes(self):
-        """The layer's codes uint8 [out, in], decoding its block first if the buffer holds another one."""
+        """The layer's codes uint8 [out, in]: its own once hold_codes gave them, else its block's share of the
+        decoder's buffer (decoding the block first if the buffer holds another one)."""
+        if self.held is not None:
+            return self.held
         if self.decoder is None:
             raise ValueError("EntQuantLinear is not attached to a block decoder: call "
                              "engine.formats.entropy.attach_decoder(model) after building or loading the model")
@@ -122,6 +126,33 @@ class EntQuantLinear(QuantLinear):
         if self.super_index.numel():
             w.view(-1)[self.super_index.long()] = self.super_value
         return w
+
+    def decode_rows(self, out, start, stop):
+        """Rows start:stop. Float8: the codes as e4m3_halves (values * 2^-8), returning the row scales 2^s * 2^8 the
+        outputs still need (the products by them are dequantize's). Int8: the codes times 2^s, then the super
+        weights of those rows."""
+        codes, scale = self.codes()[start:stop], torch.exp2(self.log_scale[start:stop].float())
+        if self.fmt == "float8":
+            out.copy_(e4m3_halves(codes))
+            return scale * E4M3_HALF_SHIFT
+        out.copy_(codes.view(torch.int8))
+        out.mul_(scale[:, None])
+        if self.super_index.numel():
+            first, last = start * self.in_features, stop * self.in_features
+            inside = (self.super_index >= first) & (self.super_index < last)
+            out.view(-1)[self.super_index[inside].long() - first] = self.super_value[inside]
+
+    def int8_rows(self):
+        """(codes int8 [out, in], row scales float32 [out]) with the weight = codes * scales[:, None] (super weights
+        aside), or None: Int8 codes as they are; Float8 bytes as c = 512 v where every |v| < 0.25 (each then a
+        multiple of 2^-9, E4M3's finest step, that fits an int8: a low-rate model's codes all are). What
+        engine.runtime's int8 kernel multiplies by."""
+        codes, scale = self.codes(), torch.exp2(self.log_scale.float())
+        if self.fmt == "int8":
+            return codes.view(torch.int8), scale
+        if bool(((codes & 0x7F) > 0x27).any()):                 # 0x27 = 0.234375, 0x28 = 0.25: 128 steps of 2^-9
+            return None
+        return (codes.view(torch.float8_e4m3fn).float() * 512).to(torch.int8), scale / 512
 
     def kernel_matmul(self, x2d):
         from ..kernels import triton_formats      # Triton: imported by the engine path only

@@ -71,4 +71,36 @@ class BlockDecoder:
         return self.buffer
 
     def pre_hook(self, index, module, args):
-        self.decode(index)
+        """Decode block `index` before its transformer layer runs, unless every one of its layers already holds its
+        weight decoded (inside layers.decoded_weights): then the buffer is not read this forward."""
+        if not all(getattr(m, "_keep_decoded", False) and getattr(m, "_decoded", None) is not None
+                   for m in self.blocks[index]):
+            self.decode(index)
+
+    def held_bytes(self):
+        """Bytes this decoder holds besides the layers' streams: its block buffer and the parsed streams' tables and
+        words (NumPy)."""
+        parsed = sum(a.nbytes for s in self.streams.values() for a in vars(s).values() if isinstance(a, np.ndarray))
+        return (0 if self.buffer is None else self.buffer.numel()) + parsed
+
+
+def hold_codes(model):
+    """Decode every EntQuant block's stream once and give each layer its own codes (`held`: E4M3 or int8 bytes, 1
+    byte per weight), then drop the streams, the decoder and its pre-hooks: the model decodes nothing per token after
+    this (engine.runtime's compact and exact forms). Each layer's storage_bits stays its share of the stream."""
+    decoder = getattr(model, "entquant_decoder", None)
+    if decoder is None:
+        return
+    for index, layers in decoder.blocks.items():
+        buffer = decoder.decode(index)
+        for m in layers:
+            size = m.in_features * m.out_features
+            m.held = buffer[m.buffer_offset:m.buffer_offset + size].view(m.out_features, m.in_features).clone()
+    for block in model.model.layers:
+        if getattr(block, "_entquant_hook", None) is not None:
+            block._entquant_hook.remove()
+            block._entquant_hook = None
+    for layers in decoder.blocks.values():
+        for m in layers:
+            m.stream, m.decoder = torch.zeros(0, dtype=torch.uint8), None
+    del model.entquant_decoder

@@ -35,9 +35,9 @@ from ..layers import sequential_steps
 from .gptq_order import DEFAULT as DEFAULT_ORDER
 from .gptq_order import ORDERS, SEARCH, SEARCHED, check_order, visit_order
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option, scale_tensor
-from .numerics.affine import AffineQuantLinear, affine_parts, as_int32, find_params, grouped, pack_int32  # noqa: F401
 from .numerics import experts
-from .numerics.affine import group_width, unpack_int32
+from .numerics.affine import (AffineQuantLinear, affine_parts, as_int32, find_params, group_width,  # noqa: F401
+                              grouped, pack_int32, unpack_int32)
 from .numerics.obq import error_feedback, inverse_cholesky, layer_error
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")

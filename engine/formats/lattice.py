@@ -41,7 +41,7 @@ from ..coding.rice import (ESCAPE, RAW_BITS, RICE_K_MAX, SUBSTREAM, RiceStreams,
 from .numerics.affine import pack_bits, unpack_bits
 from ..layers import QuantLinear
 from .method import CheckpointMethod, Option, choice_option, config_field, int_option
-from .numerics.hadamard import fitting_tile, rotate, unrotate
+from .numerics.hadamard import fitting_tile, rotate, rotate_by_product, unrotate
 
 TABLE_PATH = Path(__file__).resolve().parents[2] / "data" / "lattice_snr_bps.json"
 
@@ -326,6 +326,27 @@ class LatticeLinear(QuantLinear):
 
     def dequantize(self):
         return unrotate(self.rotated_weight(), self._signs(), self.tile)
+
+    @property
+    def row_align(self):                    # the Rice sub-streams run across rows: decode_rows decodes all of them
+        return self.out_features
+
+    def runtime_input(self, x2d):
+        return rotate_by_product(x2d, self._signs().to(x2d.device), self.tile)
+
+    def decode_rows(self, out, start, stop):
+        out.copy_(self.rotated_weight()[start:stop])
+
+    def int8_rows(self):
+        """(codes int8 [out, in], row scales float32 [out], (signs [in], tile)) with W' = codes * scales[:, None],
+        the streams decoded once, W' multiplying the input rotated by (signs, tile) (engine.runtime's int8 kernel);
+        or None: A2's two axes differ (sqrt(3) and 1), or a code lies outside int8 (an escaped outlier)."""
+        if len(set(self.lattice.axis)) != 1:
+            return None
+        codes = decode_codes(self.streams(), self.lattice).reshape(self.out_features, self.in_features)
+        if bool((codes.abs() > 127).any()):
+            return None
+        return codes.to(torch.int8), self.scales.cpu().float() * self.lattice.axis[0], (self._signs(), self.tile)
 
     def kernel_matmul(self, x2d):
         count, ends = self.in_features * self.out_features, stream_ends(self.offsets, int(self.header[3]))

@@ -22,7 +22,8 @@ import torch
 
 from .numerics.affine import pack_nibbles, unpack_nibbles
 from ..layers import QuantLinear
-from .numerics.minifloats import E2M1, E2M1_MAX, E4M3_MAX, e8m0_to_float, to_e2m1
+from .numerics.minifloats import (E2M1, E2M1_MAX, E4M3_MAX, byte_values, decode_pairs, e8m0_to_float, pair_table,
+                                  to_e2m1)
 
 MX_BLOCK, NV_BLOCK = 32, 16
 LAYOUTS = ("interleaved", "split")
@@ -110,6 +111,11 @@ def dequantize_nvfp4(packed, block_scale, tensor_scale):
 
 # ---- layers -----------------------------------------------------------------------------------------------------
 
+E2M1_PAIRS = pair_table(E2M1)            # a byte of two E2M1 codes -> their two values (decode_rows)
+E8M0_VALUES = e8m0_to_float(torch.arange(256))                                 # a scale byte -> 2^(e - 127)
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
 class MXFP4Linear(QuantLinear):
     """blocks uint8 [out, in/32, 16] (interleaved), scales uint8 E8M0 [out, in/32] -> y = x @ W_hat^T."""
 
@@ -135,6 +141,10 @@ class MXFP4Linear(QuantLinear):
 
     def dequantize(self):
         return dequantize_mxfp4(self.blocks, self.scales, "interleaved")
+
+    def decode_rows(self, out, start, stop):
+        decode_pairs(out, self.blocks[start:stop], E2M1_PAIRS)
+        out.view(len(out), -1, MX_BLOCK).mul_(byte_values(E8M0_VALUES, self.scales[start:stop])[..., None])
 
     def kernel_matmul(self, x2d):
         from ..kernels import triton_formats      # Triton: imported by the engine path only
@@ -174,6 +184,11 @@ class NVFP4Linear(QuantLinear):
 
     def dequantize(self):
         return dequantize_nvfp4(self.packed, self.block_scale, self.tensor_scale)
+
+    def decode_rows(self, out, start, stop):
+        decode_pairs(out, self.packed[start:stop], E2M1_PAIRS)
+        scale = byte_values(E4M3_VALUES, self.block_scale[start:stop]) * self.tensor_scale
+        out.view(len(out), -1, NV_BLOCK).mul_(scale[..., None])
 
     def kernel_matmul(self, x2d):
         from ..kernels import triton_formats      # Triton: imported by the engine path only

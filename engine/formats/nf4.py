@@ -27,12 +27,14 @@ import torch
 
 from .numerics.affine import grouped, pack_bits, unpack_bits
 from ..layers import QuantLinear, linear_names
+from .numerics.minifloats import decode_pairs, pair_table
 from .method import CheckpointMethod, choice_option
 
 NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                           -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
                           0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
                           0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
+NF4_PAIRS = pair_table(NF4_TABLE)        # a byte of two codes -> their two levels (decode_rows)
 
 
 def quantize_to_nf4(weight, group_size=64):
@@ -72,6 +74,13 @@ class NF4Linear(QuantLinear):
         codes = unpack_bits(self.packed, 4, self.in_features).long()
         a = self.absmax.float().repeat_interleave(self.group_size, 1)[:, :self.in_features]
         return NF4_TABLE[codes] * a
+
+    def decode_rows(self, out, start, stop):
+        g, in_f = self.group_size, self.in_features
+        if in_f % 2 or in_f % g:
+            return super().decode_rows(out, start, stop)
+        decode_pairs(out, self.packed[start:stop], NF4_PAIRS)
+        out.view(len(out), -1, g).mul_(self.absmax[start:stop].float()[..., None])
 
     def kernel_matmul(self, x2d):
         from ..kernels import triton_formats      # Triton: imported by the engine path only

@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from .numerics import experts, hadamard
+from .numerics import hadamard
 from . import trellis_viterbi as viterbi
 from .trellis_stream import pack_stream, stream_bits, stream_checksum, stream_states
 from ..layers import SEQUENTIAL_STEPS, QuantLinear
@@ -250,7 +250,8 @@ def decode_trellis(codes, scales, L=8, K=2, code="1mad", tail_biting=False, tile
         raise ValueError("corrupted stream: a scale is not finite")
     R, C, nbytes = codes.shape
     states = stream_states(codes.reshape(R * C, nbytes), L, K, th * tw, tail_biting)
-    w = _codebook(L, code)[states] * scales.reshape(-1, 1).float()
+    w = torch.index_select(_codebook(L, code), 0, states.reshape(-1)).view(states.shape)
+    w *= scales.reshape(-1, 1).float()
     return from_tiles(w.reshape(R, C, -1), (th, tw))
 
 
@@ -322,6 +323,7 @@ class TrellisLinear(QuantLinear):
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("crc", torch.tensor([expected], dtype=torch.int64))
+        self.row_align = th                                     # decode_rows decodes whole tile rows
         self.decode_rotated()                                   # a malformed stream fails here, not mid-forward
 
     def decode_rotated(self):
@@ -330,6 +332,28 @@ class TrellisLinear(QuantLinear):
 
     def dequantize(self):
         return unrotate(self.decode_rotated(), self.group, self.seed)
+
+    def runtime_input(self, x2d):
+        return hadamard.rotate_by_product(x2d, hadamard.random_signs(self.group, self.seed), self.group)
+
+    def decode_rows(self, out, start, stop):
+        """Rows start:stop (whole tile rows: row_align) of the rotated weight, which runtime_input's x multiplies."""
+        th = self.tile[0]
+        tiles = slice(start // th, stop // th)
+        out.copy_(decode_trellis(self.codes[tiles], self.scales[tiles], self.L, self.K, self.code, self.tail_biting,
+                                 self.tile))
+
+    def table_rows(self):
+        """(codebook float32 [2^L], states uint8 [out, in], scales float32 [R, C] one per tile, the tile, (signs [in],
+        group)): the shift registers replayed once, for engine.runtime's TableLinear (row r, column c of the rotated
+        weight is codebook[states[r, c]] * scales[r // th, c // tw], decode_trellis' product); None for L > 8."""
+        if self.L > 8:
+            return None
+        R, C, nbytes = self.codes.shape
+        states = stream_states(self.codes.reshape(R * C, nbytes), self.L, self.K, self.tile[0] * self.tile[1],
+                               self.tail_biting)
+        return (_codebook(self.L, self.code), from_tiles(states.to(torch.uint8).reshape(R, C, -1), self.tile),
+                self.scales.float(), self.tile, (hadamard.random_signs(self.group, self.seed), self.group))
 
     def kernel_matmul(self, x2d):
         mean, inv_std = code_stats(self.L, self.code)
@@ -430,11 +454,17 @@ OPTIONS = {"L": int_option(8, 2, 24), "K": int_option(2, 1, 8), "code": choice_o
            "tail_biting": bool_option(False),
            "tile": Option(None, lambda t: isinstance(t, (list, tuple)) and _is_tile(tuple(t)), "[rows, cols]"),
            "group": int_option(None, 2, 1 << 16), "seed": int_option(0, 0, (1 << 63) - 1), "ldlq": bool_option(False)}
+def _fits(cfg, options):
+    """Refuse BlockLDLQ on a Qwen3-MoE model (a model's matter: numerics/experts.py, imported only here)."""
+    from .numerics import experts
+    if options.get("ldlq"):
+        experts.refuse(cfg, "trellis with ldlq=True", "BlockLDLQ stacks a step's linears on one Hessian, but each "
+                       "expert reads its own tokens; use ldlq=False")
+
+
 CHECKPOINT = CheckpointMethod(name="trellis", parts=lambda q: ("trellis_codes", "trellis_scales", "trellis_crc"),
                               read=_read, write=_write, quantize=quantize, validate=validate,
                               quantize_layer=quantize_layer,
                               calibration=lambda options: "float" if options.get("ldlq") else None,
                               options=OPTIONS, rules=_rules,
-                              fits=lambda cfg, options: options.get("ldlq") and experts.refuse(
-                                  cfg, "trellis with ldlq=True", "BlockLDLQ stacks a step's linears on one Hessian, "
-                                  "but each expert reads its own tokens; use ldlq=False"))
+                              fits=_fits)

@@ -27,8 +27,9 @@ def pack_stream(states, L, K, tail_biting):
 
 
 def stream_states(codes, L, K, T, tail_biting):
-    """Inverse of pack_stream: uint8 [B, nbytes] -> states [B, T]. State t is the L-bit field at bit o = K(T-1-t),
-    read from four bytes starting at byte o // 8 (circularly: a tail-biting stream wraps around)."""
+    """Inverse of pack_stream: uint8 [B, nbytes] -> states int32 [B, T]. State t is the L-bit field at bit
+    o = K(T-1-t), read from the three bytes from byte o // 8 on (L <= 16 bits at a shift of at most 7; circularly: a
+    tail-biting stream wraps around), joined into one int32 word per byte first."""
     nbits = stream_bits(L, K, T, tail_biting)
     nbytes = -(-nbits // 8)
     if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != nbytes:
@@ -38,10 +39,20 @@ def stream_states(codes, L, K, T, tail_biting):
         raise ValueError(f"a tail-biting stream must fill whole bytes, K*T = {nbits}")
     if nbits % 8 and bool((codes[:, -1] >> (nbits % 8)).any()):
         raise ValueError("corrupted stream: padding bits after the last symbol are not zero")
-    o = K * (T - 1 - torch.arange(T))
-    idx = (o[:, None] // 8 + torch.arange(4)) % nbytes                       # [T, 4]
-    word = (codes.long()[:, idx] << (8 * torch.arange(4))).sum(-1)           # [B, T]
-    return (word >> (o % 8)) & (2 ** L - 1)
+    if L > 16:
+        raise ValueError(f"trellis states of L={L} bits are not supported (at most 16)")
+    wrapped = torch.cat((codes, codes[:, :2].expand(len(codes), min(2, nbytes))), 1).to(torch.int32)
+    if wrapped.shape[1] < nbytes + 2:                                         # a one-byte stream: itself, thrice
+        wrapped = wrapped[:, torch.arange(nbytes + 2) % nbytes]
+    words = wrapped[:, :-2] | (wrapped[:, 1:-1] << 8) | (wrapped[:, 2:] << 16)   # [B, nbytes]: bytes j, j+1, j+2
+    o = K * (T - 1 - torch.arange(T, dtype=torch.int32))
+    if 8 % K == 0:            # byte o // 8 serves q = 8 / K states in a row: the words from the last, each q times
+        q = 8 // K
+        first = (nbytes - 1) * q - (T - 1) + (q - 1)                         # where state 0's run sits in them
+        held = words.flip(1)[:, :, None].expand(*words.shape, q).reshape(len(words), -1)[:, first:first + T]
+    else:
+        held = torch.index_select(words, 1, o // 8)
+    return (held >> (o % 8)) & (2 ** L - 1)
 
 
 def stream_checksum(codes, scales, L, K, code, tail_biting, tile, group, seed):

@@ -142,7 +142,7 @@ def _decode_q5_1(b):
 
 def _decode_q8_0(b):
     d = _read_f16(b, 0)
-    return (b.view(torch.int8)[:, 2:].short() + 128).to(torch.uint8), d, -128 * d
+    return b[:, 2:] ^ 0x80, d, -128 * d                   # int8 q + 128 as a byte: its top bit flipped
 
 
 def _decode_q2_k(b):
@@ -253,10 +253,11 @@ class GGMLLinear(AffineQuantLinear):
         return self.raw.numel() * 8
 
 
-def quantized_linear(raw, type_name, shape, bias=None, tensor_scale=None):
+def quantized_linear(raw, type_name, shape, bias=None, tensor_scale=None, keep_blocks=True):
     """raw uint8 [nbytes] of a quantized weight [out, in] -> the engine layer holding exactly its codes and grid:
-    GGMLLinear (an AffineQuantLinear with its blocks) for the integer types, MXFP4Linear for MXFP4, NVFP4Linear for
-    NVFP4 (tensor_scale: the `<name>.scale` tensor's value, 1 when absent)."""
+    GGMLLinear (an AffineQuantLinear with its blocks; keep_blocks=False: a plain AffineQuantLinear, without them) for the
+    integer types, MXFP4Linear for MXFP4, NVFP4Linear for NVFP4 (tensor_scale: the `<name>.scale` tensor's value, 1
+    when absent)."""
     if len(shape) != 2 or type_name in DENSE:
         raise ValueError(f"a quantized linear needs a 2-D quantized weight, got {type_name} {tuple(shape)}")
     if tensor_scale is not None and type_name != "NVFP4":
@@ -274,6 +275,9 @@ def quantized_linear(raw, type_name, shape, bias=None, tensor_scale=None):
     codes, scale, offset = decode(blocks)
     scale = scale.reshape(out_f, -1)
     grid = {"zeros": torch.full_like(scale, zero)} if zero is not None else {"offsets": offset.reshape(out_f, -1)}
+    if not keep_blocks:
+        return AffineQuantLinear(_pack(codes.reshape(out_f, in_f), bits), scale, grid.get("offsets"), group, True,
+                                 bias, bits=bits, zeros=grid.get("zeros"), in_features=in_f)
     return GGMLLinear(raw.reshape(out_f, -1), type_name, codes.reshape(out_f, in_f), scale, group, bits, bias, **grid)
 
 

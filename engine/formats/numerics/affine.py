@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from ...layers import QuantLinear
+from .minifloats import decode_pairs, pair_table
+
+CODE_PAIRS = pair_table(torch.arange(16.0))       # a byte of two 4-bit codes -> the codes as two floats
 
 
 # ---- choosing the grid ------------------------------------------------------------------------------------------
@@ -179,6 +182,8 @@ def pack_bits(codes, bits):
 def unpack_bits(packed, bits, n):
     """Inverse of pack_bits: uint8 [..., bytes] -> codes uint8 [..., n]."""
     check_bits(bits)
+    if bits == 4:                                          # (the common case, without an int32 copy)
+        return torch.stack((packed & 15, packed >> 4), -1).reshape(*packed.shape[:-1], -1)[..., :n]
     per = 8 // bits
     shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     c = (packed.to(torch.int32)[..., None] >> shifts) & (2 ** bits - 1)
@@ -313,13 +318,46 @@ class AffineQuantLinear(QuantLinear):
     @property
     def weight_codes(self):
         """The stored codes uint8 [out, in] (in stored column order)."""
-        return unpack_bits(self.packed, self.bits, self.in_features)
+        return self.packed if self.bits == 8 else unpack_bits(self.packed, self.bits, self.in_features)
 
     def dequantize(self):
         w = dequantize_affine(self.weight_codes, self.scales, self.offsets, self.group_size)
         if self.perm is not None:
             w = w[:, torch.argsort(self.perm)]
         return w
+
+    def runtime_input(self, x2d):
+        return x2d if self.perm is None else x2d[:, self.perm]
+
+    def decode_rows(self, out, start, stop):
+        """Rows start:stop in stored column order: the codes widened to float32, times each group's scale, plus its
+        offset (dequantize_affine's two roundings)."""
+        packed, g = self.packed[start:stop], self.group_size
+        if self.bits == 8:
+            out.copy_(packed)
+        elif self.bits == 4 and self.in_features % 2 == 0:
+            decode_pairs(out, packed, CODE_PAIRS)         # a byte's two codes as floats, in one gather
+        else:
+            out.copy_(unpack_bits(packed, self.bits, self.in_features))
+        scales, offsets = self.scales[start:stop], self.offsets[start:stop]
+        if self.in_features % g:                           # a ragged last group
+            out.mul_(scales.repeat_interleave(g, 1)[:, :self.in_features])
+            out.add_(offsets.repeat_interleave(g, 1)[:, :self.in_features])
+        else:
+            out.view(len(out), -1, g).mul_(scales[..., None]).add_(offsets[..., None])
+
+    def compact(self):
+        """The same codes and grid, as a plain layer of free offsets: without the integer zero points (and a GGUF
+        layer's blocks) that only a checkpoint writer reads."""
+        if type(self) is AffineQuantLinear and self.zeros is None:
+            return self
+        return AffineQuantLinear(self.packed, self.scales, self.offsets, self.group_size, True, self.bias, self.dtype,
+                                 bits=self.bits, in_features=self.in_features, perm=self.perm)
+
+    def rows(self, ids):
+        w = dequantize_affine(unpack_bits(self.packed[ids], self.bits, self.in_features), self.scales[ids],
+                              self.offsets[ids], self.group_size)
+        return w if self.perm is None else w[:, torch.argsort(self.perm)]
 
     def kernel_matmul(self, x2d):
         if self.perm is not None:

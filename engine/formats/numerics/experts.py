@@ -24,8 +24,6 @@ import re
 
 import torch
 
-from ...config import Qwen3MoeConfig
-
 PER_LAYER = ("expert_tokens", "experts_rounded")
 ROUTER_IGNORE = "re:.*mlp.gate$"
 EXPERT = re.compile(r"(?:.*\.)?mlp\.experts\.(\d+)\.\w+")
@@ -69,15 +67,20 @@ class StepHessians:
         return layer_record(layer, self.rows, self.few, self.min_tokens)
 
 
+def moe_config(cfg):
+    """Whether a model's config is a Qwen3-MoE one (config.Qwen3MoeConfig; asked by its model_type, so that a
+    method's module need not import the model's config)."""
+    return getattr(cfg, "model_type", None) == "qwen3_moe"
+
+
 def is_moe(module):
     """Whether a model, or a decoder layer of one (a dense layer included), is Qwen3-MoE's."""
-    cfg = getattr(module, "cfg", None) or getattr(getattr(module, "self_attn", None), "cfg", None)
-    return isinstance(cfg, Qwen3MoeConfig)
+    return moe_config(getattr(module, "cfg", None) or getattr(getattr(module, "self_attn", None), "cfg", None))
 
 
 def refuse(cfg, what, why):
     """ValueError, before any work, where a method cannot yet treat a Qwen3-MoE model's experts."""
-    if isinstance(cfg, Qwen3MoeConfig):
+    if moe_config(cfg):
         raise ValueError(f"{what} is not implemented for Qwen3-MoE models: {why}")
 
 

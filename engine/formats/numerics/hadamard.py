@@ -57,6 +57,20 @@ def random_hadamard(n, seed=0):
     return fwht(torch.eye(n)) * random_signs(n, seed)[None, :] / math.sqrt(n)
 
 
+@functools.cache
+def _scaled_hadamard(n):
+    return fwht(torch.eye(n)) / math.sqrt(n)
+
+
+def rotate_by_product(x, signs, tile):
+    """rotate() as a product with the tile's Hadamard matrix H / sqrt(tile) (symmetric, built once per tile): two
+    ops where fwht takes a few per stage, which is what a batch of one pays at run time (engine/runtime.py); the
+    same rotation up to float rounding."""
+    check_power_of_two(tile)
+    g = x.reshape(*x.shape[:-1], -1, tile) * signs.to(x.device, x.dtype).reshape(-1, tile)
+    return (g @ _scaled_hadamard(tile).to(x.device, x.dtype)).reshape(x.shape)
+
+
 def rotate(x, signs, tile):
     """x [..., in] -> x R^T per tile of `tile` inputs, R = H D / sqrt(tile). signs: [tile] (the same D for every
     tile) or [in] (one D per tile)."""

@@ -46,3 +46,36 @@ def round_e4m3(x):
     bits = (bits + ((1 << 19) - 1) + ((bits >> 20) & 1)) & ~((1 << 20) - 1)
     normal = bits.view(torch.float32)
     return torch.where(x.abs() < 2.0 ** -6, torch.round(x * 512.0) / 512.0, normal)
+
+
+# ---- decoding at run time (engine/runtime.py): whole rows of codes into float32, a few vectorized passes ----------
+
+E4M3_HALF_SHIFT = 2.0 ** 8       # e4m3_halves' values are the E4M3 values times 2^-8
+
+
+def e4m3_halves(codes):
+    """E4M3 bytes (uint8 or float8_e4m3fn) [...] -> float16 [...] holding each value times 2^-8, exactly: the sign
+    to bit 15, the other 7 bits to bits 13..7, so E4M3's exponent (bias 7) is read as float16's (bias 15) and its
+    subnormals as float16's. Two int16 passes where torch's float8 cast runs one element at a time. (0x7F / 0xFF,
+    E4M3's NaN, become 480 * 2^-8: layers refuse NaN codes when they load.)"""
+    w = codes.view(torch.int8).to(torch.int16)       # sign-extended: w * 128 sets bits 15 and 14 of a negative one
+    return w.mul_(128).bitwise_and_(-16385).view(torch.float16)            # -16385 = 0xBFFF: clear bit 14
+
+
+def byte_values(table, codes):
+    """table float32 [256] indexed by the bytes codes (uint8 or a 1-byte float type) [...] -> float32 [...]: a
+    scale byte's value in one gather (E8M0_VALUES, E4M3_VALUES), where its arithmetic takes a handful of passes."""
+    return torch.index_select(table, 0, codes.reshape(-1).view(torch.uint8).to(torch.int32)).view(codes.shape)
+
+
+def pair_table(levels):
+    """levels float32 [16] (a 4-bit code's values) -> float64 [256] whose entry b holds levels[b & 15] and
+    levels[b >> 4] as two float32 in memory order: a byte of two codes, low nibble first, looked up at once."""
+    b = torch.arange(256)
+    return torch.stack([levels[b & 15], levels[b >> 4]], -1).float().contiguous().view(torch.float64).reshape(256)
+
+
+def decode_pairs(out, packed, table):
+    """out float32 [rows, 2n] (contiguous) <- table's values of packed uint8 [rows, n] (two 4-bit codes a byte, low
+    nibble first): one gather of 8 bytes per byte of codes."""
+    torch.index_select(table, 0, packed.reshape(-1).to(torch.int32), out=out.view(torch.float64).view(-1))

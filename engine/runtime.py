@@ -1,0 +1,427 @@
+"""Run time on the torch path: what a quantized model holds while it generates or evaluates, and how it multiplies.
+
+A loaded checkpoint holds what its files store (a GGUF layer its blocks besides their codes). `prepare(model,
+weights)` turns every quantized linear into the form it runs in, once, before the first token, and drops what that
+form does not need:
+
+  weights   a quantized linear holds                                 x @ W^T is
+  compact   4-bit affine codes, groups of 32-256 (RTN, GPTQ, AWQ,    PyTorch's CPU int4 kernel: x, scales, zeros and
+            GGUF Q4_0 / Q4_1 / Q4_K): int4 codes + bf16 scales       its output in bf16 (Int4Linear)
+            and zeros
+            8-bit affine codes (Q8_0, Q5 / Q6 / IQ types, GPTQ       PyTorch's int8 kernel, one group of inputs at a
+            int8): int8 codes + scales (+ offsets)                   time (its scales are per row), bf16 (Int8Linear)
+            EntQuant: its Float8 bytes, each block's stream decoded  where they are int8 multiples of one step (Int8
+            once at load (or its Int8 codes), a scale per row        codes; Float8 values under 0.25, as a low-rate
+                                                                     model's are): the int8 kernel, per-row scales,
+                                                                     in one call (Int8RowsLinear); else decoded:
+            lattice E8 / D4 / Z: its streams decoded once at load    the int8 kernel, per-row scales, the input
+            into int8 codes and a scale per row                      rotated first (Int8RowsLinear)
+            trellis (L <= 8): its states replayed once at load, a    decoded a few rows at a time (one gather, one
+            byte a weight, with a scale per tile                     product) into the shared buffer (TableLinear)
+            anything else: its own codes (FP8, MXFP4, NVFP4, NF4,    decoded, a few rows at a time, into ONE float32
+            A2, trellis L > 8, the other K-quants)                   buffer the model shares, then one float32
+                                                                     matmul per chunk (DecodedLinear): exact
+  exact     every layer its own codes                                as above (DecodedLinear): the float32 weight
+                                                                     dequantize() gives, multiplied in float32
+  stream    EntQuant only: its rANS streams; one transformer block   DecodedLinear, the block decoded by its
+            decoded per forward into the block buffer (the paper's)  forward pre-hook
+  float32   (layers.decoded_weights) a float32 copy of every layer   one float32 matmul
+
+The int4 and int8 kernels round x, the scales and each product's output to bf16 (8 significant bits): their error is
+bounded in tests/test_runtime.py, |y - x W^T| <= 2^-7 (|x| |W|^T + the scale terms), and measured on SmolLM2 in
+appendix/inference.md. `exact` keeps every product what dequantize() says.
+
+The embedding and a tied lm_head of a GGUF file stay in their stored type (layers.QuantEmbedding): the head is one
+more quantized linear here, and the embedding reads its rows (`rows(ids)`) from the same form.
+"""
+import contextlib
+
+import torch
+from torch import nn
+
+from .formats.numerics.affine import AffineQuantLinear
+from .formats.numerics.hadamard import rotate_by_product
+from .layers import QuantEmbedding, QuantLinear, decoded_weights
+
+WEIGHTS = ("compact", "exact", "stream", "float32")
+CHUNK = 1 << 20                 # floats a DecodedLinear decodes at once: 4 MB, cache-sized; a layer's rows in chunks
+INT4_GROUPS = (32, 64, 128, 256)          # the group sizes PyTorch's CPU int4 kernel takes
+
+
+class Workspace:
+    """One float32 buffer shared by every DecodedLinear of a model, grown to the largest chunk any of them takes."""
+
+    def __init__(self):
+        self.buffer = torch.empty(0)
+
+    def take(self, rows, cols):
+        if self.buffer.numel() < rows * cols:
+            self.buffer = torch.empty(rows * cols)
+        return self.buffer[:rows * cols].view(rows, cols)
+
+
+class RunLinear(nn.Module):
+    """A quantized linear prepared to run on the torch path: it holds only what its form multiplies with (its
+    buffers), and x [..., in] -> x @ W^T (+ bias) [..., out] in the layer's dtype or the activations'."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = layer.in_features, layer.out_features, layer.dtype
+        self.bias = layer.bias
+
+    def matmul(self, x2d):
+        """x2d [M, in] float32 -> [M, out] float32."""
+        raise NotImplementedError
+
+    def rows(self, ids):
+        """The weight's rows ids (int64 [n]) as float32 [n, in]: an embedding's lookup."""
+        raise NotImplementedError(f"{type(self).__name__} cannot give rows (it is no embedding's form)")
+
+    def forward(self, x):
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.in_features}")
+        shape, dtype = x.shape, x.dtype
+        y = self.matmul(x.reshape(-1, self.in_features).float())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(self.dtype or dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def int4_group(layer):
+    """The group size PyTorch's int4 kernel runs a 4-bit affine layer with: the largest of INT4_GROUPS that divides
+    both its group size and its input width (a group of 128 over 576 inputs runs as groups of 64, each scale
+    repeated), or None where none does."""
+    if getattr(layer, "bits", None) != 4:
+        return None
+    return next((g for g in reversed(INT4_GROUPS) if layer.group_size % g == 0 and layer.in_features % g == 0), None)
+
+
+class Int4Linear(RunLinear):
+    """4-bit affine codes (w = q * s + o per group of inputs) through PyTorch's CPU int4 kernel: qweight its packed
+    layout [out, in / 2], scales_zeros bf16 [in / g, out, 2] with w = (q - 8) * scale + zero, so zero = o + 8 s
+    (g: int4_group). An act-order layer's inputs are permuted first."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.group_size = g = int4_group(layer)
+        codes = layer.weight_codes.to(torch.int32)
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        s = layer.scales.float().repeat_interleave(layer.group_size // g, 1)
+        o = layer.offsets.float().repeat_interleave(layer.group_size // g, 1)
+        self.register_buffer("scales_zeros", torch.stack([s, o + 8 * s], -1).transpose(0, 1).contiguous().bfloat16())
+        self.register_buffer("perm", layer.perm)
+
+    @staticmethod
+    def takes(layer):
+        return int4_group(layer) is not None
+
+    def matmul(self, x2d):
+        if self.perm is not None:
+            x2d = x2d[:, self.perm]
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.bfloat16(), self.qweight, self.group_size,
+                                                          self.scales_zeros).float()
+
+
+class Int8Linear(RunLinear):
+    """8-bit affine codes through PyTorch's int8 kernel (`_weight_int8pack_mm`: per-row scales only), one group of
+    g >= 32 inputs at a time: w = q * s + o = c * s + (o + 128 s) with c = q - 128 int8, so
+
+        y = sum_g  (x_g @ c_g^T) * s_g  +  (sum of x over each group) @ (o + 128 s)^T
+
+    codes int8 [groups, out, g] (each group one contiguous matrix), scales and offsets float32 [groups, out] (exact:
+    an embedding reads its rows from them, as dequantize computes them) and the scales' bf16 copy for the kernel;
+    offsets None where o = -128 s (Q8_0, GPTQ's symmetric int8: an integer zero point of 128)."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        g, groups = layer.group_size, layer.scales.shape[1]
+        self.group_size = g
+        codes = layer.weight_codes.bitwise_xor(128).view(torch.int8)        # q - 128: the top bit flipped
+        self.register_buffer("codes", codes.view(self.out_features, groups, g).transpose(0, 1).contiguous())
+        s, o = layer.scales.float(), layer.offsets.float()
+        self.register_buffer("scales", s.T.contiguous())
+        self.register_buffer("kernel_scales", self.scales.bfloat16())
+        self.register_buffer("offsets", None if torch.equal(o, -128 * s) else o.T.contiguous())
+        self.register_buffer("perm", layer.perm)
+
+    @staticmethod
+    def takes(layer):
+        return (getattr(layer, "bits", None) == 8 and layer.group_size >= 32
+                and layer.in_features % layer.group_size == 0)
+
+    def matmul(self, x2d):
+        if self.perm is not None:
+            x2d = x2d[:, self.perm]
+        groups = x2d.reshape(len(x2d), -1, self.group_size)
+        xb = groups.transpose(0, 1).bfloat16().contiguous()                  # [groups, M, g]
+        y = torch.zeros(len(x2d), self.out_features)
+        for j in range(len(xb)):
+            y += torch.ops.aten._weight_int8pack_mm(xb[j], self.codes[j], self.kernel_scales[j])
+        if self.offsets is not None:
+            y += groups.sum(-1) @ (self.offsets + 128 * self.scales)
+        return y
+
+    def rows(self, ids):
+        """dequantize()'s rows, q * s + o with q = c + 128, float for float."""
+        s = self.scales[:, ids, None]
+        o = -128 * s if self.offsets is None else self.offsets[:, ids, None]
+        w = (self.codes[:, ids].float() + 128) * s + o                       # [groups, n, g]
+        return w.transpose(0, 1).reshape(len(ids), -1)
+
+
+class Int8RowsLinear(RunLinear):
+    """int8 codes with one scale per output row (layer.int8_rows: EntQuant's, a lattice's) through PyTorch's int8
+    kernel in one call: its scales 1 (exact in bf16; x and its output are bf16), the row scales applied to the
+    output in float32, Int8 EntQuant's super weights added beside (their codes hold 0), exactly. Codes in a rotated
+    basis (a lattice's) come with their rotation, (signs [in], tile): the input is rotated first."""
+
+    def __init__(self, layer, codes, scales, rotation=None):
+        super().__init__(layer)
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("ones", torch.ones(self.out_features, dtype=torch.bfloat16))
+        signs, self.tile = rotation or (None, None)              # (signs float32 [in], tile) or None
+        self.register_buffer("signs", signs)
+        index = getattr(layer, "super_index", torch.zeros(0, dtype=torch.int64)).long()
+        rows, cols = index // self.in_features, index % self.in_features
+        self.register_buffer("super_rows", rows if len(rows) else None)
+        self.register_buffer("super_cols", cols if len(rows) else None)
+        self.register_buffer("super_values", layer.super_value.float() if len(rows) else None)
+
+    def matmul(self, x2d):
+        if self.signs is not None:
+            x2d = rotate_by_product(x2d, self.signs, self.tile)
+        y = torch.ops.aten._weight_int8pack_mm(x2d.bfloat16(), self.codes, self.ones).float().mul_(self.scales)
+        if self.super_rows is not None:
+            y.index_add_(1, self.super_rows, x2d[:, self.super_cols] * self.super_values)
+        return y
+
+
+class TableLinear(RunLinear):
+    """Codes that index a table of values, decoded once at load (layer.table_rows: a trellis's states): table
+    float32 [n], indices uint8 [out, in], scales float32 [out / th, in / tw] (one per tile of th x tw), and the
+    rotation (signs, tile) the input takes. Rows of W' = table[indices] * scale are decoded a few at a time into the
+    shared buffer (one gather, one product: decode's own) and multiplied in float32: exact."""
+
+    def __init__(self, layer, table, indices, scales, tile, rotation, workspace):
+        super().__init__(layer)
+        self.register_buffer("table", table)
+        self.register_buffer("indices", indices.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.tile, self.workspace = tile, workspace
+        signs, self.rotation_tile = rotation
+        self.register_buffer("signs", signs)
+        th = tile[0]
+        self.chunk = max(th, CHUNK // self.in_features // th * th)
+
+    def matmul(self, x2d):
+        x2d = rotate_by_product(x2d, self.signs, self.rotation_tile)
+        (th, tw), y = self.tile, x2d.new_empty(len(x2d), self.out_features)
+        for start in range(0, self.out_features, self.chunk):
+            stop = min(start + self.chunk, self.out_features)
+            w = self.workspace.take(stop - start, self.in_features)
+            torch.index_select(self.table, 0, self.indices[start:stop].reshape(-1).to(torch.int32), out=w.view(-1))
+            w.view(-1, th, self.in_features // tw, tw).mul_(self.scales[start // th:stop // th, None, :, None])
+            y[:, start:stop] = x2d @ w.T
+        return y
+
+
+class DecodedLinear(RunLinear):
+    """A layer that keeps its own codes (`layer`, a QuantLinear) and multiplies through its decode: rows of the
+    weight, as many as fit CHUNK floats (a multiple of layer.row_align), are decoded into the model's shared
+    Workspace (layer.decode_rows) and multiplied in float32, the input first put in the basis the codes are in
+    (layer.runtime_input: a rotation, an act-order permutation), the outputs scaled where decode_rows left a row
+    scale to them. Exact: the weight dequantize() gives (up to the order of float32 rounding)."""
+
+    def __init__(self, layer, workspace):
+        super().__init__(layer)
+        self.layer, self.workspace = layer, workspace
+        align = layer.row_align
+        self.chunk = max(align, CHUNK // layer.in_features // align * align)
+
+    def matmul(self, x2d):
+        x2d = self.layer.runtime_input(x2d)
+        out_f, cols = self.out_features, x2d.shape[1]
+        if self.chunk >= out_f:
+            w = self.workspace.take(out_f, cols)
+            scale = self.layer.decode_rows(w, 0, out_f)
+            return x2d @ w.T if scale is None else (x2d @ w.T).mul_(scale)
+        y = x2d.new_empty(len(x2d), out_f)
+        for start in range(0, out_f, self.chunk):
+            stop = min(start + self.chunk, out_f)
+            w = self.workspace.take(stop - start, cols)
+            scale = self.layer.decode_rows(w, start, stop)
+            y[:, start:stop] = x2d @ w.T
+            if scale is not None:
+                y[:, start:stop] *= scale
+        return y
+
+    def rows(self, ids):
+        return self.layer.rows(ids)
+
+
+def form(layer, weights, workspace, rows=False):
+    """The run-time form of one quantized layer for `weights` (see the module docstring); rows=True: it must give
+    rows too (a tied embedding's head), which the int4 kernel's layout cannot."""
+    layer = layer.compact()
+    if weights == "compact" and Int4Linear.takes(layer) and not rows:
+        return Int4Linear(layer)
+    if weights == "compact" and Int8Linear.takes(layer):
+        return Int8Linear(layer)
+    parts = layer.int8_rows() if weights == "compact" and hasattr(layer, "int8_rows") else None
+    if parts is not None:
+        return Int8RowsLinear(layer, *parts)
+    parts = layer.table_rows() if weights == "compact" and hasattr(layer, "table_rows") else None
+    if parts is not None:
+        return TableLinear(layer, *parts, workspace)
+    return DecodedLinear(layer, workspace)
+
+
+def check_weights(model, weights):
+    """The `weights` a model can take, or ValueError (one line): 'stream' is EntQuant's."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights == "stream" and getattr(model, "entquant_decoder", None) is None:
+        raise ValueError("--weights stream keeps EntQuant's rANS streams resident and decodes one block per forward; "
+                         "this model has no EntQuant layers (use compact, exact or float32)")
+
+
+@torch.no_grad()
+def prepare(model, weights="compact"):
+    """Turn every quantized linear of the model (lm_head and a stored embedding's too) into its run-time form for
+    `weights` ('compact', 'exact' or 'stream'; 'float32' is layers.decoded_weights), in place and once: the layers
+    it replaces are dropped, and with them what the form does not hold. Returns the model."""
+    check_weights(model, weights)
+    if weights == "float32":
+        raise ValueError("float32 copies are layers.decoded_weights(model), not a run-time form")
+    if weights != "stream" and getattr(model, "entquant_decoder", None) is not None:
+        from .formats.entropy_decoder import hold_codes
+        hold_codes(model)                          # each block's stream decoded once, to its Float8 bytes
+    workspace = model.runtime_workspace = Workspace()
+    for block in getattr(getattr(model, "model", None), "layers", ()):
+        _fuse(block.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv", weights, workspace)
+        _fuse(block.mlp, ("gate_proj", "up_proj"), "gate_up", weights, workspace)
+        _give_back_memory()                                 # what the block's old layers held, before the next
+    tied = {id(m.layer) for m in model.modules() if isinstance(m, QuantEmbedding)}
+    made = {}                  # id of a layer -> its form (a tied head is one module in two places: one form)
+    parents = [m for m in model.modules() if not isinstance(m, (RunLinear, QuantLinear))]   # a form's layer stays
+    for module in parents:                                  # (each old layer goes as soon as its form is made)
+        for name, child in list(module.named_children()):
+            if isinstance(child, QuantLinear):
+                if id(child) not in made:
+                    made[id(child)] = form(child, weights, workspace, rows=id(child) in tied)
+                setattr(module, name, made[id(child)])
+        _give_back_memory()
+    if hasattr(model, "set_fast"):
+        model.set_fast()
+    _give_back_memory()
+    return model
+
+
+def _give_back_memory():
+    """Hand the memory the dropped layers held back to the system (glibc keeps freed heap pages otherwise, and the
+    process's resident size would stay what loading needed)."""
+    import ctypes
+    try:
+        ctypes.CDLL(None).malloc_trim(0)                    # the process's own symbols: glibc's, where it is glibc
+    except (OSError, AttributeError, TypeError):           # not glibc: nothing to trim
+        pass
+
+
+def _fuse(module, names, fused, weights, workspace):
+    """Linears of one input (q, k, v; gate, up) as ONE run-time form of their outputs stacked, `module.<fused>`
+    (qwen3.Attention.qkv, MLP.gate_up), where they are all affine layers of one grid: one product instead of
+    three. The separate linears are dropped."""
+    layers = [getattr(module, name, None) for name in names]
+    if not all(isinstance(layer, QuantLinear) for layer in layers):
+        return
+    layers = [layer.compact() for layer in layers]
+    first = layers[0]
+    if not all(type(layer) is AffineQuantLinear and layer.perm is None and layer.dtype == first.dtype and
+               (layer.bits, layer.group_size, layer.in_features) == (first.bits, first.group_size, first.in_features)
+               for layer in layers):
+        return
+    bias = None
+    if any(layer.bias is not None for layer in layers):
+        bias = torch.cat([torch.zeros(layer.out_features) if layer.bias is None else layer.bias for layer in layers])
+    stacked = AffineQuantLinear(torch.cat([layer.packed for layer in layers]),
+                                torch.cat([layer.scales for layer in layers]),
+                                torch.cat([layer.offsets for layer in layers]), first.group_size, True, bias,
+                                first.dtype, bits=first.bits, in_features=first.in_features)
+    setattr(module, fused, form(stacked, weights, workspace))
+    for name in names:
+        setattr(module, name, None)
+
+
+def held_bytes(model):
+    """{"weights": bytes of every parameter and buffer the model holds and of the float32 copies decoded_weights
+    keeps (each storage once: a tied head is counted once), "workspace": the shared decode buffer's bytes (and an
+    EntQuant decoder's block buffer and parsed streams)}: what the model keeps for its weights, counted, not
+    measured."""
+    seen, weights = set(), 0
+    copies = [m._decoded[1] for m in model.modules() if getattr(m, "_decoded", None) is not None]   # float32
+    for t in [*model.parameters(), *model.buffers(), *copies]:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            weights += storage.nbytes()
+    workspace = getattr(model, "runtime_workspace", None)
+    extra = 0 if workspace is None else workspace.buffer.numel() * 4
+    decoder = getattr(model, "entquant_decoder", None)
+    if decoder is not None:
+        extra += decoder.held_bytes()
+    return {"weights": weights, "workspace": extra}
+
+
+# ---- the command line's side: --weights, checked before anything loads, and what the model then holds -------------
+
+def choose(weights, impl_name, path):
+    """--weights (None: not given) under --impl, for the model at `path` (None: the tiny model) -> the run-time
+    choice: 'compact' by default on the torch path; None under impl engine (its kernels read each layer's stored
+    codes, so --weights there is an error); 'stream' only for an EntQuant checkpoint. One ValueError line."""
+    if impl_name == "engine":
+        if weights is not None:
+            raise ValueError(f"--weights {weights} chooses what the torch path holds; --impl engine runs each layer's "
+                             "Triton kernel on its stored codes (leave --weights out)")
+        return None
+    weights = weights or "compact"
+    if weights == "stream":
+        from .loaders import read_config
+        config = {} if path is None or str(path).endswith(".gguf") else read_config(path)
+        method = (config.get("quantization_config") or {}).get("quant_method")
+        if method != "entquant":
+            raise ValueError(f"--weights stream keeps EntQuant's rANS streams resident and decodes one block per "
+                             f"forward; {path or 'the tiny model'} is {'an ' + method if method else 'not an'} "
+                             "EntQuant checkpoint (use compact, exact or float32)")
+    return weights
+
+
+@contextlib.contextmanager
+def running(model, weights, progress=None):
+    """`with running(model, weights) as kept:` the model ready to run: its run-time forms (prepare) for 'compact',
+    'exact' and 'stream'; float32 copies of its layers (layers.decoded_weights, progress wrapping their decode) for
+    'float32', kept = whether they were made; nothing for None (impl engine)."""
+    if weights == "float32":
+        with decoded_weights(model, progress=progress) as kept:
+            yield kept
+        return
+    if weights is not None:
+        prepare(model, weights)
+    yield False
+
+
+def memory_line(model, path, held=None):
+    """One line: the bytes the model's weights hold (held_bytes, or `held` counted earlier) beside the file's tensor
+    bytes, and the process's peak resident memory so far."""
+    import resource
+    held = held or held_bytes(model)
+    line = f"weights held {held['weights'] / 1e6:.1f} MB"
+    if held["workspace"]:
+        line += f" + {held['workspace'] / 1e6:.1f} MB decode buffers"
+    if path is not None:
+        from .checkpoints.models import file_tensor_bytes
+        line += f" (the file's tensors: {file_tensor_bytes(path) / 1e6:.1f} MB)"
+    return line + f", peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GB"
