@@ -18,6 +18,7 @@ buffers (their storage and version counters), so a layer whose buffers change, i
 again; the copies are dropped when the block ends.
 """
 import contextlib
+import copy
 
 import torch
 from torch import nn
@@ -109,6 +110,29 @@ class QuantLinear(nn.Module):
     @property
     def bits_per_weight(self) -> float:
         return self.storage_bits() / (self.in_features * self.out_features)
+
+    ROW_BUFFERS = ()            # the buffers holding one entry per output row, first (what joined concatenates)
+
+    @classmethod
+    def joined(cls, parts):
+        """Layers of this class made from consecutive shares of one weight's output rows (engine.distributed cuts a
+        linear's rows over the ranks) -> the layer of all the rows: row buffers and biases concatenated in order;
+        any other buffer (a column permutation) must be the same in every share."""
+        if not cls.ROW_BUFFERS or any(type(p) is not cls for p in parts):
+            raise ValueError(f"{cls.__name__} cannot be joined from shares of rows")
+        first = parts[0]
+        whole = copy.copy(first)
+        whole._buffers, whole._parameters = dict(first._buffers), dict(first._parameters)
+        whole.__dict__.pop("_decoded", None)                        # a share's decoded weight, if one was kept
+        for name, buffer in first._buffers.items():
+            if buffer is not None and name in cls.ROW_BUFFERS:
+                whole._buffers[name] = torch.cat([p._buffers[name] for p in parts])
+            elif any(not _same(p._buffers[name], buffer) for p in parts):
+                raise ValueError(f"{cls.__name__}.{name} differs between shares of rows, but is not per row")
+        if first.bias is not None:
+            whole.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        whole.out_features = sum(p.out_features for p in parts)
+        return whole
 
     def cached_weight(self):
         """dequantize(), or inside `decoded_weights` the weight decoded once and kept (float32 [out, in])."""
@@ -242,6 +266,10 @@ def input_owner(name):
 def linear_names(model):
     """The names of the model's nn.Linear layers that quantization replaces: all but lm_head, in module order."""
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+
+
+def _same(a, b):
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def replace_linears(model, make_layer, names=None):

@@ -3,7 +3,8 @@ same bytes as one process, for a data-free method (layers split over the ranks) 
 AWQ, BlockLDLQ, EntQuant with feedback: calibration split, statistics folded in a fixed slot order, each linear
 quantized by one owner; a rank without a calibration batch only takes part); a rank killed mid-run (by hand or
 under torchrun) ends the other with one error line, and the same command then resumes and finishes with the same
-bytes; what a rank receives is loaded weights_only."""
+bytes; what a rank receives is loaded weights_only. A linear whose error feedback is the step's longest is cut into
+shares of rows over the ranks (distributed.plan), and the joined shares are still the bytes of one process."""
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import torch
 
 from engine import distributed
 from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files
+from engine.formats import gptq
 from engine.formats.numerics.affine import AffineQuantLinear
 from engine.formats.numerics import calibration
 from engine.formats.numerics.calibration import InputStats
@@ -34,6 +36,17 @@ def source(tmp_path_factory):
     cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, num_hidden_layers=6)
     folder = tmp_path_factory.mktemp("src") / "dense"
+    save_dense(Qwen3(cfg).eval(), folder, side_files=lambda f: write_tokenizer_files(byte_tokenizer(), f))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """o_proj and down_proj of 128 rows, alone in their steps: two blocks of obq.ROWS rows, cut over 2 ranks."""
+    torch.manual_seed(1)
+    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=192, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
+    folder = tmp_path_factory.mktemp("src") / "wide"
     save_dense(Qwen3(cfg).eval(), folder, side_files=lambda f: write_tokenizer_files(byte_tokenizer(), f))
     return folder
 
@@ -93,12 +106,41 @@ def test_slot_sums_split_over_ranks_fold_to_the_one_process_sums():
             part.add(batches[b], calibration.slot_of(b, len(batches)))
         halves.append(part)
     assert [len(h.parts) for h in halves] == [4, 4]                 # each rank keeps its 4 slots apart
+    assert halves[0].parts[0][1].shape == (24 * 25 // 2,)           # X^T X's upper triangle: what a rank sends
     folded = halves[0].parts + halves[1].parts
     merged = InputStats(24)
     merged.parts = [[p[0], p[1].clone(), p[2].clone(), p[3]] for p in folded]        # folded in place
     assert torch.equal(merged.hessian, one.hessian) and torch.equal(merged.mean_abs, one.mean_abs)
+    assert torch.equal(merged.gram, merged.gram.T) and merged.gram.dtype == torch.float32
     naive = halves[0]._total()[1] + halves[1]._total()[1]
     assert not torch.equal(naive, one._total()[1])                 # the order matters: the fold is needed
+
+
+def test_the_plan_cuts_rows_only_where_that_shortens_the_step():
+    """q/k/v and gate/up stay whole on 2 ranks (cutting q or gate would not shorten the longest rank), gate/up are
+    cut on 8; a linear alone in its step is cut into shares of whole blocks, one too small to cut stays whole."""
+    qkv = {"q": (2048, 1024), "k": (1024, 1024), "v": (1024, 1024)}
+    assert distributed.plan(qkv, 2, 64) == {"q": [(0, 0, 2048)], "k": [(1, 0, 1024)], "v": [(1, 0, 1024)]}
+    assert distributed.plan({"g": (3072, 1024), "u": (3072, 1024)}, 2, 64) == {"g": [(0, 0, 3072)],
+                                                                                "u": [(1, 0, 3072)]}
+    cut = distributed.plan({"g": (3072, 1024), "u": (3072, 1024)}, 8, 64)
+    assert cut["g"] == cut["u"] == [(r, 384 * r, 384 * (r + 1)) for r in range(8)]
+    assert distributed.plan({"down": (1024, 3072)}, 3, 64) == {"down": [(0, 0, 320), (1, 320, 640), (2, 640, 1024)]}
+    assert distributed.plan({"o": (130, 64)}, 4, 64) == {"o": [(1, 0, 64), (2, 64, 128), (3, 128, 130)]}
+    assert distributed.plan({"o": (64, 64)}, 2, 64) == {"o": [(0, 0, 64)]}
+
+
+def test_shares_of_rows_join_into_the_whole_layer():
+    w, bias = torch.randn(130, 64), torch.randn(130)
+    g_idx = torch.arange(64).flip(0) // 16                        # a column permutation: the same in each share
+    make = lambda a, b: gptq.to_runtime(*gptq.gptq_quantize(w[a:b], torch.eye(64), 4, 16)[:3], g_idx, 16,
+                                        bias=bias[a:b])                                           # noqa: E731
+    whole, joined = make(0, 130), AffineQuantLinear.joined([make(0, 64), make(64, 130)])
+    assert joined.out_features == 130 and all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(),
+                                                                                joined.state_dict().values()))
+    other = gptq.to_runtime(*gptq.gptq_quantize(w[64:], torch.eye(64), 4, 16)[:3], torch.arange(64) // 16, 16)
+    with pytest.raises(ValueError, match="AffineQuantLinear.perm differs between shares of rows, but is not per row"):
+        AffineQuantLinear.joined([make(0, 64), other])
 
 
 def test_shares_are_contiguous_and_cover_every_batch():
@@ -127,6 +169,23 @@ def test_two_ranks_write_the_bytes_of_one_process(tmp_path, source, method, opti
     assert two.returncode == 0, two.stderr
     assert "with 2 ranks" in two.stderr
     assert files(tmp_path / "two") == files(tmp_path / "one")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options, out", [(("--group-size", "32"), "q"),
+                                          (("--target", "llama.cpp", "--option", "ggml_type=Q4_0"), "q.gguf")])
+def test_linears_cut_over_two_ranks_write_the_bytes_of_one_process(tmp_path, wide, options, out):
+    """o_proj and down_proj are cut into two shares of 64 rows (the plan above): plain GPTQ and GPTQ on GGML
+    blocks."""
+    common = ("--model", str(wide), "--method", "gptq", *options, *CALIB)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = quantize(*common, "--out", str(tmp_path / "one" / out))
+    assert one.returncode == 0, one.stderr
+    two = quantize(*common, "--out", str(tmp_path / "two" / out), ranks=2)
+    assert two.returncode == 0, two.stderr
+    written = lambda run: files(run / out) if (run / out).is_dir() else (run / out).read_bytes()   # noqa: E731
+    assert written(tmp_path / "two") == written(tmp_path / "one")
 
 
 @pytest.mark.slow

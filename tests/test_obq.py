@@ -1,9 +1,12 @@
 """The error-feedback loop (numerics/obq.py): the lazy batch equals the textbook loop, on matrices wider than
-one block, for every caller (GPTQ, EntQuant's feedback, BlockLDLQ), and the feedback lowers the layer error."""
+one block, for every caller (GPTQ, EntQuant's feedback, BlockLDLQ), and the feedback lowers the layer error; a
+block of rows gets the bytes the whole matrix gives it (what lets the ranks split a linear's rows)."""
 import pytest
 import torch
 
 from engine.formats import entropy_feedback, gptq, trellis
+from engine.formats.gptq_order import visit_order
+from engine.formats.llama_cpp import gptq_ggml
 from engine.formats.numerics import obq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,3 +138,63 @@ def test_block_ldlq_wider_than_a_block_equals_the_textbook_loop(monkeypatch):
     _textbook(monkeypatch, trellis)
     textbook = trellis.block_ldlq(w, h, L=8, K=2)
     assert all(torch.equal(a, b) for a, b in zip(lazy, textbook))
+
+
+def shares(out_f):
+    """Cuts of out_f rows into shares that start at multiples of obq.ROWS, as the ranks take them: one share, one
+    block then the rest, three blocks then a short last share."""
+    R = obq.ROWS
+    return [[0, out_f], [0, R, out_f], [0, R, 3 * R, out_f]] if out_f > 3 * R else [[0, out_f], [0, R, out_f]]
+
+
+def by_shares(fn, w, cuts):
+    """fn on each share of w's rows, the shares' results (tensors, or tuples of them) joined along the rows."""
+    parts = [fn(w[a:b]) for a, b in zip(cuts, cuts[1:])]
+    if torch.is_tensor(parts[0]):
+        return torch.cat(parts)
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
+
+
+def same(a, b):
+    return torch.equal(a, b) if torch.is_tensor(a) else all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("step", [1, 4])
+@pytest.mark.parametrize("out_f", [3 * obq.ROWS + 3, 2 * obq.ROWS + 2, obq.ROWS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_share_of_rows_gets_the_bytes_the_whole_matrix_gives_it(step, out_f, dtype):
+    """The loop's products run in fixed blocks of ROWS rows, so a share of the rows that starts at a block gives
+    those rows bit for bit what the whole matrix gives them, whatever the row count (3 rows last: this machine's
+    MKL sums a [3, k] @ [k, n] in another order than a taller product; unblocked, this test fails). The quantizer
+    halves each column, no rounding: any other sum shows."""
+    w, _, U = layer(out_f, 300, 8, dtype)
+    halve = lambda j, current: current(j, j + step) * 0.5          # noqa: E731
+    whole = obq.error_feedback(w, U, halve, step)
+    for cuts in shares(out_f):
+        assert torch.equal(by_shares(lambda rows: obq.error_feedback(rows, U, halve, step), w, cuts), whole), cuts
+
+
+@pytest.mark.parametrize("out_f", [3 * obq.ROWS + 3, 2 * obq.ROWS + 16])
+def test_every_per_row_method_gives_a_share_of_rows_the_whole_matrix_bytes(out_f):
+    """GPTQ in each kind of visit (its grids, act-order's permutation), GPTQ on llama.cpp's grids (a K-quant's
+    per-row fields, the refit of its scales), EntQuant's feedback and BlockLDLQ (tiles of 16 rows): a share of the
+    rows gets the codes, grids and fields the whole matrix gives it, and what is not per row (g_idx) is the same."""
+    w, h, _ = layer(out_f, 512, 9, torch.float32)
+    w = w * 0.05
+    methods = {order: lambda rows, order=order: gptq.gptq_quantize(rows, h, 4, 128, order=order, min_zero=1)
+               for order in ("act_order_static", "group_aware", "act_order", "natural")}
+    for kind in ("Q4_K", "Q6_K", "Q5_0", "IQ4_XS"):
+        perm = visit_order(torch.diag(h), gptq_ggml.group_size(kind), "act_order_static")
+        methods[kind] = lambda rows, kind=kind, perm=perm: gptq_ggml.gptq_ggml(rows, h, kind, perm)
+    methods["entquant"] = lambda rows: entropy_feedback.feedback_weight(rows, torch.log2(rows.abs().amax(1)) - 6, h)
+    for name, fn in methods.items():
+        whole = fn(w)
+        for cuts in shares(out_f):
+            joined = by_shares(fn, w, cuts)
+            if name in ("act_order_static", "group_aware", "act_order", "natural"):    # g_idx: [in], not per row
+                joined = (*joined[:3], fn(w[cuts[-2]:])[3])
+            assert same(joined, whole), (name, cuts)
+    tall = w[:out_f // 16 * 16, :256]                                        # whole tiles of 16 rows
+    whole = trellis.block_ldlq(tall, h[:256, :256], L=8, K=2)
+    for cuts in shares(len(tall)):
+        assert same(by_shares(lambda rows: trellis.block_ldlq(rows, h[:256, :256], L=8, K=2), tall, cuts), whole)

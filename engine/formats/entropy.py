@@ -215,12 +215,12 @@ def _block_linears(model):
 
 
 def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, lanes=None, importance=None,
-                    hessians=None, damp=0.01):
+                    hessians=None, damp=0.01, by_rows=lambda fn, *rows: fn(*rows)):
     """{block: [(name, nn.Linear)]} -> ({name: EntQuantLinear, not yet bound to a decoder}, total bits, weight
     count). Each block's stream, bound to its block_context, sits in the block's first layer. super_weights applies
     to Int8 only; importance: {name: [out]} from fisher_importance, or None for the paper's loss; hessians:
     {name: [in, in]} from self_hessians for the error feedback (damp: its dampening), or None for the paper's nearest
-    codes."""
+    codes. by_rows(fn, *rows): how the feedback runs on the rows (LayerCalibration.by_rows: cut over the ranks)."""
     layers, bits, count, blocks, symbols = {}, 0, 0, {}, {}
     for i, named in linears.items():
         block, codes = blocks.setdefault(i, []), []
@@ -229,7 +229,11 @@ def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, l
             keep = super_weight_mask(w, super_weights) if fmt == "int8" else None
             s = entquant_scales(w, lam, fmt, max_iter=max_iter, keep=keep,
                                 importance=None if importance is None else importance[name])
-            target = w if hessians is None else feedback_weight(w, s, hessians[name], fmt, keep, damp)
+            if hessians is not None:                      # per row given H: the ranks may share the rows out
+                [target] = by_rows(lambda w, s, keep, H=hessians[name]: (feedback_weight(w, s, H, fmt, keep, damp),),
+                                   w, s, keep)
+            else:
+                target = w
             codes.append(encode_weight(target, s, fmt, keep).reshape(-1))
             idx = torch.zeros(0, dtype=torch.int32) if keep is None else keep.reshape(-1).nonzero()[:, 0].int()
             layers[name] = EntQuantLinear(w.shape[1], w.shape[0], s, fmt, None, idx, w.reshape(-1)[idx.long()],
@@ -268,7 +272,7 @@ def check_options(lam=None, bpw=None, fmt="float8", sensitivity=None, feedback=N
 
 
 def _entquant(linears, lam, bpw, fmt, super_weights, max_iter, lanes, tol, sensitivity, feedback, feedback_damp,
-              importance=None, hessians=None, say=None):
+              importance=None, hessians=None, say=None, by_rows=lambda fn, *rows: fn(*rows)):
     """The one body of quantize and quantize_layer: the blocks' linears {block: [(name, linear)]} compressed at
     lambda = lam, or at the lambda the shipped table and a search find for bpw -> (the layers {name: EntQuantLinear},
     the quantization_config). say(text): a progress line per lambda tried."""
@@ -277,7 +281,7 @@ def _entquant(linears, lam, bpw, fmt, super_weights, max_iter, lanes, tol, sensi
     def measure(lam_):
         start = time.time()
         found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes, importance, hessians,
-                                      feedback_damp)
+                                      feedback_damp, by_rows)
         _, bits, count = found[lam_]
         if say is not None:
             say(f"entquant: lambda {lam_:.4g} -> {bits / count:.3f} bits per weight ({time.time() - start:.1f} s)")
@@ -352,7 +356,7 @@ def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max
         stats = layer.capture([name.removeprefix(layer.prefix) for name, _ in linears[layer.index]])
         hessians = {name: s.hessian for name, s in stats.items()}
     layers, config = _entquant(linears, lam, bpw, fmt, super_weights, max_iter, lanes, tol, sensitivity, feedback,
-                               feedback_damp, hessians=hessians)
+                               feedback_damp, hessians=hessians, by_rows=layer.by_rows)
     placed = layer.replace(lambda name, linear: layers[name], names=set(layers))
     if feedback == "calibration":                 # the next block's inputs pass through this one, quantized
         # the modules now in the block (with several processes, copies sent by the rank that made each)

@@ -289,7 +289,7 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
                 parts = gptq_quantize(weight, hessians[name], bits, group, order=order, **options)
             return to_runtime(*parts, group, linear.bias, bits=bits)
 
-        layer.replace(make, names=hessians)
+        layer.replace(make, names=hessians, rows=order != SEARCH)      # search prices an order over all rows
     return {**{k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
                                     "order")}, **steps.record(layer)}
 

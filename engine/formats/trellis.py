@@ -387,8 +387,9 @@ def quantize_layer(layer, L=8, K=2, code="1mad", tail_biting=False, tile=None, g
         for step in SEQUENTIAL_STEPS:
             names = [layer.prefix + n for n in step]
             weights = [layer.module(n).weight.detach().float() for n in names]
-            codes, scales, _ = block_ldlq(torch.cat(weights), stats[names[0]].hessian, L, K, group, seed, code,
-                                          tail_biting, tile)
+            H = stats[names[0]].hessian
+            codes, scales = layer.by_rows(lambda w, H=H: block_ldlq(w, H, L, K, group, seed, code, tail_biting,
+                                                                    tile)[:2], torch.cat(weights))
             rows = [w.shape[0] // tile[0] for w in weights]
             coded.update({n: parts for n, parts in zip(names, zip(codes.split(rows), scales.split(rows)))})
     else:

@@ -241,6 +241,8 @@ class GGMLLinear(AffineQuantLinear):
     computes as the affine layer (the same codes and grid, decoded once); the file writer stores `raw` as it is, and
     its size is the blocks' size."""
 
+    ROW_BUFFERS = (*AffineQuantLinear.ROW_BUFFERS, "raw")
+
     def __init__(self, raw, ggml_type, codes, scales, group_size, bits, bias=None, *, zeros=None, offsets=None):
         super().__init__(_pack(codes, bits), scales, offsets, group_size, True, bias, bits=bits, zeros=zeros,
                          in_features=codes.shape[1])

@@ -41,7 +41,7 @@ from ..gptq_order import ORDERS, SEARCH, visit_order
 from ..method import Option, bool_option, choice_option, number_option
 from ..numerics import calibration, experts
 from ..numerics.affine import AffineQuantLinear
-from ..numerics.obq import error_feedback, inverse_cholesky, layer_error
+from ..numerics.obq import ROWS, error_feedback, inverse_cholesky, layer_error
 from . import bit_plan, ggml, ggml_quants, iq4
 
 # codes per integer type: 2^bits, the digit in the type's name (Q8_0 stores int8, codes 0..255 meaning -128..127);
@@ -152,8 +152,10 @@ def refit_scales(weight, hessian, type_name, codes, fields):
     P, W = torch.stack(basis, 1), weight.float().reshape(out_f, nb, block)     # P [out, k, blocks, block]
     Hb, k = hessian.float().reshape(nb, block, nb, block), len(keys)
     old = torch.cat([fields[key].reshape(out_f, nb).float() for key in keys], 1)
-    chosen, rows_at_once = [], max(1, REFIT_SCALARS // (k * nb * cols))
-    for at in range(0, out_f, rows_at_once):          # rows at a time: T is rows x k x blocks x in
+    # rows at a time (T is rows x k x blocks x in): a power of two up to obq.ROWS, so that a share of the rows that
+    # starts at a multiple of ROWS (engine.distributed) meets the same products, and gets the same bytes
+    chosen, rows_at_once = [], min(ROWS, 1 << (max(1, REFIT_SCALARS // (k * nb * cols))).bit_length() - 1)
+    for at in range(0, out_f, rows_at_once):
         rows = slice(at, at + rows_at_once)
         # the k kinds of basis folded into the rows: the same products, in the same order, for every k
         n, Pk = len(P[rows]), P[rows].reshape(-1, nb, block)
@@ -378,7 +380,7 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
             raw = gptq_ggml(linear.weight, H, kind, perm, damp, imatrix=imatrix, refit=refit)
             return ggml_layer(raw, kind, linear.in_features, linear.bias)
 
-        layer.replace(make, names=hessians)
+        layer.replace(make, names=hessians, rows=True)
     return {"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
             "desc_act": False, "imatrix": imatrix, "refit": refit, "ggml_types": types,
             **({"bpw": bpw, "plan": plan} if bpw is not None else {}),

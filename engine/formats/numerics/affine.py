@@ -251,6 +251,8 @@ class AffineQuantLinear(QuantLinear):
     groups are contiguous; the layer then multiplies x[:, perm]; dequantize() returns the original column order).
     """
 
+    ROW_BUFFERS = ("packed", "scales", "zeros", "offsets")
+
     def __init__(self, weight_codes, scales, offsets, group_size, packed=False, bias=None, dtype=None, *, bits=4,
                  zeros=None, in_features=None, perm=None):
         check_bits(bits)

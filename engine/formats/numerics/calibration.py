@@ -23,14 +23,19 @@ results, kept apart so that this file reads as the walk itself.
 
 With several processes (engine/distributed.py) each rank walks the layers with its share of the batches: capture
 merges the ranks' statistics in a fixed order (InputStats' slots: the sums of one process, bit for bit) and replace
-has one owner rank make each linear and send it to the others, so every method runs unchanged.
+has one rank make each linear (or, for error feedback, each share of a large linear's rows) and send it to the others,
+so every method runs unchanged.
 """
+import functools
+
 import torch
 from tqdm import tqdm
 
+from ...distributed import plan
 from ...layers import QuantLinear, input_owner, linear_names, replace_linears, sequential_steps
 from .experts import PER_LAYER
 from .layer_runs import ResumingRuns
+from .obq import ROWS
 
 # The calibration batches are cut into SLOTS contiguous slots, each summed from zero in batch order and the slots
 # folded in slot order: the same sums, bit for bit, whether one process or up to SLOTS ranks hold the slots.
@@ -53,11 +58,14 @@ class InputStats:
     number of processes): each slot summed from zero in batch order, the slots folded left to right. A process that
     holds only some slots keeps their sums apart (keep_slots) until merge(group) folds them with the other ranks', so
     that any number of ranks reaches the sums of one process bit for bit. One process holds two float64 sums per
-    statistic (the total and the open slot's), the price of that order."""
+    statistic (the total and the open slot's), the price of that order. X^T X is symmetric, so only its upper
+    triangle is summed, kept and sent (half the bytes), and G is that triangle mirrored, on any BLAS; what the
+    methods read is float32, so the ranks receive the total already divided and rounded (half again)."""
 
     def __init__(self, in_features, keep_slots=False):
         self.in_features, self.keep_slots = in_features, keep_slots
         self.parts = []              # [slot, xtx, abs_sum, count]: closed slots (folded unless kept), then the open one
+        self.merged = None           # after merge: (G's upper triangle, mean_abs, count) as the ranks computed them
 
     @classmethod
     def of(cls, inputs):
@@ -82,53 +90,81 @@ class InputStats:
                 part[2].zero_()
                 part[0], part[3] = slot, 0
             else:
-                self.parts.append([slot, torch.zeros(self.in_features, self.in_features, dtype=torch.float64,
+                self.parts.append([slot, torch.zeros(_triangle(self.in_features), dtype=torch.float64,
                                                      device=x.device),
                                    torch.zeros(self.in_features, dtype=torch.float64, device=x.device), 0])
         part = self.parts[-1]
         # one batch's X^T X in float32 (a float64 matmul costs several times more), summed over batches in float64
         # (a long calibration run sums many large squares)
-        part[1] += (x.T @ x).double()
+        part[1] += (x.T @ x)[_upper(self.in_features, x.device)].double()
         part[2] += x.abs().sum(0, dtype=torch.float64)
         part[3] += x.shape[0]
 
     def merge(self, group):
-        """Fold this rank's slot sums with every other rank's (engine.distributed.Group.fold); the same on every
-        rank afterwards."""
-        total = group.fold(self.parts, _fold)
-        self.parts = [total] if total is not None else []
+        """Fold this rank's slot sums with every other rank's (engine.distributed.Group.fold): the last rank divides
+        the total (_final) and sends every rank the float32 statistics, the same on every rank afterwards."""
+        self.merged, self.parts = group.fold(self.parts, _fold, _final), []
 
     def _total(self):
         while len(self.parts) > 1:
             _fold(*self.parts[:2])
             del self.parts[1]
-        if not self.parts or self.parts[0][3] == 0:
-            raise ValueError("no calibration inputs reached this layer")
         return self.parts[0]
+
+    def _statistics(self):
+        final = self.merged if self.merged is not None or not self.parts else _final(self._total())
+        if final is None or final[2] == 0:
+            raise ValueError("no calibration inputs reached this layer")
+        return final
 
     @property
     def count(self):
-        return self._total()[3]
+        return self._statistics()[2]
 
     @property
     def rows(self):
         """The input rows (tokens) added so far, 0 when none: an expert no calibration token was routed to."""
-        return sum(part[3] for part in self.parts)
+        return self.merged[2] if self.merged is not None else sum(part[3] for part in self.parts)
 
     @property
     def gram(self):
-        _, xtx, _, n = self._total()
-        return (xtx / n).float()
+        return _mirrored(self._statistics()[0], self.in_features)
 
     @property
     def hessian(self):
-        _, xtx, _, n = self._total()
-        return (2 * xtx / n).float()
+        return 2 * self.gram                  # exact: (2 X^T X / n) in float32, but for subnormal entries
 
     @property
     def mean_abs(self):
-        _, _, abs_sum, n = self._total()
-        return (abs_sum / n).float()
+        return self._statistics()[1]
+
+
+@functools.cache
+def _upper_cpu(n):
+    return torch.ones(n, n, dtype=torch.bool).triu()
+
+
+def _upper(n, device):
+    """bool [n, n]: the upper triangle, diagonal included (X^T X[mask]: its entries row by row)."""
+    return _upper_cpu(n).to(device)
+
+
+def _triangle(n):
+    return n * (n + 1) // 2
+
+
+def _mirrored(upper, n):
+    """An upper triangle row by row [n (n + 1) / 2] -> the symmetric matrix [n, n] (adding zeros: exact)."""
+    full = torch.zeros(n, n, dtype=upper.dtype, device=upper.device)
+    full[_upper(n, upper.device)] = upper
+    return full + full.triu(1).T
+
+
+def _final(total):
+    """The folded slot sums [slot, xtx, abs_sum, count] -> (G's upper triangle, mean_abs, count), float32: what the
+    statistics are read from, in one process and, sent by the last rank, on every rank."""
+    _, xtx, abs_sum, n = total
+    return (xtx / n).float(), (abs_sum / n).float(), n
 
 
 def _fold(total, part):
@@ -143,6 +179,18 @@ def _fold(total, part):
 def hessian_from(inputs):
     """inputs: one tensor [..., in] or an iterable of such batches -> H = 2 X^T X / n [in, in] (the book's name)."""
     return InputStats.of(inputs).hessian
+
+
+def _rows(linear, first, end):
+    """An nn.Linear holding rows first .. end - 1 of `linear` (views of its weight and bias), the whole one as it
+    is."""
+    if first == 0 and end == linear.out_features:
+        return linear
+    share = torch.nn.Linear(linear.in_features, end - first, bias=linear.bias is not None, device="meta")
+    share.weight = torch.nn.Parameter(linear.weight[first:end], requires_grad=False)
+    if linear.bias is not None:
+        share.bias = torch.nn.Parameter(linear.bias[first:end], requires_grad=False)
+    return share
 
 
 class _Seen(Exception):
@@ -195,21 +243,48 @@ class LayerCalibration:
         self.group, self.first = group, first
         self.total = len(batches or ()) if total is None else total
 
-    def replace(self, make, names=None):
+    def replace(self, make, names=None, rows=False):
         """Replace the layer's linears (all, or the full names in `names`) by make(full name, linear), in place. In a
-        group of processes each linear is made by one owner rank and sent to the others."""
+        group of processes each linear is made by the rank distributed.plan gives it and sent to the others; with
+        rows=True (make quantizes each output row on its own given the statistics, as error feedback does) a large
+        linear is cut into shares of rows, make gets a linear of one share's rows, and the shares' layers are joined
+        (QuantLinear.joined) on every rank."""
         names = None if names is None else {n.removeprefix(self.prefix) for n in names}
         if self.group is None:
             replaced = replace_linears(self.layer, lambda name, linear: make(self.prefix + name, linear), names)
         else:
             chosen = [n for n in linear_names(self.layer) if names is None or n in names]
-            owner = {n: (self.index + k) % self.group.world for k, n in enumerate(chosen)}
-            made = {n: make(self.prefix + n, self.layer.get_submodule(n)) for n in chosen
-                    if owner[n] == self.group.rank}
-            replaced = replace_linears(self.layer, lambda name, linear: self.group.broadcast(
-                made.get(name), owner[name], f"sharing {self.prefix}{name}"), set(chosen))
+            linears = {n: self.layer.get_submodule(n) for n in chosen}
+            if rows:
+                shares = plan({n: (m.out_features, m.in_features) for n, m in linears.items()}, self.group.world,
+                              ROWS)
+            else:                                       # whole linears, turn about
+                shares = {n: [((self.index + k) % self.group.world, 0, m.out_features)]
+                          for k, (n, m) in enumerate(linears.items())}
+            made = {(n, a): make(self.prefix + n, _rows(linears[n], a, b))
+                    for n in chosen for r, a, b in shares[n] if r == self.group.rank}
+
+            def gathered(name, linear):
+                parts = [self.group.broadcast(made.get((name, a)), r, f"sharing {self.prefix}{name}")
+                         for r, a, _ in shares[name]]
+                return parts[0] if len(parts) == 1 else type(parts[0]).joined(parts)
+            replaced = replace_linears(self.layer, gathered, set(chosen))
         self.runs.drop_stale()                          # what the replaced linears made is freed now
         return replaced
+
+    def by_rows(self, fn, *rows):
+        """fn(*rows) for tensors whose first dimension is a weight's output rows (None passes as it is) and an fn
+        whose results are tensors per output row in turn (the first dimension follows the rows, in blocks of them):
+        error feedback given the statistics. In a group of processes each rank runs fn on its share of the rows
+        (distributed.plan) and the shares' results are joined on every rank."""
+        if self.group is None:
+            return fn(*rows)
+        shares = plan({"weight": tuple(rows[0].shape[:2])}, self.group.world, ROWS)["weight"]
+        mine = [fn(*(t if t is None else t[a:b] for t in rows)) for r, a, b in shares if r == self.group.rank]
+        parts = [self.group.broadcast(mine[0] if r == self.group.rank else None, r,
+                                      f"sharing rows {first}-{end - 1} of a weight of {self.prefix[:-1]}")
+                 for r, first, end in shares]
+        return tuple(torch.cat(joined) for joined in zip(*parts))
 
     def _run(self, b, args, watched=()):
         """What self.layer(*args) returns for batch b (resumed where an earlier run of the batch stopped, when that

@@ -18,8 +18,17 @@ columns [out, step].
 work in rank-one updates. `error_feedback` is GPTQ's lazy batch: corrections land inside a block of 128 columns
 at once and on the columns after the block in one matrix product when it ends, the same arithmetic in another
 order (equal to float rounding, tests/test_obq.py), most of it in large matmuls.
+
+Rows are independent given H: each row's codes depend on that row and on U alone. So that a block of rows gives
+bit for bit the codes the whole matrix gives them (engine.distributed splits a linear's rows over the ranks), every
+product that sums over several columns ([rows, k] @ [k, n] with k > 1: a BLAS may pick another kernel, another
+summation order, for another row count; on this machine's MKL, below 8 rows) is taken in fixed blocks of ROWS rows,
+counted from the first row: a share of rows that starts at a multiple of ROWS meets the same blocks. A one-column
+step's update (k = 1) is left whole: each entry is one product, one rounding, whatever the kernel.
 """
 import torch
+
+ROWS = 64                   # rows per block of the products above; a share of rows starts at a multiple of it
 
 
 def inverse_cholesky(hessian, damp=0.01):
@@ -35,11 +44,34 @@ def inverse_cholesky(hessian, damp=0.01):
     return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
 
+def by_rows(fn, a, *rest):
+    """fn(a[r:r + ROWS], *rest) for each block of ROWS rows of a, concatenated, row-major: the same bytes for any
+    share of the rows that starts at a multiple of ROWS (the module docstring). Row-major whatever fn returns (a
+    LAPACK solve returns column-major): a product then reads its operand in one layout, with one kernel."""
+    if a.shape[0] <= ROWS:
+        return fn(a, *rest).contiguous()
+    return torch.cat([fn(a[r:r + ROWS], *rest) for r in range(0, a.shape[0], ROWS)])
+
+
+def _product(a, b):
+    """a [rows, k] @ b [k, n], in blocks of ROWS rows (k = 1: whole, one product per entry)."""
+    return a @ b if a.shape[1] == 1 else by_rows(torch.matmul, a, b)
+
+
+def _subtract_product(target, a, b):
+    """target -= a @ b in place, target [rows, n] a view, a block of ROWS rows at a time."""
+    if a.shape[1] == 1 or a.shape[0] <= ROWS:
+        target -= a @ b
+        return
+    for r in range(0, a.shape[0], ROWS):
+        target[r:r + ROWS] -= a[r:r + ROWS] @ b
+
+
 def _scaled_error(diff, U_BB):
     """(W_B - W_hat_B) U_BB^-1 for a step's columns diff [out, step]; for one column a division by U_jj."""
     if U_BB.shape[0] == 1:
         return diff / U_BB[0, 0]
-    return torch.linalg.solve_triangular(U_BB, diff, upper=True, left=False)
+    return by_rows(lambda d: torch.linalg.solve_triangular(U_BB, d, upper=True, left=False), diff)
 
 
 def _check(weight, U, step):
@@ -93,7 +125,7 @@ def error_feedback(weight, U, quantize, step=1, block=128):
             inside = W1[:, a - b0:min(b, b1) - b0]
             if b <= b1:
                 return inside
-            pending = W[:, b1:b] - errors @ U[b0:b1, b1:b]  # the columns past the block, their update brought forward
+            pending = W[:, b1:b] - _product(errors, U[b0:b1, b1:b])   # past the block, their update brought forward
             return torch.cat((inside, pending), 1)
 
         for j in range(b0, b1, step):
@@ -101,8 +133,8 @@ def error_feedback(weight, U, quantize, step=1, block=128):
             W_hat[:, B] = quantize(j, current)
             E = _scaled_error(W1[:, local] - W_hat[:, B], U[B, B])
             errors[:, local] = E
-            W1[:, local.stop:] -= E @ U[B, j + step:b1]
-        W[:, b1:] -= errors @ U[b0:b1, b1:]
+            _subtract_product(W1[:, local.stop:], E, U[B, j + step:b1])
+        _subtract_product(W[:, b1:], errors, U[b0:b1, b1:])
     return W_hat
 
 
