@@ -6,11 +6,11 @@ needs, each exact and each naming the rank it lost when one dies.
 Data-free methods split the decoder layers: rank r quantizes layers r, r + N, r + 2N, ... and sends each one's
 tensors to rank 0. Data-aware methods split the calibration: each rank runs its contiguous share of the batches
 through every layer; each linear's input statistics (GPTQ's Hessian) are summed over the ranks, and each step's
-linears are shared out by `plan`: whole linears to ranks where that balances, and for error feedback (GPTQ, on
-llama.cpp's grids too, BlockLDLQ, EntQuant's feedback) a linear too long for one rank cut into shares of output rows
-(rows are independent given H: each rank runs the feedback on its rows with the factor made from the same H bytes,
-numerics/obq.py's products in fixed blocks of rows keep the bytes). Every rank gets every result, so every rank
-continues from the same quantized layer.
+linears are shared out by numerics/obq.py's `row_shares`: whole linears to ranks where that balances, and for error
+feedback (GPTQ, on llama.cpp's grids too, BlockLDLQ, EntQuant's feedback) a linear too long for one rank cut into
+shares of output rows (rows are independent given H: each rank runs the feedback on its rows with the factor made
+from the same H bytes, numerics/obq.py's products in fixed blocks of rows keep the bytes). Every rank gets every
+result, so every rank continues from the same quantized layer.
 
 Byte-identical to one process. A float64 sum depends on its order, so the statistics are always summed the same way,
 whatever the number of ranks: the batches are cut into SLOTS contiguous slots, each slot summed from zero in batch
@@ -239,39 +239,6 @@ def share(batches, rank, world):
     first_slot, end_slot = rank * SLOTS // world, (rank + 1) * SLOTS // world
     mine = [b for b in range(batches) if first_slot <= slot_of(b, batches) < end_slot]
     return range(mine[0], mine[-1] + 1) if mine else range(0)
-
-
-def plan(linears, world, unit):
-    """{name: (rows, in_features)} of one step's linears (the step's order) -> {name: [(rank, first row, end row),
-    ...]}: who runs each linear's error feedback, on which of its output rows.
-
-    Rows are independent given H, so a linear's rows can be cut among the ranks, but every rank with a share pays
-    the whole inverse-Hessian factor and an exchange. On one core the factor costs about in^3 * 3.2e-11 s and the
-    feedback rows * in^2 * 8e-11 s (in = 3072: 0.9 s, and 0.75 s for 1024 rows), so the plans are priced in integer
-    units of in^2 * (5 rows + 2 in) (every rank reaches the same plan): the j largest linears cut into world shares
-    of whole blocks of `unit` rows (obq.ROWS: a share that starts on a block gets the bytes the whole matrix gives
-    it), the others whole, largest first, each on the rank with the least work so far (the lowest on a tie), for
-    j = 0, 1, ...; the plan whose longest rank is shortest wins, the fewer cuts on a tie. On 2 ranks that cuts
-    o_proj and down_proj (alone in their steps) and keeps q/k/v and gate/up whole; on 8, gate/up are cut too."""
-    cost = {n: cols * cols * (5 * rows + 2 * cols) for n, (rows, cols) in linears.items()}
-    order = sorted(linears, key=lambda n: -cost[n])                     # stable: the step's order on a tie
-
-    def placed(cut):
-        load, shares = [0] * world, {}
-        for name in order:
-            rows, cols = linears[name]
-            blocks = -(-rows // unit)
-            if name in cut and blocks > 1:
-                ends = [min(rows, r * blocks // world * unit) for r in range(world + 1)]
-                shares[name] = [(r, a, b) for r, (a, b) in enumerate(zip(ends, ends[1:])) if b > a]
-            else:
-                shares[name] = [(min(range(world), key=lambda r: load[r]), 0, rows)]
-            for r, a, b in shares[name]:
-                load[r] += cols * cols * (5 * (b - a) + 2 * cols)
-        return max(load), {name: shares[name] for name in linears}
-
-    plans = [placed(set(order[:j])) for j in range(len(order) + 1 if world > 1 else 1)]
-    return min(plans, key=lambda p: p[0])[1]
 
 
 def check_world(world, data_aware):

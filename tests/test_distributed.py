@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine import distributed
+from engine.formats.numerics import obq
 from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files
 from engine.formats import gptq
 from engine.formats.numerics.affine import AffineQuantLinear
@@ -120,14 +121,14 @@ def test_the_plan_cuts_rows_only_where_that_shortens_the_step():
     """q/k/v and gate/up stay whole on 2 ranks (cutting q or gate would not shorten the longest rank), gate/up are
     cut on 8; a linear alone in its step is cut into shares of whole blocks, one too small to cut stays whole."""
     qkv = {"q": (2048, 1024), "k": (1024, 1024), "v": (1024, 1024)}
-    assert distributed.plan(qkv, 2, 64) == {"q": [(0, 0, 2048)], "k": [(1, 0, 1024)], "v": [(1, 0, 1024)]}
-    assert distributed.plan({"g": (3072, 1024), "u": (3072, 1024)}, 2, 64) == {"g": [(0, 0, 3072)],
+    assert obq.row_shares(qkv, 2, 64) == {"q": [(0, 0, 2048)], "k": [(1, 0, 1024)], "v": [(1, 0, 1024)]}
+    assert obq.row_shares({"g": (3072, 1024), "u": (3072, 1024)}, 2, 64) == {"g": [(0, 0, 3072)],
                                                                                 "u": [(1, 0, 3072)]}
-    cut = distributed.plan({"g": (3072, 1024), "u": (3072, 1024)}, 8, 64)
+    cut = obq.row_shares({"g": (3072, 1024), "u": (3072, 1024)}, 8, 64)
     assert cut["g"] == cut["u"] == [(r, 384 * r, 384 * (r + 1)) for r in range(8)]
-    assert distributed.plan({"down": (1024, 3072)}, 3, 64) == {"down": [(0, 0, 320), (1, 320, 640), (2, 640, 1024)]}
-    assert distributed.plan({"o": (130, 64)}, 4, 64) == {"o": [(1, 0, 64), (2, 64, 128), (3, 128, 130)]}
-    assert distributed.plan({"o": (64, 64)}, 2, 64) == {"o": [(0, 0, 64)]}
+    assert obq.row_shares({"down": (1024, 3072)}, 3, 64) == {"down": [(0, 0, 320), (1, 320, 640), (2, 640, 1024)]}
+    assert obq.row_shares({"o": (130, 64)}, 4, 64) == {"o": [(1, 0, 64), (2, 64, 128), (3, 128, 130)]}
+    assert obq.row_shares({"o": (64, 64)}, 2, 64) == {"o": [(0, 0, 64)]}
 
 
 def test_shares_of_rows_join_into_the_whole_layer():

@@ -31,11 +31,10 @@ import functools
 import torch
 from tqdm import tqdm
 
-from ...distributed import plan
 from ...layers import QuantLinear, input_owner, linear_names, replace_linears, sequential_steps
 from .experts import PER_LAYER
 from .layer_runs import ResumingRuns
-from .obq import ROWS
+from .obq import ROWS, row_shares
 
 # The calibration batches are cut into SLOTS contiguous slots, each summed from zero in batch order and the slots
 # folded in slot order: the same sums, bit for bit, whether one process or up to SLOTS ranks hold the slots.
@@ -245,7 +244,7 @@ class LayerCalibration:
 
     def replace(self, make, names=None, rows=False):
         """Replace the layer's linears (all, or the full names in `names`) by make(full name, linear), in place. In a
-        group of processes each linear is made by the rank distributed.plan gives it and sent to the others; with
+        group of processes each linear is made by the rank obq.row_shares gives it and sent to the others; with
         rows=True (make quantizes each output row on its own given the statistics, as error feedback does) a large
         linear is cut into shares of rows, make gets a linear of one share's rows, and the shares' layers are joined
         (QuantLinear.joined) on every rank."""
@@ -256,7 +255,7 @@ class LayerCalibration:
             chosen = [n for n in linear_names(self.layer) if names is None or n in names]
             linears = {n: self.layer.get_submodule(n) for n in chosen}
             if rows:
-                shares = plan({n: (m.out_features, m.in_features) for n, m in linears.items()}, self.group.world,
+                shares = row_shares({n: (m.out_features, m.in_features) for n, m in linears.items()}, self.group.world,
                               ROWS)
             else:                                       # whole linears, turn about
                 shares = {n: [((self.index + k) % self.group.world, 0, m.out_features)]
@@ -276,10 +275,10 @@ class LayerCalibration:
         """fn(*rows) for tensors whose first dimension is a weight's output rows (None passes as it is) and an fn
         whose results are tensors per output row in turn (the first dimension follows the rows, in blocks of them):
         error feedback given the statistics. In a group of processes each rank runs fn on its share of the rows
-        (distributed.plan) and the shares' results are joined on every rank."""
+        (obq.row_shares) and the shares' results are joined on every rank."""
         if self.group is None:
             return fn(*rows)
-        shares = plan({"weight": tuple(rows[0].shape[:2])}, self.group.world, ROWS)["weight"]
+        shares = row_shares({"weight": tuple(rows[0].shape[:2])}, self.group.world, ROWS)["weight"]
         mine = [fn(*(t if t is None else t[a:b] for t in rows)) for r, a, b in shares if r == self.group.rank]
         parts = [self.group.broadcast(mine[0] if r == self.group.rank else None, r,
                                       f"sharing rows {first}-{end - 1} of a weight of {self.prefix[:-1]}")
