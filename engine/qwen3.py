@@ -197,8 +197,11 @@ class Attention(nn.Module):
         if coded is not None:
             k_hat, v_hat, far = coded
             a, b = int((far | ~causal).all(0).sum()), int((far & causal).any(0).sum())    # (the future is masked)
-            k = torch.cat((k_hat[:, :, :a], k[:, :, a:]), 2)
-            v = torch.cat((v_hat[:, :, :a], v[:, :, a:]), 2)
+            if a == k.shape[2]:                        # every column coded (no window): no copy to make
+                k, v = k_hat, v_hat
+            elif a:
+                k = torch.cat((k_hat[:, :, :a], k[:, :, a:]), 2)
+                v = torch.cat((v_hat[:, :, :a], v[:, :, a:]), 2)
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scores = (q @ k.transpose(-1, -2) * cfg.head_dim ** -0.5).float()   # as transformers' eager path
         if coded is not None and b > a:

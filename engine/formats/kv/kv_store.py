@@ -123,34 +123,35 @@ class CodedPart:
         """The unread pages' bytes, and `like`."""
         return Pages(self.arenas, f"layer {self.layer} {'KV'[self.which]}", self.kept_pages), self.like
 
-    def decoded(self, unpacked, dtype, room):
-        """(x_hat [B, kv_heads, coded positions, d] in dtype, bytes newly kept): the kept values, then the unread
-        pages (unpacked: their codes, or None) decoded DECODE_PAGES pages' worth of tokens at a time, so that the
-        decoders' wide temporaries stay that small whatever the context, then the tail. Of the unread pages, the
-        first ones that `room` bytes hold are kept from now on."""
+    def decoded(self, unpacked, out, room):
+        """Fill out [B, kv_heads, coded positions, d] (the caller's buffer, in the model's dtype): the kept values,
+        then the unread pages (unpacked: their codes, or None) decoded straight into it, DECODE_PAGES pages' worth
+        of tokens at a time so that the decoders' wide temporaries stay that small whatever the context (all of
+        them at once for a format whose decode needs no wide ones: quantizer.decode_at_once), then the tail. Of the
+        unread pages, the first ones that `room` bytes hold are kept from now on; returns the bytes newly kept."""
         first = self.ends[self.kept_pages - 1] if self.kept_pages else 0
-        n, step = self.sealed - first, DECODE_PAGES * self.page_tokens
-        fresh = [] if unpacked is None else [self._decode(_cut(unpacked, n, i, min(i + step, n)), dtype)
-                                             for i in range(0, n, step)]
-        pieces, kept = [] if self.kept is None else [self.kept], 0
-        if fresh:
-            x = fresh[0] if len(fresh) == 1 else torch.cat(fresh, 2)
-            ends = np.frombuffer(self.ends, np.int64)[self.kept_pages:] - first
-            per_token = x[:, :, :1].numel() * x.element_size()
-            fit = int(np.count_nonzero(ends * per_token <= room))          # ends grow: a prefix of the pages
-            if fit:
-                tokens = int(ends[fit - 1])
-                kept = tokens * per_token                     # a copy (cat): a view would hold all of x's storage
-                self.kept = torch.cat((x[:, :, :0] if self.kept is None else self.kept, x[:, :, :tokens]), 2)
-                self.kept_pages += fit
-                pieces, x = [self.kept], x[:, :, tokens:]
-            pieces.append(x)
+        if self.kept is not None:
+            out[:, :, :first] = self.kept
+        n = self.sealed - first
+        step = max(n, 1) if self.quantizer.decode_at_once else DECODE_PAGES * self.page_tokens
+        if unpacked is not None:
+            for i in range(0, n, step):
+                out[:, :, first + i:first + min(i + step, n)] = self._decode(_cut(unpacked, n, i, min(i + step, n)))
         if self.tail_tokens:
-            pieces.append(self._decode(self.tail, dtype))
-        return torch.cat(pieces, 2), kept
+            out[:, :, self.sealed:] = self._decode(self.tail)
+        if unpacked is None:
+            return 0
+        ends = np.frombuffer(self.ends, np.int64)[self.kept_pages:]
+        per_token = out[:, :, :1].numel() * out.element_size()
+        fit = int(np.count_nonzero((ends - first) * per_token <= room))      # ends grow: a prefix of the pages
+        if not fit:
+            return 0
+        self.kept = out[:, :, :int(ends[fit - 1])].clone()          # a copy: a view would hold all of out
+        self.kept_pages += fit
+        return (int(ends[fit - 1]) - first) * per_token
 
-    def _decode(self, codes, dtype):
-        return self.quantizer.decode(codes, self.layer, self.which).to(dtype)
+    def _decode(self, codes):
+        return self.quantizer.decode(codes, self.layer, self.which)
 
     @property
     def nbytes(self):
@@ -235,33 +236,34 @@ class StoredKVCache:
         if length - s.coded > window:
             raise ValueError(f"the KV transform left {length - s.coded} positions uncoded, more than its window "
                              f"of {window}")
-        k_coded, v_coded = self._read(s.parts, k.dtype)
-        k_coded = k[:, :, :0] if k_coded is None else k_coded
-        v_coded = v[:, :, :0] if v_coded is None else v_coded
-        if s.first_k is not None:
-            k_coded = torch.cat((s.first_k, k_coded), 2)
+        b, h, _, d = k.shape
+        k_hat, v_hat = k.new_empty(b, h, length, d), v.new_empty(b, h, length, v.shape[3])
+        kept_keys = 0 if s.first_k is None else s.first_k.shape[2]
+        if kept_keys:
+            k_hat[:, :, :kept_keys] = s.first_k
+        self._read(s.parts, (k_hat[:, :, kept_keys:s.coded], v_hat[:, :, :s.coded]))
         uncoded = s.coded - s.first_exact
-        k_hat, v_hat = torch.cat((k_coded, ek[:, :, uncoded:]), 2), torch.cat((v_coded, ev[:, :, uncoded:]), 2)
-        k_all = torch.cat((k_coded[:, :, :s.first_exact], ek), 2)
-        v_all = torch.cat((v_coded[:, :, :s.first_exact], ev), 2)
+        k_hat[:, :, s.coded:], v_hat[:, :, s.coded:] = ek[:, :, uncoded:], ev[:, :, uncoded:]
+        if uncoded:                                           # exact values the coded ones replace in k_hat
+            k_all = torch.cat((k_hat[:, :, :s.first_exact], ek), 2)
+            v_all = torch.cat((v_hat[:, :, :s.first_exact], ev), 2)
+        else:                                                 # the same values: one tensor, not two copies
+            k_all, v_all = k_hat, v_hat
         keep = max(0, min(s.coded, length - window))          # a later query reads exact values from here on
         s.exact_k, s.exact_v = ek[:, :, keep - s.first_exact:].clone(), ev[:, :, keep - s.first_exact:].clone()
         s.first_exact, s.length = keep, length
         return k_all, v_all, k_hat, v_hat
 
-    def _read(self, parts, dtype):
-        """[part] -> each one's x_hat in dtype (None for a part with no codes): the unread pages of all unpacked
-        together (a layer's K and V in one lockstep), the ones that fit what is left of decoded_bytes kept."""
+    def _read(self, parts, outs):
+        """Fill each part's out (kv_store.CodedPart.decoded): the unread pages of all unpacked together (a layer's K
+        and V in one Rice decode), the ones that fit what is left of decoded_bytes kept."""
         unread = [part for part in parts if part.unread]
         options = {"kernel": True} if self.kernel else {}
         unpacked = self.quantizer.unpack_many([part.pages() for part in unread], **options) if unread else []
         codes = dict(zip(map(id, unread), unpacked))
-        out = []
-        for part in parts:
-            x_hat, kept = part.decoded(codes.get(id(part)), dtype, self.room) if part.coded else (None, 0)
-            self.room -= kept
-            out.append(x_hat)
-        return out
+        for part, out in zip(parts, outs):
+            if part.coded:
+                self.room -= part.decoded(codes.get(id(part)), out, self.room)
 
     def nbytes(self):
         """Resident bytes: {"pages", "tail", "exact", "total"} (the codes' arrays and checks, the unpaged codes,
