@@ -158,8 +158,19 @@ class GGMLKV(KVHook):
         self.count(which, x.numel(), 8 * raw.numel())
         return {"blocks": raw.reshape(*x.shape[:-1], -1)}
 
+    def basis(self, d, which):
+        """What decode does after dequantizing (the rotation back, then the interleaved keys' order) as a matrix;
+        None where that is nothing."""
+        return self._to_values(torch.eye(d), which) if self._chunk(d, which) or self._interleaved(which) else None
+
+    def decode_in_basis(self, codes, layer=0, which=0):
+        return dequantize_blocks(codes["blocks"], self.cache_type)
+
     def decode(self, codes, layer=0, which=0):
-        x = self._rotate_back(dequantize_blocks(codes["blocks"], self.cache_type), which)
+        return self._to_values(self.decode_in_basis(codes), which)
+
+    def _to_values(self, x, which):
+        x = self._rotate_back(x, which)
         return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2) if self._interleaved(which) else x
 
 

@@ -76,6 +76,12 @@ class KVHook:
     def check_head_dim(self, d):
         """ValueError if heads of d values cannot be coded (checked from a model's config before it loads)."""
 
+    def basis(self, d, which):
+        """None, or m [d, d] orthogonal float32 with decode(codes) = decode_in_basis(codes) @ m for heads of d values
+        (a linear map after the codes are read, such as a rotation back): a stored cache with no window then reads
+        its pages with decode_in_basis and attention rotates each query and output by m instead of each position."""
+        return None
+
     def count(self, which, scalars, bits):
         self.coded[which][0] += scalars
         self.coded[which][1] += bits

@@ -90,8 +90,9 @@ class CodedPart:
     """One layer's K (which 0) or V (1): its pages, the values of the first ones decoded, and the tail not yet
     paged."""
 
-    def __init__(self, quantizer, layer, which, page_tokens):
+    def __init__(self, quantizer, layer, which, page_tokens, in_basis=False):
         self.quantizer, self.layer, self.which, self.page_tokens = quantizer, layer, which, page_tokens
+        self.decode = quantizer.decode_in_basis if in_basis else quantizer.decode      # (kept values too)
         self.arenas, self.like, self.tail, self.tail_tokens, self.sealed = {}, None, None, 0, 0
         self.ends = array("q")                       # each page's end (tokens)
         self.kept, self.kept_pages = None, 0         # x_hat [B, kv_heads, n, d] of the first kept_pages pages
@@ -151,7 +152,7 @@ class CodedPart:
         return (int(ends[fit - 1]) - first) * per_token
 
     def _decode(self, codes):
-        return self.quantizer.decode(codes, self.layer, self.which)
+        return self.decode(codes, self.layer, self.which)
 
     @property
     def nbytes(self):
@@ -167,8 +168,9 @@ def _cut(codes, tokens, first, last):
 
 
 class LayerStore:
-    def __init__(self, quantizer, layer, page_tokens):
-        self.parts = [CodedPart(quantizer, layer, which, page_tokens) for which in (0, 1)]
+    def __init__(self, quantizer, layer, page_tokens, basis=None):
+        self.parts = [CodedPart(quantizer, layer, which, page_tokens, basis is not None) for which in (0, 1)]
+        self.basis = basis
         self.exact_k = self.exact_v = self.first_k = None
         self.first_exact = self.coded = self.length = 0     # first position held exact; positions coded; seen
 
@@ -217,7 +219,7 @@ class StoredKVCache:
         if fn is not self.quantizer:
             raise ValueError("the model's KV hook is not this cache's quantizer (kv_store.install puts it there)")
         if self.layers[index] is None:
-            self.layers[index] = LayerStore(fn, index, self._pages_of(k))
+            self.layers[index] = LayerStore(fn, index, self._pages_of(k), self._basis(k))
         s = self.layers[index]
         if s.exact_k is None:
             s.exact_k, s.exact_v = k[:, :, :0], v[:, :, :0]
@@ -252,7 +254,18 @@ class StoredKVCache:
         keep = max(0, min(s.coded, length - window))          # a later query reads exact values from here on
         s.exact_k, s.exact_v = ek[:, :, keep - s.first_exact:].clone(), ev[:, :, keep - s.first_exact:].clone()
         s.first_exact, s.length = keep, length
-        return k_all, v_all, k_hat, v_hat
+        return k_all, v_all, k_hat, v_hat, s.basis
+
+    def _basis(self, k):
+        """(m_k, m_v) in k's dtype and device when attention can read the pages in the quantizer's basis
+        (KVHook.basis): every position coded (no window, no exact keys), so that no exact value meets a coded one in
+        another basis; else None."""
+        q = self.quantizer
+        d = k.shape[3]
+        bases = [q.basis(d, which) for which in (0, 1)]
+        if q.window or q.exact_keys or bases == [None, None]:
+            return None
+        return tuple((torch.eye(d) if m is None else m).to(k) for m in bases)
 
     def _read(self, parts, outs):
         """Fill each part's out (kv_store.CodedPart.decoded): the unread pages of all unpacked together (a layer's K
