@@ -14,8 +14,9 @@ FP8: x_hat = E4M3(x / s) s with s = amax / 448. vLLM takes s from the checkpoint
 choice, slightly optimistic (no clipping ever happens), and in generate each step's tokens get their own scale.
 
 q8_0 / q4_0 are llama.cpp's reference encoders (quantize_row_q8_0_ref / q4_0_ref, in float32, which its CUDA copy
-kernels match; the engine's one port of them is llama_cpp/ggml_quants.py) writing GGML blocks, decoded by
-llama_cpp/ggml.py, so the grid is GGUF's bit for bit:
+kernels match; the engine's one port of them is llama_cpp/ggml_quants.py) writing GGML blocks, decoded as
+llama_cpp/ggml.py decodes them (dequantize_blocks: the same arithmetic over a whole layer's blocks at once), so the
+grid is GGUF's bit for bit:
     q8_0: d = amax / 127, q = roundf(x / d) (halves away from 0)
     q4_0: d = m / -8 (m the value of largest |x|), q = min(15, trunc(x / d + 8.5))
 (llama.cpp quantizes V this way only with flash attention; without it V stays f16.) llama.cpp (since its PR 21038,
@@ -23,7 +24,8 @@ in the version benchmarks/clients.py builds) rotates each head before a quantize
 the largest power of two >= 64 dividing head_dim, V in chunks of 64, by the orthonormal Sylvester Hadamard matrix
 H / sqrt(n) (its own inverse; Q gets the same rotation, the attention output V's back), when head_dim is a multiple
 of 64 (LLAMA_ATTN_ROT_DISABLE=1 turns it off): rotation "hadamard" (the default) does the same (on SmolLM2 it cuts
-q4_0's KL by 2.3-2.6x, in llama.cpp and here). Which 32 values share a block
+q4_0's KL by 2.3-2.6x, in llama.cpp and here), and a stored cache with no window is read as llama.cpp reads it, Q
+and the output rotated (GGMLKV.basis), not every position. Which 32 values share a block
 depends on the model's RoPE in llama.cpp: Qwen2 / Qwen3 rotate the halves of a head (NEOX, as transformers), so a
 block is 32 consecutive values as here; for Llama its converter permutes q_proj / k_proj so that each rotated pair is
 adjacent (element 2i = transformers' i, 2i + 1 = i + d / 2) and K's blocks are cut in that order, which keeps a

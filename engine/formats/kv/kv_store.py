@@ -13,9 +13,12 @@ the coded ones; a plain KVCache keeps both. StoredKVCache keeps, per layer:
 
 Each forward codes what the hook would (the same calls, so the same codes), appends them, and reads the layer's
 pages back: one lockstep Rice decode over all of a layer's sub-streams (NumPy, or the Triton decoder with
-kernel=True), then the format's decode. Attention then sees what the simulated hook gives: exact K/V where a query
-is within the window, decoded ones elsewhere; the positions whose exact values are gone are read by no query.
-Memory is what the pages, the tail and the window hold (nbytes), against bf16_bytes, a bf16 cache of the length.
+kernel=True), then the format's decode, written straight into one buffer per K and V (no copy per piece). Attention
+then sees what the simulated hook gives: exact K/V where a query is within the window, decoded ones elsewhere; the
+positions whose exact values are gone are read by no query. A format whose decode ends in a linear map (llama.cpp's
+Hadamard rotation back: KVHook.basis) is read without it when there is no window: attention rotates each query and
+its output instead of every position (equal up to float rounding). Memory is what the pages, the tail and the
+window hold (nbytes), against bf16_bytes, a bf16 cache of the length.
 
 A page never changes once written, so decoding it again each step would only repeat work (one-token steps would
 cost a decode of the whole context each: quadratic). The cache keeps the decoded values of its first pages, up to
