@@ -104,7 +104,8 @@ def dequantize_blocks(raw, cache_type):
 
 @functools.cache
 def hadamard_matrix(n):
-    """H / sqrt(n) [n, n] float32 (Sylvester order, symmetric, its own inverse): fwht's rotation as one matrix."""
+    """H / sqrt(n) [n, n] float32 (Sylvester order, symmetric, its own inverse): fwht's rotation as one matrix
+    (cached and shared: never modified)."""
     return fwht(torch.eye(n)) / n ** 0.5
 
 
