@@ -137,7 +137,9 @@ class KVCache:
         """The new k, v [B, kv_heads, t, d] under a windowed transform fn -> the exact K, V of every position and the
         coded ones (exact where fn has not coded them yet), [B, kv_heads, L, d] each. A cache that stores only the
         codes (engine/formats/kv/kv_store.py) gives the same four, its exact K/V filled with codes where no query
-        reads them any more."""
+        reads them any more, then basis: None here; a stored cache with no window may give (m_k, m_v) [d, d]
+        orthogonal, its coded K being k_hat @ m_k and V v_hat @ m_v (attention then rotates each query and output
+        instead of each position)."""
         k, v = self.update(index, k, v)
         done = self.coded_length(index)
         k_hat, v_hat = self.update(index, *fn(k[:, :, done:], v[:, :, done:], index, done), coded=True)
@@ -145,7 +147,7 @@ class KVCache:
         if k.shape[2] - n > window:
             raise ValueError(f"the KV transform left {k.shape[2] - n} positions uncoded, more than its window "
                              f"of {window}")
-        return k, v, torch.cat((k_hat, k[:, :, n:]), 2), torch.cat((v_hat, v[:, :, n:]), 2)
+        return k, v, torch.cat((k_hat, k[:, :, n:]), 2), torch.cat((v_hat, v[:, :, n:]), 2), None
 
 
 # Attention's scores [B, heads, T, L] are float32, held about three times over (the scores, the masked copy, the
@@ -193,10 +195,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_transform is not None and self.kv_window is None:
             k, v = self.kv_transform(k, v, self.index)
-        coded = None
+        coded = basis = None
         if self.kv_window is not None:                   # without a cache: one forward's own, thrown away after
-            k, v, *coded = (cache or KVCache(self.index + 1)).windowed(self.index, k, v, self.kv_transform,
-                                                                       self.kv_window)
+            k, v, *coded, basis = (cache or KVCache(self.index + 1)).windowed(self.index, k, v, self.kv_transform,
+                                                                              self.kv_window)
         elif cache is not None:
             k, v = cache.update(self.index, k, v)
         past = k.shape[2] - t
@@ -207,7 +209,8 @@ class Attention(nn.Module):
         for i in range(0, t, rows):                    # a long sequence's queries, in blocks of rows: each block
             n = past + min(i + rows, t)                # against the positions its last query sees
             blocks.append(self._attend(q[:, :, i:i + rows], k[:, :, :n], v[:, :, :n], causal[i:i + rows, :n],
-                                       coded and [c[:, :, :n] for c in coded[:2]] + [coded[2][i:i + rows, :n]]))
+                                       coded and [c[:, :, :n] for c in coded[:2]] + [coded[2][i:i + rows, :n]],
+                                       basis))
         out = torch.cat(blocks, 2)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -245,18 +248,25 @@ class Attention(nn.Module):
                                              scale=d ** -0.5, enable_gqa=h != kv)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def _attend(self, q, k, v, causal, coded=None):
+    def _attend(self, q, k, v, causal, coded=None, basis=None):
         """Causal grouped-query attention [B, heads, T, d]. coded = (k_hat, v_hat, far): where far [T, L], the
         score comes from k_hat and the weight multiplies v_hat. Where a query can look, far holds whole columns
         [0, a) (older than every query's window) and none of [b, L): only the band [a, b), at most T wide, needs
-        both K/V (a decode step's band is one column)."""
+        both K/V (a decode step's band is one column). basis (m_k, m_v): k_hat, v_hat hold the coded K/V in it
+        (KVCache.windowed) and every column is coded: q (k_hat m_k)^T is read as (q m_k^T) k_hat^T, p (v_hat m_v) as
+        (p v_hat) m_v."""
         cfg = self.cfg
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         if coded is not None:
             k_hat, v_hat, far = coded
             a, b = int((far | ~causal).all(0).sum()), int((far & causal).any(0).sum())    # (the future is masked)
-            k = torch.cat((k_hat[:, :, :a], k[:, :, a:]), 2)
-            v = torch.cat((v_hat[:, :, :a], v[:, :, a:]), 2)
+            if a == k.shape[2]:                        # every column coded (no window): no copy to make
+                k, v = k_hat, v_hat
+            elif a:
+                k = torch.cat((k_hat[:, :, :a], k[:, :, a:]), 2)
+                v = torch.cat((v_hat[:, :, :a], v[:, :, a:]), 2)
+        if basis is not None:
+            q = q @ basis[0].T
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scores = (q @ k.transpose(-1, -2) * cfg.head_dim ** -0.5).float()   # as transformers' eager path
         if coded is not None and b > a:
@@ -269,7 +279,7 @@ class Attention(nn.Module):
         if coded is not None and b > a:
             v_band = (v_hat[:, :, a:b] - v[:, :, a:b][:, ::groups]).repeat_interleave(groups, 1)
             out = out + p[..., a:b].masked_fill(~band, 0).to(v.dtype) @ v_band
-        return out
+        return out if basis is None else out @ basis[1]
 
 
 class MLP(nn.Module):

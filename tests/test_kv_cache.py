@@ -121,6 +121,25 @@ def test_ggml_blocks_are_llama_cpps(name, reference):
     assert np.array_equal(blocks.numpy().reshape(-1), theirs.reshape(-1))
 
 
+@pytest.mark.parametrize("name, size", [("q4_0", 18), ("q8_0", 34)])
+def test_ggml_blocks_read_back_as_the_textbook_decoder_reads_them(name, size):
+    """dequantize_blocks (every block of a layer's pages at once) is ggml.dequantize bit for bit, on random bytes
+    with f16 scales of every magnitude (subnormal, huge, zero, negative), token-major views included (a stored
+    page's layout); the rotation back as one matmul is fwht's up to float rounding."""
+    g = torch.Generator().manual_seed(size)
+    raw = torch.randint(0, 256, (2, 3, 40, 2 * size), dtype=torch.uint8, generator=g)
+    scales = torch.cat([torch.randn(470, generator=g), torch.tensor([0.0, -0.0, 6e-8, 65504.0, -1e-5] * 2)])
+    raw.view(torch.float16)[..., ::size // 2] = scales.reshape(2, 3, 40, 2).half()
+    expected = ggml.dequantize(raw.reshape(-1), name.upper(), (2, 3, 40, 64))
+    assert torch.equal(kv_baselines.dequantize_blocks(raw, name), expected)
+    token_major = raw.movedim(2, 0).contiguous().movedim(0, 2)
+    assert torch.equal(kv_baselines.dequantize_blocks(token_major, name), expected)
+    kv = kv_baselines.GGMLKV(name, key_order="halves")
+    for which in (0, 1):
+        torch.testing.assert_close(kv._rotate_back(expected, which), kv._rotate(expected, which), atol=1e-5,
+                                   rtol=1e-6)
+
+
 def ggml_gen_hadamard(n):
     """llama.cpp's ggml_gen_hadamard (llama-kv-cache.cpp), transcribed: the orthonormal Sylvester matrix."""
     h = torch.zeros(n, n, dtype=torch.float64)

@@ -36,6 +36,38 @@ def test_stored_cache_computes_what_the_simulated_hook_computes(model32, spec, c
     assert cache.length == 150 and cache.nbytes()["pages"] > 0
 
 
+@pytest.mark.parametrize("spec", ["q4_0", "q8_0,key_order=interleaved", "q4_0,window=3"])
+def test_attention_reads_rotated_pages_in_their_basis(spec):
+    """With head_dim 64 llama.cpp's cache rotates each head: with no window, the cache hands attention the pages'
+    values unrotated and their basis (a d x d matmul per query and output, not per position), K's with the
+    interleaved order in it; the logits are the simulated hook's up to float rounding (which can flip a code of the
+    second layer: 2e-5 here; a wrong basis moves them by ~1). A window mixes exact values in: no basis."""
+    from engine.qwen3 import Qwen3, Qwen3Config
+    torch.manual_seed(0)
+    model = Qwen3(Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=64, num_hidden_layers=2)).eval()
+    x = ids(1, 100)
+    simulated = kv_store.parse_kv_spec(spec)
+    kv_cache.install(model, simulated)
+    expected = chunked(model, x, 30, KVCache(2))
+    quantizer = kv_store.parse_kv_spec(spec)
+    cache = kv_store.install(model, quantizer, page_tokens=32)
+    torch.testing.assert_close(chunked(model, x, 30, cache), expected, atol=1e-4, rtol=0)
+    basis = cache.layers[1].basis
+    if quantizer.window:
+        assert basis is None
+        return
+    m_k, m_v = basis
+    assert torch.equal(m_v, kv_baselines.hadamard_matrix(64))
+    assert not torch.equal(m_k, m_v) if "interleaved" in spec else torch.equal(m_k, m_v)
+    assert torch.allclose(m_k @ m_k.T, torch.eye(64), atol=1e-6)
+    part = cache.layers[1].parts[1]                        # V's 3 pages of 32 tokens: kept as the pages hold them
+    assert not part.unread and part.kept.shape[2] == 96
+    blocks = torch.frombuffer(bytearray(part.arenas["blocks"].data), dtype=torch.uint8)
+    blocks = blocks.reshape(96, 1, 2, -1).movedim(0, 2)                    # token-major pages -> [B, H, n, bytes]
+    assert torch.equal(part.kept, kv_baselines.dequantize_blocks(blocks, quantizer.cache_type))
+
+
 def test_the_cache_holds_codes_not_values(model32):
     """E8 at 3 bps with no window: pages of Rice sub-streams plus f16 scales, well under a bf16 cache; the exact
     window holds exactly the last `window` positions."""

@@ -14,8 +14,9 @@ FP8: x_hat = E4M3(x / s) s with s = amax / 448. vLLM takes s from the checkpoint
 choice, slightly optimistic (no clipping ever happens), and in generate each step's tokens get their own scale.
 
 q8_0 / q4_0 are llama.cpp's reference encoders (quantize_row_q8_0_ref / q4_0_ref, in float32, which its CUDA copy
-kernels match; the engine's one port of them is llama_cpp/ggml_quants.py) writing GGML blocks, decoded by
-llama_cpp/ggml.py, so the grid is GGUF's bit for bit:
+kernels match; the engine's one port of them is llama_cpp/ggml_quants.py) writing GGML blocks, decoded as
+llama_cpp/ggml.py decodes them (dequantize_blocks: the same arithmetic over a whole layer's blocks at once), so the
+grid is GGUF's bit for bit:
     q8_0: d = amax / 127, q = roundf(x / d) (halves away from 0)
     q4_0: d = m / -8 (m the value of largest |x|), q = min(15, trunc(x / d + 8.5))
 (llama.cpp quantizes V this way only with flash attention; without it V stays f16.) llama.cpp (since its PR 21038,
@@ -23,7 +24,8 @@ in the version benchmarks/clients.py builds) rotates each head before a quantize
 the largest power of two >= 64 dividing head_dim, V in chunks of 64, by the orthonormal Sylvester Hadamard matrix
 H / sqrt(n) (its own inverse; Q gets the same rotation, the attention output V's back), when head_dim is a multiple
 of 64 (LLAMA_ATTN_ROT_DISABLE=1 turns it off): rotation "hadamard" (the default) does the same (on SmolLM2 it cuts
-q4_0's KL by 2.3-2.6x, in llama.cpp and here). Which 32 values share a block
+q4_0's KL by 2.3-2.6x, in llama.cpp and here), and a stored cache with no window is read as llama.cpp reads it, Q
+and the output rotated (GGMLKV.basis), not every position. Which 32 values share a block
 depends on the model's RoPE in llama.cpp: Qwen2 / Qwen3 rotate the halves of a head (NEOX, as transformers), so a
 block is 32 consecutive values as here; for Llama its converter permutes q_proj / k_proj so that each rotated pair is
 adjacent (element 2i = transformers' i, 2i + 1 = i + d / 2) and K's blocks are cut in that order, which keeps a
@@ -35,10 +37,11 @@ s)); K grouped per channel over G consecutive tokens (so blocks of G tokens are 
 min(G, head_dim) channels. KIVI keeps the most recent tokens in full precision; here that is the hook's sliding
 window (>= G - 1 tokens), where KIVI's own residual fills up to R tokens and is then quantized as a whole.
 """
+import functools
+
 import torch
 
 from ..llama_cpp import ggml_quants
-from ..llama_cpp.ggml import dequantize
 from ..numerics.affine import pack_bits, unpack_bits
 from ..numerics.hadamard import fwht
 from ..numerics.minifloats import E4M3_MAX, round_e4m3
@@ -58,6 +61,7 @@ def _check_head_dim(d, multiple, what):
 
 class FP8KV(KVHook):
     """E4M3 K/V with one f32 scale per call for the layer's K (V) ("tensor") or for each KV head ("head")."""
+    decode_at_once = True
 
     def __init__(self, scale="tensor", window=0, exact_keys=0):
         if scale not in FP8_SCALES:
@@ -80,8 +84,34 @@ class FP8KV(KVHook):
         return codes["e4m3"].float() * codes["scale"]
 
 
+def dequantize_blocks(raw, cache_type):
+    """q8_0 / q4_0 blocks uint8 [..., k * block bytes] -> float32 [..., 32 k], as llama_cpp/ggml.py's dequantize
+    (the textbook decoder of every GGML type) computes them, bit for bit: code * d + offset in float32 (q4_0: the
+    nibbles, low ones first, offset -8 d; q8_0: int8 q + 128, offset -128 d), in a few tensor ops over all blocks
+    at once, with no int64 or per-type machinery (a stored cache reads back a whole layer's pages per step)."""
+    size = GGML_KV_VALUES[cache_type]
+    blocks = raw.reshape(-1, size)
+    d = blocks.view(torch.float16)[:, :1].float()                  # the f16 at bytes 0-1 (a view of whole rows)
+    packed = blocks[:, 2:].contiguous()
+    if cache_type == "q4_0":                          # value j < 16: byte j's low nibble, 16 + j its high one
+        words = packed.view(torch.int32)              # (four bytes per op: uint8 ops are slower per byte)
+        codes, offset = torch.cat([(words >> shift & 0x0F0F0F0F).view(torch.uint8) for shift in (0, 4)], 1), -8 * d
+    else:
+        codes, offset = packed ^ 128, -128 * d                                   # int8 bits + 128
+    x = codes.float()
+    return x.mul_(d).add_(offset).reshape(*raw.shape[:-1], raw.shape[-1] // size * QK)
+
+
+@functools.cache
+def hadamard_matrix(n):
+    """H / sqrt(n) [n, n] float32 (Sylvester order, symmetric, its own inverse): fwht's rotation as one matrix
+    (cached and shared: never modified)."""
+    return fwht(torch.eye(n)) / n ** 0.5
+
+
 class GGMLKV(KVHook):
     """llama.cpp's quantized cache types: every run of 32 values along head_dim one GGML block."""
+    decode_at_once = True
 
     def __init__(self, cache_type="q8_0", window=0, exact_keys=0, key_order="auto", rotation="hadamard"):
         if cache_type not in GGML_KV:
@@ -104,13 +134,21 @@ class GGMLKV(KVHook):
     def _interleaved(self, which):
         return which == 0 and self.key_order == "interleaved"
 
+    def _chunk(self, d, which):
+        """The rotation's chunk: V 64, K the largest power of two dividing d (0: no rotation)."""
+        return 0 if self.rotation == "none" or d % 64 else 64 if which == 1 else d & -d
+
     def _rotate(self, x, which):
-        """x [..., d] -> x H / sqrt(n) per chunk of n (llama.cpp's rotation; its own inverse), or x."""
-        d = x.shape[-1]
-        if self.rotation == "none" or d % 64:
-            return x
-        n = 64 if which == 1 else d & -d                  # V: 64; K: the largest power of two dividing d
-        return (fwht(x.float().unflatten(-1, (-1, n))) / n ** 0.5).flatten(-2)
+        """x [..., d] -> x H / sqrt(n) per chunk of n (llama.cpp's rotation; its own inverse), or x: the fast
+        Walsh-Hadamard transform's butterflies."""
+        n = self._chunk(x.shape[-1], which)
+        return (fwht(x.float().unflatten(-1, (-1, n))) / n ** 0.5).flatten(-2) if n else x
+
+    def _rotate_back(self, x, which):
+        """_rotate as one matmul with H / sqrt(n) (equal up to float rounding; as llama.cpp's ggml_mul_mat does it),
+        which reads a long cache back several times faster than the butterflies' log2(n) passes over it."""
+        n = self._chunk(x.shape[-1], which)
+        return (x.unflatten(-1, (-1, n)) @ hadamard_matrix(n)).flatten(-2) if n else x
 
     def encode(self, x, layer=0, which=0):
         """x [..., d] (d a multiple of 32) -> {"blocks": uint8 [..., d / 32 * block bytes]}: its GGML blocks."""
@@ -123,10 +161,19 @@ class GGMLKV(KVHook):
         self.count(which, x.numel(), 8 * raw.numel())
         return {"blocks": raw.reshape(*x.shape[:-1], -1)}
 
+    def basis(self, d, which):
+        """What decode does after dequantizing (the rotation back, then the interleaved keys' order) as a matrix;
+        None where that is nothing."""
+        return self._to_values(torch.eye(d), which) if self._chunk(d, which) or self._interleaved(which) else None
+
+    def decode_in_basis(self, codes, layer=0, which=0):
+        return dequantize_blocks(codes["blocks"], self.cache_type)
+
     def decode(self, codes, layer=0, which=0):
-        raw = codes["blocks"]
-        per_block = raw.shape[-1] * QK // GGML_KV_VALUES[self.cache_type]
-        x = self._rotate(dequantize(raw.reshape(-1), GGML_KV[self.cache_type], (*raw.shape[:-1], per_block)), which)
+        return self._to_values(self.decode_in_basis(codes), which)
+
+    def _to_values(self, x, which):
+        x = self._rotate_back(x, which)
         return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2) if self._interleaved(which) else x
 
 
@@ -191,6 +238,7 @@ class KIVI(KVHook):
 
 class DenseKV(KVHook):
     """The values themselves in bf16 or f16 (vLLM's and llama.cpp's default caches): the stored cache's baseline."""
+    decode_at_once = True
     DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
 
     def __init__(self, dtype="bf16", window=0):

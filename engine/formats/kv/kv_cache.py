@@ -55,8 +55,10 @@ class KVHook:
     bit of them) and decode(codes, layer, which) -> x_hat [B, kv_heads, n, d], for x [B, kv_heads, n, d] (n a
     multiple of block; which 0 for K, 1 for V). quantize is decode(encode(x)). pack / unpack turn codes into the
     bytes of a stored cache's pages and back (engine/formats/kv/kv_store.py): by default each tensor's bytes, token
-    by token, so that pages append along the token axis."""
+    by token, so that pages append along the token axis. decode_at_once: decode's temporaries are a few bytes per
+    value, so a stored cache decodes all of a layer's pages in one call (else a bounded number at a time)."""
     block = 1
+    decode_at_once = False
 
     def __init__(self, window=0, exact_keys=0):
         for name, value in (("window", window), ("exact_keys", exact_keys)):
@@ -73,6 +75,12 @@ class KVHook:
 
     def check_head_dim(self, d):
         """ValueError if heads of d values cannot be coded (checked from a model's config before it loads)."""
+
+    def basis(self, d, which):
+        """None, or m [d, d] orthogonal float32 with decode(codes) = decode_in_basis(codes) @ m for heads of d values
+        (a linear map after the codes are read, such as a rotation back): a stored cache with no window then reads
+        its pages with decode_in_basis and attention rotates each query and output by m instead of each position."""
+        return None
 
     def count(self, which, scalars, bits):
         self.coded[which][0] += scalars

@@ -13,9 +13,12 @@ the coded ones; a plain KVCache keeps both. StoredKVCache keeps, per layer:
 
 Each forward codes what the hook would (the same calls, so the same codes), appends them, and reads the layer's
 pages back: one lockstep Rice decode over all of a layer's sub-streams (NumPy, or the Triton decoder with
-kernel=True), then the format's decode. Attention then sees what the simulated hook gives: exact K/V where a query
-is within the window, decoded ones elsewhere; the positions whose exact values are gone are read by no query.
-Memory is what the pages, the tail and the window hold (nbytes), against bf16_bytes, a bf16 cache of the length.
+kernel=True), then the format's decode, written straight into one buffer per K and V (no copy per piece). Attention
+then sees what the simulated hook gives: exact K/V where a query is within the window, decoded ones elsewhere; the
+positions whose exact values are gone are read by no query. A format whose decode ends in a linear map (llama.cpp's
+Hadamard rotation back: KVHook.basis) is read without it when there is no window: attention rotates each query and
+its output instead of every position (equal up to float rounding). Memory is what the pages, the tail and the
+window hold (nbytes), against bf16_bytes, a bf16 cache of the length.
 
 A page never changes once written, so decoding it again each step would only repeat work (one-token steps would
 cost a decode of the whole context each: quadratic). The cache keeps the decoded values of its first pages, up to
@@ -90,8 +93,9 @@ class CodedPart:
     """One layer's K (which 0) or V (1): its pages, the values of the first ones decoded, and the tail not yet
     paged."""
 
-    def __init__(self, quantizer, layer, which, page_tokens):
+    def __init__(self, quantizer, layer, which, page_tokens, in_basis=False):
         self.quantizer, self.layer, self.which, self.page_tokens = quantizer, layer, which, page_tokens
+        self.decode = quantizer.decode_in_basis if in_basis else quantizer.decode      # (kept values too)
         self.arenas, self.like, self.tail, self.tail_tokens, self.sealed = {}, None, None, 0, 0
         self.ends = array("q")                       # each page's end (tokens)
         self.kept, self.kept_pages = None, 0         # x_hat [B, kv_heads, n, d] of the first kept_pages pages
@@ -123,34 +127,35 @@ class CodedPart:
         """The unread pages' bytes, and `like`."""
         return Pages(self.arenas, f"layer {self.layer} {'KV'[self.which]}", self.kept_pages), self.like
 
-    def decoded(self, unpacked, dtype, room):
-        """(x_hat [B, kv_heads, coded positions, d] in dtype, bytes newly kept): the kept values, then the unread
-        pages (unpacked: their codes, or None) decoded DECODE_PAGES pages' worth of tokens at a time, so that the
-        decoders' wide temporaries stay that small whatever the context, then the tail. Of the unread pages, the
-        first ones that `room` bytes hold are kept from now on."""
+    def decoded(self, unpacked, out, room):
+        """Fill out [B, kv_heads, coded positions, d] (the caller's buffer, in the model's dtype): the kept values,
+        then the unread pages (unpacked: their codes, or None) decoded straight into it, DECODE_PAGES pages' worth
+        of tokens at a time so that the decoders' wide temporaries stay that small whatever the context (all of
+        them at once for a format whose decode needs no wide ones: quantizer.decode_at_once), then the tail. Of the
+        unread pages, the first ones that `room` bytes hold are kept from now on; returns the bytes newly kept."""
         first = self.ends[self.kept_pages - 1] if self.kept_pages else 0
-        n, step = self.sealed - first, DECODE_PAGES * self.page_tokens
-        fresh = [] if unpacked is None else [self._decode(_cut(unpacked, n, i, min(i + step, n)), dtype)
-                                             for i in range(0, n, step)]
-        pieces, kept = [] if self.kept is None else [self.kept], 0
-        if fresh:
-            x = fresh[0] if len(fresh) == 1 else torch.cat(fresh, 2)
-            ends = np.frombuffer(self.ends, np.int64)[self.kept_pages:] - first
-            per_token = x[:, :, :1].numel() * x.element_size()
-            fit = int(np.count_nonzero(ends * per_token <= room))          # ends grow: a prefix of the pages
-            if fit:
-                tokens = int(ends[fit - 1])
-                kept = tokens * per_token                     # a copy (cat): a view would hold all of x's storage
-                self.kept = torch.cat((x[:, :, :0] if self.kept is None else self.kept, x[:, :, :tokens]), 2)
-                self.kept_pages += fit
-                pieces, x = [self.kept], x[:, :, tokens:]
-            pieces.append(x)
+        if self.kept is not None:
+            out[:, :, :first] = self.kept
+        n = self.sealed - first
+        step = max(n, 1) if self.quantizer.decode_at_once else DECODE_PAGES * self.page_tokens
+        if unpacked is not None:
+            for i in range(0, n, step):
+                out[:, :, first + i:first + min(i + step, n)] = self._decode(_cut(unpacked, n, i, min(i + step, n)))
         if self.tail_tokens:
-            pieces.append(self._decode(self.tail, dtype))
-        return torch.cat(pieces, 2), kept
+            out[:, :, self.sealed:] = self._decode(self.tail)
+        if unpacked is None:
+            return 0
+        ends = np.frombuffer(self.ends, np.int64)[self.kept_pages:]
+        per_token = out[:, :, :1].numel() * out.element_size()
+        fit = int(np.count_nonzero((ends - first) * per_token <= room))      # ends grow: a prefix of the pages
+        if not fit:
+            return 0
+        self.kept = out[:, :, :int(ends[fit - 1])].clone()          # a copy: a view would hold all of out
+        self.kept_pages += fit
+        return (int(ends[fit - 1]) - first) * per_token
 
-    def _decode(self, codes, dtype):
-        return self.quantizer.decode(codes, self.layer, self.which).to(dtype)
+    def _decode(self, codes):
+        return self.decode(codes, self.layer, self.which)
 
     @property
     def nbytes(self):
@@ -166,8 +171,9 @@ def _cut(codes, tokens, first, last):
 
 
 class LayerStore:
-    def __init__(self, quantizer, layer, page_tokens):
-        self.parts = [CodedPart(quantizer, layer, which, page_tokens) for which in (0, 1)]
+    def __init__(self, quantizer, layer, page_tokens, basis=None):
+        self.parts = [CodedPart(quantizer, layer, which, page_tokens, basis is not None) for which in (0, 1)]
+        self.basis = basis
         self.exact_k = self.exact_v = self.first_k = None
         self.first_exact = self.coded = self.length = 0     # first position held exact; positions coded; seen
 
@@ -216,7 +222,7 @@ class StoredKVCache:
         if fn is not self.quantizer:
             raise ValueError("the model's KV hook is not this cache's quantizer (kv_store.install puts it there)")
         if self.layers[index] is None:
-            self.layers[index] = LayerStore(fn, index, self._pages_of(k))
+            self.layers[index] = LayerStore(fn, index, self._pages_of(k), self._basis(k))
         s = self.layers[index]
         if s.exact_k is None:
             s.exact_k, s.exact_v = k[:, :, :0], v[:, :, :0]
@@ -235,33 +241,45 @@ class StoredKVCache:
         if length - s.coded > window:
             raise ValueError(f"the KV transform left {length - s.coded} positions uncoded, more than its window "
                              f"of {window}")
-        k_coded, v_coded = self._read(s.parts, k.dtype)
-        k_coded = k[:, :, :0] if k_coded is None else k_coded
-        v_coded = v[:, :, :0] if v_coded is None else v_coded
-        if s.first_k is not None:
-            k_coded = torch.cat((s.first_k, k_coded), 2)
+        b, h, _, d = k.shape
+        k_hat, v_hat = k.new_empty(b, h, length, d), v.new_empty(b, h, length, v.shape[3])
+        kept_keys = 0 if s.first_k is None else s.first_k.shape[2]
+        if kept_keys:
+            k_hat[:, :, :kept_keys] = s.first_k
+        self._read(s.parts, (k_hat[:, :, kept_keys:s.coded], v_hat[:, :, :s.coded]))
         uncoded = s.coded - s.first_exact
-        k_hat, v_hat = torch.cat((k_coded, ek[:, :, uncoded:]), 2), torch.cat((v_coded, ev[:, :, uncoded:]), 2)
-        k_all = torch.cat((k_coded[:, :, :s.first_exact], ek), 2)
-        v_all = torch.cat((v_coded[:, :, :s.first_exact], ev), 2)
+        k_hat[:, :, s.coded:], v_hat[:, :, s.coded:] = ek[:, :, uncoded:], ev[:, :, uncoded:]
+        if uncoded:                                           # exact values the coded ones replace in k_hat
+            k_all = torch.cat((k_hat[:, :, :s.first_exact], ek), 2)
+            v_all = torch.cat((v_hat[:, :, :s.first_exact], ev), 2)
+        else:                                                 # the same values: one tensor, not two copies
+            k_all, v_all = k_hat, v_hat
         keep = max(0, min(s.coded, length - window))          # a later query reads exact values from here on
         s.exact_k, s.exact_v = ek[:, :, keep - s.first_exact:].clone(), ev[:, :, keep - s.first_exact:].clone()
         s.first_exact, s.length = keep, length
-        return k_all, v_all, k_hat, v_hat
+        return k_all, v_all, k_hat, v_hat, s.basis
 
-    def _read(self, parts, dtype):
-        """[part] -> each one's x_hat in dtype (None for a part with no codes): the unread pages of all unpacked
-        together (a layer's K and V in one lockstep), the ones that fit what is left of decoded_bytes kept."""
+    def _basis(self, k):
+        """(m_k, m_v) in k's dtype and device when attention can read the pages in the quantizer's basis
+        (KVHook.basis): every position coded (no window, no exact keys), so that no exact value meets a coded one in
+        another basis; else None."""
+        q = self.quantizer
+        d = k.shape[3]
+        bases = [q.basis(d, which) for which in (0, 1)]
+        if q.window or q.exact_keys or bases == [None, None]:
+            return None
+        return tuple((torch.eye(d) if m is None else m).to(k) for m in bases)
+
+    def _read(self, parts, outs):
+        """Fill each part's out (kv_store.CodedPart.decoded): the unread pages of all unpacked together (a layer's K
+        and V in one Rice decode), the ones that fit what is left of decoded_bytes kept."""
         unread = [part for part in parts if part.unread]
         options = {"kernel": True} if self.kernel else {}
         unpacked = self.quantizer.unpack_many([part.pages() for part in unread], **options) if unread else []
         codes = dict(zip(map(id, unread), unpacked))
-        out = []
-        for part in parts:
-            x_hat, kept = part.decoded(codes.get(id(part)), dtype, self.room) if part.coded else (None, 0)
-            self.room -= kept
-            out.append(x_hat)
-        return out
+        for part, out in zip(parts, outs):
+            if part.coded:
+                self.room -= part.decoded(codes.get(id(part)), out, self.room)
 
     def nbytes(self):
         """Resident bytes: {"pages", "tail", "exact", "total"} (the codes' arrays and checks, the unpaged codes,
