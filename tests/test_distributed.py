@@ -31,25 +31,24 @@ CALIB = ("--calib-samples", "24", "--calib-len", "32")
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}          # what torchrun gives each rank
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, num_hidden_layers=6)
-    folder = tmp_path_factory.mktemp("src") / "dense"
+def dense_folder(tmp_path_factory, name, seed, **shape):
+    """A random Qwen3 with the byte tokenizer, saved as a Hugging Face folder."""
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=16, **shape)
+    folder = tmp_path_factory.mktemp("src") / name
     save_dense(Qwen3(cfg).eval(), folder, side_files=lambda f: write_tokenizer_files(byte_tokenizer(), f))
     return folder
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return dense_folder(tmp_path_factory, "dense", 0, hidden_size=64, intermediate_size=128, num_hidden_layers=6)
 
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     """o_proj and down_proj of 128 rows, alone in their steps: two blocks of obq.ROWS rows, cut over 2 ranks."""
-    torch.manual_seed(1)
-    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=192, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
-    folder = tmp_path_factory.mktemp("src") / "wide"
-    save_dense(Qwen3(cfg).eval(), folder, side_files=lambda f: write_tokenizer_files(byte_tokenizer(), f))
-    return folder
+    return dense_folder(tmp_path_factory, "wide", 1, hidden_size=128, intermediate_size=192, num_hidden_layers=2)
 
 
 def quantize(*args, ranks=1, env=None):
