@@ -394,8 +394,9 @@ def choose(weights, impl_name, path):
         method = (config.get("quantization_config") or {}).get("quant_method")
         if method != "entquant":
             raise ValueError(f"--weights stream keeps EntQuant's rANS streams resident and decodes one block per "
-                             f"forward; {path or 'the tiny model'} is {'an ' + method if method else 'not an'} "
-                             "EntQuant checkpoint (use compact, exact or float32)")
+                             f"forward; {path or 'the tiny model'} is "
+                             f"{f'a {method} checkpoint, not an EntQuant one' if method else 'not an EntQuant checkpoint'}"
+                             " (use compact, exact or float32)")
     return weights
 
 

@@ -386,6 +386,10 @@ def test_a_choice_a_model_cannot_take_is_one_error_line(tmp_path):
     """--weights stream is EntQuant's; under --impl engine (the Triton kernels on the stored codes, unchanged) there
     is nothing to choose: the layers stay as they load."""
     assert runtime.choose(None, "engine", None) is None and runtime.choose(None, "torch", None) == "compact"
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text('{"quantization_config": {"quant_method": "lattice"}}')
+    with pytest.raises(ValueError, match=r"ck is a lattice checkpoint, not an EntQuant one \(use compact"):
+        runtime.choose("stream", "torch", tmp_path / "ck")
     model = load_model(_gguf(tmp_path))
     with runtime.running(model, None):
         assert isinstance(model.model.layers[0].mlp.up_proj, ggml.GGMLLinear)
