@@ -17,7 +17,7 @@ form does not need:
             lattice E8 / D4 / Z: its streams decoded once at load    the int8 kernel, per-row scales, the input
             into int8 codes and a scale per row                      rotated first (Int8RowsLinear)
             trellis (L <= 8): its states replayed once at load, a    decoded a few rows at a time (one gather, one
-            byte a weight, with a scale per tile                     product) into the shared buffer (TableLinear)
+            byte a weight, with a scale per tile                     product) into the shared buffer (TableRows)
             anything else: its own codes (FP8, MXFP4, NVFP4, NF4,    decoded, a few rows at a time, into ONE float32
             A2, trellis L > 8, the other K-quants)                   buffer the model shares, then one float32
                                                                      matmul per chunk (DecodedLinear): exact
@@ -200,33 +200,30 @@ class Int8RowsLinear(RunLinear):
         return y
 
 
-class TableLinear(RunLinear):
-    """Codes that index a table of values, decoded once at load (layer.table_rows: a trellis's states): table
-    float32 [n], indices uint8 [out, in], scales float32 [out / th, in / tw] (one per tile of th x tw), and the
-    rotation (signs, tile) the input takes. Rows of W' = table[indices] * scale are decoded a few at a time into the
-    shared buffer (one gather, one product: decode's own) and multiplied in float32: exact."""
+class TableRows(nn.Module):
+    """Codes that index a table of values, decoded once at load (layer.table_rows: a trellis's states), as a layer
+    DecodedLinear multiplies through: table float32 [n], indices uint8 [out, in], scales float32 [out / th, in / tw]
+    (one per tile of th x tw), and the rotation (signs, tile) the input takes. decode_rows is one gather and one
+    product, the decode's own: exact."""
 
-    def __init__(self, layer, table, indices, scales, tile, rotation, workspace):
-        super().__init__(layer)
+    def __init__(self, layer, table, indices, scales, tile, rotation):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype, self.bias = (layer.in_features, layer.out_features,
+                                                                       layer.dtype, layer.bias)
         self.register_buffer("table", table)
         self.register_buffer("indices", indices.contiguous())
         self.register_buffer("scales", scales.contiguous())
-        self.tile, self.workspace = tile, workspace
         signs, self.rotation_tile = rotation
         self.register_buffer("signs", signs)
-        th = tile[0]
-        self.chunk = max(th, CHUNK // self.in_features // th * th)
+        self.tile, self.row_align = tile, tile[0]
 
-    def matmul(self, x2d):
-        x2d = rotate_by_product(x2d, self.signs, self.rotation_tile)
-        (th, tw), y = self.tile, x2d.new_empty(len(x2d), self.out_features)
-        for start in range(0, self.out_features, self.chunk):
-            stop = min(start + self.chunk, self.out_features)
-            w = self.workspace.take(stop - start, self.in_features)
-            torch.index_select(self.table, 0, self.indices[start:stop].reshape(-1).to(torch.int32), out=w.view(-1))
-            w.view(-1, th, self.in_features // tw, tw).mul_(self.scales[start // th:stop // th, None, :, None])
-            y[:, start:stop] = x2d @ w.T
-        return y
+    def runtime_input(self, x2d):
+        return rotate_by_product(x2d, self.signs, self.rotation_tile)
+
+    def decode_rows(self, out, start, stop):
+        (th, tw), rows = self.tile, self.indices[start:stop]
+        torch.index_select(self.table, 0, rows.reshape(-1).to(torch.int32), out=out.view(-1))
+        out.view(-1, th, self.in_features // tw, tw).mul_(self.scales[start // th:stop // th, None, :, None])
 
 
 class DecodedLinear(RunLinear):
@@ -276,7 +273,7 @@ def form(layer, weights, workspace, rows=False):
         return Int8RowsLinear(layer, *parts)
     parts = layer.table_rows() if weights == "compact" and hasattr(layer, "table_rows") else None
     if parts is not None:
-        return TableLinear(layer, *parts, workspace)
+        return DecodedLinear(TableRows(layer, *parts), workspace)
     return DecodedLinear(layer, workspace)
 
 
@@ -393,10 +390,9 @@ def choose(weights, impl_name, path):
         config = {} if path is None or str(path).endswith(".gguf") else read_config(path)
         method = (config.get("quantization_config") or {}).get("quant_method")
         if method != "entquant":
+            what = f"a {method} checkpoint, not an EntQuant one" if method else "not an EntQuant checkpoint"
             raise ValueError(f"--weights stream keeps EntQuant's rANS streams resident and decodes one block per "
-                             f"forward; {path or 'the tiny model'} is "
-                             f"{f'a {method} checkpoint, not an EntQuant one' if method else 'not an EntQuant checkpoint'}"
-                             " (use compact, exact or float32)")
+                             f"forward; {path or 'the tiny model'} is {what} (use compact, exact or float32)")
     return weights
 
 

@@ -336,8 +336,9 @@ def test_trellis_states_decoded_once_give_the_exact_decode_bit_for_bit(chunk, mo
     monkeypatch.setattr(runtime, "CHUNK", chunk)
     layer = _trellis()
     form = runtime.form(layer, "compact", runtime.Workspace())
-    assert isinstance(form, runtime.TableLinear) and form.indices.dtype == torch.uint8
-    assert form.indices.numel() == layer.in_features * layer.out_features
+    assert isinstance(form, runtime.DecodedLinear) and isinstance(form.layer, runtime.TableRows)
+    assert form.layer.indices.dtype == torch.uint8
+    assert form.layer.indices.numel() == layer.in_features * layer.out_features
     x = _inputs(3, layer.in_features)
     assert torch.equal(form(x), runtime.DecodedLinear(layer, runtime.Workspace())(x))
     codes, scales, _ = trellis.trellis_codes(_weight(16, 256), 16, 2, group=128, seed=3, tile=(16, 16))
