@@ -20,10 +20,9 @@ in_features, so a ragged tail is a ValueError rather than silent padding.
 """
 import torch
 
-from .numerics.affine import pack_nibbles, unpack_nibbles
+from .numerics.affine import decode_pairs, pack_nibbles, pair_table, unpack_nibbles
 from ..layers import QuantLinear
-from .numerics.minifloats import (E2M1, E2M1_MAX, E4M3_MAX, byte_values, decode_pairs, e8m0_to_float, pair_table,
-                                  to_e2m1)
+from .numerics.minifloats import E2M1, E2M1_MAX, E4M3_MAX, byte_values, e8m0_to_float, to_e2m1
 
 MX_BLOCK, NV_BLOCK = 32, 16
 LAYOUTS = ("interleaved", "split")

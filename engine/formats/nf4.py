@@ -25,9 +25,8 @@ import json
 
 import torch
 
-from .numerics.affine import grouped, pack_bits, unpack_bits
+from .numerics.affine import decode_pairs, grouped, pack_bits, pair_table, unpack_bits
 from ..layers import QuantLinear, linear_names
-from .numerics.minifloats import decode_pairs, pair_table
 from .method import CheckpointMethod, choice_option
 
 NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,

@@ -23,9 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ...layers import QuantLinear
-from .minifloats import decode_pairs, pair_table
 
-CODE_PAIRS = pair_table(torch.arange(16.0))       # a byte of two 4-bit codes -> the codes as two floats
 
 
 # ---- choosing the grid ------------------------------------------------------------------------------------------
@@ -197,6 +195,22 @@ def pack_nibbles(codes):
 
 def unpack_nibbles(packed, n=None):
     return unpack_bits(packed, 4, packed.shape[-1] * 2 if n is None else n)
+
+
+def pair_table(levels):
+    """levels float32 [16] (a 4-bit code's values) -> float64 [256] whose entry b holds levels[b & 15] and
+    levels[b >> 4] as two float32 in memory order: a byte of two codes, low nibble first, looked up at once."""
+    b = torch.arange(256)
+    return torch.stack([levels[b & 15], levels[b >> 4]], -1).float().contiguous().view(torch.float64).reshape(256)
+
+
+def decode_pairs(out, packed, table):
+    """out float32 [rows, 2n] (contiguous) <- table's values of packed uint8 [rows, n] (two 4-bit codes a byte, low
+    nibble first): one gather of 8 bytes per byte of codes."""
+    torch.index_select(table, 0, packed.reshape(-1).to(torch.int32), out=out.view(torch.float64).view(-1))
+
+
+CODE_PAIRS = pair_table(torch.arange(16.0))       # a byte of two 4-bit codes -> the codes as two floats
 
 
 def pack_int32(values, bits=4, order=None):

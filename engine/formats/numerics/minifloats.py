@@ -66,16 +66,3 @@ def byte_values(table, codes):
     """table float32 [256] indexed by the bytes codes (uint8 or a 1-byte float type) [...] -> float32 [...]: a
     scale byte's value in one gather (E8M0_VALUES, E4M3_VALUES), where its arithmetic takes a handful of passes."""
     return torch.index_select(table, 0, codes.reshape(-1).view(torch.uint8).to(torch.int32)).view(codes.shape)
-
-
-def pair_table(levels):
-    """levels float32 [16] (a 4-bit code's values) -> float64 [256] whose entry b holds levels[b & 15] and
-    levels[b >> 4] as two float32 in memory order: a byte of two codes, low nibble first, looked up at once."""
-    b = torch.arange(256)
-    return torch.stack([levels[b & 15], levels[b >> 4]], -1).float().contiguous().view(torch.float64).reshape(256)
-
-
-def decode_pairs(out, packed, table):
-    """out float32 [rows, 2n] (contiguous) <- table's values of packed uint8 [rows, n] (two 4-bit codes a byte, low
-    nibble first): one gather of 8 bytes per byte of codes."""
-    torch.index_select(table, 0, packed.reshape(-1).to(torch.int32), out=out.view(torch.float64).view(-1))
