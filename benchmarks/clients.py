@@ -67,8 +67,9 @@ INSTALL = {
         venv/bin/pip install -c <(echo torch==2.13.0) onnxruntime-genai onnx onnxruntime onnx-ir onnxscript transformers
         venv/bin/pip install {TORCH_WHEEL}""",
 }
-# llama.cpp's check also refuses a build with AMX compiled in (an older native build): it is rebuilt portably
-LLAMA_IMPORT = "import sys, llama_cpp; sys.exit('AMX' in llama_cpp.llama_print_system_info().decode())"
+# llama.cpp's check also refuses a build with AMX compiled in (an older native build): it is rebuilt portably; and
+# a venv without the recipe's gguf (client_runners reads imatrix files with it): a half-made venv is not installed
+LLAMA_IMPORT = "import sys, gguf, llama_cpp; sys.exit('AMX' in llama_cpp.llama_print_system_info().decode())"
 IMPORTS = {"llamacpp": LLAMA_IMPORT, "vllm": "import vllm", "ortgenai": "import onnxruntime_genai"}
 VENV = {"llama.cpp": "llamacpp", "converter": "llamacpp", "vllm": "vllm", "onnx": "ortgenai"}
 CLIENTS = ("transformers", "vllm", "llama.cpp", "converter", "onnx")

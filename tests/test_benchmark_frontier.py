@@ -159,3 +159,14 @@ def test_a_llama_cpp_build_with_amx_counts_as_not_installed(tmp_path, features, 
     assert (done.returncode == 0) == usable
     flags = frontier_peers.clients.LLAMA_CMAKE_ARGS
     assert "GGML_NATIVE=OFF" in flags and "AMX" not in flags
+
+
+def test_a_llama_cpp_venv_without_gguf_counts_as_not_installed(tmp_path):
+    """A venv with llama_cpp but not the recipe's gguf (a half-finished install) is no client: its imatrix
+    quantization would crash mid-run; the check says not installed instead."""
+    import subprocess
+    (tmp_path / "llama_cpp.py").write_text("def llama_print_system_info():\n    return b'CPU : AVX2 = 1 |'\n")
+    (tmp_path / "gguf.py").write_text("raise ImportError('no gguf here')\n")
+    done = subprocess.run([sys.executable, "-c", frontier_peers.clients.LLAMA_IMPORT], cwd=tmp_path,
+                          env={"PYTHONPATH": str(tmp_path)}, capture_output=True)
+    assert done.returncode != 0 and b"no gguf here" in done.stderr
