@@ -204,7 +204,8 @@ def bf16_errors(chunks=8, ctx=256):
     compact = runtime.prepare(load_model(path, to_run=True), "compact")
     pairs = [(name, module, compact.get_submodule(name)) for name, module in exact.named_modules()
              if isinstance(module, runtime.DecodedLinear)
-             and isinstance(compact.get_submodule(name), (runtime.Int4Linear, runtime.Int8Linear))]
+             and isinstance(compact.get_submodule(name),
+                            (runtime.Int4Linear, runtime.Int8Linear, runtime.Int8PlanesLinear))]
     inputs = {}
     hooks = [module.register_forward_pre_hook(lambda m, a, name=name: inputs.setdefault(name, []).append(a[0]))
              for name, module, _ in pairs]

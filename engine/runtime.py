@@ -8,8 +8,10 @@ form does not need:
   compact   4-bit affine codes, groups of 32-256 (RTN, GPTQ, AWQ,    PyTorch's CPU int4 kernel: x, scales, zeros and
             GGUF Q4_0 / Q4_1 / Q4_K): int4 codes + bf16 scales       its output in bf16 (Int4Linear)
             and zeros
-            8-bit affine codes (Q8_0, Q5 / Q6 / IQ types, GPTQ       PyTorch's int8 kernel, one group of inputs at a
-            int8): int8 codes + scales (+ offsets)                   time (its scales are per row), bf16 (Int8Linear)
+            8-bit affine codes (Q8_0, Q5 / IQ types, GPTQ int8):     the int4 kernel twice, q = 16 hi + lo
+            two int4 planes + their bf16 scales and zeros            (Int8PlanesLinear); a tied head, whose rows the
+                                                                     embedding reads: int8 codes + scales, the int8
+                                                                     kernel one group at a time (Int8Linear)
             EntQuant: its Float8 bytes, each block's stream decoded  where they are int8 multiples of one step (Int8
             once at load (or its Int8 codes), a scale per row        codes; Float8 values under 0.25, as a low-rate
                                                                      model's are): the int8 kernel, per-row scales,
@@ -90,13 +92,24 @@ class RunLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def int4_group(layer):
-    """The group size PyTorch's int4 kernel runs a 4-bit affine layer with: the largest of INT4_GROUPS that divides
-    both its group size and its input width (a group of 128 over 576 inputs runs as groups of 64, each scale
-    repeated), or None where none does."""
-    if getattr(layer, "bits", None) != 4:
+def int4_group(layer, bits=4):
+    """The group size PyTorch's int4 kernel runs an affine layer of `bits` with: the largest of INT4_GROUPS that
+    divides both its group size and its input width (a group of 128 over 576 inputs runs as groups of 64, each scale
+    repeated), or None where none does or the kernel's layout cannot take its rows (a multiple of 16)."""
+    if getattr(layer, "bits", None) != bits or layer.out_features % 16:
         return None
     return next((g for g in reversed(INT4_GROUPS) if layer.group_size % g == 0 and layer.in_features % g == 0), None)
+
+
+def int4_parts(codes, scales, zeros, group_size, g):
+    """codes 0..15 [out, in], scale and zero per group of group_size inputs [out, groups] (the last may be ragged)
+    -> the int4 kernel's (packed codes, bf16 scales_zeros [in / g, out, 2]) for groups of g (g divides group_size
+    and in: each scale repeated), meaning w = (code - 8) * scale + zero."""
+    n = codes.shape[1] // g
+    s = scales.float().repeat_interleave(group_size // g, 1)[:, :n]
+    z = zeros.float().repeat_interleave(group_size // g, 1)[:, :n]
+    return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1),
+            torch.stack([s, z], -1).transpose(0, 1).contiguous().bfloat16())
 
 
 class Int4Linear(RunLinear):
@@ -107,11 +120,10 @@ class Int4Linear(RunLinear):
     def __init__(self, layer):
         super().__init__(layer)
         self.group_size = g = int4_group(layer)
-        codes = layer.weight_codes.to(torch.int32)
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-        s = layer.scales.float().repeat_interleave(layer.group_size // g, 1)
-        o = layer.offsets.float().repeat_interleave(layer.group_size // g, 1)
-        self.register_buffer("scales_zeros", torch.stack([s, o + 8 * s], -1).transpose(0, 1).contiguous().bfloat16())
+        s, o = layer.scales.float(), layer.offsets.float()
+        packed, scales_zeros = int4_parts(layer.weight_codes, s, o + 8 * s, layer.group_size, g)
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
         self.register_buffer("perm", layer.perm)
 
     @staticmethod
@@ -123,6 +135,40 @@ class Int4Linear(RunLinear):
             x2d = x2d[:, self.perm]
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.bfloat16(), self.qweight, self.group_size,
                                                           self.scales_zeros).float()
+
+
+class Int8PlanesLinear(RunLinear):
+    """8-bit affine codes (q in 0..255, w = q * s + o per group) through the int4 kernel twice: q = 16 hi + lo, so
+
+        w = 16 s hi + (s lo + o) = [(hi - 8) * 16 s + 0] + [(lo - 8) * s + (136 s + o)]
+
+    two int4 layers of the kernel's form (code - 8) * scale + zero, their zeros chosen so that a symmetric code's
+    (Q8_0: o = -128 s) are 0 and 8 s, exact in bf16. Two kernel calls where Int8Linear makes one per group of 32
+    (the same bytes held, 1 + 1/4 per weight). No rows: the kernel's packed layout depends on the CPU's vector width,
+    so a tied embedding's head stays an Int8Linear."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.group_size = g = int4_group(layer, bits=8)
+        q, s, o = layer.weight_codes.to(torch.int32), layer.scales.float(), layer.offsets.float()
+        hi, hi_sz = int4_parts(q >> 4, 16 * s, torch.zeros_like(s), layer.group_size, g)
+        lo, lo_sz = int4_parts(q & 15, s, 136 * s + o, layer.group_size, g)
+        self.register_buffer("hi", hi)
+        self.register_buffer("hi_scales_zeros", hi_sz)
+        self.register_buffer("lo", lo)
+        self.register_buffer("lo_scales_zeros", lo_sz)
+        self.register_buffer("perm", layer.perm)
+
+    @staticmethod
+    def takes(layer):
+        return int4_group(layer, bits=8) is not None
+
+    def matmul(self, x2d):
+        if self.perm is not None:
+            x2d = x2d[:, self.perm]
+        xb, mm = x2d.bfloat16(), torch.ops.aten._weight_int4pack_mm_for_cpu
+        return (mm(xb, self.hi, self.group_size, self.hi_scales_zeros).float()
+                + mm(xb, self.lo, self.group_size, self.lo_scales_zeros).float())
 
 
 class Int8Linear(RunLinear):
@@ -266,6 +312,8 @@ def form(layer, weights, workspace, rows=False):
     layer = layer.compact()
     if weights == "compact" and Int4Linear.takes(layer) and not rows:
         return Int4Linear(layer)
+    if weights == "compact" and Int8PlanesLinear.takes(layer) and not rows:
+        return Int8PlanesLinear(layer)
     if weights == "compact" and Int8Linear.takes(layer):
         return Int8Linear(layer)
     parts = layer.int8_rows() if weights == "compact" and hasattr(layer, "int8_rows") else None

@@ -137,7 +137,7 @@ def test_int8_kernel_is_within_its_bf16_bound_and_its_rows_are_exact(name):
     |y - x W^T| <= 3u |x| |(q - 128) s|^T (+ u |y|); the rows an embedding reads are the exact weights."""
     original = LAYERS[name]()
     layer = original.compact()
-    form = runtime.form(layer, "compact", runtime.Workspace())
+    form = runtime.form(layer, "compact", runtime.Workspace(), rows=True)     # a tied embedding's head
     assert isinstance(form, runtime.Int8Linear)
     assert (form.offsets is None) == (original.zeros is not None and bool((original.zeros == 128).all()))
     x = _inputs(5, layer.in_features)
@@ -148,6 +148,28 @@ def test_int8_kernel_is_within_its_bf16_bound_and_its_rows_are_exact(name):
     assert ((form(x) - y).abs() <= bound).all()
     ids = torch.tensor([3, 0, 3, layer.out_features - 1])
     assert torch.equal(form.rows(ids), w[ids])
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q5_K", "IQ4_NL"])
+def test_int8_codes_as_two_int4_planes_are_within_the_int4_bound_of_each(name):
+    """8-bit codes q = 16 hi + lo as two int4 layers (hi: scale 16 s, zero 0; lo: scale s, zero 136 s + o), each
+    within the int4 kernel's bound u (|y_p| + |x| |W_p|^T + |x| (8 |s_p| + |z_p|)^T), the test allowing 2u on their
+    sum; a symmetric code's zeros (0 and 8 s) are exact, so Q8_0's error is that of x and the outputs alone."""
+    layer = LAYERS[name]().compact()
+    form = runtime.form(layer, "compact", runtime.Workspace())
+    assert isinstance(form, runtime.Int8PlanesLinear)
+    x = _inputs(5, layer.in_features)
+    q, g = layer.weight_codes.float(), layer.group_size
+    s = layer.scales.float().repeat_interleave(g, 1)[:, :layer.in_features]
+    o = layer.offsets.float().repeat_interleave(g, 1)[:, :layer.in_features]
+    planes = ((torch.div(q, 16, rounding_mode="floor") * 16 * s, 16 * s, 0 * s), ((q % 16) * s + o, s, 136 * s + o))
+    bound = sum(2 * U * ((x @ w.T).abs() + x.abs() @ w.abs().T + x.abs() @ (8 * sp.abs() + zp.abs()).T)
+                for w, sp, zp in planes)
+    y = x @ layer.dequantize().T
+    error = (form(x) - y).abs()
+    assert (error <= bound + 1e-7).all() and error.max() > 0
+    ragged = LAYERS["int8 g64"]()                        # 40 rows: the int4 kernel's layout takes multiples of 16
+    assert isinstance(runtime.form(ragged.compact(), "compact", runtime.Workspace()), runtime.Int8Linear)
 
 
 # ---- a GGUF model, loaded to run ------------------------------------------------------------------------------
