@@ -17,6 +17,7 @@ from engine.loaders import save_dense
 from engine.qwen3 import Qwen3, Qwen3MoeConfig
 from engine.safetensors_io import snapshot_tensors
 from helpers import random_ids
+from test_moe import fuse
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -119,17 +120,7 @@ def test_streaming_writes_what_the_in_memory_path_writes(method, options, source
 
 
 def test_a_fused_expert_folder_streams_to_the_same_checkpoint(source, ids, tmp_path):
-    from safetensors.torch import load_file, save_file
-    tensors = load_file(source / "model.safetensors")
-    for layer in (0, 2):
-        p = f"model.layers.{layer}.mlp.experts"
-        tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat([tensors.pop(f"{p}.{e}.gate_proj.weight"),
-                                                               tensors.pop(f"{p}.{e}.up_proj.weight")])
-                                                    for e in range(4)])
-        tensors[f"{p}.down_proj"] = torch.stack([tensors.pop(f"{p}.{e}.down_proj.weight") for e in range(4)])
-    (tmp_path / "fused").mkdir()
-    (tmp_path / "fused" / "config.json").write_text((source / "config.json").read_text())
-    save_file(tensors, tmp_path / "fused" / "model.safetensors", {"format": "pt"})
+    fuse(source, tmp_path / "fused")                       # transformers 5's fused expert layout
     for folder in ("fused", "dense"):
         quantize_checkpoint(tmp_path / "fused" if folder == "fused" else source, tmp_path / f"q-{folder}", "gptq",
                             ids, progress=False, group_size=32)
