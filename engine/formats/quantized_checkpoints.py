@@ -30,10 +30,22 @@ from ..layers import QuantLinear, linear_names, quantized_linears
 class Registry(MutableMapping):
     """{quant_method: CheckpointMethod}, each method's module imported when it is first asked for, so that reading a
     GPTQ file imports GPTQ's code and no other method's. {name: module}: the module's CHECKPOINT is the method (a
-    method set by assignment, e.g. a test's wrapper, is kept as given)."""
+    method set by assignment, e.g. a test's wrapper, is kept as given).
 
-    def __init__(self, modules):
-        self.modules, self.loaded = dict(modules), {}
+    plain {name: (module, checkpoint_format)}: a method whose entry is extended from a room a reader can skip (GPTQ
+    with llama.cpp's grids) names its plain module too; `file_method` reads and writes files with it alone unless
+    their checkpoint_format is the one only the extension writes."""
+
+    def __init__(self, modules, plain=None):
+        self.modules, self.loaded, self.plain, self.assigned = dict(modules), {}, dict(plain or {}), set()
+
+    def file_method(self, name, quantization_config):
+        """The method that reads and writes a `name` file with this quantization_config."""
+        if name in self.plain and name not in self.assigned:
+            module, extended = self.plain[name]
+            if quantization_config.get("checkpoint_format") != extended:
+                return importlib.import_module(module).CHECKPOINT
+        return self[name]
 
     def __getitem__(self, name):
         if name not in self.loaded:
@@ -43,10 +55,15 @@ class Registry(MutableMapping):
     def __setitem__(self, name, method):
         self.modules.setdefault(name, None)
         self.loaded[name] = method
+        self.assigned.add(name)
 
     def __delitem__(self, name):
         del self.modules[name]
         self.loaded.pop(name, None)
+        self.assigned.discard(name)
+
+    def __contains__(self, name):              # without importing the method's module
+        return name in self.modules
 
     def __iter__(self):
         return iter(self.modules)
@@ -55,12 +72,14 @@ class Registry(MutableMapping):
         return len(self.modules)
 
 
-# GPTQ's entry is GPTQ with llama.cpp's grids as well (llama_cpp/gptq_ggml.py extends gptq.py's CHECKPOINT; without
-# a GGML option or a checkpoint_format "ggml" it is plain GPTQ). Adding a method is its file and one line here.
+# GPTQ's entry is GPTQ with llama.cpp's grids as well (llama_cpp/gptq_ggml.py extends gptq.py's CHECKPOINT), what
+# the quantizers and the CLI use; a GPTQ file that is not checkpoint_format "ggml" is read and written by gptq.py
+# alone. Adding a method is its file and one line here.
 METHODS = Registry({"gptq": "engine.formats.llama_cpp.gptq_ggml", "awq": "engine.formats.awq",
                     "fp8": "engine.formats.fp8", "compressed-tensors": "engine.formats.compressed_tensors",
                     "trellis": "engine.formats.trellis", "entquant": "engine.formats.entropy",
-                    "lattice": "engine.formats.lattice", "bitsandbytes": "engine.formats.nf4"})
+                    "lattice": "engine.formats.lattice", "bitsandbytes": "engine.formats.nf4"},
+                   plain={"gptq": ("engine.formats.gptq", "ggml")})
 
 # Formats whose files are another method's layout: name -> (method, options fixed, {option: default} a user sets).
 # `--method rtn` writes compressed-tensors pack-quantized (what llm-compressor writes and vLLM serves), mxfp4 / nvfp4
@@ -110,7 +129,7 @@ def method_for(quantization_config):
     name = quantization_config.get("quant_method")
     if not isinstance(name, str) or name not in METHODS:
         raise ValueError(f"unsupported quant_method {name!r}; this engine reads {sorted(METHODS)}")
-    return METHODS[name]
+    return METHODS.file_method(name, quantization_config)
 
 
 def _validated(method, quantization_config):
@@ -307,17 +326,17 @@ def save_quantized(model, directory, method, calibration_ids=None, group_size=No
         options = METHODS[method].checked(options)          # every option checked before any work
     elif method not in METHODS:
         raise ValueError(f"unknown method {method!r}; a quantized model is written as one of {sorted(METHODS)}")
-    entry = METHODS[method]
     check_output(directory, force)                       # before minutes of quantization are spent
     if not layers:
         model.source_digest = model_digest(model)
-        quantization_config = entry.quantize(model, calibration_ids, **options)
+        quantization_config = METHODS[method].quantize(model, calibration_ids, **options)
         layers = quantized_linears(model)
     elif options:
         raise ValueError(f"model is already quantized; options {sorted(options)} would be ignored")
     quantization_config = quantization_config or getattr(model, "quantization_config", None)
     if not quantization_config or quantization_config.get("quant_method") != method:
         raise ValueError(f"model is quantized but no {method} quantization_config was given")
+    entry = METHODS.file_method(method, quantization_config)
     spec = entry.validate(quantization_config) if entry.validate else quantization_config
     tensors = checkpoint_tensors(model, entry, spec)
     raw = model.cfg.to_hf()
