@@ -75,3 +75,30 @@ print(sorted(m for m in sys.modules if m.startswith({SKIPPABLE_ROOMS!r})))
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "[]"
+
+
+def test_each_option_default_is_the_one_its_quantizer_uses():
+    """One default per option: what the CLI's checks and help say (CheckpointMethod.options) is what the method's
+    quantize_layer (or its options object) uses when the keyword is not given."""
+    import dataclasses
+    import inspect
+
+    from engine.formats import entropy, gptq
+    from engine.formats.llama_cpp import gptq_ggml
+    from engine.formats.quantized_checkpoints import METHODS
+    quantizers = {name: [METHODS[name].quantize_layer] for name in METHODS}
+    quantizers["gptq"] = [gptq.quantize_layer, gptq_ggml.quantize_layer]     # GPTQ's entry picks one of them
+    differ, compared = [], 0
+    for name, functions in quantizers.items():
+        for function in functions:
+            taken = {k: p.default for k, p in inspect.signature(function).parameters.items()
+                     if p.default is not inspect.Parameter.empty}
+            if name == "entquant":
+                taken = {f.name: f.default for f in dataclasses.fields(entropy.EntQuantOptions)}
+            for key, option in METHODS[name].options.items():
+                if key in taken:
+                    compared += 1
+                    if option.default != taken[key]:
+                        differ.append((name, function.__name__, key, option.default, taken[key]))
+    assert not differ, differ
+    assert compared >= 50, compared         # every method's options, not a vacuous pass

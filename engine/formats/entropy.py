@@ -34,8 +34,10 @@ text, block by block (data-aware; the streaming converter runs it too).
 Rate control (engine/formats/entropy_rate.py). lambda -> bits per weight is close to log-linear; a shipped table
 seeds a bracketing search on lambda that meets a bpw target (coded bytes of everything, scales included).
 """
+import dataclasses
 import functools
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -250,98 +252,108 @@ def compress_blocks(linears, lam, fmt="float8", super_weights=8, max_iter=500, l
     return layers, bits, count
 
 
-@torch.no_grad()
-def check_options(lam=None, bpw=None, fmt="float8", sensitivity=None, feedback=None, feedback_damp=0.01,
-                  whole_model=True, rate=True):
-    """EntQuant's options, checked once, for both entry points -> (sensitivity, feedback) normalized. whole_model:
-    False for quantize_layer, which cannot run what needs the whole model in memory; rate=False leaves lam / bpw
-    unchecked (the converter asks what calibration a run needs before it has them checked)."""
-    if rate and (lam is None) == (bpw is None):
-        raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
-    if fmt not in CODE_MAX:
-        raise ValueError(f"fmt must be one of {sorted(CODE_MAX)}, got {fmt!r}")
-    sensitivity, feedback = parse_sensitivity(sensitivity), parse_feedback(feedback)
-    check_damp(feedback_damp)
-    if not whole_model and (sensitivity is not None or feedback == "self"):
-        raise ValueError("sensitivity='fisher' and feedback='self' need the whole model in memory to write their "
-                         "own text (engine.formats.entropy.quantize); feedback='calibration' works block by block")
-    if sensitivity is not None and feedback == "calibration":
-        raise ValueError("sensitivity='fisher' weighs the whole model's rows at once; it does not combine with "
-                         "feedback='calibration', which works block by block")
-    return sensitivity, feedback
+@dataclass(frozen=True)
+class EntQuantOptions:
+    """EntQuant's options, the one place their defaults live (OPTIONS, the CLI's checks, are made from them):
+      lam / bpw        exactly one: lambda, or a target in coded bits per weight reached within tol
+      fmt              "float8" (E4M3 codes) or "int8" (with super_weights largest weights kept exact)
+      max_iter, lanes  L-BFGS iterations per layer's scales; rANS lanes (None: the coder's default)
+      sensitivity      None or "fisher" (weights rows by the Fisher information of fisher_samples own sequences)
+      feedback         None, "self" (Hessians of feedback_samples own sequences) or "calibration" (of the
+                       calibration text, block by block); feedback_damp: their dampening
+    """
+    lam: float | None = None
+    bpw: float | None = None
+    fmt: str = "float8"
+    super_weights: int = 8
+    max_iter: int = 500
+    lanes: int | None = None
+    tol: float = 0.05
+    sensitivity: str | None = None
+    fisher_samples: int = 64
+    feedback: str | None = None
+    feedback_samples: int = 64
+    feedback_damp: float = 0.01
+
+    @classmethod
+    def parsed(cls, options, whole_model=True, rate=True):
+        """options {keyword: value} -> EntQuantOptions, every value checked (CHECKPOINT.checked: the types and
+        ranges) and the knobs that go together checked together; sensitivity / feedback "none" become None.
+        whole_model: False for quantize_layer, which cannot run what needs the whole model in memory; rate=False
+        leaves lam / bpw unchecked (the converter asks what calibration a run needs before it has them)."""
+        o = cls(**CHECKPOINT.checked(options, together=False))
+        if rate and (o.lam is None) == (o.bpw is None):
+            raise ValueError("give exactly one of lam (lambda) or bpw (target bits per weight)")
+        o = dataclasses.replace(o, sensitivity=parse_sensitivity(o.sensitivity), feedback=parse_feedback(o.feedback))
+        check_damp(o.feedback_damp)
+        if not whole_model and (o.sensitivity is not None or o.feedback == "self"):
+            raise ValueError("sensitivity='fisher' and feedback='self' need the whole model in memory to write "
+                             "their own text (engine.formats.entropy.quantize); feedback='calibration' works block "
+                             "by block")
+        if o.sensitivity is not None and o.feedback == "calibration":
+            raise ValueError("sensitivity='fisher' weighs the whole model's rows at once; it does not combine with "
+                             "feedback='calibration', which works block by block")
+        return o
 
 
-def _entquant(linears, lam, bpw, fmt, super_weights, max_iter, lanes, tol, sensitivity, feedback, feedback_damp,
-              importance=None, hessians=None, say=None, by_rows=lambda fn, *rows: fn(*rows)):
+def _entquant(linears, o, importance=None, hessians=None, say=None, by_rows=lambda fn, *rows: fn(*rows)):
     """The one body of quantize and quantize_layer: the blocks' linears {block: [(name, linear)]} compressed at
-    lambda = lam, or at the lambda the shipped table and a search find for bpw -> (the layers {name: EntQuantLinear},
-    the quantization_config). say(text): a progress line per lambda tried."""
+    lambda = o.lam, or at the lambda the shipped table and a search find for o.bpw -> (the layers {name:
+    EntQuantLinear}, the quantization_config). say(text): a progress line per lambda tried."""
     found = {}
 
     def measure(lam_):
         start = time.time()
-        found[lam_] = compress_blocks(linears, lam_, fmt, super_weights, max_iter, lanes, importance, hessians,
-                                      feedback_damp, by_rows)
+        found[lam_] = compress_blocks(linears, lam_, o.fmt, o.super_weights, o.max_iter, o.lanes, importance,
+                                      hessians, o.feedback_damp, by_rows)
         _, bits, count = found[lam_]
         if say is not None:
             say(f"entquant: lambda {lam_:.4g} -> {bits / count:.3f} bits per weight ({time.time() - start:.1f} s)")
         return bits / count
 
-    if bpw is not None:
-        lam, _ = lambda_for_bpw(bpw, measure, load_lambda_table(fmt, sensitivity, feedback), tol=tol)
+    lam = o.lam
+    if o.bpw is not None:
+        lam, _ = lambda_for_bpw(o.bpw, measure, load_lambda_table(o.fmt, o.sensitivity, o.feedback), tol=o.tol)
     else:
         measure(lam)
     layers, bits, count = found[lam]
-    return layers, {"quant_method": "entquant", "fmt": fmt, "lambda": lam, "bits_per_weight": bits / count,
-                    "sensitivity": sensitivity, "feedback": feedback,
-                    **({"feedback_damp": feedback_damp} if feedback else {}),
+    return layers, {"quant_method": "entquant", "fmt": o.fmt, "lambda": lam, "bits_per_weight": bits / count,
+                    "sensitivity": o.sensitivity, "feedback": o.feedback,
+                    **({"feedback_damp": o.feedback_damp} if o.feedback else {}),
                     "coding_unit": "transformer block", "coder": "rANS", "prob_bits": PROB_BITS}
 
 
-def quantize(model, calibration_ids=None, lam=None, bpw=None, fmt="float8", super_weights=8, max_iter=500,
-             lanes=None, tol=0.05, sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64,
-             feedback_damp=0.01):
+def quantize(model, calibration_ids=None, **options):
     """EntQuant, data-free (calibration_ids is used by feedback="calibration" only): replace every linear of every
-    transformer block by an EntQuantLinear, IN PLACE. Give lam (lambda) or bpw (a target in coded bits per weight,
-    metadata included, reached within tol by searching lambda). sensitivity="fisher" weights the reconstruction by
-    the Fisher information estimated on fisher_samples sequences the model writes itself; feedback="self" chooses
-    the codes with error feedback, the Hessians from feedback_samples such sequences, feedback_damp times their mean
-    diagonal added to it (see the module docstring); feedback="calibration" takes them from calibration_ids
-    instead, block by block (quantize_layer on each, its lambda searched per block). Returns the
-    quantization_config."""
-    CHECKPOINT.checked(dict(lam=lam, bpw=bpw, fmt=fmt, super_weights=super_weights, max_iter=max_iter, lanes=lanes,
-                            tol=tol, sensitivity=sensitivity, fisher_samples=fisher_samples, feedback=feedback,
-                            feedback_samples=feedback_samples, feedback_damp=feedback_damp))
-    sensitivity, feedback = check_options(lam, bpw, fmt, sensitivity, feedback, feedback_damp)
-    CHECKPOINT.fits(model.cfg, dict(sensitivity=sensitivity, feedback=feedback))
-    if feedback == "calibration":                         # block by block, as GPTQ walks the model
-        options = dict(lam=lam, bpw=bpw, fmt=fmt, super_weights=super_weights, max_iter=max_iter, lanes=lanes,
-                       tol=tol, feedback=feedback, feedback_damp=feedback_damp)
+    transformer block by an EntQuantLinear, IN PLACE. options: EntQuantOptions' keywords (lam or bpw, reached
+    within tol by searching lambda; feedback="calibration" runs quantize_layer on each block, its lambda searched
+    per block). Returns the quantization_config."""
+    o = EntQuantOptions.parsed(options)
+    CHECKPOINT.fits(model.cfg, dict(sensitivity=o.sensitivity, feedback=o.feedback))
+    if o.feedback == "calibration":                       # block by block, as GPTQ walks the model
         config = calibration.by_layer(model, CHECKPOINT, calibration_ids, **options)
         attach_decoder(model)
         return config
     linears = _block_linears(model)
     names = [n for named in linears.values() for n, _ in named]
     importance = hessians = None
-    if sensitivity == "fisher":
+    if o.sensitivity == "fisher":
         start = time.time()
-        importance = fisher_importance(model, names, self_generated_ids(model, fisher_samples))
-        log(f"entquant: Fisher sensitivities from {fisher_samples} self-generated sequences "
+        importance = fisher_importance(model, names, self_generated_ids(model, o.fisher_samples))
+        log(f"entquant: Fisher sensitivities from {o.fisher_samples} self-generated sequences "
             f"({time.time() - start:.1f} s)")
-    if feedback == "self":
+    if o.feedback == "self":
         start = time.time()
-        hessians = self_hessians(model, names, self_generated_ids(model, feedback_samples))
-        log(f"entquant: Hessians from {feedback_samples} self-generated sequences ({time.time() - start:.1f} s)")
-    layers, config = _entquant(linears, lam, bpw, fmt, super_weights, max_iter, lanes, tol, sensitivity, feedback,
-                               feedback_damp, importance, hessians, say=log)
+        hessians = self_hessians(model, names, self_generated_ids(model, o.feedback_samples))
+        log(f"entquant: Hessians from {o.feedback_samples} self-generated sequences ({time.time() - start:.1f} s)")
+    layers, config = _entquant(linears, o, importance, hessians, say=log)
     replace_linears(model, lambda name, linear: layers[name], names=set(layers))
     attach_decoder(model)
     return config
 
 
 @torch.no_grad()
-def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max_iter=500, lanes=None, tol=0.05,
-                   sensitivity=None, fisher_samples=64, feedback=None, feedback_samples=64, feedback_damp=0.01):
+def quantize_layer(layer, **options):
     """EntQuant one transformer block (a calibration.LayerCalibration: the coding unit) in place, for the streaming
     converter: with lam, exactly what `quantize` does to this block; with bpw, lambda is searched for this block
     alone (each block then meets the target, rather than the model on average). feedback="calibration" takes the
@@ -349,16 +361,15 @@ def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max
     before it: the block gets its own decoder and hook, so that its outputs feed the next); the Fisher-weighted loss and
     feedback="self" need the whole model (its gradients, its self-generated text) and are refused here. Returns the
     quantization_config."""
-    sensitivity, feedback = check_options(lam, bpw, fmt, sensitivity, feedback, feedback_damp, whole_model=False)
+    o = EntQuantOptions.parsed(options, whole_model=False)
     linears = {layer.index: [(name, layer.module(name)) for name in layer.linear_names()]}
     hessians = None
-    if feedback == "calibration":
+    if o.feedback == "calibration":
         stats = layer.capture([name.removeprefix(layer.prefix) for name, _ in linears[layer.index]])
         hessians = {name: s.hessian for name, s in stats.items()}
-    layers, config = _entquant(linears, lam, bpw, fmt, super_weights, max_iter, lanes, tol, sensitivity, feedback,
-                               feedback_damp, hessians=hessians, by_rows=layer.by_rows)
+    layers, config = _entquant(linears, o, hessians=hessians, by_rows=layer.by_rows)
     placed = layer.replace(lambda name, linear: layers[name], names=set(layers))
-    if feedback == "calibration":                 # the next block's inputs pass through this one, quantized
+    if o.feedback == "calibration":               # the next block's inputs pass through this one, quantized
         # the modules now in the block (with several processes, copies sent by the rank that made each)
         named = [placed[name.removeprefix(layer.prefix)] for name, _ in linears[layer.index]]
         _hook_block(layer.layer, BlockDecoder({layer.index: named}), layer.index)
@@ -368,10 +379,8 @@ def quantize_layer(layer, lam=None, bpw=None, fmt="float8", super_weights=8, max
 def _calibration(options):
     """The calibration inputs quantize_layer needs with these options: those the blocks quantized before it pass on
     (feedback='calibration') or none (data-free); what it cannot run is refused here, before any work."""
-    _, feedback = check_options(fmt=options.get("fmt", "float8"), sensitivity=options.get("sensitivity"),
-                                feedback=options.get("feedback"), feedback_damp=options.get("feedback_damp", 0.01),
-                                whole_model=False, rate=False)
-    return "quantized" if feedback == "calibration" else None
+    o = EntQuantOptions.parsed(options, whole_model=False, rate=False)
+    return "quantized" if o.feedback == "calibration" else None
 
 
 def resident_bytes(model):
@@ -422,18 +431,20 @@ def finish_loading(model, quantization_config):
 
 
 BPW_RANGE = (1.5, 6.0)            # the bits a lambda in the shipped table reaches
-OPTIONS = {"lam": number_option(None, 0, 1e6, open_low=True), "bpw": number_option(None, *BPW_RANGE),
-           "fmt": choice_option("float8", CODE_MAX), "super_weights": int_option(8, 0, 1 << 16),
-           "max_iter": int_option(500, 1, 100_000), "lanes": int_option(None, 1, 1 << 16),
-           "tol": number_option(0.05, 0, 1, open_low=True),
-           "sensitivity": choice_option(None, ("none", "fisher")), "fisher_samples": int_option(64, 1, 1 << 16),
-           "feedback": choice_option(None, ("none", "self", "calibration")),
-           "feedback_samples": int_option(64, 1, 1 << 16), "feedback_damp": number_option(0.01, 0, 1)}
+_DEFAULT = EntQuantOptions()
+OPTIONS = {"lam": number_option(_DEFAULT.lam, 0, 1e6, open_low=True), "bpw": number_option(_DEFAULT.bpw, *BPW_RANGE),
+           "fmt": choice_option(_DEFAULT.fmt, CODE_MAX), "super_weights": int_option(_DEFAULT.super_weights, 0, 1 << 16),
+           "max_iter": int_option(_DEFAULT.max_iter, 1, 100_000), "lanes": int_option(_DEFAULT.lanes, 1, 1 << 16),
+           "tol": number_option(_DEFAULT.tol, 0, 1, open_low=True),
+           "sensitivity": choice_option(_DEFAULT.sensitivity, ("none", "fisher")),
+           "fisher_samples": int_option(_DEFAULT.fisher_samples, 1, 1 << 16),
+           "feedback": choice_option(_DEFAULT.feedback, ("none", "self", "calibration")),
+           "feedback_samples": int_option(_DEFAULT.feedback_samples, 1, 1 << 16),
+           "feedback_damp": number_option(_DEFAULT.feedback_damp, 0, 1)}
 CHECKPOINT = CheckpointMethod(name="entquant", parts=lambda quantization_config: _PARTS, read=_read, write=_write,
                               quantize=quantize, validate=validate, finish=finish_loading,
                               quantize_layer=quantize_layer, calibration=_calibration, options=OPTIONS,
-                              rules=lambda options: check_options(**{k: options[k] for k in (
-                                  "lam", "bpw", "fmt", "sensitivity", "feedback", "feedback_damp") if k in options}),
+                              rules=EntQuantOptions.parsed,
                               fits=lambda cfg, options: (options.get("feedback") or options.get("sensitivity")) and
                               experts.refuse(cfg, "EntQuant's feedback and sensitivity", "an expert that saw few "
                                              "calibration tokens has no Hessian or Fisher to weight it by"))

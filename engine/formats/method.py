@@ -81,10 +81,10 @@ class CheckpointMethod:
     fits: Callable = lambda cfg, options: None
     book_defaults: Callable = lambda options: {}
 
-    def checked(self, options):
+    def checked(self, options, together=True):
         """options {keyword: value} -> the same, once every keyword is one this method takes and every value one it
-        accepts, and the options agree (rules); a ValueError naming the keyword, the value and what it must be
-        otherwise."""
+        accepts, and (together=True) the options agree (rules); a ValueError naming the keyword, the value and what
+        it must be otherwise."""
         for key, value in options.items():
             if key not in self.options:
                 close = difflib.get_close_matches(key.replace("-", "_"), list(self.options), 1)
@@ -93,7 +93,7 @@ class CheckpointMethod:
             option = self.options[key]
             if not (value is None and option.default is None) and not option.accepts(value):
                 raise ValueError(f"option {key} of method {self.name!r} must be {option.expect}, got {value!r}"[:300])
-        if self.rules is not None:
+        if together and self.rules is not None:
             self.rules(options)
         return options
 
