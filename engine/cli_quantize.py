@@ -167,10 +167,10 @@ def cmd_quantize(args):
         return summarize_output(args.out, started)
     from engine.loaders import model_digest
     model.source_digest = model_digest(model)      # quantized with the method's own defaults, then written
-    qcfg = REGISTRY[method].quantize(model, corpus.calibration(), **options)
-    save_quantized(model, args.out, method, quantization_config=qcfg, force=args.force,
+    quantization_config = REGISTRY[method].quantize(model, corpus.calibration(), **options)
+    save_quantized(model, args.out, method, quantization_config=quantization_config, force=args.force,
                    side_files=lambda folder: export_tokenizer(None, folder))
-    report_checkpoint(args, qcfg, started)
+    report_checkpoint(args, quantization_config, started)
 
 
 def quantize_from_disk(args, method, options, started, group=None):
@@ -190,11 +190,11 @@ def quantize_from_disk(args, method, options, started, group=None):
             log(f"wrote {args.out}: {json.dumps(report)}")
             summarize_output(args.out, started)
         return
-    qcfg = convert(args, args.out, method, options, args.force, group)
+    quantization_config = convert(args, args.out, method, options, args.force, group)
     if first:
         ranks = "" if group is None else (f" with {group.world} ranks (rank 0 sent and received "
                                           f"{group.bytes / 1e6:.1f} MB)")
-        report_checkpoint(args, qcfg, started, ranks)
+        report_checkpoint(args, quantization_config, started, ranks)
 
 
 @contextlib.contextmanager
@@ -219,9 +219,9 @@ def gguf_workspace(out, group=None):
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
-def report_checkpoint(args, qcfg, started, ranks=""):
+def report_checkpoint(args, quantization_config, started, ranks=""):
     """The lines after a checkpoint folder is written (and, for vLLM, how to serve it)."""
-    log(f"wrote {args.out}{ranks}: {json.dumps(qcfg)}")
+    log(f"wrote {args.out}{ranks}: {json.dumps(quantization_config)}")
     summarize_output(args.out, started)
     if args.target == "vllm":
         from engine.checkpoints.serving import tp_degrees, vllm_serve_command

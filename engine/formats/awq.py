@@ -216,23 +216,27 @@ def from_checkpoint(qweight, qzeros, scales, group_size, bias=None, dtype=None):
 
 # ---- the registry entry -----------------------------------------------------------------------------------------
 
-def validate(qcfg):
+def validate(quantization_config):
     """An AutoAWQ GEMM quantization_config, checked once (AutoAWQ's own keys w_bit / q_group_size are read too):
     4 bits, zero points, version "gemm", group_size -1 or positive (default 128)."""
-    config_field(qcfg, "bits", qcfg.get("w_bit", 4), int, lambda b: b == 4, "4 (AutoAWQ GEMM checkpoints are 4-bit)")
-    config_field(qcfg, "zero_point", True, bool, lambda z: z, "true (AWQ without zero points is not supported)")
-    config_field(qcfg, "version", "gemm", str, lambda v: v.lower() == "gemm", "'gemm' (the only version supported)")
-    group_size = config_field(qcfg, "group_size", qcfg.get("q_group_size", 128), int, lambda g: g == -1 or g >= 1,
-                              "-1 or a positive int")
-    return {**qcfg, "group_size": group_size}
+    bits = quantization_config.get("w_bit", 4)
+    config_field(quantization_config, "bits", bits, int, lambda b: b == 4, "4 (AutoAWQ GEMM checkpoints are 4-bit)")
+    config_field(quantization_config, "zero_point", True, bool, lambda z: z,
+                 "true (AWQ without zero points is not supported)")
+    config_field(quantization_config, "version", "gemm", str, lambda v: v.lower() == "gemm",
+                 "'gemm' (the only version supported)")
+    group_size = config_field(quantization_config, "group_size", quantization_config.get("q_group_size", 128), int,
+                              lambda g: g == -1 or g >= 1, "-1 or a positive int")
+    return {**quantization_config, "group_size": group_size}
 
 
-def _read(parts, qcfg):
-    return from_checkpoint(parts["qweight"], parts["qzeros"], parts["scales"], qcfg["group_size"], parts.get("bias"))
+def _read(parts, quantization_config):
+    return from_checkpoint(parts["qweight"], parts["qzeros"], parts["scales"], quantization_config["group_size"],
+                           parts.get("bias"))
 
 
-def _write(layer, qcfg):
-    group_size = qcfg["group_size"]
+def _write(layer, quantization_config):
+    group_size = quantization_config["group_size"]
     if layer.group_size != group_width(group_size, layer.in_features):
         raise ValueError(f"layer has group size {layer.group_size}; config says {group_size}")
     return to_checkpoint(layer)
@@ -241,6 +245,6 @@ def _write(layer, qcfg):
 OPTIONS = {"group_size": int_option(128, 1, also=(-1,)),
            "bits": choice_option(4, (4,)),                        # AutoAWQ GEMM's files hold 4-bit codes only
            "clip": bool_option(True), "expert_min_tokens": int_option(None, 1)}
-CHECKPOINT = CheckpointMethod(name="awq", parts=lambda qcfg: ("qweight", "qzeros", "scales"), read=_read,
-                              write=_write, quantize=quantize, validate=validate, quantize_layer=quantize_layer,
-                              calibration=lambda options: "float", options=OPTIONS)
+CHECKPOINT = CheckpointMethod(name="awq", parts=lambda quantization_config: ("qweight", "qzeros", "scales"),
+                              read=_read, write=_write, quantize=quantize, validate=validate,
+                              quantize_layer=quantize_layer, calibration=lambda options: "float", options=OPTIONS)

@@ -146,8 +146,9 @@ def validate(config):
     return {"format": fmt, "weights": weights, "input_activations": acts}
 
 
-def _parts(spec):
-    fmt, weights, acts = spec["format"], spec["weights"], spec["input_activations"]
+def _parts(quantization_config):
+    fmt, weights = quantization_config["format"], quantization_config["weights"]
+    acts = quantization_config["input_activations"]
     extra = ("input_global_scale",) if acts is not None and acts.get("strategy") == "tensor_group" else ()
     if fmt == "pack-quantized":
         zero = () if weights.get("symmetric", True) else ("weight_zero_point",)
@@ -191,8 +192,8 @@ def _read_packed_int(p, weights):
     return AffineQuantLinear.from_codes(codes, scales, group_size, bits, zeros=zeros, bias=p.get("bias"))
 
 
-def _read(p, spec):
-    fmt, weights = spec["format"], spec["weights"]
+def _read(p, quantization_config):
+    fmt, weights = quantization_config["format"], quantization_config["weights"]
     if fmt == "pack-quantized":
         return _read_packed_int(p, weights)
     if fmt == "float-quantized":
@@ -252,8 +253,8 @@ def _write_packed_int(layer, weights):
     return tensors
 
 
-def _write(layer, spec):
-    fmt, weights = spec["format"], spec["weights"]
+def _write(layer, quantization_config):
+    fmt, weights = quantization_config["format"], quantization_config["weights"]
     if fmt == "pack-quantized":
         return _write_packed_int(layer, weights)
     expected = {"float-quantized": FP8BlockLinear, "nvfp4-pack-quantized": NVFP4Linear,

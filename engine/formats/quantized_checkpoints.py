@@ -186,10 +186,10 @@ class LayerAssembler:
     model's nn.Linear, so the whole checkpoint is never held twice. A linear stored as a plain `weight` (one the
     method left unquantized) is not claimed and loads dense."""
 
-    def __init__(self, model, method, qcfg, device):
-        self.model, self.method, self.qcfg, self.device = model, method, qcfg, device
+    def __init__(self, model, method, quantization_config, device):
+        self.model, self.method, self.quantization_config, self.device = model, method, quantization_config, device
         self.linears = {name: model.get_submodule(name) for name in linear_names(model)}
-        self.needed = set(method.parts(qcfg))
+        self.needed = set(method.parts(quantization_config))
         self.pending, self.built = {}, set()
 
     def claim(self, name, value):
@@ -203,7 +203,7 @@ class LayerAssembler:
         parts = self.pending.setdefault(module, {})
         parts[part] = value
         if want <= parts.keys():
-            self._install(module, self.method.read(self.pending.pop(module), self.qcfg))
+            self._install(module, self.method.read(self.pending.pop(module), self.quantization_config))
         return True
 
     @staticmethod
@@ -245,10 +245,10 @@ def load_quantized(directory, device="cpu", dtype=None, *, verify=True):
     if recorded is not None and recorded != config_digest(raw["quantization_config"]):
         raise ValueError(f"the quantization_config in {directory}/config.json is not the one its tensors were written "
                          "with (its digest differs): its fields change what the stored bits mean, so it is refused")
-    qcfg = method.validate(raw["quantization_config"]) if method.validate else raw["quantization_config"]
-    raw, _, model, specs = prepare(directory, {*method.parts(qcfg), "bias"})
+    quantization_config = method.validate(raw["quantization_config"]) if method.validate else raw["quantization_config"]
+    raw, _, model, specs = prepare(directory, {*method.parts(quantization_config), "bias"})
     dtype = dtype or default_dtype(specs)
-    assembler = LayerAssembler(model, method, qcfg, device)
+    assembler = LayerAssembler(model, method, quantization_config, device)
     loaded = load_tensors(model, directory, dtype, device, assembler.claim, verify)
     for name, value in assembler.dense_leftovers().items():
         place(model, name, value, dtype, device)
@@ -256,13 +256,13 @@ def load_quantized(directory, device="cpu", dtype=None, *, verify=True):
     check_complete(model, loaded, directory, assembler.built)
     model.quantization_config = raw["quantization_config"]
     if method.finish is not None:
-        method.finish(model, qcfg)
+        method.finish(model, quantization_config)
     return model.eval()
 
 
-def checkpoint_tensors(module, method, spec, prefix="", stored=None):
+def checkpoint_tensors(module, method, quantization_config, prefix="", stored=None):
     """{checkpoint name: tensor} of a quantized model or decoder layer `module` (its names prefixed by `prefix`):
-    each QuantLinear's parts (method.write with the validated quantization_config `spec`) and bias, every other
+    each QuantLinear's parts (method.write with the validated quantization_config) and bias, every other
     parameter (norms, embeddings, linears left dense) as it is, or in the dtype `stored` {name: dtype} says it was
     read in. A tied lm_head is the embedding's parameter and is not written twice. The one builder of a checkpoint's
     tensors: save_quantized runs it on the model, the streaming converter on each decoder layer."""
@@ -270,7 +270,7 @@ def checkpoint_tensors(module, method, spec, prefix="", stored=None):
     for name, layer in module.named_modules():
         if isinstance(layer, QuantLinear):
             quantized.add(name)
-            for part, value in method.write(layer, spec).items():
+            for part, value in method.write(layer, quantization_config).items():
                 tensors[f"{prefix}{name}.{part}"] = value
             if layer.bias is not None:
                 tensors[f"{prefix}{name}.bias"] = layer.bias.detach().to(stored.get(f"{prefix}{name}.bias",
@@ -337,8 +337,8 @@ def save_quantized(model, directory, method, calibration_ids=None, group_size=No
     if not quantization_config or quantization_config.get("quant_method") != method:
         raise ValueError(f"model is quantized but no {method} quantization_config was given")
     entry = METHODS.file_method(method, quantization_config)
-    spec = entry.validate(quantization_config) if entry.validate else quantization_config
-    tensors = checkpoint_tensors(model, entry, spec)
+    validated = entry.validate(quantization_config) if entry.validate else quantization_config
+    tensors = checkpoint_tensors(model, entry, validated)
     raw = model.cfg.to_hf()
     raw["quantization_config"] = quantization_config
     model.quantization_config = quantization_config
