@@ -29,7 +29,7 @@ import torch
 from .numerics import calibration, experts
 from .numerics.affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize,  # noqa: F401
                               group_width, pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
-from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, scale_tensor
+from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, options_for, scale_tensor
 from ..layers import input_owner
 from .numerics.calibration import InputStats
 
@@ -242,9 +242,9 @@ def _write(layer, quantization_config):
     return to_checkpoint(layer)
 
 
-OPTIONS = {"group_size": int_option(128, 1, also=(-1,)),
-           "bits": choice_option(4, (4,)),                        # AutoAWQ GEMM's files hold 4-bit codes only
-           "clip": bool_option(True), "expert_min_tokens": int_option(None, 1)}
+OPTIONS = options_for(quantize_layer, group_size=int_option(1, also=(-1,)),
+                      bits=choice_option((4,)),                  # AutoAWQ GEMM's files hold 4-bit codes only
+                      clip=bool_option(), expert_min_tokens=int_option(1))
 CHECKPOINT = CheckpointMethod(name="awq", parts=lambda quantization_config: ("qweight", "qzeros", "scales"),
                               read=_read, write=_write, quantize=quantize, validate=validate,
                               quantize_layer=quantize_layer, calibration=lambda options: "float", options=OPTIONS)

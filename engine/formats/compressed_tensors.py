@@ -32,7 +32,8 @@ import torch
 from .numerics import experts
 from .numerics.affine import AffineQuantLinear, pack_int32, unpack_int32
 from ..layers import quantized_linears
-from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, matrix_shape, scale_tensor
+from .method import (CheckpointMethod, bool_option, choice_option, config_field, int_option, matrix_shape,
+                     options_for, scale_tensor)
 from .fp8 import FP8BlockLinear
 from .mx import MX_BLOCK, NV_BLOCK, MXFP4Linear, NVFP4Linear
 
@@ -324,8 +325,8 @@ def config_for_model(model):
     return moe_ignore(quantization_config(fmt, block=getattr(first, "block", 128)), model)
 
 
-OPTIONS = {"format": choice_option("pack-quantized", CT_FORMATS), "group_size": int_option(64, 1, also=(-1,)),
-           "symmetric": bool_option(True), "bits": choice_option(4, (1, 2, 4, 8)), "block": int_option(128, 1, 1 << 16)}
+OPTIONS = options_for(quantize_layer, format=choice_option(CT_FORMATS), group_size=int_option(1, also=(-1,)),
+                      symmetric=bool_option(), bits=choice_option((1, 2, 4, 8)), block=int_option(1, 1 << 16))
 
 
 CHECKPOINT = CheckpointMethod(name="compressed-tensors", parts=_parts, read=_read, write=_write, quantize=quantize,

@@ -46,7 +46,7 @@ from ..coding.rans import PROB_BITS
 from ..coding.rans_fast import rans_encode_many
 from .numerics import calibration, experts
 from ..layers import QuantLinear, replace_linears
-from .method import CheckpointMethod, choice_option, config_field, int_option, matrix_shape, number_option
+from .method import CheckpointMethod, choice_option, config_field, int_option, matrix_shape, number_option, options_for
 from .entropy_decoder import BlockDecoder, block_context
 from .entropy_feedback import check_damp, feedback_weight, parse_feedback, self_hessians
 from .entropy_rate import lambda_for_bpw, load_lambda_table
@@ -431,16 +431,12 @@ def finish_loading(model, quantization_config):
 
 
 BPW_RANGE = (1.5, 6.0)            # the bits a lambda in the shipped table reaches
-_DEFAULT = EntQuantOptions()
-OPTIONS = {"lam": number_option(_DEFAULT.lam, 0, 1e6, open_low=True), "bpw": number_option(_DEFAULT.bpw, *BPW_RANGE),
-           "fmt": choice_option(_DEFAULT.fmt, CODE_MAX), "super_weights": int_option(_DEFAULT.super_weights, 0, 1 << 16),
-           "max_iter": int_option(_DEFAULT.max_iter, 1, 100_000), "lanes": int_option(_DEFAULT.lanes, 1, 1 << 16),
-           "tol": number_option(_DEFAULT.tol, 0, 1, open_low=True),
-           "sensitivity": choice_option(_DEFAULT.sensitivity, ("none", "fisher")),
-           "fisher_samples": int_option(_DEFAULT.fisher_samples, 1, 1 << 16),
-           "feedback": choice_option(_DEFAULT.feedback, ("none", "self", "calibration")),
-           "feedback_samples": int_option(_DEFAULT.feedback_samples, 1, 1 << 16),
-           "feedback_damp": number_option(_DEFAULT.feedback_damp, 0, 1)}
+OPTIONS = options_for(EntQuantOptions, lam=number_option(0, 1e6, open_low=True), bpw=number_option(*BPW_RANGE),
+                      fmt=choice_option(CODE_MAX), super_weights=int_option(0, 1 << 16),
+                      max_iter=int_option(1, 100_000), lanes=int_option(1, 1 << 16),
+                      tol=number_option(0, 1, open_low=True), sensitivity=choice_option(("none", "fisher")),
+                      fisher_samples=int_option(1, 1 << 16), feedback=choice_option(("none", "self", "calibration")),
+                      feedback_samples=int_option(1, 1 << 16), feedback_damp=number_option(0, 1))
 CHECKPOINT = CheckpointMethod(name="entquant", parts=lambda quantization_config: _PARTS, read=_read, write=_write,
                               quantize=quantize, validate=validate, finish=finish_loading,
                               quantize_layer=quantize_layer, calibration=_calibration, options=OPTIONS,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..kernels import triton_formats
 from ..kernels.triton_formats import fp8_block_kernel, fp8_block_matmul  # noqa: F401  (the book's names)
 from ..layers import QuantLinear
-from .method import CheckpointMethod, config_field, int_option, scale_tensor
+from .method import CheckpointMethod, config_field, int_option, options_for, scale_tensor
 from .numerics.minifloats import E4M3_HALF_SHIFT, E4M3_MAX, e4m3_halves
 
 
@@ -192,4 +192,5 @@ def _write(layer, config):
 
 CHECKPOINT = CheckpointMethod(name="fp8", parts=lambda config: ("weight", "weight_scale_inv"),
                               read=_read, write=_write, quantize=quantize, validate=validate,
-                              quantize_layer=quantize_layer, options={"block": int_option(128, 1, 1 << 16)})
+                              quantize_layer=quantize_layer,
+                              options=options_for(quantize_layer, block=int_option(1, 1 << 16)))

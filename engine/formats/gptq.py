@@ -34,7 +34,8 @@ import torch
 from ..layers import sequential_steps
 from .gptq_order import DEFAULT as DEFAULT_ORDER
 from .gptq_order import ORDERS, SEARCH, SEARCHED, check_order, visit_order
-from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option, scale_tensor
+from .method import (CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option,
+                     options_for, scale_tensor)
 from .numerics import experts
 from .numerics.affine import (AffineQuantLinear, affine_parts, as_int32, find_params, group_width,  # noqa: F401
                               grouped, pack_int32, unpack_int32)
@@ -362,13 +363,10 @@ def _write(layer, qcfg):
 
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
-OPTIONS = {"bits": choice_option(DEFAULTS["bits"], PACKABLE_BITS),
-           "group_size": int_option(DEFAULTS["group_size"], 1, also=(-1,)),
-           "order": choice_option(DEFAULTS["order"], (*ORDERS, SEARCH)),
-           "damp": number_option(DEFAULTS["damp"], 0, 1, open_low=True),
-           "sym": bool_option(DEFAULTS["sym"]),
-           "checkpoint_format": choice_option(DEFAULTS["checkpoint_format"], CHECKPOINT_FORMATS),
-           "expert_min_tokens": int_option(None, 1)}
+OPTIONS = options_for(quantize_layer, bits=choice_option(PACKABLE_BITS), group_size=int_option(1, also=(-1,)),
+                      order=choice_option((*ORDERS, SEARCH)), damp=number_option(0, 1, open_low=True),
+                      sym=bool_option(), checkpoint_format=choice_option(CHECKPOINT_FORMATS),
+                      expert_min_tokens=int_option(1))
 
 CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize, parts=lambda qcfg: PARTS,
                               validate=validate, quantize_layer=quantize_layer,

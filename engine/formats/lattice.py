@@ -40,7 +40,7 @@ from ..coding.rice import (ESCAPE, RAW_BITS, RICE_K_MAX, SUBSTREAM, RiceStreams,
                            stream_ends, unzigzag, zigzag)
 from .numerics.affine import pack_bits, unpack_bits
 from ..layers import QuantLinear
-from .method import CheckpointMethod, Option, choice_option, config_field, int_option
+from .method import CheckpointMethod, Option, choice_option, config_field, int_option, options_for
 from .numerics.hadamard import fitting_tile, rotate, rotate_by_product, unrotate
 
 TABLE_PATH = Path(__file__).resolve().parents[2] / "data" / "lattice_snr_bps.json"
@@ -449,14 +449,15 @@ def _read(parts, config):
 
 
 def _rules(options):
-    check_tile(options.get("tile", 128))
-    snr_for_rate(options.get("bps", 3.0), options.get("lattice", "E8"))        # the rate each lattice's table covers
+    options = {**{key: option.default for key, option in OPTIONS.items()}, **options}
+    check_tile(options["tile"])
+    snr_for_rate(options["bps"], options["lattice"])        # the rate each lattice's table covers
 
 
-OPTIONS = {"lattice": choice_option("E8", LATTICES), "tile": int_option(128, 2, 1 << 16),
-           "bps": Option(3.0, lambda b: isinstance(b, (int, float)) and not isinstance(b, bool),
-                         "a number of bits per scalar in the lattice's calibrated range"),
-           "seed": int_option(0, 0, (1 << 63) - 1)}
+OPTIONS = options_for(quantize_layer, lattice=choice_option(LATTICES), tile=int_option(2, 1 << 16),
+                      bps=Option(lambda b: isinstance(b, (int, float)) and not isinstance(b, bool),
+                                 "a number of bits per scalar in the lattice's calibrated range"),
+                      seed=int_option(0, (1 << 63) - 1))
 CHECKPOINT = CheckpointMethod(name="lattice", parts=lambda config: _PARTS, read=_read, write=_write,
                               quantize=quantize, validate=validate, quantize_layer=quantize_layer, options=OPTIONS,
                               rules=_rules)

@@ -1,6 +1,8 @@
 """How a quantization method lives in a checkpoint (`CheckpointMethod`) and the options it takes (`Option`): what
 formats/quantized_checkpoints.py's registry holds, one per method, and the one check of a method's options."""
+import dataclasses
 import difflib
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -100,11 +102,23 @@ class CheckpointMethod:
 
 @dataclass(frozen=True)
 class Option:
-    """One keyword a quantizer takes: its default, and the values it accepts (`accepts(value)`, described by
-    `expect` in the error that refuses one). A default of None means "not given", always accepted."""
-    default: object
+    """One keyword a quantizer takes: the values it accepts (`accepts(value)`, described by `expect` in the error
+    that refuses one) and its default, which `options_for` reads from the quantizer's signature. A default of None
+    means "not given", always accepted."""
     accepts: Callable
     expect: str
+    default: object = None
+
+
+def options_for(quantizer, **accepts):
+    """{keyword: Option} of a quantizer (its quantize_layer, or an options class): each keyword's default read from
+    its signature, the one place it is written, and what each accepts from `accepts` {keyword: Option}. Every
+    keyword with a default is described, and only those (a TypeError when the file is imported otherwise)."""
+    defaults = {k: p.default for k, p in inspect.signature(quantizer).parameters.items() if p.default is not p.empty}
+    if defaults.keys() != accepts.keys():
+        raise TypeError(f"{quantizer.__qualname__} takes {sorted(defaults)}; accepted values are given for "
+                        f"{sorted(accepts)}")
+    return {k: dataclasses.replace(accepts[k], default=defaults[k]) for k in defaults}
 
 
 def _is_int(v):
@@ -115,26 +129,25 @@ def _is_number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def int_option(default, low, high=None, also=()):
+def int_option(low, high=None, also=()):
     """An int in [low, high] (high None: no bound), or one of the values `also` (e.g. -1: one group per row)."""
     bound = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    return Option(default, lambda v: (_is_int(v) and v >= low and (high is None or v <= high)) or (
+    return Option(lambda v: (_is_int(v) and v >= low and (high is None or v <= high)) or (
         _is_int(v) and v in also), bound + (f" (or {', '.join(map(str, also))})" if also else ""))
 
 
-def number_option(default, low, high=None, open_low=False):
+def number_option(low, high=None, open_low=False):
     """A finite number in [low, high] ((low, high] with open_low; high None: no bound)."""
     left = "(" if open_low else "["
     bound = f"a number in {left}{low}, {high}]" if high is not None else f"a number {'>' if open_low else '>='} {low}"
-    return Option(default, lambda v: _is_number(v) and (v > low if open_low else v >= low) and (
+    return Option(lambda v: _is_number(v) and (v > low if open_low else v >= low) and (
         high is None or v <= high), bound)
 
 
-def choice_option(default, choices):
+def choice_option(choices):
     choices = tuple(choices)
-    return Option(default, lambda v: isinstance(v, (str, bool, int)) and v in choices,
-                  f"one of {', '.join(map(repr, choices))}")
+    return Option(lambda v: isinstance(v, (str, bool, int)) and v in choices, f"one of {', '.join(map(repr, choices))}")
 
 
-def bool_option(default):
-    return Option(default, lambda v: isinstance(v, bool), "true or false")
+def bool_option():
+    return Option(lambda v: isinstance(v, bool), "true or false")

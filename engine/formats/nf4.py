@@ -27,7 +27,7 @@ import torch
 
 from .numerics.affine import decode_pairs, grouped, pack_bits, pair_table, unpack_bits
 from ..layers import QuantLinear, linear_names
-from .method import CheckpointMethod, choice_option
+from .method import CheckpointMethod, choice_option, options_for
 
 NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                           -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
@@ -195,4 +195,4 @@ def bnb_quantize(model, calibration_ids=None, **options):
 
 CHECKPOINT = CheckpointMethod(name="bitsandbytes", parts=bnb_parts, read=bnb_read, write=bnb_write,
                               quantize=bnb_quantize, validate=bnb_validate, quantize_layer=bnb_quantize_layer,
-                              options={"group_size": choice_option(64, BNB_BLOCKSIZES)})
+                              options=options_for(bnb_quantize_layer, group_size=choice_option(BNB_BLOCKSIZES)))

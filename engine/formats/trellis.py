@@ -36,7 +36,7 @@ from .numerics import hadamard
 from . import trellis_viterbi as viterbi
 from .trellis_stream import pack_stream, stream_bits, stream_checksum, stream_states
 from ..layers import SEQUENTIAL_STEPS, QuantLinear
-from .method import CheckpointMethod, Option, bool_option, choice_option, config_field, int_option
+from .method import CheckpointMethod, Option, bool_option, choice_option, config_field, int_option, options_for
 from .numerics.obq import error_feedback, inverse_cholesky
 from .numerics.hadamard import random_hadamard  # noqa: F401  (the book imports it from here)
 
@@ -445,15 +445,16 @@ def _write(layer, q):
 
 
 def _rules(options):
-    _check_code(options.get("L", 8), options.get("K", 2), options.get("code", "1mad"))
-    if options.get("group") is not None:
+    options = {**{key: option.default for key, option in OPTIONS.items()}, **options}
+    _check_code(options["L"], options["K"], options["code"])
+    if options["group"] is not None:
         hadamard.check_power_of_two(options["group"])
 
 
-OPTIONS = {"L": int_option(8, 2, 24), "K": int_option(2, 1, 8), "code": choice_option("1mad", CODES),
-           "tail_biting": bool_option(False),
-           "tile": Option(None, lambda t: isinstance(t, (list, tuple)) and _is_tile(tuple(t)), "[rows, cols]"),
-           "group": int_option(None, 2, 1 << 16), "seed": int_option(0, 0, (1 << 63) - 1), "ldlq": bool_option(False)}
+OPTIONS = options_for(quantize_layer, L=int_option(2, 24), K=int_option(1, 8), code=choice_option(CODES),
+                      tail_biting=bool_option(),
+                      tile=Option(lambda t: isinstance(t, (list, tuple)) and _is_tile(tuple(t)), "[rows, cols]"),
+                      group=int_option(2, 1 << 16), seed=int_option(0, (1 << 63) - 1), ldlq=bool_option())
 def _fits(cfg, options):
     """Refuse BlockLDLQ on a Qwen3-MoE model (a model's matter: numerics/experts.py, imported only here)."""
     from .numerics import experts

@@ -38,7 +38,7 @@ from ...layers import sequential_steps
 from .. import gptq
 from ..gptq_order import DEFAULT as DEFAULT_ORDER
 from ..gptq_order import ORDERS, SEARCH, visit_order
-from ..method import Option, bool_option, choice_option, number_option
+from ..method import Option, bool_option, choice_option, number_option, options_for
 from ..numerics import calibration, experts
 from ..numerics.affine import AffineQuantLinear
 from ..numerics.obq import ROWS, error_feedback, inverse_cholesky, layer_error
@@ -320,12 +320,6 @@ def check_budget(cfg, bpw):
 
 
 BPW_RANGE = (2.625, 8.5)           # Q2_K's bits per weight to Q8_0's: what a mix of these types can reach
-OPTIONS = {"ggml_type": Option(None, lambda t: isinstance(t, (str, dict)), f"one of {TYPES}, {MIX!r} or a dict"),
-           "bpw": number_option(None, *BPW_RANGE),
-           "imatrix": bool_option(True),
-           "refit": bool_option(True),
-           "plan": choice_option(PLANS[0], PLANS)}
-
 
 def rules(options):
     """What GPTQ on GGML grids needs of its options (the type, the budget, the grid, the order) together."""
@@ -417,7 +411,11 @@ def read_parts(parts):
 # ---- GPTQ's registry entry, with llama.cpp's grids ------------------------------------------------------------------
 
 GGML = "ggml"                      # checkpoint_format of an engine folder of GGML blocks
-GGML_OPTIONS = set(OPTIONS)
+OPTIONS = options_for(quantize_layer, ggml_type=Option(lambda t: isinstance(t, (str, dict)),
+                                                        f"one of {TYPES}, {MIX!r} or a dict"),
+                      bpw=number_option(*BPW_RANGE), imatrix=bool_option(), refit=bool_option(),
+                      plan=choice_option(PLANS), **{k: gptq.OPTIONS[k] for k in ("order", "damp", "expert_min_tokens")})
+GGML_OPTIONS = set(OPTIONS) - set(gptq.OPTIONS)
 PLAIN_OPTIONS = {"bits", "group_size", "sym", "checkpoint_format"}
 
 
