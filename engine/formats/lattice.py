@@ -339,7 +339,7 @@ class LatticeLinear(QuantLinear):
 
     def int8_rows(self):
         """(codes int8 [out, in], row scales float32 [out], (signs [in], tile)) with W' = codes * scales[:, None],
-        the streams decoded once, W' multiplying the input rotated by (signs, tile) (engine.runtime's int8 kernel);
+        the streams decoded once, W' multiplying the input rotated by (signs, tile) (runtime_forms.Int8RowsLinear);
         or None: A2's two axes differ (sqrt(3) and 1), or a code lies outside int8 (an escaped outlier)."""
         if len(set(self.lattice.axis)) != 1:
             return None

@@ -345,7 +345,7 @@ class TrellisLinear(QuantLinear):
 
     def table_rows(self):
         """(codebook float32 [2^L], states uint8 [out, in], scales float32 [R, C] one per tile, the tile, (signs [in],
-        group)): the shift registers replayed once, for engine.runtime's TableRows (row r, column c of the rotated
+        group)): the shift registers replayed once, for engine.runtime_forms' TableRows (row r, column c of the rotated
         weight is codebook[states[r, c]] * scales[r // th, c // tw], decode_trellis' product); None for L > 8."""
         if self.L > 8:
             return None
