@@ -18,7 +18,7 @@ from engine.checkpoints import gguf, gguf_writer, serving
 from engine.formats.quantized_checkpoints import METHODS, load_quantized, save_quantized
 from engine.formats.llama_cpp import bit_plan, ggml, ggml_quants
 from engine.formats import gptq
-from engine.formats.llama_cpp import gptq_ggml
+from engine.formats.llama_cpp import gptq_ggml, refit
 from engine.layers import quantized_linears
 from engine.qwen3 import Qwen3, Qwen3Config
 
@@ -216,7 +216,7 @@ def test_gptq_without_correlated_inputs_is_llama_cpps_imatrix_round_to_nearest(k
     assert torch.equal(ours, gptq_ggml.rtn_ggml(w, kind, torch.full((256,), 0.5)))
 
 
-@pytest.mark.parametrize("kind", gptq_ggml.REFIT)
+@pytest.mark.parametrize("kind", refit.REFIT)
 def test_refit_scales_keep_the_codes_and_lower_every_rows_layer_error(kind):
     """The scales refit to GPTQ's codes by least squares in H's norm, rounded to f16 and kept per row only where
     they help: the codes and the integer sub-block scales stay, no row's error rises, the layer's falls."""
@@ -239,9 +239,9 @@ def test_refit_scales_in_row_chunks_equal_the_whole_layer_at_once(monkeypatch):
     matrix product of 3 rows in another order than one of 20, and an f16 rounding can then flip.)"""
     w, H = torch.randn(20, 512, generator=torch.Generator().manual_seed(3)) * 0.05, hessian(512)
     codes, fields = ggml_quants.quantize("IQ4_NL", w, torch.diag(H) / 2)
-    whole = gptq_ggml.refit_scales(w, H, "IQ4_NL", codes, fields)["d"]
-    monkeypatch.setattr(gptq_ggml, "REFIT_SCALARS", 3 * 16 * 512)          # 3 rows at a time, a ragged last chunk
-    chunked = gptq_ggml.refit_scales(w, H, "IQ4_NL", codes, fields)["d"]
+    whole = refit.refit_scales(w, H, "IQ4_NL", codes, fields)["d"]
+    monkeypatch.setattr(refit, "REFIT_SCALARS", 3 * 16 * 512)          # 3 rows at a time, a ragged last chunk
+    chunked = refit.refit_scales(w, H, "IQ4_NL", codes, fields)["d"]
     assert (chunked == whole).float().mean() > 0.97
     assert ((chunked - whole).abs() <= whole.abs() * 2 ** -10).all()        # at most one f16 step apart
     assert (whole != fields["d"]).float().mean() > 0.5                     # the refit changed most scales
