@@ -193,7 +193,7 @@ def bf16_errors(chunks=8, ctx=256):
     """Per compact layer of SmolLM2: max |y_compact - y_exact| over the layer's inputs on a prompt, and that over
     max |y_exact|; then the KL (nats per token) of the compact model against the exact one on held-out chunks."""
     import torch
-    from engine import runtime
+    from engine import runtime, runtime_forms
     from engine.checkpoints.models import load_model
     from engine.checkpoints.tokenizer import load_tokenizer
     from engine.data import text_corpus
@@ -203,9 +203,9 @@ def bf16_errors(chunks=8, ctx=256):
     exact = runtime.prepare(load_model(path, to_run=True), "exact")
     compact = runtime.prepare(load_model(path, to_run=True), "compact")
     pairs = [(name, module, compact.get_submodule(name)) for name, module in exact.named_modules()
-             if isinstance(module, runtime.DecodedLinear)
+             if isinstance(module, runtime_forms.DecodedLinear)
              and isinstance(compact.get_submodule(name),
-                            (runtime.Int4Linear, runtime.Int8Linear, runtime.Int8PlanesLinear))]
+                            (runtime_forms.Int4Linear, runtime_forms.Int8Linear, runtime_forms.Int8PlanesLinear))]
     inputs = {}
     hooks = [module.register_forward_pre_hook(lambda m, a, name=name: inputs.setdefault(name, []).append(a[0]))
              for name, module, _ in pairs]

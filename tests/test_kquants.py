@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_writer, serving
+from engine.checkpoints import gguf, gguf_file, gguf_writer, serving
 from engine.formats.quantized_checkpoints import METHODS, load_quantized, save_quantized
 from engine.formats.llama_cpp import bit_plan, ggml, ggml_quants
 from engine.formats import gptq
-from engine.formats.llama_cpp import gptq_ggml
+from engine.formats.llama_cpp import gptq_ggml, refit
 from engine.layers import quantized_linears
 from engine.qwen3 import Qwen3, Qwen3Config
 
@@ -216,7 +216,7 @@ def test_gptq_without_correlated_inputs_is_llama_cpps_imatrix_round_to_nearest(k
     assert torch.equal(ours, gptq_ggml.rtn_ggml(w, kind, torch.full((256,), 0.5)))
 
 
-@pytest.mark.parametrize("kind", gptq_ggml.REFIT)
+@pytest.mark.parametrize("kind", refit.REFIT)
 def test_refit_scales_keep_the_codes_and_lower_every_rows_layer_error(kind):
     """The scales refit to GPTQ's codes by least squares in H's norm, rounded to f16 and kept per row only where
     they help: the codes and the integer sub-block scales stay, no row's error rises, the layer's falls."""
@@ -239,9 +239,9 @@ def test_refit_scales_in_row_chunks_equal_the_whole_layer_at_once(monkeypatch):
     matrix product of 3 rows in another order than one of 20, and an f16 rounding can then flip.)"""
     w, H = torch.randn(20, 512, generator=torch.Generator().manual_seed(3)) * 0.05, hessian(512)
     codes, fields = ggml_quants.quantize("IQ4_NL", w, torch.diag(H) / 2)
-    whole = gptq_ggml.refit_scales(w, H, "IQ4_NL", codes, fields)["d"]
-    monkeypatch.setattr(gptq_ggml, "REFIT_SCALARS", 3 * 16 * 512)          # 3 rows at a time, a ragged last chunk
-    chunked = gptq_ggml.refit_scales(w, H, "IQ4_NL", codes, fields)["d"]
+    whole = refit.refit_scales(w, H, "IQ4_NL", codes, fields)["d"]
+    monkeypatch.setattr(refit, "REFIT_SCALARS", 3 * 16 * 512)          # 3 rows at a time, a ragged last chunk
+    chunked = refit.refit_scales(w, H, "IQ4_NL", codes, fields)["d"]
     assert (chunked == whole).float().mean() > 0.97
     assert ((chunked - whole).abs() <= whole.abs() * 2 ** -10).all()        # at most one f16 step apart
     assert (whole != fields["d"]).float().mean() > 0.5                     # the refit changed most scales
@@ -292,7 +292,7 @@ def test_gptq_k_quant_model_goes_into_gguf_block_for_block_and_reads_back(tmp_pa
     assert plan == {**dict.fromkeys(plan, "Q5_0"), "mlp.down_proj": "Q4_K"}               # 96-wide rows fall back
     report = gguf_writer.write_gguf(model, tmp_path / "m.gguf")
     assert report["types"] == {"Q5_0": 6, "Q4_K": 1}
-    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "m.gguf") as f:
         for name, layer in quantized_linears(model).items():
             key = gguf_writer.gguf_name(name + ".weight")
             assert f.tensors[key].type_name == layer.ggml_type and torch.equal(f.raw(key), layer.raw.reshape(-1))
@@ -500,7 +500,7 @@ def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
     qcfg = gptq_ggml.quantize(model, calibration_ids(), bpw=4.0)                           # a budget alone: a mix
     assert qcfg["ggml_type"] == "mix" and qcfg["bpw"] == 4.0 and len(set(qcfg["ggml_types"].values())) > 1
     gguf_writer.write_gguf(model, tmp_path / "m.gguf")
-    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "m.gguf") as f:
         linears = [info for key, info in f.tensors.items() if key.split(".")[-2] in gguf.LINEARS]
         bits = sum(f.raw(key).numel() * 8 for key in f.tensors if key.split(".")[-2] in gguf.LINEARS)
     assert bits <= 4.0 * sum(int(np.prod(info.shape)) for info in linears)
@@ -565,7 +565,7 @@ def test_cli_writes_a_k_quant_mix_for_llama_cpp_within_the_budget(tmp_path):
     out = run("quantize", "--method", "gptq", "--target", "llama.cpp", "--bpw", "4.25", "--steps", "2",
               "--out", str(tmp_path / "mix.gguf"))
     assert out.returncode == 0, out.stderr
-    with gguf.GGUFFile(tmp_path / "mix.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "mix.gguf") as f:
         keys = [k for k in f.tensors if k.split(".")[-2] in gguf.LINEARS]
         types = {f.tensors[k].type_name for k in keys}
         bits = sum(f.raw(k).numel() * 8 for k in keys) / sum(int(np.prod(f.tensors[k].shape)) for k in keys)
@@ -589,7 +589,7 @@ def test_a_gguf_file_of_any_integer_type_is_written_back_byte_for_byte(tmp_path,
     source = write(tmp_path, gguf_bytes(qwen3_metadata(READ_CFG) + [("qwen3.vocab_size", U32, 64)], tensors))
     written, report = gguf_writer.model_tensors(gguf.load_gguf(source))
     assert report["types"] == {kind: 14}
-    with gguf.GGUFFile(source) as f:
+    with gguf_file.GGUFFile(source) as f:
         assert all(torch.equal(f.raw(name), raw) for name, type_name, _, raw in written if type_name == kind)
 
 
@@ -602,7 +602,7 @@ def test_export_refuses_a_source_whose_digests_do_not_match(tmp_path, source):
     model = Qwen3(K_CFG).eval()
     if source == "gguf":
         gguf_writer.write_gguf(quantized_model(K_CFG, "Q4_K")[0], tmp_path / "src")
-        with gguf.GGUFFile(tmp_path / "src") as f:
+        with gguf_file.GGUFFile(tmp_path / "src") as f:
             info = f.tensors[gguf_writer.gguf_name("model.layers.0.mlp.down_proj.weight")]
             at = info.offset + info.nbytes // 2
         target = tmp_path / "src"

@@ -1,6 +1,7 @@
-"""The run-time forms (engine/runtime.py): each multiplies by what its layer decodes to, exactly where it is exact
-and within the bf16 bound where PyTorch's int4 / int8 kernels round; what a prepared model holds, counted; EntQuant
-decoded once (or block by block, its stream resident); the model's fused fast path; --weights on the command line."""
+"""The run-time forms (engine/runtime.py, runtime_forms.py): each multiplies by what its layer decodes to, exactly
+where it is exact and within the bf16 bound where PyTorch's int4 / int8 kernels round; what a prepared model holds,
+counted; EntQuant decoded once (or block by block, its stream resident); the model's fused fast path; --weights on
+the command line."""
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import runtime
+from engine import runtime, runtime_forms
 from engine.checkpoints.models import file_tensor_bytes, load_model
 from engine.formats import entropy as E, fp8, lattice, mx, nf4, trellis
 from engine.formats.llama_cpp import ggml
@@ -96,9 +97,9 @@ def test_decode_rows_gives_dequantize_bit_for_bit(name):
 @pytest.mark.parametrize("name", LAYERS)
 def test_decoded_form_is_the_dequantized_product(name, monkeypatch):
     """DecodedLinear, a few rows at a time (CHUNK made small), computes x @ dequantize()^T up to float32 rounding."""
-    monkeypatch.setattr(runtime, "CHUNK", 1024)
+    monkeypatch.setattr(runtime_forms, "CHUNK", 1024)
     layer = LAYERS[name]()
-    form = runtime.DecodedLinear(layer.compact(), runtime.Workspace())
+    form = runtime_forms.DecodedLinear(layer.compact(), runtime_forms.Workspace())
     x = _inputs(3, layer.in_features)
     want = x @ layer.dequantize().T + (0 if layer.bias is None else layer.bias)
     scale = x.abs() @ layer.dequantize().abs().T
@@ -116,8 +117,8 @@ def test_int4_kernel_is_within_its_bf16_bound(name):
     u = 2^-8), so |y - x W^T| <= u (|y| + |x| |W|^T + |x| (8 |s| + |z|)^T); the test allows 2u. The error is real
     (it is not the exact path) and far inside the bound."""
     layer = LAYERS[name]().compact()
-    form = runtime.form(layer, "compact", runtime.Workspace())
-    assert isinstance(form, runtime.Int4Linear)
+    form = runtime.form(layer, "compact", runtime_forms.Workspace())
+    assert isinstance(form, runtime_forms.Int4Linear)
     x = _inputs(5, layer.in_features)
     w = layer.dequantize()
     y = x @ w.T
@@ -137,8 +138,8 @@ def test_int8_kernel_is_within_its_bf16_bound_and_its_rows_are_exact(name):
     |y - x W^T| <= 3u |x| |(q - 128) s|^T (+ u |y|); the rows an embedding reads are the exact weights."""
     original = LAYERS[name]()
     layer = original.compact()
-    form = runtime.form(layer, "compact", runtime.Workspace(), rows=True)     # a tied embedding's head
-    assert isinstance(form, runtime.Int8Linear)
+    form = runtime.form(layer, "compact", runtime_forms.Workspace(), rows=True)     # a tied embedding's head
+    assert isinstance(form, runtime_forms.Int8Linear)
     assert (form.offsets is None) == (original.zeros is not None and bool((original.zeros == 128).all()))
     x = _inputs(5, layer.in_features)
     w = layer.dequantize()
@@ -156,8 +157,8 @@ def test_int8_codes_as_two_int4_planes_are_within_the_int4_bound_of_each(name):
     within the int4 kernel's bound u (|y_p| + |x| |W_p|^T + |x| (8 |s_p| + |z_p|)^T), the test allowing 2u on their
     sum; a symmetric code's zeros (0 and 8 s) are exact, so Q8_0's error is that of x and the outputs alone."""
     layer = LAYERS[name]().compact()
-    form = runtime.form(layer, "compact", runtime.Workspace())
-    assert isinstance(form, runtime.Int8PlanesLinear)
+    form = runtime.form(layer, "compact", runtime_forms.Workspace())
+    assert isinstance(form, runtime_forms.Int8PlanesLinear)
     x = _inputs(5, layer.in_features)
     q, g = layer.weight_codes.float(), layer.group_size
     s = layer.scales.float().repeat_interleave(g, 1)[:, :layer.in_features]
@@ -169,7 +170,7 @@ def test_int8_codes_as_two_int4_planes_are_within_the_int4_bound_of_each(name):
     error = (form(x) - y).abs()
     assert (error <= bound + 1e-7).all() and error.max() > 0
     ragged = LAYERS["int8 g64"]()                        # 40 rows: the int4 kernel's layout takes multiples of 16
-    assert isinstance(runtime.form(ragged.compact(), "compact", runtime.Workspace()), runtime.Int8Linear)
+    assert isinstance(runtime.form(ragged.compact(), "compact", runtime_forms.Workspace()), runtime_forms.Int8Linear)
 
 
 # ---- a GGUF model, loaded to run ------------------------------------------------------------------------------
@@ -221,8 +222,8 @@ def test_a_gguf_model_runs_from_its_stored_types(tmp_path, arch):
     assert torch.equal(exact.model.embed_tokens(IDS), dense.model.embed_tokens(IDS))
     assert torch.allclose(_logits(exact), reference, rtol=1e-4, atol=1e-5)
     compact = runtime.prepare(load_model(path, to_run=True), "compact")
-    assert isinstance(compact.lm_head, runtime.Int8Linear)
-    assert isinstance(compact.model.layers[0].self_attn.qkv, runtime.Int4Linear)
+    assert isinstance(compact.lm_head, runtime_forms.Int8Linear)
+    assert isinstance(compact.model.layers[0].self_attn.qkv, runtime_forms.Int4Linear)
     assert compact.model.layers[0].self_attn.q_proj is None and compact.model.layers[0].mlp.up_proj is None
     assert (_logits(compact) - reference).abs().max() < 0.02 * reference.abs().max()
     with torch.no_grad():
@@ -254,7 +255,7 @@ def test_held_bytes_count_each_forms_tensors(tmp_path, weights):
     assert held["weights"] == _expected_bytes(weights)
     assert held["weights"] <= 1.25 * file_tensor_bytes(path) or weights == "exact"
     _logits(model)
-    decoded = [m.out_features * m.in_features for m in model.modules() if isinstance(m, runtime.DecodedLinear)]
+    decoded = [m.out_features * m.in_features for m in model.modules() if isinstance(m, runtime_forms.DecodedLinear)]
     assert runtime.held_bytes(model)["workspace"] == 4 * max(decoded, default=0)       # all under CHUNK here
 
 
@@ -321,15 +322,15 @@ def test_entquant_runs_through_the_int8_kernel_where_its_codes_fit(fmt):
     model = _entquant(fmt)
     hold_codes(model)
     layer = model.model.layers[1].mlp.up_proj
-    form = runtime.form(layer, "compact", runtime.Workspace())
-    assert isinstance(form, runtime.Int8RowsLinear) and (form.super_rows is not None) == (fmt == "int8")
+    form = runtime.form(layer, "compact", runtime_forms.Workspace())
+    assert isinstance(form, runtime_forms.Int8RowsLinear) and (form.super_rows is not None) == (fmt == "int8")
     x = _inputs(5, layer.in_features)
     w = layer.dequantize()
     assert ((form(x) - x @ w.T).abs() <= 4 * U * (x.abs() @ w.abs().T) + 1e-7).all()
     if fmt == "float8":
         layer.held[0, 0] = 0x40                                   # E4M3 2.0
         assert layer.int8_rows() is None
-        assert isinstance(runtime.form(layer, "compact", runtime.Workspace()), runtime.DecodedLinear)
+        assert isinstance(runtime.form(layer, "compact", runtime_forms.Workspace()), runtime_forms.DecodedLinear)
 
 
 @pytest.mark.parametrize("name", ["E8", "D4", "Z", "A2"])
@@ -338,11 +339,11 @@ def test_lattice_codes_run_through_the_int8_kernel_in_their_rotated_basis(name):
     int8 kernel, |y - x W^T| <= 4u |x R^T| |W'|^T (x R^T in bf16, the output too); A2's two axes (sqrt(3), 1) are
     no int8 multiples of one step: it stays on the exact decode."""
     layer = lattice.quantize_weight(_weight(24, 128), name, tile=64)
-    form = runtime.form(layer, "compact", runtime.Workspace())
+    form = runtime.form(layer, "compact", runtime_forms.Workspace())
     if name == "A2":
-        assert layer.int8_rows() is None and isinstance(form, runtime.DecodedLinear)
+        assert layer.int8_rows() is None and isinstance(form, runtime_forms.DecodedLinear)
         return
-    assert isinstance(form, runtime.Int8RowsLinear) and form.codes.dtype == torch.int8
+    assert isinstance(form, runtime_forms.Int8RowsLinear) and form.codes.dtype == torch.int8
     x = _inputs(5, layer.in_features)
     y = x @ layer.dequantize().T
     bound = 4 * U * (layer.runtime_input(x).abs() @ layer.rotated_weight().abs().T) + 1e-6 * y.abs().max()
@@ -355,18 +356,18 @@ def test_trellis_states_decoded_once_give_the_exact_decode_bit_for_bit(chunk, mo
     """A trellis layer (L = 8) runs from its states, replayed once into a byte per weight: the same gather and tile
     products as its exact decode, so the same outputs bit for bit, a few tile rows at a time or all at once; L = 16
     keeps its streams (two bytes of states a weight would outgrow the stream 8x)."""
-    monkeypatch.setattr(runtime, "CHUNK", chunk)
+    monkeypatch.setattr(runtime_forms, "CHUNK", chunk)
     layer = _trellis()
-    form = runtime.form(layer, "compact", runtime.Workspace())
-    assert isinstance(form, runtime.DecodedLinear) and isinstance(form.layer, runtime.TableRows)
+    form = runtime.form(layer, "compact", runtime_forms.Workspace())
+    assert isinstance(form, runtime_forms.DecodedLinear) and isinstance(form.layer, runtime_forms.TableRows)
     assert form.layer.indices.dtype == torch.uint8
     assert form.layer.indices.numel() == layer.in_features * layer.out_features
     x = _inputs(3, layer.in_features)
-    assert torch.equal(form(x), runtime.DecodedLinear(layer, runtime.Workspace())(x))
+    assert torch.equal(form(x), runtime_forms.DecodedLinear(layer, runtime_forms.Workspace())(x))
     codes, scales, _ = trellis.trellis_codes(_weight(16, 256), 16, 2, group=128, seed=3, tile=(16, 16))
     wide = trellis.TrellisLinear(codes, scales, 16, 2, tile=(16, 16), group=128, seed=3)
-    assert wide.table_rows() is None and isinstance(runtime.form(wide, "compact", runtime.Workspace()),
-                                                    runtime.DecodedLinear)
+    assert wide.table_rows() is None and isinstance(runtime.form(wide, "compact", runtime_forms.Workspace()),
+                                                    runtime_forms.DecodedLinear)
 
 
 def test_stream_mode_counts_the_decoder_and_is_refused_elsewhere(tmp_path):

@@ -148,7 +148,7 @@ class EntQuantLinear(QuantLinear):
         """(codes int8 [out, in], row scales float32 [out]) with the weight = codes * scales[:, None] (super weights
         aside), or None: Int8 codes as they are; Float8 bytes as c = 512 v where every |v| < 0.25 (each then a
         multiple of 2^-9, E4M3's finest step, that fits an int8: a low-rate model's codes all are). What
-        engine.runtime's int8 kernel multiplies by."""
+        engine.runtime_forms.Int8RowsLinear multiplies by."""
         codes, scale = self.codes(), torch.exp2(self.log_scale.float())
         if self.fmt == "int8":
             return codes.view(torch.int8), scale

@@ -4,4 +4,5 @@
   ggml_quants.py   llama.cpp's quantizers (ggml-quants.c), round-to-nearest and with an importance matrix, bit-exact
   bit_plan.py      spending a bits budget: each candidate's measured error, a greedy knapsack over the linears
   gptq_ggml.py     GPTQ's codes on these grids (K-quants, Q4_0 ... Q8_0, IQ4): gptq.py's method extended
+  refit.py         each block's f16 fields refit to GPTQ's codes, by least squares in the layer error's norm
 """

@@ -1,0 +1,277 @@
+"""The run-time forms of a quantized linear (engine/runtime.py picks one per layer): each holds only what it
+multiplies with, and x [..., in] -> x @ W^T (+ bias) [..., out].
+
+  Int4Linear        4-bit affine codes through PyTorch's CPU int4 kernel
+  Int8PlanesLinear  8-bit affine codes as two int4 planes, the int4 kernel twice
+  Int8Linear        8-bit affine codes through the int8 kernel, one group of inputs at a time (it gives rows too)
+  Int8RowsLinear    int8 codes with a scale per output row (EntQuant, a lattice): the int8 kernel in one call
+  DecodedLinear     rows of the weight decoded, a chunk at a time, into the Workspace the model shares, then one
+                    float32 matmul per chunk: by the layer's own decode_rows, or by TableRows (a trellis's states)
+
+The int4 and int8 kernels round x, the scales and each product's output to bf16 (8 significant bits): their error is
+bounded in tests/test_runtime.py, |y - x W^T| <= 2^-7 (|x| |W|^T + the scale terms), and measured on SmolLM2 in
+appendix/inference.md. DecodedLinear is exact: the weight dequantize() gives.
+"""
+import torch
+from torch import nn
+
+from .formats.numerics.hadamard import rotate_by_product
+
+CHUNK = 1 << 20                 # floats a DecodedLinear decodes at once: 4 MB, cache-sized; a layer's rows in chunks
+INT4_GROUPS = (32, 64, 128, 256)          # the group sizes PyTorch's CPU int4 kernel takes
+
+
+class Workspace:
+    """One float32 buffer shared by every DecodedLinear of a model, grown to the largest chunk any of them takes."""
+
+    def __init__(self):
+        self.buffer = torch.empty(0)
+
+    def take(self, rows, cols):
+        if self.buffer.numel() < rows * cols:
+            self.buffer = torch.empty(rows * cols)
+        return self.buffer[:rows * cols].view(rows, cols)
+
+
+class RunLinear(nn.Module):
+    """A quantized linear prepared to run on the torch path: it holds only what its form multiplies with (its
+    buffers), and x [..., in] -> x @ W^T (+ bias) [..., out] in the layer's dtype or the activations'."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = layer.in_features, layer.out_features, layer.dtype
+        self.bias = layer.bias
+
+    def matmul(self, x2d):
+        """x2d [M, in] float32 -> [M, out] float32."""
+        raise NotImplementedError
+
+    def rows(self, ids):
+        """The weight's rows ids (int64 [n]) as float32 [n, in]: an embedding's lookup."""
+        raise NotImplementedError(f"{type(self).__name__} cannot give rows (it is no embedding's form)")
+
+    def forward(self, x):
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.in_features}")
+        shape, dtype = x.shape, x.dtype
+        y = self.matmul(x.reshape(-1, self.in_features).float())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(self.dtype or dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def int4_group(layer, bits=4):
+    """The group size PyTorch's int4 kernel runs an affine layer of `bits` with: the largest of INT4_GROUPS that
+    divides both its group size and its input width (a group of 128 over 576 inputs runs as groups of 64, each scale
+    repeated), or None where none does or the kernel's layout cannot take its rows (a multiple of 16)."""
+    if getattr(layer, "bits", None) != bits or layer.out_features % 16:
+        return None
+    return next((g for g in reversed(INT4_GROUPS) if layer.group_size % g == 0 and layer.in_features % g == 0), None)
+
+
+def int4_parts(codes, scales, zeros, group_size, g):
+    """codes 0..15 [out, in], scale and zero per group of group_size inputs [out, groups] (the last may be ragged)
+    -> the int4 kernel's (packed codes, bf16 scales_zeros [in / g, out, 2]) for groups of g (g divides group_size
+    and in: each scale repeated), meaning w = (code - 8) * scale + zero."""
+    n = codes.shape[1] // g
+    s = scales.float().repeat_interleave(group_size // g, 1)[:, :n]
+    z = zeros.float().repeat_interleave(group_size // g, 1)[:, :n]
+    return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1),
+            torch.stack([s, z], -1).transpose(0, 1).contiguous().bfloat16())
+
+
+class Int4Linear(RunLinear):
+    """4-bit affine codes (w = q * s + o per group of inputs) through PyTorch's CPU int4 kernel: qweight its packed
+    layout [out, in / 2], scales_zeros bf16 [in / g, out, 2] with w = (q - 8) * scale + zero, so zero = o + 8 s
+    (g: int4_group). An act-order layer's inputs are permuted first."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.group_size = g = int4_group(layer)
+        s, o = layer.scales.float(), layer.offsets.float()
+        packed, scales_zeros = int4_parts(layer.weight_codes, s, o + 8 * s, layer.group_size, g)
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.register_buffer("perm", layer.perm)
+
+    @staticmethod
+    def takes(layer):
+        return int4_group(layer) is not None
+
+    def matmul(self, x2d):
+        if self.perm is not None:
+            x2d = x2d[:, self.perm]
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.bfloat16(), self.qweight, self.group_size,
+                                                          self.scales_zeros).float()
+
+
+class Int8PlanesLinear(RunLinear):
+    """8-bit affine codes (q in 0..255, w = q * s + o per group) through the int4 kernel twice: q = 16 hi + lo, so
+
+        w = 16 s hi + (s lo + o) = [(hi - 8) * 16 s + 0] + [(lo - 8) * s + (136 s + o)]
+
+    two int4 layers of the kernel's form (code - 8) * scale + zero, their zeros chosen so that a symmetric code's
+    (Q8_0: o = -128 s) are 0 and 8 s, exact in bf16. Two kernel calls where Int8Linear makes one per group of 32
+    (the same bytes held, 1 + 1/4 per weight). No rows: the kernel's packed layout depends on the CPU's vector width,
+    so a tied embedding's head stays an Int8Linear."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.group_size = g = int4_group(layer, bits=8)
+        q, s, o = layer.weight_codes.to(torch.int32), layer.scales.float(), layer.offsets.float()
+        hi, hi_sz = int4_parts(q >> 4, 16 * s, torch.zeros_like(s), layer.group_size, g)
+        lo, lo_sz = int4_parts(q & 15, s, 136 * s + o, layer.group_size, g)
+        self.register_buffer("hi", hi)
+        self.register_buffer("hi_scales_zeros", hi_sz)
+        self.register_buffer("lo", lo)
+        self.register_buffer("lo_scales_zeros", lo_sz)
+        self.register_buffer("perm", layer.perm)
+
+    @staticmethod
+    def takes(layer):
+        return int4_group(layer, bits=8) is not None
+
+    def matmul(self, x2d):
+        if self.perm is not None:
+            x2d = x2d[:, self.perm]
+        xb, mm = x2d.bfloat16(), torch.ops.aten._weight_int4pack_mm_for_cpu
+        return (mm(xb, self.hi, self.group_size, self.hi_scales_zeros).float()
+                + mm(xb, self.lo, self.group_size, self.lo_scales_zeros).float())
+
+
+class Int8Linear(RunLinear):
+    """8-bit affine codes through PyTorch's int8 kernel (`_weight_int8pack_mm`: per-row scales only), one group of
+    g >= 32 inputs at a time: w = q * s + o = c * s + (o + 128 s) with c = q - 128 int8, so
+
+        y = sum_g  (x_g @ c_g^T) * s_g  +  (sum of x over each group) @ (o + 128 s)^T
+
+    codes int8 [groups, out, g] (each group one contiguous matrix), scales and offsets float32 [groups, out] (exact:
+    an embedding reads its rows from them, as dequantize computes them) and the scales' bf16 copy for the kernel;
+    offsets None where o = -128 s (Q8_0, GPTQ's symmetric int8: an integer zero point of 128)."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        g, groups = layer.group_size, layer.scales.shape[1]
+        self.group_size = g
+        codes = layer.weight_codes.bitwise_xor(128).view(torch.int8)        # q - 128: the top bit flipped
+        self.register_buffer("codes", codes.view(self.out_features, groups, g).transpose(0, 1).contiguous())
+        s, o = layer.scales.float(), layer.offsets.float()
+        self.register_buffer("scales", s.T.contiguous())
+        self.register_buffer("kernel_scales", self.scales.bfloat16())
+        self.register_buffer("offsets", None if torch.equal(o, -128 * s) else o.T.contiguous())
+        self.register_buffer("perm", layer.perm)
+
+    @staticmethod
+    def takes(layer):
+        return (getattr(layer, "bits", None) == 8 and layer.group_size >= 32
+                and layer.in_features % layer.group_size == 0)
+
+    def matmul(self, x2d):
+        if self.perm is not None:
+            x2d = x2d[:, self.perm]
+        groups = x2d.reshape(len(x2d), -1, self.group_size)
+        xb = groups.transpose(0, 1).bfloat16().contiguous()                  # [groups, M, g]
+        y = torch.zeros(len(x2d), self.out_features)
+        for j in range(len(xb)):
+            y += torch.ops.aten._weight_int8pack_mm(xb[j], self.codes[j], self.kernel_scales[j])
+        if self.offsets is not None:
+            y += groups.sum(-1) @ (self.offsets + 128 * self.scales)
+        return y
+
+    def rows(self, ids):
+        """dequantize()'s rows, q * s + o with q = c + 128, float for float."""
+        s = self.scales[:, ids, None]
+        o = -128 * s if self.offsets is None else self.offsets[:, ids, None]
+        w = (self.codes[:, ids].float() + 128) * s + o                       # [groups, n, g]
+        return w.transpose(0, 1).reshape(len(ids), -1)
+
+
+class Int8RowsLinear(RunLinear):
+    """int8 codes with one scale per output row (layer.int8_rows: EntQuant's, a lattice's) through PyTorch's int8
+    kernel in one call: its scales 1 (exact in bf16; x and its output are bf16), the row scales applied to the
+    output in float32, Int8 EntQuant's super weights added beside (their codes hold 0), exactly. Codes in a rotated
+    basis (a lattice's) come with their rotation, (signs [in], tile): the input is rotated first."""
+
+    def __init__(self, layer, codes, scales, rotation=None):
+        super().__init__(layer)
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("ones", torch.ones(self.out_features, dtype=torch.bfloat16))
+        signs, self.tile = rotation or (None, None)              # (signs float32 [in], tile) or None
+        self.register_buffer("signs", signs)
+        index = getattr(layer, "super_index", torch.zeros(0, dtype=torch.int64)).long()
+        rows, cols = index // self.in_features, index % self.in_features
+        self.register_buffer("super_rows", rows if len(rows) else None)
+        self.register_buffer("super_cols", cols if len(rows) else None)
+        self.register_buffer("super_values", layer.super_value.float() if len(rows) else None)
+
+    def matmul(self, x2d):
+        if self.signs is not None:
+            x2d = rotate_by_product(x2d, self.signs, self.tile)
+        y = torch.ops.aten._weight_int8pack_mm(x2d.bfloat16(), self.codes, self.ones).float().mul_(self.scales)
+        if self.super_rows is not None:
+            y.index_add_(1, self.super_rows, x2d[:, self.super_cols] * self.super_values)
+        return y
+
+
+class TableRows(nn.Module):
+    """Codes that index a table of values, decoded once at load (layer.table_rows: a trellis's states), as a layer
+    DecodedLinear multiplies through: table float32 [n], indices uint8 [out, in], scales float32 [out / th, in / tw]
+    (one per tile of th x tw), and the rotation (signs, tile) the input takes. decode_rows is one gather and one
+    product, the decode's own: exact."""
+
+    def __init__(self, layer, table, indices, scales, tile, rotation):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype, self.bias = (layer.in_features, layer.out_features,
+                                                                       layer.dtype, layer.bias)
+        self.register_buffer("table", table)
+        self.register_buffer("indices", indices.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        signs, self.rotation_tile = rotation
+        self.register_buffer("signs", signs)
+        self.tile, self.row_align = tile, tile[0]
+
+    def runtime_input(self, x2d):
+        return rotate_by_product(x2d, self.signs, self.rotation_tile)
+
+    def decode_rows(self, out, start, stop):
+        (th, tw), rows = self.tile, self.indices[start:stop]
+        torch.index_select(self.table, 0, rows.reshape(-1).to(torch.int32), out=out.view(-1))
+        out.view(-1, th, self.in_features // tw, tw).mul_(self.scales[start // th:stop // th, None, :, None])
+
+
+class DecodedLinear(RunLinear):
+    """A layer that keeps its own codes (`layer`, a QuantLinear) and multiplies through its decode: rows of the
+    weight, as many as fit CHUNK floats (a multiple of layer.row_align), are decoded into the model's shared
+    Workspace (layer.decode_rows) and multiplied in float32, the input first put in the basis the codes are in
+    (layer.runtime_input: a rotation, an act-order permutation), the outputs scaled where decode_rows left a row
+    scale to them. Exact: the weight dequantize() gives (up to the order of float32 rounding)."""
+
+    def __init__(self, layer, workspace):
+        super().__init__(layer)
+        self.layer, self.workspace = layer, workspace
+        align = layer.row_align
+        self.chunk = max(align, CHUNK // layer.in_features // align * align)
+
+    def matmul(self, x2d):
+        x2d = self.layer.runtime_input(x2d)
+        out_f, cols = self.out_features, x2d.shape[1]
+        if self.chunk >= out_f:
+            w = self.workspace.take(out_f, cols)
+            scale = self.layer.decode_rows(w, 0, out_f)
+            return x2d @ w.T if scale is None else (x2d @ w.T).mul_(scale)
+        y = x2d.new_empty(len(x2d), out_f)
+        for start in range(0, out_f, self.chunk):
+            stop = min(start + self.chunk, out_f)
+            w = self.workspace.take(stop - start, cols)
+            scale = self.layer.decode_rows(w, start, stop)
+            y[:, start:stop] = x2d @ w.T
+            if scale is not None:
+                y[:, start:stop] *= scale
+        return y
+
+    def rows(self, ids):
+        return self.layer.rows(ids)
