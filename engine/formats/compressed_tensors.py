@@ -141,9 +141,9 @@ def _check_weights(fmt, w):
         raise ValueError(f"{fmt} must be symmetric with group_size {NV_BLOCK if 'nv' in fmt else MX_BLOCK}")
 
 
-def validate(config):
+def validate(quantization_config):
     """quantization_config -> {"format", "weights", "input_activations"} of its one scheme, checked once."""
-    fmt, weights, acts = scheme_of(config)
+    fmt, weights, acts = scheme_of(quantization_config)
     return {"format": fmt, "weights": weights, "input_activations": acts}
 
 

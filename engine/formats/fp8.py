@@ -167,30 +167,34 @@ def quantize(model, calibration_ids=None, **options):
     return quantize_layer(whole_model(model), **CHECKPOINT.checked(options))
 
 
-def validate(config):
+def validate(quantization_config):
     """A fine-grained FP8 quantization_config, checked once: E4M3, dynamic activations, square weight blocks."""
-    config_field(config, "fmt", "e4m3", str, lambda f: f == "e4m3", "'e4m3' (the only FP8 format supported)")
-    config_field(config, "activation_scheme", "dynamic", str, lambda a: a == "dynamic", "'dynamic'")
-    if config.get("weight_block_size") is None:
+    config_field(quantization_config, "fmt", "e4m3", str, lambda f: f == "e4m3",
+                 "'e4m3' (the only FP8 format supported)")
+    config_field(quantization_config, "activation_scheme", "dynamic", str, lambda a: a == "dynamic", "'dynamic'")
+    if quantization_config.get("weight_block_size") is None:
         raise ValueError("FP8 quantization_config has no weight_block_size (per-tensor FP8 is not supported)")
-    size = config_field(config, "weight_block_size", None, list, lambda b: len(b) == 2 and b[0] == b[1] and isinstance(
+    size = config_field(quantization_config, "weight_block_size", None, list,
+                        lambda b: len(b) == 2 and b[0] == b[1] and isinstance(
         b[0], int) and not isinstance(b[0], bool) and 0 < b[0] <= 1 << 16, "square blocks [b, b], 0 < b <= 65536")
-    return {**config, "block": size[0]}
+    return {**quantization_config, "block": size[0]}
 
 
-def _read(parts, config):
-    return FP8BlockLinear(parts["weight"], parts["weight_scale_inv"], parts.get("bias"), block=config["block"])
+def _read(parts, quantization_config):
+    return FP8BlockLinear(parts["weight"], parts["weight_scale_inv"], parts.get("bias"),
+                          block=quantization_config["block"])
 
 
-def _write(layer, config):
+def _write(layer, quantization_config):
     if not isinstance(layer, FP8BlockLinear):
         raise TypeError(f"fp8 checkpoints hold FP8BlockLinear layers, got {type(layer).__name__}")
-    if layer.block != config["block"]:
-        raise ValueError(f"layer has {layer.block}x{layer.block} blocks, config says {config['weight_block_size']}")
+    if layer.block != quantization_config["block"]:
+        raise ValueError(f"layer has {layer.block}x{layer.block} blocks, config says "
+                         f"{quantization_config['weight_block_size']}")
     return {"weight": layer.weight, "weight_scale_inv": layer.weight_scale_inv}
 
 
-CHECKPOINT = CheckpointMethod(name="fp8", parts=lambda config: ("weight", "weight_scale_inv"),
+CHECKPOINT = CheckpointMethod(name="fp8", parts=lambda quantization_config: ("weight", "weight_scale_inv"),
                               read=_read, write=_write, quantize=quantize, validate=validate,
                               quantize_layer=quantize_layer,
                               options=options_for(quantize_layer, block=int_option(1, 1 << 16)))

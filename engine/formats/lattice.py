@@ -249,29 +249,32 @@ def quantize(model, calibration_ids=None, **options):
     return quantize_layer(whole_model(model), **CHECKPOINT.checked(options))
 
 
-def validate(config):
+def validate(quantization_config):
     """A lattice quantization_config, checked once per checkpoint: the fields that fix what the bits mean, present
     with their exact types, and this format's constants. Returns it unchanged."""
-    config_field(config, "quant_method", None, str, lambda m: m == "lattice", "'lattice'")
-    config_field(config, "lattice", None, str, lambda name: name in LATTICES, f"one of {sorted(LATTICES)}")
-    config_field(config, "tile", None, int, lambda t: t >= 2 and not t & (t - 1), "a power of two >= 2")
-    config_field(config, "substream", None, int, lambda v: v == SUBSTREAM, str(SUBSTREAM))
-    config_field(config, "rice_k_max", None, int, lambda v: v == RICE_K_MAX, str(RICE_K_MAX))
-    config_field(config, "rotation", None, str, lambda r: r == "hadamard", "'hadamard'")
-    return config
+    config_field(quantization_config, "quant_method", None, str, lambda m: m == "lattice", "'lattice'")
+    config_field(quantization_config, "lattice", None, str, lambda name: name in LATTICES,
+                 f"one of {sorted(LATTICES)}")
+    config_field(quantization_config, "tile", None, int, lambda t: t >= 2 and not t & (t - 1),
+                 "a power of two >= 2")
+    config_field(quantization_config, "substream", None, int, lambda v: v == SUBSTREAM, str(SUBSTREAM))
+    config_field(quantization_config, "rice_k_max", None, int, lambda v: v == RICE_K_MAX, str(RICE_K_MAX))
+    config_field(quantization_config, "rotation", None, str, lambda r: r == "hadamard", "'hadamard'")
+    return quantization_config
 
 
 _PARTS = ("payload", "offsets", "rice_ks", "scales", "signs", "header")
 
 
-def _write(layer, config):
-    if layer.lattice.name != config["lattice"] or layer.tile != rotation_tile(layer.in_features, config["tile"]):
-        raise ValueError(f"layer is {layer.lattice.name} with tile {layer.tile}, the config says {config['lattice']} "
-                         f"with tile {config['tile']}")
+def _write(layer, quantization_config):
+    lattice, tile = quantization_config["lattice"], quantization_config["tile"]
+    if layer.lattice.name != lattice or layer.tile != rotation_tile(layer.in_features, tile):
+        raise ValueError(f"layer is {layer.lattice.name} with tile {layer.tile}, the config says {lattice} "
+                         f"with tile {tile}")
     return {name: getattr(layer, name) for name in _PARTS}
 
 
-def _read(parts, config):
+def _read(parts, quantization_config):
     header = parts["header"]
     if header.dtype != torch.int64 or tuple(header.shape) != (5,):
         raise ValueError(f"header must be int64 [5], got {header.dtype} {tuple(header.shape)}")
@@ -279,10 +282,11 @@ def _read(parts, config):
     if parts["scales"].numel() != out_f:
         raise ValueError(f"header says {out_f} rows, scales has {parts['scales'].numel()}")
     streams = RiceStreams(parts["payload"], parts["offsets"], parts["rice_ks"], in_f * out_f, total_bits, crc)
-    layer = LatticeLinear(streams, parts["scales"], parts["signs"], config["lattice"], in_f, layer_tile,
+    layer = LatticeLinear(streams, parts["scales"], parts["signs"], quantization_config["lattice"], in_f, layer_tile,
                           parts.get("bias"))
-    if layer_tile != rotation_tile(in_f, config["tile"]):
-        raise ValueError(f"header tile {layer_tile} is not the config's tile {config['tile']} for {in_f} inputs")
+    if layer_tile != rotation_tile(in_f, quantization_config["tile"]):
+        raise ValueError(f"header tile {layer_tile} is not the config's tile {quantization_config['tile']} for "
+                         f"{in_f} inputs")
     return layer
 
 
@@ -296,6 +300,6 @@ OPTIONS = options_for(quantize_layer, lattice=choice_option(LATTICES), tile=int_
                       bps=Option(lambda b: isinstance(b, (int, float)) and not isinstance(b, bool),
                                  "a number of bits per scalar in the lattice's calibrated range"),
                       seed=int_option(0, (1 << 63) - 1))
-CHECKPOINT = CheckpointMethod(name="lattice", parts=lambda config: _PARTS, read=_read, write=_write,
+CHECKPOINT = CheckpointMethod(name="lattice", parts=lambda quantization_config: _PARTS, read=_read, write=_write,
                               quantize=quantize, validate=validate, quantize_layer=quantize_layer, options=OPTIONS,
                               rules=_rules)

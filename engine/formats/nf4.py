@@ -116,18 +116,19 @@ BNB_CONFIG = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bi
               "llm_int8_has_fp16_weight": False, "llm_int8_enable_fp32_cpu_offload": False}
 
 
-def bnb_validate(config):
+def bnb_validate(quantization_config):
     """A bitsandbytes quantization_config this reader holds: 4-bit NF4, no double quantization."""
-    if config.get("load_in_4bit") is not True or config.get("bnb_4bit_quant_type", "fp4") != "nf4":
+    if (quantization_config.get("load_in_4bit") is not True
+            or quantization_config.get("bnb_4bit_quant_type", "fp4") != "nf4"):
         raise ValueError("bitsandbytes checkpoint: only 4-bit NF4 is read (load_in_4bit true, bnb_4bit_quant_type "
-                         f"'nf4'), got load_in_4bit={config.get('load_in_4bit')!r}, "
-                         f"bnb_4bit_quant_type={config.get('bnb_4bit_quant_type')!r}")
-    if config.get("bnb_4bit_use_double_quant", False) is not False:
+                         f"'nf4'), got load_in_4bit={quantization_config.get('load_in_4bit')!r}, "
+                         f"bnb_4bit_quant_type={quantization_config.get('bnb_4bit_quant_type')!r}")
+    if quantization_config.get("bnb_4bit_use_double_quant", False) is not False:
         raise ValueError("bitsandbytes checkpoint: double quantization (bnb_4bit_use_double_quant) is not read")
-    return config
+    return quantization_config
 
 
-def bnb_parts(config):
+def bnb_parts(quantization_config):
     return ("weight", "weight.absmax", "weight.quant_map", BNB_STATE)
 
 
@@ -137,7 +138,7 @@ def _check_blocksize(group_size, in_features):
                          f"in_features {in_features} (its blocks run over the flattened weight)")
 
 
-def bnb_read(p, config):
+def bnb_read(p, quantization_config):
     """{part: tensor} of one linear -> NF4Linear (codes and absmax exactly as stored)."""
     state = p[BNB_STATE]
     if state.dtype != torch.uint8 or state.dim() != 1 or state.numel() > 4096:
@@ -165,7 +166,7 @@ def bnb_read(p, config):
     return NF4Linear(packed, absmax.reshape(out_f, -1), in_f, blocksize, p.get("bias"))
 
 
-def bnb_write(layer, config):
+def bnb_write(layer, quantization_config):
     """NF4Linear -> {part: tensor} in bitsandbytes' layout."""
     if not isinstance(layer, NF4Linear):
         raise ValueError(f"bitsandbytes NF4 holds NF4Linear layers, got {type(layer).__name__}")

@@ -380,27 +380,29 @@ def _is_tile(tile):
     return len(tile) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 16 for v in tile)
 
 
-def validate(q):
+def validate(quantization_config):
     """A trellis quantization_config, checked once: every field that changes what the bits mean, exactly typed."""
-    opts = {"L": config_field(q, "L", None, int), "K": config_field(q, "K", None, int),
-            "code": config_field(q, "code", None, str, lambda c: c in CODES, f"one of {CODES}"),
-            "tail_biting": config_field(q, "tail_biting", None, bool),
-            "tile": tuple(config_field(q, "tile", None, list, _is_tile, "[rows, cols], two positive ints")),
-            "group": config_field(q, "group", None, int, lambda g: 2 <= g <= 1 << 16, "a power of two >= 2"),
-            "seed": config_field(q, "seed", None, int, lambda v: 0 <= v < 1 << 63, "an int in [0, 2^63)")}
+    field = functools.partial(config_field, quantization_config)
+    opts = {"L": field("L", None, int), "K": field("K", None, int),
+            "code": field("code", None, str, lambda c: c in CODES, f"one of {CODES}"),
+            "tail_biting": field("tail_biting", None, bool),
+            "tile": tuple(field("tile", None, list, _is_tile, "[rows, cols], two positive ints")),
+            "group": field("group", None, int, lambda g: 2 <= g <= 1 << 16, "a power of two >= 2"),
+            "seed": field("seed", None, int, lambda v: 0 <= v < 1 << 63, "an int in [0, 2^63)")}
     _check_code(opts["L"], opts["K"], opts["code"])
     hadamard.check_power_of_two(opts["group"])
-    return {**q, **opts}
+    return {**quantization_config, **opts}
 
 
-def _read(parts, q):
-    options = {k: q[k] for k in ("L", "K", "code", "tail_biting", "tile", "group", "seed")}
+def _read(parts, quantization_config):
+    options = {k: quantization_config[k] for k in ("L", "K", "code", "tail_biting", "tile", "group", "seed")}
     return TrellisLinear(parts["trellis_codes"], parts["trellis_scales"], **options, bias=parts.get("bias"),
                          crc=parts["trellis_crc"])
 
 
-def _write(layer, q):
-    mismatch = [k for k in ("L", "K", "code", "tail_biting", "tile", "group", "seed") if getattr(layer, k) != q[k]]
+def _write(layer, quantization_config):
+    mismatch = [k for k in ("L", "K", "code", "tail_biting", "tile", "group", "seed")
+                if getattr(layer, k) != quantization_config[k]]
     if mismatch:
         raise ValueError(f"layer and quantization_config disagree on {mismatch}")
     return {"trellis_codes": layer.codes, "trellis_scales": layer.scales, "trellis_crc": layer.crc}
@@ -425,7 +427,8 @@ def _fits(cfg, options):
                        "expert reads its own tokens; use ldlq=False")
 
 
-CHECKPOINT = CheckpointMethod(name="trellis", parts=lambda q: ("trellis_codes", "trellis_scales", "trellis_crc"),
+CHECKPOINT = CheckpointMethod(name="trellis",
+                              parts=lambda quantization_config: ("trellis_codes", "trellis_scales", "trellis_crc"),
                               read=_read, write=_write, quantize=quantize, validate=validate,
                               quantize_layer=quantize_layer,
                               calibration=lambda options: "float" if options.get("ldlq") else None,
