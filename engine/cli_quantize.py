@@ -10,8 +10,8 @@ import math
 import time
 from pathlib import Path
 
-from engine.cli import (SMALL_MODEL, check_calibration, check_calibration_size, check_file_output, check_model_path,
-                        check_output, check_text, model_bytes)
+from engine.cli_checks import (SMALL_MODEL, check_calibration, check_calibration_size, check_file_output,
+                               check_model_path, check_output, check_text, model_bytes)
 from engine.console import clock, log
 
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)    # what GPTQModel's QuantizeConfig accepts

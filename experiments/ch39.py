@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import cli  # noqa: E402
+from engine import cli_checks  # noqa: E402
 from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
@@ -189,9 +189,9 @@ def main(argv=None):
         if getattr(args, "chapter_calibration", False):
             args.calib_samples, args.calib_len = 128, 2048
         if args.command != "gpt-oss" or args.model:
-            args.model = cli.model_argument(args.model)
+            args.model = cli_checks.model_argument(args.model)
         if args.command != "gpt-oss":
-            cli.check_model_path(args.model)
+            cli_checks.check_model_path(args.model)
         {"methods": methods, "sensitivity": sensitivity, "gpt-oss": gpt_oss}[args.command](args)
     except ValueError as e:
         raise SystemExit(f"error: {e}")

