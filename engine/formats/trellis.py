@@ -7,7 +7,7 @@ QTIP's 16 x 16 block) is coded as
 
     w_t ~ scale * codebook[s_t],    scale an f16 per tile,
 
-and the best symbols b_t are a shortest path through 2^L states per step (Viterbi, in viterbi.py). Weights are
+and the best symbols b_t are a shortest path through 2^L states per step (Viterbi, in trellis_viterbi.py). Weights are
 first rotated group by group with a random Hadamard transform R = H D / sqrt(n) so they look i.i.d. Gaussian
 (QuIP#); the layer keeps the rotated weight and rotates the activations instead, y = (x R^T) (W R^T)^T, with a fast
 Walsh-Hadamard transform.
@@ -34,7 +34,8 @@ import torch
 
 from .numerics import hadamard
 from . import trellis_viterbi as viterbi
-from .trellis_stream import pack_stream, stream_bits, stream_checksum, stream_states
+from .trellis_layout import (check_tile, from_tiles, pack_stream, rotate, stream_bits, stream_checksum,
+                             stream_states, to_tiles, unrotate)
 from ..layers import SEQUENTIAL_STEPS, QuantLinear
 from .method import CheckpointMethod, Option, bool_option, choice_option, config_field, int_option
 from .numerics.obq import error_feedback, inverse_cholesky
@@ -148,46 +149,7 @@ def viterbi_path(x, L=8, K=2, *, code="1mad", tail_biting=False, wrap_window=Non
     return tuple(t[0] for t in out) if single else out
 
 
-# ---- rotation -----------------------------------------------------------------------------------------------------
-
-def rotate(x, group=256, seed=0):
-    """x [..., n] -> each group of `group` columns times R^T, R = random_hadamard(group, seed): the trellis layer
-    stores its rotation as this seed."""
-    return hadamard.rotate(_wide(x), hadamard.random_signs(group, seed), group)
-
-
-def unrotate(x, group=256, seed=0):
-    """Inverse of rotate: each group times R."""
-    return hadamard.unrotate(_wide(x), hadamard.random_signs(group, seed), group)
-
-
-def _wide(x):
-    """float32, or float64 when given (BlockLDLQ rotates its Hessian in double precision)."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
 # ---- a weight matrix ----------------------------------------------------------------------------------------------
-
-def _check_tile(shape, tile):
-    th, tw = tile
-    if th < 1 or tw < 1 or shape[0] % th or shape[1] % tw:
-        raise ValueError(f"weight {tuple(shape)} does not split into {th} x {tw} tiles")
-    return th, tw
-
-
-def to_tiles(w, tile):
-    """[out, in] -> [out / th, in / tw, th * tw]: each tile's weights in row-major order (one trellis sequence)."""
-    th, tw = _check_tile(w.shape, tile)
-    r, c = w.shape[0] // th, w.shape[1] // tw
-    return w.reshape(r, th, c, tw).permute(0, 2, 1, 3).reshape(r, c, th * tw)
-
-
-def from_tiles(seq, tile):
-    """Inverse of to_tiles: [R, C, th * tw] -> [R * th, C * tw]."""
-    th, tw = tile
-    r, c, _ = seq.shape
-    return seq.reshape(r, c, th, tw).permute(0, 2, 1, 3).reshape(r * th, c * tw)
-
 
 def _code_tiles(seqs, L, K, code, tail_biting):
     """[seq [R, C, T], ...] -> [(codes uint8 [R, C, nbytes], scales f16 [R, C], reconstruction [R, C, T]), ...].
@@ -268,7 +230,7 @@ def block_ldlq(weight, hessian, L=8, K=2, group=256, seed=0, code="1mad", tail_b
     read the same input (q/k/v, gate/up) share H and can go as one weight, their rows stacked."""
     _check_code(L, K, code)
     tile = tuple(tile)
-    _check_tile(weight.shape, tile)
+    check_tile(weight.shape, tile)
     in_f = weight.shape[1]
     if hessian.shape != (in_f, in_f):
         raise ValueError(f"hessian must be [{in_f}, {in_f}], got {tuple(hessian.shape)}")

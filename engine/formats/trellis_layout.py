@@ -1,13 +1,58 @@
-"""A trellis layer's bitstream: each tile's state path as the integer whose L-bit field at bit K(T-1-t) is s_t (the
-start state whole, then K new bits a step; tail-biting: exactly K T bits, read circularly), and the CRC32 that binds
-the streams to the fields their meaning depends on."""
+"""A trellis layer's layout: its weight rotated group by group (a random Hadamard transform, stored as its seed) and
+cut into tiles of T = th x tw weights, one trellis sequence each; each tile's state path as a bitstream, the integer
+whose L-bit field at bit K(T-1-t) is s_t (the start state whole, then K new bits a step; tail-biting: exactly K T
+bits, read circularly); and the CRC32 that binds the streams to the fields their meaning depends on."""
 import json
 import zlib
 
 import torch
 
+from .numerics import hadamard
 from .numerics.affine import pack_bits
 
+
+# ---- rotation -----------------------------------------------------------------------------------------------------
+
+def rotate(x, group=256, seed=0):
+    """x [..., n] -> each group of `group` columns times R^T, R = random_hadamard(group, seed): the trellis layer
+    stores its rotation as this seed."""
+    return hadamard.rotate(_wide(x), hadamard.random_signs(group, seed), group)
+
+
+def unrotate(x, group=256, seed=0):
+    """Inverse of rotate: each group times R."""
+    return hadamard.unrotate(_wide(x), hadamard.random_signs(group, seed), group)
+
+
+def _wide(x):
+    """float32, or float64 when given (BlockLDLQ rotates its Hessian in double precision)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+# ---- tiles --------------------------------------------------------------------------------------------------------
+
+def check_tile(shape, tile):
+    th, tw = tile
+    if th < 1 or tw < 1 or shape[0] % th or shape[1] % tw:
+        raise ValueError(f"weight {tuple(shape)} does not split into {th} x {tw} tiles")
+    return th, tw
+
+
+def to_tiles(w, tile):
+    """[out, in] -> [out / th, in / tw, th * tw]: each tile's weights in row-major order (one trellis sequence)."""
+    th, tw = check_tile(w.shape, tile)
+    r, c = w.shape[0] // th, w.shape[1] // tw
+    return w.reshape(r, th, c, tw).permute(0, 2, 1, 3).reshape(r, c, th * tw)
+
+
+def from_tiles(seq, tile):
+    """Inverse of to_tiles: [R, C, th * tw] -> [R * th, C * tw]."""
+    th, tw = tile
+    r, c, _ = seq.shape
+    return seq.reshape(r, c, th, tw).permute(0, 2, 1, 3).reshape(r * th, c * tw)
+
+
+# ---- the bitstream ------------------------------------------------------------------------------------------------
 
 def stream_bits(L, K, T, tail_biting):
     """Bits in one tile's stream (before padding to whole bytes)."""
