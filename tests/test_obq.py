@@ -135,7 +135,7 @@ def test_block_ldlq_wider_than_a_block_equals_the_textbook_loop(monkeypatch):
     """BlockLDLQ on 256 columns (16 steps of 16, two lazy blocks): float64 inside, so the same codes exactly."""
     w, h, _ = layer(16, 256, 7, torch.float32)
     lazy = trellis.block_ldlq(w, h, L=8, K=2)
-    _textbook(monkeypatch, trellis)
+    _textbook(monkeypatch, obq)                     # block_ldlq imports the loop from obq when it runs
     textbook = trellis.block_ldlq(w, h, L=8, K=2)
     assert all(torch.equal(a, b) for a, b in zip(lazy, textbook))
 

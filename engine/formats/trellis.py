@@ -38,7 +38,6 @@ from .trellis_layout import (check_tile, from_tiles, pack_stream, rotate, stream
                              stream_states, to_tiles, unrotate)
 from ..layers import SEQUENTIAL_STEPS, QuantLinear
 from .method import CheckpointMethod, Option, bool_option, choice_option, config_field, int_option
-from .numerics.obq import error_feedback, inverse_cholesky
 from .numerics.hadamard import random_hadamard  # noqa: F401  (the book imports it from here)
 
 CODES = ("1mad", "3inst")
@@ -228,6 +227,7 @@ def block_ldlq(weight, hessian, L=8, K=2, group=256, seed=0, code="1mad", tail_b
     obq.error_feedback in the rotated basis (H_rot = R H R^T, group by group; float64), one step being a block of tw
     columns whose tiles the trellis codes all at once: W[:, later] -= (W_B - Q_B) U_BB^-1 U_B,later. Linears that
     read the same input (q/k/v, gate/up) share H and can go as one weight, their rows stacked."""
+    from .numerics.obq import error_feedback, inverse_cholesky   # BlockLDLQ alone feeds errors forward (ldlq=True)
     _check_code(L, K, code)
     tile = tuple(tile)
     check_tile(weight.shape, tile)
