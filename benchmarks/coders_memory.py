@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coders import module_at                      # benchmarks/coders.py
-from engine.formats.lattice import LATTICES
+from engine.formats.numerics.lattices import LATTICES
 
 
 def peak_mib():

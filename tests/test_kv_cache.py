@@ -11,7 +11,7 @@ from helpers import random_ids as ids
 from engine.coding import rice
 from engine.formats.llama_cpp import ggml, ggml_quants
 from engine.formats.kv import kv_baselines, kv_cache
-from engine.formats.lattice import LATTICES
+from engine.formats.numerics.lattices import LATTICES
 from engine.qwen3 import KVCache, Qwen3, Qwen3Config, apply_rope, rope_tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.coding import rice as R
-from engine.formats.lattice import LATTICES
+from engine.formats.numerics.lattices import LATTICES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,7 +13,7 @@ The book's core:
                              registry of methods (METHODS), each imported when first used
   method.py                  CheckpointMethod (how a method lives in a checkpoint) and Option (what it takes)
   numerics/                  what the methods share: affine, obq, calibration, layer_runs, experts (a sparse
-                             layer's experts: counts, starved ones), minifloats, hadamard, sensitivity
+                             layer's experts: counts, starved ones), minifloats, hadamard, lattices, sensitivity
 
 The papers' methods and other tools' layouts:
   entropy.py                 EntQuant: Float8 pushed to low entropy, rANS-coded per transformer block

@@ -270,7 +270,7 @@ def lattice_decode(payload, offsets, rice_ks, count, ends, lattice, scales, row_
 
     payload uint8 [bytes], offsets int32 [streams] (start bits), rice_ks uint8 [streams], ends int64 [streams]
     (where each sub-stream must end), scales float32 [count // row_len]; lattice: the format's lattice (name, n,
-    levels, axis: engine.formats.lattice.LATTICES); substream, escape, raw_bits: the Rice layout
+    levels, axis: engine.formats.numerics.lattices.LATTICES); substream, escape, raw_bits: the Rice layout
     (engine.coding.rice). Raises ValueError if a sub-stream does not decode to exactly its end (a corrupt stream)."""
     check_device(payload[:, None], offsets, rice_ks, scales)
     if getattr(lattice, "name", None) not in _FUSED_UNSTRIP:

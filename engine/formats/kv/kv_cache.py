@@ -39,7 +39,8 @@ import torch
 
 from ...coding.rice import ESCAPE, RAW_BITS, STREAM_META_BITS, SUBSTREAM, decode_lockstep, rice_bits, rice_encode
 from ...kernels import stream_decoders
-from ..lattice import get_lattice, lattice_scale, snr_for_rate
+from ..lattice import lattice_scale, snr_for_rate
+from ..numerics.lattices import get_lattice
 
 
 # ---- the hook and its bits ---------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from array import array
 import numpy as np
 import torch
 
-from ..lattice import LATTICES
+from ..numerics.lattices import LATTICES
 from .kv_baselines import FP8KV, GGMLKV, KIVI, DenseKV
 from .kv_cache import KVHook, KVQuantizer
 

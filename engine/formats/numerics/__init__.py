@@ -6,6 +6,7 @@
   layer_runs.py    one decoder layer run again and again on the calibration batches, reusing what has not changed
   minifloats.py    E4M3, E2M1, E8M0: values and rounding
   hadamard.py      the fast Walsh-Hadamard transform and random rotations
+  lattices.py      E8, D4, A2, Z: closest points, integer codes, the strip (HyperQuant's weights and KV cache)
   sensitivity.py   Fisher sensitivities: per weight row from self-generated text, per output channel (a layer
                    at a time) for a planner that knows H
 """
