@@ -18,11 +18,8 @@ The same module serves Qwen2 and Llama, chosen by `model_type` as transformers' 
     llama        LlamaForCausalLM     no         q, k, v, o if attention_bias; gate, up, down if mlp_bias
     qwen3_moe    Qwen3MoeForCausalLM  yes        q, k, v, o if attention_bias
 
-Qwen3-MoE (a Qwen3MoeConfig) replaces the MLP of its sparse layers (cfg.sparse(i)) by a SparseMoeBlock: the router
-`mlp.gate` [experts, hidden] scores each token, softmax in float32, its top k experts (norm_topk_prob: their weights
-renormalized to sum 1) each run their own SwiGLU MLP `mlp.experts.E` on it, and the outputs are summed with those
-weights. The router is a plain weight, not an nn.Linear, so quantization (which replaces nn.Linears) leaves it dense;
-each expert's linears are ordinary nn.Linears, named as transformers saves them (mlp.experts.E.gate_proj ...).
+Qwen3-MoE (a Qwen3MoeConfig) replaces the MLP of its sparse layers (cfg.sparse(i)) by a SparseMoeBlock, a router
+and experts that are this file's MLPs: engine/qwen3_moe.py.
 
 RoPE may be rescaled (`rope_scaling`, any family): "linear" divides every inv_freq by factor; "llama3" keeps the
 frequencies whose wavelength 2 pi / inv_freq is under original_max_position_embeddings / high_freq_factor, divides
@@ -300,55 +297,17 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Router(nn.Module):
-    """Qwen3-MoE's `mlp.gate`: weight [experts, hidden]. x [N, hidden] -> (weights [N, k] in x's dtype, experts
-    [N, k] long): each token's k most probable experts and their softmax probabilities (float32), renormalized to
-    sum 1 if cfg.norm_topk_prob."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
-        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.in_features = cfg.hidden_size        # as a linear's: a calibration hook reads every token it routes
-
-    def forward(self, x):
-        probs = F.linear(x, self.weight).softmax(-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, -1)
-        if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights.to(x.dtype), experts
-
-
-class SparseMoeBlock(nn.Module):
-    """x [B, T, hidden] -> sum over each token's k experts of weight * expert(x) [B, T, hidden]. Each expert runs
-    once, on exactly the tokens routed to it (so a calibration hook on its linears sees those and no others)."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.gate = Router(cfg)
-        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
-
-    def forward(self, x):
-        flat = x.reshape(-1, x.shape[-1])
-        weights, chosen = self.gate(flat)                              # [N, k] each
-        # the N * k (token, slot) pairs grouped by expert: slot s is token s // k's choice s % k
-        slots = chosen.flatten().argsort(stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
-        out = torch.zeros_like(flat)
-        for expert, mine in zip(self.experts, slots.split(counts)):
-            if len(mine):                                              # an expert no token chose does not run
-                tokens = mine // self.gate.top_k
-                out.index_add_(0, tokens, expert(flat[tokens]) * weights.flatten()[mine, None])
-        return out.view_as(x)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Qwen3Config, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoeBlock(cfg) if cfg.sparse(index) else MLP(cfg)
+        if cfg.sparse(index):
+            from .qwen3_moe import SparseMoeBlock      # a sparse layer's alone: a dense model is read without it
+            self.mlp = SparseMoeBlock(cfg, MLP)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache=None):
         return self.mlp_residual(self.attention_residual(x, cos, sin, cache))
@@ -385,7 +344,9 @@ class Qwen3(nn.Module):
         self.apply(self._init)
 
     def _init(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding, Router)):
+        """Every weight but a norm's (a linear's, the embedding's, a MoE router's) drawn from N(0, initializer_range),
+        every bias 0, as transformers initializes them."""
+        if isinstance(getattr(module, "weight", None), nn.Parameter) and not isinstance(module, RMSNorm):
             nn.init.normal_(module.weight, std=self.cfg.initializer_range)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)

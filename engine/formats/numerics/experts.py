@@ -1,15 +1,15 @@
 """Calibrating a sparse layer's experts (Qwen3-MoE): what a data-aware method does with experts that saw few tokens,
 and what it records.
 
-Each expert's input statistics come from exactly the calibration tokens the router sent it: qwen3.SparseMoeBlock runs
-an expert once per batch on its own tokens, so the capture hooks on its linears (calibration.LayerCalibration.capture)
-see those and no others, and InputStats.rows counts them. Routing is uneven, and an expert may see few tokens or none.
-GPTQ's Hessian from n tokens has rank at most n: with fewer tokens than input columns it describes a subspace, and the
-error feedback would fit the handful of tokens seen at the cost of every direction not seen. So an expert whose
-tokens number fewer than `min_tokens` (None: its input width, the least a full-rank Hessian needs) is rounded to
-nearest instead, on the same grid in the same file: GPTQ with H = I, whose inverse is diagonal, so that the error
-feedback moves no other column (obq.error_feedback); AWQ gives such an expert no scale or clipping of its own
-(awq.quantize_layer). Never a NaN (no division by a zero count), never a skipped or a
+Each expert's input statistics come from exactly the calibration tokens the router sent it: qwen3_moe.SparseMoeBlock
+runs an expert once per batch on its own tokens, so the capture hooks on its linears
+(calibration.LayerCalibration.capture) see those and no others, and InputStats.rows counts them. Routing is uneven,
+and an expert may see few tokens or none. GPTQ's Hessian from n tokens has rank at most n: with fewer tokens than
+input columns it describes a subspace, and the error feedback would fit the handful of tokens seen at the cost of
+every direction not seen. So an expert whose tokens number fewer than `min_tokens` (None: its input width, the least
+a full-rank Hessian needs) is rounded to nearest instead, on the same grid in the same file: GPTQ with H = I, whose
+inverse is diagonal, so that the error feedback moves no other column (obq.error_feedback); AWQ gives such an expert
+no scale or clipping of its own (awq.quantize_layer). Never a NaN (no division by a zero count), never a skipped or a
 zeroed expert. The router (mlp.gate) is not an nn.Linear and stays dense (compressed-tensors files say so in their
 `ignore` list, ROUTER_IGNORE, as llm-compressor's MoE recipes do, for readers that would match it as a linear).
 
