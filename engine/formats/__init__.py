@@ -6,14 +6,14 @@ The book's core:
   awq.py                     AWQ: search_scale, apply_awq, the AutoAWQ GEMM layout
   fp8.py                     FP8 E4M3 with 128 x 128 block scales, w8a8_reference, FP8BlockLinear
   mx.py                      MXFP4 and NVFP4 (both byte layouts), their layers
-  trellis.py                 trellis codes (QTIP / EXL3): codes, bitstream, BlockLDLQ, TrellisLinear
+  trellis.py                 trellis codes (QTIP / EXL3): codes, Viterbi coding, BlockLDLQ, TrellisLinear
   trellis_viterbi.py         the Viterbi search: the textbook loop and the fast batched one
   trellis_layout.py          a trellis layer's layout: rotation, tiles, bitstream, checksum
   quantized_checkpoints.py   the chapter's loader and writer (load_quantized, save_quantized, build, PARTS) and the
                              registry of methods (METHODS), each imported when first used
   method.py                  CheckpointMethod (how a method lives in a checkpoint) and Option (what it takes)
-  numerics/                  what the methods share: affine, obq, calibration, layer_runs, experts (a sparse
-                             layer's experts: counts, starved ones), minifloats, hadamard, lattices, sensitivity
+  numerics/                  what the methods share: affine, obq, calibration, input_stats, layer_runs, experts (a
+                             sparse layer's experts: counts, starved ones), minifloats, hadamard, lattices, sensitivity
 
 The papers' methods and other tools' layouts:
   entropy.py                 EntQuant: Float8 pushed to low entropy, rANS-coded per transformer block

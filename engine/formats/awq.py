@@ -26,12 +26,12 @@ Checkpoint (AutoAWQ GEMM, 4-bit):
 """
 import torch
 
-from .numerics import calibration, experts
+from .numerics import experts
 from .numerics.affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize,  # noqa: F401
                               group_width, pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, options_for, scale_tensor
 from ..layers import input_owner
-from .numerics.calibration import InputStats
+from .numerics.input_stats import InputStats
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -41,7 +41,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 @torch.no_grad()
 def search_scale(weights, inputs, bits=4, group_size=128, grid=20):
     """Best per-input-channel scale s [in] for the linears `weights` ([out_k, in] each), all reading `inputs`
-    (a tensor [..., in] or a calibration.InputStats). Returns (s, alpha).
+    (a tensor [..., in] or an input_stats.InputStats). Returns (s, alpha).
 
     error(alpha) = sum_k tr(dW_k G dW_k^T) / out_k  with dW_k = Q(W_k s) / s - W_k: the mean squared output error
     on the calibration inputs, as the book measures it, computed from G = X^T X / n."""
@@ -137,7 +137,8 @@ def quantize_layer(layer, group_size=128, bits=4, clip=True, expert_min_tokens=N
 def quantize(model, calibration_ids, batch_size=8, **options):
     """AWQ every decoder layer of `model` in place (engine.formats.calibration: the inputs of each layer come from
     the float layers before it); options: those of quantize_layer. Returns the quantization_config."""
-    return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
+    from .numerics.calibration import by_layer          # the model walk: only a whole model needs it
+    return by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
 
 
 @torch.no_grad()
