@@ -51,10 +51,23 @@ def closure(name):
     return seen
 
 
+@pytest.mark.parametrize("method", BOOK_METHODS)
+def test_a_book_method_imports_at_most_ten_engine_files(method):
+    imported = closure(f"engine.formats.{method}")
+    assert len(imported) <= 10, sorted(imported)
+    assert not [m for m in imported if m.startswith(SKIPPABLE_ROOMS)]
+
+
 def test_the_books_loader_and_writer_import_at_most_fifteen_engine_files():
     imported = closure("engine.formats.quantized_checkpoints")
     assert len(imported) <= 15, sorted(imported)
     assert not [m for m in imported if m.startswith(SKIPPABLE_ROOMS)]
+
+
+def test_no_engine_file_is_longer_than_a_page_a_reader_can_hold():
+    long = {str(path.relative_to(ROOT)): n for path in sorted((ROOT / "engine").rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > 450}
+    assert not long, long
 
 
 def test_a_plain_gptq_checkpoint_is_written_and_read_without_the_llama_cpp_room(tmp_path):
