@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.checkpoints.gguf import smollm2_path  # noqa: E402
+from engine.formats.llama_cpp.gguf import smollm2_path  # noqa: E402
 from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from engine.data import PYDOC, SELF, Corpus, calibration_ids, default_corpus  # noqa: E402

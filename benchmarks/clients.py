@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
+from engine.formats.llama_cpp.gguf_writer import write_gguf  # noqa: E402
 from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files  # noqa: E402
 from engine.loaders import save_dense  # noqa: E402
 from engine.formats.quantized_checkpoints import METHODS, save_quantized  # noqa: E402

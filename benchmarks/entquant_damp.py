@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.checkpoints.gguf import smollm2_path
+from engine.formats.llama_cpp.gguf import smollm2_path
 from engine.checkpoints.models import load_model
 from engine.checkpoints.tokenizer import load_tokenizer
 from engine.data import Corpus, load_corpus

@@ -43,7 +43,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import frontier_peers as peers  # noqa: E402
 import frontier_reference as reference  # noqa: E402
-from engine.checkpoints.gguf_writer import gguf_name, write_gguf  # noqa: E402
+from engine.checkpoints.tokenizer import tokenizer_metadata  # noqa: E402
+from engine.formats.llama_cpp.gguf_writer import gguf_name, write_gguf  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, kl_per_position  # noqa: E402
 from engine.formats.numerics import affine  # noqa: E402
 from engine.formats import awq, entropy, fp8, gptq, lattice, mx, nf4, trellis  # noqa: E402
@@ -209,7 +210,8 @@ def engine_gguf_bytes(model, ctx):
         return None
     path = ctx.files / f"engine-row-{os.getpid()}.gguf"                 # two runs at once write apart
     try:
-        write_gguf(model, path, tokenizer=ctx.folder / "reference", embedding_type="llama.cpp", force=True)
+        write_gguf(model, path, tokenizer=tokenizer_metadata(model.cfg, ctx.folder / "reference"),
+                   embedding_type="llama.cpp", force=True)
         return file_bytes(path)
     finally:
         path.unlink(missing_ok=True)

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoints.gguf import smollm2_path
-from engine.checkpoints.gguf_writer import write_gguf
+from engine.formats.llama_cpp.gguf import smollm2_path
+from engine.formats.llama_cpp.gguf_writer import write_gguf
 from engine.loaders import load_dense, save_dense
 from engine.checkpoints.models import load_model
 from engine.checkpoints.tokenizer import (BYTE_CHARS, byte_tokenizer, export_tokenizer, load_tokenizer,
-                                           write_tokenizer_files)
+                                           tokenizer_metadata, write_tokenizer_files)
 from engine.data import Corpus, default_corpus
 from engine.evaluation import compare_models
 from engine.qwen3 import Qwen3Config
@@ -141,7 +141,7 @@ def build(name, root, seed=0):
     torch.save(texts, folder / "texts.pt")
     torch.save(corpus.calibration(seq_len=s["calib_len"], n=s["calib_samples"]), folder / "calibration.pt")
     save_dense(model, folder / "reference", force=True, side_files=lambda d: tokenizer_files(source, d))
-    write_gguf(model, folder / "reference.gguf", tokenizer=source, force=True)
+    write_gguf(model, folder / "reference.gguf", tokenizer=tokenizer_metadata(model.cfg, source), force=True)
     info["sha256"] = hashlib.sha256((folder / "reference" / "model.safetensors").read_bytes()).hexdigest()
     info_path.write_text(json.dumps(info, indent=1))
     return model, info, folder

@@ -2,7 +2,7 @@
 
     python benchmarks/gguf_smollm2.py [--out DIR] [--calibration 32] [--no-gptq] [--rewrite]
 
-1. Round trip: engine.checkpoints.gguf.load_gguf, then gguf_writer.write_gguf with the file's own tokenizer: every Q4_1
+1. Round trip: engine.formats.llama_cpp.gguf.load_gguf, then gguf_writer.write_gguf with the file's own tokenizer: every Q4_1
    tensor comes back byte for byte; llama.cpp's log-probs and greedy answers on the original and the re-export.
 2. GPTQ in llama.cpp's own formats: the engine's GPTQ (sym g32 -> Q4_0, asym g32 -> Q4_1, calibrated on the book's
    corpus tokenized by SmolLM2's tokenizer) and the engine's round-to-nearest, against llama.cpp's own Q4_0 / Q4_1
@@ -25,8 +25,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from clients import VENV, client_python, compare, log, run_client  # noqa: E402
 
-from engine.checkpoints import gguf, gguf_file, gguf_tokenizer
-from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
+from engine.formats.llama_cpp import gguf, gguf_file, gguf_tokenizer
+from engine.checkpoints.tokenizer import tokenizer_metadata  # noqa: E402
+from engine.formats.llama_cpp.gguf_writer import write_gguf  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.formats.numerics import affine  # noqa: E402
 from engine.formats import gptq  # noqa: E402
@@ -80,7 +81,7 @@ def main(argv=None):
     model = gguf.load_gguf(source)
     timings["load_gguf_s"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
-    write_gguf(model, out / "roundtrip.gguf", tokenizer=source, force=True)
+    write_gguf(model, out / "roundtrip.gguf", tokenizer=tokenizer_metadata(model.cfg, source), force=True)
     timings["write_gguf_s"] = round(time.perf_counter() - t0, 1)
     with gguf_file.GGUFFile(source) as a, gguf_file.GGUFFile(out / "roundtrip.gguf") as b:
         q4_1 = [n for n, i in a.tensors.items() if i.type_name == "Q4_1"]
@@ -88,7 +89,7 @@ def main(argv=None):
     files = {"original": source, "roundtrip": out / "roundtrip.gguf"}
     dense = dequantized(model)
     del model
-    write_gguf(dense, out / "f32.gguf", tokenizer=source, force=True)
+    write_gguf(dense, out / "f32.gguf", tokenizer=tokenizer_metadata(dense.cfg, source), force=True)
     files["F32 (the Q4_1 dequantized)"] = out / "f32.gguf"
     if not args.no_gptq:
         for kind in ("Q4_0", "Q4_1"):
@@ -107,7 +108,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             m = copy.deepcopy(dense)
             quantize(m)
-            write_gguf(m, path, tokenizer=source, force=True)
+            write_gguf(m, path, tokenizer=tokenizer_metadata(m.cfg, source), force=True)
             timings[f"{label}_s"] = round(time.perf_counter() - t0, 1)
             del m
     logprobs, greedy = {}, {}

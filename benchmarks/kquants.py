@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from clients import client_python, compare, run_client  # noqa: E402
 
-from engine.checkpoints import gguf, gguf_file  # noqa: E402
-from engine.checkpoints.gguf_writer import gguf_name, write_gguf  # noqa: E402
+from engine.formats.llama_cpp import gguf, gguf_file  # noqa: E402
+from engine.formats.llama_cpp.gguf_writer import gguf_name, write_gguf  # noqa: E402
 from engine.checkpoints.models import load_model  # noqa: E402
-from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
+from engine.checkpoints.tokenizer import load_tokenizer, tokenizer_metadata  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats  # noqa: E402
 from engine.formats import gptq  # noqa: E402
@@ -123,7 +123,7 @@ def main(argv=None):
     python = None if args.no_llama else client_python("llamacpp", install=False)[0]
     greedy = 32 if args.model is None else 0
     f32 = args.out / "f32.gguf"
-    write_gguf(reference, f32, tokenizer=tokenizer, force=True)
+    write_gguf(reference, f32, tokenizer=tokenizer_metadata(reference.cfg, tokenizer), force=True)
     rows = []
     plans = [(f"RTN {t}", t, None) for t in args.types] + [(f"GPTQ {t}", t, None) for t in args.types] + \
         [(f"GPTQ mix {b}", "mix", b) for b in args.bpw]
@@ -136,7 +136,7 @@ def main(argv=None):
             gptq_ggml.quantize(model, calibration, ggml_type=kind, **({"bpw": bpw} if bpw else {}))
         seconds = time.perf_counter() - t0
         path = args.out / (label.replace(" ", "-") + ".gguf")
-        report = write_gguf(model, path, tokenizer=tokenizer, force=True)
+        report = write_gguf(model, path, tokenizer=tokenizer_metadata(model.cfg, tokenizer), force=True)
         loaded = gguf.load_gguf(path)
         row = {"row": label, "bpw": round(file_bits(path), 4), "types": report["types"],
                "seconds": round(seconds, 1), **score(loaded)}

@@ -29,8 +29,9 @@ import frontier  # noqa: E402
 import frontier_peers as peers  # noqa: E402
 import frontier_reference as reference  # noqa: E402
 from clients import client_python, run_client  # noqa: E402
-from engine.checkpoints.gguf_file import GGUFFile  # noqa: E402
-from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
+from engine.formats.llama_cpp.gguf_file import GGUFFile  # noqa: E402
+from engine.checkpoints.tokenizer import tokenizer_metadata  # noqa: E402
+from engine.formats.llama_cpp.gguf_writer import write_gguf  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
 from engine.formats import gptq  # noqa: E402
 from engine.formats.llama_cpp import gptq_ggml  # noqa: E402
@@ -68,7 +69,8 @@ def main(argv=None):
         if not ours.exists():
             quantized = copy.deepcopy(model)
             gptq_ggml.quantize(quantized, calibration, ggml_type=kind, damp=args.damp)
-            write_gguf(quantized, ours, tokenizer=folder / "reference.gguf", embedding_type="llama.cpp")
+            write_gguf(quantized, ours, tokenizer=tokenizer_metadata(quantized.cfg, folder / "reference.gguf"),
+                       embedding_type="llama.cpp")
         theirs = files / f"llama-{kind}-imatrix-own-embedding.gguf"
         if not theirs.exists():
             run_client(python, "quantize", folder / "reference.gguf", theirs, kind, "--imatrix", imatrix,

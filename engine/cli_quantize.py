@@ -160,7 +160,7 @@ def cmd_quantize(args):
     corpus, model = tiny_setup(args.text, args.steps, args.seed)
     log(f"quantizing the tiny model with {args.method} ...")
     if args.format == "gguf":
-        from engine.checkpoints.gguf_writer import write_gguf
+        from engine.formats.llama_cpp.gguf_writer import write_gguf
         REGISTRY[method].quantize(model, corpus.calibration(), **options)
         report = write_gguf(model, args.out, force=args.force, embedding_type=args.embedding_type)
         log(f"wrote {args.out}: {json.dumps(report)}")
@@ -178,7 +178,7 @@ def quantize_from_disk(args, method, options, started, group=None):
     quantizing its share, rank 0 writing and reporting."""
     first = group is None or group.first
     if args.format == "gguf":   # layer by layer into a folder of ours beside FILE, then one GGUF from it
-        from engine.checkpoints.gguf_writer import check_writable
+        from engine.formats.llama_cpp.gguf_writer import check_writable
         from engine.checkpoints.models import model_config
         from engine.checkpoints.serving import export_gguf
         check_writable(model_config(args.model))              # before any work (a MoE model llama.cpp cannot run)
@@ -231,7 +231,7 @@ def report_checkpoint(args, quantization_config, started, ranks=""):
 def summarize_output(out, started):
     """The human line after a checkpoint is written: bits per quantized weight, bits per parameter of the whole
     files (embedding, norms, tokenizer and metadata included: what a download costs), their size, the time."""
-    from engine.checkpoints.gguf import gguf_bits
+    from engine.formats.llama_cpp.gguf import gguf_bits
     from engine.formats.quantized_checkpoints import checkpoint_bits
     from engine.loaders import read_config, skeleton
     from engine.qwen3 import Qwen3Config

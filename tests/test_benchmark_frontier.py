@@ -14,7 +14,7 @@ import client_runners  # noqa: E402
 import frontier  # noqa: E402
 import frontier_peers  # noqa: E402
 import frontier_reference  # noqa: E402
-from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
+from engine.formats.llama_cpp.gguf_writer import write_gguf  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
 from engine.formats.numerics import affine  # noqa: E402
 from engine.layers import quantized_linears  # noqa: E402
@@ -130,7 +130,7 @@ LLAMA_PYTHON = frontier_peers.clients.CACHE / "llamacpp" / "venv" / "bin" / "pyt
 @pytest.mark.skipif(not LLAMA_PYTHON.exists(), reason="llama.cpp's venv (benchmarks/clients.py builds it) is absent")
 def test_llama_cpp_quantizes_iq2_only_with_our_imatrix_file(tmp_path):
     import subprocess
-    from engine.checkpoints.gguf_file import GGUFFile
+    from engine.formats.llama_cpp.gguf_file import GGUFFile
     model = llama_model()
     write_gguf(model, tmp_path / "f32.gguf")
     calibration = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))

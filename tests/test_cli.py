@@ -103,7 +103,7 @@ def test_method_and_order_names_are_the_registry_names():
     run_cli = cli()
     assert set(run_cli.METHODS) == set(METHODS) | set(ALIASES)
     assert tuple(run_cli.GPTQ_ORDERS) == tuple(gptq.ORDERS)
-    from engine.checkpoints.gguf_writer import EMBEDDING_TYPES
+    from engine.formats.llama_cpp.gguf_writer import EMBEDDING_TYPES
     assert run_cli.EMBEDDING_TYPES == EMBEDDING_TYPES
 
 
@@ -243,7 +243,7 @@ def test_readme_gguf_commands_work_as_written(tmp_path):
 
 def test_model_smollm2_names_the_packaged_model_or_the_command_that_installs_it(monkeypatch, tmp_path):
     from engine import cli_checks
-    from engine.checkpoints import gguf
+    from engine.formats.llama_cpp import gguf
     monkeypatch.chdir(tmp_path)
     assert cli_checks.model_argument("some/folder") == "some/folder"
     monkeypatch.setattr(gguf, "smollm2_path", lambda: None)
@@ -256,7 +256,7 @@ def test_model_smollm2_names_the_packaged_model_or_the_command_that_installs_it(
 
 
 def test_model_smollm2_runs_from_the_command_line_or_says_what_to_install():
-    from engine.checkpoints.gguf import smollm2_path
+    from engine.formats.llama_cpp.gguf import smollm2_path
     out = run("generate", "--model", "smollm2", "--prompt", "The capital of France is", "--max-new-tokens", "2")
     if smollm2_path() is None:
         assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("error: --model smollm2")

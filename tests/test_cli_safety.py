@@ -13,7 +13,8 @@ import pytest
 from safetensors import SafetensorError
 
 from engine import safe_writes, safetensors_io
-from engine.checkpoints import gguf_file, gguf_writer, models, streaming, tokenizer
+from engine.formats.llama_cpp import gguf_file, gguf_writer
+from engine.checkpoints import models, streaming, tokenizer
 from engine.formats import quantized_checkpoints as registry
 from engine.loaders import save_dense
 from engine.checkpoints.tokenizer import export_tokenizer

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_file
+from engine.formats.llama_cpp import gguf, gguf_file
 from test_cli import run
 
 

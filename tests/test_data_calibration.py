@@ -151,7 +151,7 @@ def test_the_default_is_named_in_help_and_recorded_in_the_checkpoint(tmp_path, t
                                model=lambda: load_model(tmp_path / "dense", torch.float32, dense=True))
     assert meta["engine.calibration"] == expected.name == " + ".join(DEFAULT_CALIBRATION)
     assert meta["engine.calibration_sha256"] == expected.digest
-    from engine.checkpoints.gguf_file import GGUFFile
+    from engine.formats.llama_cpp.gguf_file import GGUFFile
     from engine.checkpoints.serving import export_gguf
     export_gguf(tmp_path / "q", tmp_path / "q.gguf")                 # what --format gguf writes from that folder
     with GGUFFile(tmp_path / "q.gguf") as f:
@@ -173,7 +173,7 @@ def test_quantformats_on_a_model_calibrates_on_calib(tmp_path, tiny_model):
 
 @pytest.mark.parametrize("records", [{"calibration": "pydoc"}, {"engine.calibration": 3}])
 def test_a_gguf_refuses_records_that_are_not_engine_strings_before_writing(tmp_path, tiny_model, records):
-    from engine.checkpoints.gguf_writer import write_gguf
+    from engine.formats.llama_cpp.gguf_writer import write_gguf
     with pytest.raises(ValueError, match="records must map 'engine.\\*' names to strings"):
         write_gguf(tiny_model, tmp_path / "m.gguf", records=records)
     assert not (tmp_path / "m.gguf").exists()

@@ -10,7 +10,8 @@ import struct
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_file, gguf_tokenizer, tokenizer
+from engine.formats.llama_cpp import gguf, gguf_file, gguf_tokenizer
+from engine.checkpoints import tokenizer
 from engine.layers import impl
 from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.affine import AffineQuantLinear

@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from engine.checkpoints import gguf_writer
-from engine.checkpoints.gguf import load_gguf
-from engine.checkpoints.gguf_file import GGUFFile
-from engine.checkpoints.gguf_writer import model_metadata, model_tensors, write_container, write_gguf
+from engine.formats.llama_cpp import gguf_tokenizer, gguf_writer
+from engine.formats.llama_cpp.gguf import load_gguf
+from engine.formats.llama_cpp.gguf_file import GGUFFile
+from engine.formats.llama_cpp.gguf_writer import model_metadata, model_tensors, write_container, write_gguf
 from engine.checkpoints.models import Source
 from engine.formats.llama_cpp.ggml import GGMLLinear
 from engine.formats.numerics.affine import AffineQuantLinear
@@ -88,7 +88,7 @@ def tampered(path, meta=None, drop=(), swap=None):
     """The tiny model's file written with metadata changes, tensors dropped or one tensor replaced."""
     model = tiny_moe()
     tensors, _ = model_tensors(model)
-    metadata = {**model_metadata(model.cfg), **gguf_writer.tokenizer_metadata(model.cfg, None), **(meta or {})}
+    metadata = {**model_metadata(model.cfg), **gguf_tokenizer.byte_tokenizer_metadata(model.cfg), **(meta or {})}
     tensors = [t for t in tensors if t[0] not in drop]
     if swap:
         tensors = [swap(t) if t[0] == "blk.1.ffn_up_exps.weight" else t for t in tensors]

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_file, gguf_tokenizer, gguf_writer, tokenizer
+from engine.formats.llama_cpp import gguf, gguf_file, gguf_tokenizer, gguf_writer
+from engine.checkpoints import tokenizer
 from engine.formats.numerics import affine
 from engine.formats import fp8, mx, nf4
 from engine.formats.llama_cpp import ggml
@@ -139,7 +140,7 @@ def test_what_ggml_cannot_hold_is_refused_naming_why(tmp_path, quantize, match):
 def test_fallback_is_asked_for_and_logged(tmp_path, caplog):
     model = small_model()
     fp8.quantize(model, block=32)
-    with caplog.at_level(logging.WARNING, logger="engine.checkpoints.gguf_writer"):
+    with caplog.at_level(logging.WARNING, logger="engine.formats.llama_cpp.gguf_writer"):
         report = gguf_writer.write_gguf(model, tmp_path / "m.gguf", fallback="F32")
     assert report["types"] == {"F32": 14} and len(report["fallbacks"]) == 14
     assert "FP8BlockLinear" in caplog.text and "written dequantized as F32" in caplog.text
@@ -219,7 +220,7 @@ def test_gguf_tokenizer_is_copied_unchanged(tmp_path):
     source = write(tmp_path, gguf_bytes(meta), "source.gguf")
     cfg = dataclasses.replace(SMALL, vocab_size=260)
     torch.manual_seed(0)
-    gguf_writer.write_gguf(Qwen3(cfg).eval(), tmp_path / "m.gguf", tokenizer=source)
+    gguf_writer.write_gguf(Qwen3(cfg).eval(), tmp_path / "m.gguf", tokenizer=tokenizer.tokenizer_metadata(cfg, source))
     with gguf_file.GGUFFile(source) as a, gguf_file.GGUFFile(tmp_path / "m.gguf") as b:
         assert {k: v for k, v in b.metadata.items() if k.startswith("tokenizer.")} == a.metadata
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_file, gguf_tokenizer
+from engine.formats.llama_cpp import gguf, gguf_file, gguf_tokenizer
 from engine.loaders import load_dense, save_dense
 from engine.safetensors_io import snapshot_tensors
 from engine.formats.llama_cpp import ggml

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_file, gguf_writer
+from engine.formats.llama_cpp import gguf, gguf_file, gguf_writer
 from engine.checkpoints.tokenizer import BYTE_CHARS
 from engine.formats.quantized_checkpoints import load_quantized, save_quantized
 from engine.formats.llama_cpp import ggml

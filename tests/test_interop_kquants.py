@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from clients import client_python, compare, run_client  # noqa: E402
 
-from engine.checkpoints import gguf, gguf_file, gguf_writer  # noqa: E402
+from engine.formats.llama_cpp import gguf, gguf_file, gguf_writer  # noqa: E402
 from engine.formats.llama_cpp import ggml  # noqa: E402
 from engine.formats import gptq  # noqa: E402
 from engine.formats.llama_cpp import gptq_ggml  # noqa: E402

@@ -60,7 +60,7 @@ def test_the_engines_moe_checkpoint_loads_in_transformers_with_equal_logits(tmp_
 
 def test_gguf_py_reads_the_engines_qwen3moe_file_with_llama_cpps_stacked_shapes(tmp_path):
     gguf = pytest.importorskip("gguf")
-    from engine.checkpoints.gguf_writer import write_gguf
+    from engine.formats.llama_cpp.gguf_writer import write_gguf
     from engine.qwen3 import Qwen3, Qwen3MoeConfig
     cfg = Qwen3MoeConfig(**{**SIZES, "vocab_size": 256, "num_experts": 4, "moe_intermediate_size": 32})
     model = Qwen3(cfg)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_file, gguf_writer, serving
+from engine.formats.llama_cpp import gguf, gguf_file, gguf_writer
+from engine.checkpoints import serving
 from engine.formats.quantized_checkpoints import METHODS, load_quantized, save_quantized
 from engine.formats.llama_cpp import bit_plan, ggml, ggml_quants
 from engine.formats import gptq

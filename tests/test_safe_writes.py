@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from engine.checkpoints import gguf_writer
+from engine.formats.llama_cpp import gguf_writer
 from engine.loaders import dense_tensors, load_dense, save_dense
 from engine import safe_writes, safetensors_io
 from engine.safe_writes import atomic_directory, check_output, is_engine_checkpoint

@@ -145,7 +145,7 @@ def test_quantize_model_to_gguf_equals_its_folder(tmp_path, tiny_model):
     file; the file computes what the folder does, and the folder is gone."""
     import run
     from engine.checkpoints.models import load_model
-    from engine.checkpoints.gguf import load_gguf
+    from engine.formats.llama_cpp.gguf import load_gguf
     from engine.loaders import save_dense
     save_dense(tiny_model, tmp_path / "dense")
     common = ["quantize", "--model", str(tmp_path / "dense"), "--method", "compressed-tensors",

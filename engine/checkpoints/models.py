@@ -11,8 +11,8 @@ from ..loaders import expert_parts, load_dense, read_config, unfused, unfused_sp
 from ..qwen3 import Qwen3Config
 from ..safe_writes import TOKENIZER_FILES
 from ..safetensors_io import DTYPE_BYTES, TensorReader
-from . import gguf, gguf_experts, gguf_file
-from .gguf_tokenizer import gguf_tokenizer
+from ..formats.llama_cpp import gguf, gguf_experts, gguf_file
+from ..formats.llama_cpp.gguf_tokenizer import gguf_tokenizer
 from .tokenizer import check_vocabulary, export_tokenizer, load_tokenizer
 
 

@@ -25,12 +25,13 @@ import torch
 from ..formats import gptq
 from ..formats.llama_cpp import gptq_ggml
 from ..qwen3 import Qwen3Config
-from .gguf import load_gguf
-from .gguf_writer import write_gguf
+from ..formats.llama_cpp.gguf import load_gguf
+from ..formats.llama_cpp.gguf_writer import write_gguf
 from ..loaders import load_dense, read_config
 from ..formats.quantized_checkpoints import load_quantized
 from ..safe_writes import check_apart, output_lock
 from ..safetensors_io import checkpoint_records
+from .tokenizer import tokenizer_metadata
 
 TARGETS = ("transformers", "vllm", "llama.cpp", "onnx")
 VLLM_GROUPS = (-1, 32, 64, 128)
@@ -236,7 +237,9 @@ def export_gguf(source, path, dense_type="F32", fallback=None, force=False, embe
     records = {k: v for k, v in checkpoint_records(source).items() if k.startswith("engine.calibration")} \
         if Path(source).is_dir() else {}
     with output_lock(path):                     # from before the load: a second writer is refused at once
-        return write_gguf(load_checkpoint(source), path, tokenizer=source, dense_type=dense_type, fallback=fallback,
+        model = load_checkpoint(source)
+        return write_gguf(model, path, tokenizer=tokenizer_metadata(model.cfg, source), dense_type=dense_type,
+                          fallback=fallback,
                           force=force, records=records, embedding_type=embedding_type)
 
 

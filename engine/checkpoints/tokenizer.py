@@ -16,7 +16,6 @@ reproduce its ids on llama.cpp's fingerprint text (CHKTXT).
 import codecs
 import contextlib
 import io
-import itertools
 import json
 import os
 import shutil
@@ -28,19 +27,14 @@ from types import SimpleNamespace
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from .gguf_file import GGUFFile
-from .gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer, gpt2_pre_tokenizer
+from ..formats.llama_cpp.gguf_file import GGUFFile
+from ..formats.llama_cpp.gguf_tokenizer import (BYTE_CHARS, CONTROL, DUMMY_MERGE, NORMAL, PRE_TOKENIZERS, UNUSED,
+                                                USER_DEFINED, byte_tokenizer_metadata, gguf_tokenizer,
+                                                gpt2_pre_tokenizer)
 from ..safe_writes import TOKENIZER_FILES
 from ..safetensors_io import MAX_JSON_BYTES, checked_file, read_json, write_json
 
 
-def _byte_chars():
-    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
-    moved = itertools.count(256)
-    return tuple(chr(b) if b in printable else chr(next(moved)) for b in range(256))
-
-
-BYTE_CHARS = _byte_chars()                        # BYTE_CHARS[b]: byte b as one character (GPT-2's bytes_to_unicode)
 BYTE_VOCAB = {c: b for b, c in enumerate(BYTE_CHARS)}
 SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -323,8 +317,6 @@ def export_tokenizer(source, out_folder, rebuilt=None):
 
 # ---- the tokenizer a GGUF file carries: its tokenizer.* keys --------------------------------------------------------
 
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5       # tokenizer.ggml.token_type
-DUMMY_MERGE = f"{BYTE_CHARS[32]} {BYTE_CHARS[32]}"       # llama.cpp refuses an empty merges list
 # llama.cpp's pre-tokenizer fingerprint text (convert_hf_to_gguf.py, get_vocab_base_pre)
 CHKTXT = ("\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d\U0001f32b\ufe0f "
           "(multiple emojis concatenated) \u2705 \U0001f999\U0001f999 3 33 333 3333 33333 333333 3333333 33333333 3.3 "
@@ -332,21 +324,6 @@ CHKTXT = ("\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) 
           "?\u6211\u60f3\u5728apple\u5de5\u4f5c1314151\u5929\uff5e ------======= \u043d\u0435\u0449\u043e \u043d\u0430 "
           "\u0411\u044a\u043b\u0433\u0430\u0440\u0441\u043a\u0438 ''''''```````\"\"\"\"......!!!!!!?????? I've been "
           "'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL")
-
-
-def byte_tokenizer_metadata(cfg):
-    """The byte model's vocabulary as llama.cpp accepts it (DESIGN.md section 7)."""
-    if cfg.vocab_size != 256:
-        raise ValueError(f"no tokenizer given and vocab_size is {cfg.vocab_size}: only the byte model (256) has an "
-                         "implied one; pass the model's tokenizer.json folder or GGUF file")
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
-            "tokenizer.ggml.tokens": list(BYTE_CHARS), "tokenizer.ggml.token_type": [NORMAL] * 256,
-            "tokenizer.ggml.merges": [DUMMY_MERGE],
-            "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False}
-    for role, value in (("bos", cfg.bos_token_id), ("eos", cfg.eos_token_id)):
-        if isinstance(value, int):
-            meta[f"tokenizer.ggml.{role}_token_id"] = value
-    return meta
 
 
 def _special(value):

@@ -30,8 +30,9 @@ numerics/calibration.py) or to run its Triton kernel (kernels/, the engine path)
 the book's core reads, and imports, without them.
 
 Rooms a reader can skip (they import the core; the core never imports them):
-  llama_cpp/                 llama.cpp's blocks: ggml (decoders), ggml_quants (quantizers), bit_plan, and
-                             gptq_ggml (GPTQ's codes on llama.cpp's grids, extending gptq.py's method)
+  llama_cpp/                 llama.cpp's family: ggml (its blocks, decoders), ggml_quants (quantizers), bit_plan,
+                             gptq_ggml (GPTQ's codes on llama.cpp's grids, extending gptq.py's method), and the
+                             GGUF file: gguf (read), gguf_writer, gguf_file (the container), gguf_tokenizer
   kv/                        the KV cache: kv_cache (the lattice cache, the hook), kv_baselines (FP8, q8_0, q4_0, KIVI),
                              kv_store (the cache that holds codes: generate / eval --kv-cache)
 

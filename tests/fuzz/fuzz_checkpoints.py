@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.checkpoints import gguf, gguf_file, gguf_writer  # noqa: E402
+from engine.formats.llama_cpp import gguf, gguf_file, gguf_writer  # noqa: E402
 from engine.loaders import dense_tensors, load_dense, save_dense  # noqa: E402
 from engine.formats.quantized_checkpoints import load_quantized, save_quantized  # noqa: E402
 from engine.safetensors_io import INDEX, read_header, save_file, write_json  # noqa: E402

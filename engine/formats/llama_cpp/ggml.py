@@ -51,7 +51,7 @@ their layers the same way, from blocks.
 The writer's side is the inverse of the decoders: `encode` for the 32-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4,
 NVFP4: codes, per-block scale and offset), `encode_k` for the K-quants (codes, the super-block's f16 d / dmin and
 its integer sub-block scales / mins), `encode_iq4` for IQ4_NL / IQ4_XS; ggml_quants.py and iq4.py hold llama.cpp's
-own quantizers that choose them, engine/checkpoints/gguf_writer.py decides which layer goes where.
+own quantizers that choose them, gguf_writer.py decides which layer goes where.
 """
 import torch
 

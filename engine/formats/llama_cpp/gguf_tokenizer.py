@@ -1,5 +1,6 @@
 """The tokenizer of a GGUF file, rebuilt from its metadata as a `tokenizers.Tokenizer` with the tokenizer_config
-Hugging Face writes beside it.
+Hugging Face writes beside it; and the byte model's tokenizer keys a written GGUF file carries (engine/checkpoints/
+tokenizer.py converts a tokenizer.json's).
 
     tokenizer.ggml.model  "gpt2": byte-level BPE (tokens, merges), split first by llama.cpp's pre-tokenizer regexes
                                   for tokenizer.ggml.pre (PRE_TOKENIZERS, from src/llama-vocab.cpp)
@@ -10,6 +11,7 @@ Hugging Face writes beside it.
 
 Every field is checked (types, lengths, ids in range) and anything malformed is a ValueError naming the key.
 """
+import itertools
 import json
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -28,7 +30,32 @@ PRE_TOKENIZERS = {
     **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe"], [_LLAMA3]),
 }
 LLAMA3_LIKE = ("llama-bpe", "llama3", "llama-v3")     # llama.cpp ignores merges for these and adds BOS by default
-CONTROL, USER_DEFINED = 3, 4
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5       # tokenizer.ggml.token_type
+
+
+def _byte_chars():
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    moved = itertools.count(256)
+    return tuple(chr(b) if b in printable else chr(next(moved)) for b in range(256))
+
+
+BYTE_CHARS = _byte_chars()                        # BYTE_CHARS[b]: byte b as one character (GPT-2's bytes_to_unicode)
+DUMMY_MERGE = f"{BYTE_CHARS[32]} {BYTE_CHARS[32]}"       # llama.cpp refuses an empty merges list
+
+
+def byte_tokenizer_metadata(cfg):
+    """The byte model's vocabulary as llama.cpp accepts it (DESIGN.md section 7)."""
+    if cfg.vocab_size != 256:
+        raise ValueError(f"no tokenizer given and vocab_size is {cfg.vocab_size}: only the byte model (256) has an "
+                         "implied one; pass the model's tokenizer.json folder or GGUF file")
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+            "tokenizer.ggml.tokens": list(BYTE_CHARS), "tokenizer.ggml.token_type": [NORMAL] * 256,
+            "tokenizer.ggml.merges": [DUMMY_MERGE],
+            "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False}
+    for role, value in (("bos", cfg.bos_token_id), ("eos", cfg.eos_token_id)):
+        if isinstance(value, int):
+            meta[f"tokenizer.ggml.{role}_token_id"] = value
+    return meta
 
 
 def _spm_merges(tokens, scores, types):

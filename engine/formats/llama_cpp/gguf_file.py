@@ -1,5 +1,5 @@
 """GGUF, llama.cpp's single-file checkpoint, as a container: its header, metadata and tensor table parsed and
-checked, each tensor's bytes read on demand (engine/checkpoints/gguf.py makes them the engine's model).
+checked, each tensor's bytes read on demand (gguf.py makes them the engine's model).
 
 Container (little-endian, versions 2 and 3; strings are a u64 byte length + UTF-8):
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..formats.llama_cpp.ggml import GGML_TYPES, TYPE_NAMES
+from .ggml import GGML_TYPES, TYPE_NAMES
 
 MAGIC, DEFAULT_ALIGNMENT, MAX_NESTING = b"GGUF", 32, 8
 DIGESTS, DIGESTS_FILE_TYPE, METADATA_DIGEST = "engine.tensor_sha256", "engine.file_type", "engine.metadata_sha256"

@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from ..formats.llama_cpp.ggml import DENSE, dequantize, quantized_linear
+from .ggml import DENSE, dequantize, quantized_linear
 
 ARCH, MODEL_TYPE = "qwen3moe", "qwen3_moe"
 ROUTER = "ffn_gate_inp"

@@ -27,7 +27,7 @@ Names are gguf.py's tables read backwards (`model.layers.N.self_attn.q_proj` -> 
 the model's model_type (llama / qwen2 / qwen3; qwen3_moe as `qwen3moe`, its experts stacked by gguf_experts.py, each
 stack in one GGML type); a tied lm_head writes no `output.weight`. For `llama` the q_proj and k_proj rows (of the raw
 blocks and of the bias) are permuted into GGML's adjacent RoPE pairs (`permute_rows`, the inverse of
-gguf.unpermute_rows). The `tokenizer.*` keys come from tokenizer.py's `tokenizer_metadata`.
+gguf.unpermute_rows). The `tokenizer.*` keys are the caller's (checkpoints/tokenizer.py's `tokenizer_metadata`).
 """
 import hashlib
 import logging
@@ -37,17 +37,17 @@ from pathlib import Path
 
 import torch
 
-from ..formats.numerics.affine import AffineQuantLinear, unpack_nibbles
-from ..layers import QuantLinear, linear_names
-from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, INTEGER, IQ4, QK_K, GGMLLinear, encode
-from ..formats.llama_cpp.ggml_quants import FALLBACK, blocks, check_type, quantize
-from ..formats.mx import MXFP4Linear, NVFP4Linear
+from ..numerics.affine import AffineQuantLinear, unpack_nibbles
+from ...layers import QuantLinear, linear_names
+from .ggml import DENSE, GGML_TYPES, INTEGER, IQ4, QK_K, GGMLLinear, encode
+from .ggml_quants import FALLBACK, blocks, check_type, quantize
+from ..mx import MXFP4Linear, NVFP4Linear
 from . import gguf_experts
 from .gguf import ARCHITECTURES, GLOBAL_NAMES, TENSOR_NAMES
 from .gguf_file import DIGESTS, DIGESTS_FILE_TYPE, METADATA_DIGEST
-from ..safe_writes import check_output_file, output_file, output_lock
-from ..safetensors_io import check_records
-from .tokenizer import tokenizer_metadata
+from .gguf_tokenizer import byte_tokenizer_metadata
+from ...safe_writes import check_output_file, output_file, output_lock
+from ...safetensors_io import check_records
 
 log = logging.getLogger(__name__)
 ALIGNMENT, VERSION = 32, 3
@@ -342,8 +342,9 @@ def write_container(path, metadata, tensors, force=False):
 
 def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, force=False, name="engine",
                records=None, embedding_type=None):
-    """Write `model` (dense or quantized, llama / qwen2 / qwen3) as a GGUF file that llama.cpp runs. tokenizer: a
-    .gguf file or a folder with tokenizer.json to take the vocabulary from (None: the byte model's). records:
+    """Write `model` (dense or quantized, llama / qwen2 / qwen3) as a GGUF file that llama.cpp runs. tokenizer: its
+    GGUF keys {"tokenizer.*": value} (engine.checkpoints.tokenizer.tokenizer_metadata makes them from a .gguf file or a
+    tokenizer.json folder; None: the byte model's). records:
     provenance strings stored as they are ({"engine.calibration": ...}). embedding_type: the token embedding's (and
     an untied lm_head's) type: None (dense_type), a GGML type, or "llama.cpp" (the types llama-quantize gives them,
     Q6_K or Q8_0: a file the size of llama.cpp's). Returns a report: {"types": {GGML type:
@@ -354,7 +355,7 @@ def write_gguf(model, path, tokenizer=None, dense_type="F32", fallback=None, for
         tensors, report = model_tensors(model, dense_type, fallback, embedding_type)
         metadata = model_metadata(model.cfg, name)
         metadata["general.file_type"] = FILE_TYPES[report["types"].most_common(1)[0][0]] if report["types"] else 0
-        metadata.update(tokenizer_metadata(model.cfg, tokenizer))
+        metadata.update(byte_tokenizer_metadata(model.cfg) if tokenizer is None else tokenizer)
         metadata.update(records)
         write_container(path, metadata, tensors, force)
     return {**report, "types": dict(report["types"])}

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from ..layers import QuantEmbedding, QuantLinear
-from ..formats.llama_cpp.ggml import DENSE, dequantize, quantized_linear
-from ..qwen3 import Qwen3Config
-from ..loaders import check_complete, check_layer_count, install_layer, place, skeleton
+from ...layers import QuantEmbedding, QuantLinear
+from .ggml import DENSE, dequantize, quantized_linear
+from ...qwen3 import Qwen3Config
+from ...loaders import check_complete, check_layer_count, install_layer, place, skeleton
 from . import gguf_experts
 from .gguf_file import GGUFFile
 
