@@ -5,6 +5,7 @@ quantized by one owner; a rank without a calibration batch only takes part); a r
 under torchrun) ends the other with one error line, and the same command then resumes and finishes with the same
 bytes; what a rank receives is loaded weights_only. A linear whose error feedback is the step's longest is cut into
 shares of rows over the ranks (distributed.plan), and the joined shares are still the bytes of one process."""
+import json
 import os
 import signal
 import socket
@@ -23,7 +24,7 @@ from engine.formats import gptq
 from engine.formats.numerics.affine import AffineQuantLinear
 from engine.formats.numerics.input_stats import InputStats, slot_of
 from engine.loaders import save_dense
-from engine.qwen3 import Qwen3, Qwen3Config
+from engine.qwen3 import Qwen3, Qwen3Config, Qwen3MoeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIB = ("--calib-samples", "24", "--calib-len", "32")
@@ -168,6 +169,36 @@ def test_two_ranks_write_the_bytes_of_one_process(tmp_path, source, method, opti
     assert two.returncode == 0, two.stderr
     assert "with 2 ranks" in two.stderr
     assert files(tmp_path / "two") == files(tmp_path / "one")
+
+
+@pytest.fixture(scope="module")
+def sparse(tmp_path_factory):
+    """A Qwen3-MoE (8 experts, top 2, one dense layer) with the byte tokenizer: the ranks' calibration shares route
+    different tokens to each expert, and an expert some rank never sees."""
+    torch.manual_seed(2)
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,))
+    folder = tmp_path_factory.mktemp("src") / "sparse"
+    save_dense(Qwen3(cfg).eval(), folder, side_files=lambda f: write_tokenizer_files(byte_tokenizer(), f))
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_two_ranks_write_the_bytes_of_one_process_for_a_sparse_model(tmp_path, sparse, method):
+    """Each expert's statistics fold over the ranks like any linear's, its token count included (the config
+    records it): the same experts starved (here those under 100 of the 768 tokens' 2 picks), the same bytes."""
+    common = ("--model", str(sparse), "--method", method, "--group-size", "32", "--option", "expert_min_tokens=100",
+              *CALIB)
+    one = quantize(*common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    two = quantize(*common, "--out", str(tmp_path / "two"), ranks=2)
+    assert two.returncode == 0, two.stderr
+    assert "with 2 ranks" in two.stderr
+    assert files(tmp_path / "two") == files(tmp_path / "one")
+    config = json.loads((tmp_path / "two" / "config.json").read_text())["quantization_config"]
+    assert any(config["experts_rounded"]) and sum(map(sum, filter(None, config["expert_tokens"]))) > 0
 
 
 @pytest.mark.slow
