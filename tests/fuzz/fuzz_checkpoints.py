@@ -221,12 +221,12 @@ def candidates(root, target):
     """{category: [case spec, ...]} of one target; "flip" and "truncated" cases get their positions in the worker
     from the case's seed."""
     folder = pristine(root, target)
-    gguf_file = {"file": [dict(file="model.gguf", op=op) for op in FILE_OPS["safetensors"]],
+    file_cases = {"file": [dict(file="model.gguf", op=op) for op in FILE_OPS["safetensors"]],
                  "special": [dict(file="model.gguf", op=op) for op in ("directory", "fifo", "dev-zero", "dangling")],
                  "flip": [dict(file="model.gguf", op=op) for op in ("bit", "byte")]}
     if target == "gguf-engine":                         # the engine's own file: each tensor's SHA-256 recorded
         with gguf_file.GGUFFile(folder / "model.gguf") as f:
-            return {"gguf-table": [dict(name=n, op=op) for n in f.tensors for op in GGUF_TABLE_OPS], **gguf_file}
+            return {"gguf-table": [dict(name=n, op=op) for n in f.tensors for op in GGUF_TABLE_OPS], **file_cases}
     if target == "gguf":
         keys = ["general.architecture", *(f"qwen3.{k}" for k in GGUF_KEYS)]
         names = ["token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.1.ffn_down.weight",
@@ -234,7 +234,7 @@ def candidates(root, target):
         return {"gguf-metadata": [dict(key=k, op=op) for k in keys for op in [*WRONG_VALUES, "scaled"]],
                 "gguf-tensor": [dict(name=n, op=op) for n in names for op in GGUF_TENSOR_OPS
                                 if not (op == "dtype:Q8_0" and "k_norm" in n)],       # rows of 16: not Q8_0 blocks
-                **gguf_file}
+                **file_cases}
     config = json.loads((folder / "config.json").read_text())
     shards = safetensors_files(folder)
     files = ["config.json", *shards] + ([INDEX] if (folder / INDEX).exists() else [])
