@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.checkpoints.gguf import GGUFFile, LINEARS, hf_config, hf_name, unpermute_rows
+from engine.checkpoints.gguf import LINEARS, hf_config, hf_name, unpermute_rows
+from engine.checkpoints.gguf_file import GGUFFile
 from engine.loaders import read_config
 from engine.checkpoints.models import load_model
 from engine.safetensors_io import DTYPE_BYTES, snapshot_tensors, tensor_specs

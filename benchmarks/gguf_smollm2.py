@@ -25,7 +25,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from clients import VENV, client_python, compare, log, run_client  # noqa: E402
 
-from engine.checkpoints import gguf, gguf_tokenizer
+from engine.checkpoints import gguf, gguf_file, gguf_tokenizer
 from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.formats.numerics import affine  # noqa: E402
@@ -69,7 +69,7 @@ def main(argv=None):
     python, missing = client_python(VENV["llama.cpp"], install=True)
     if missing:
         raise SystemExit(f"llama.cpp: {missing}")
-    with gguf.GGUFFile(source) as f:
+    with gguf_file.GGUFFile(source) as f:
         tok, _ = gguf_tokenizer.gguf_tokenizer(f)
     corpus = Corpus.from_bytes(load_corpus(None))
     held = token_windows(tok, bytes(corpus.held_out.to(torch.uint8).tolist()), 4, 128)
@@ -82,7 +82,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     write_gguf(model, out / "roundtrip.gguf", tokenizer=source, force=True)
     timings["write_gguf_s"] = round(time.perf_counter() - t0, 1)
-    with gguf.GGUFFile(source) as a, gguf.GGUFFile(out / "roundtrip.gguf") as b:
+    with gguf_file.GGUFFile(source) as a, gguf_file.GGUFFile(out / "roundtrip.gguf") as b:
         q4_1 = [n for n, i in a.tensors.items() if i.type_name == "Q4_1"]
         report["roundtrip_identical_q4_1_tensors"] = f"{sum(torch.equal(a.raw(n), b.raw(n)) for n in q4_1)}/{len(q4_1)}"
     files = {"original": source, "roundtrip": out / "roundtrip.gguf"}

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from clients import client_python, compare, run_client  # noqa: E402
 
-from engine.checkpoints import gguf  # noqa: E402
+from engine.checkpoints import gguf, gguf_file  # noqa: E402
 from engine.checkpoints.gguf_writer import gguf_name, write_gguf  # noqa: E402
 from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer  # noqa: E402
@@ -80,7 +80,7 @@ def rtn(model, kind):
 
 def file_bits(path):
     """Bits per weight of the decoder linears in a GGUF file: their bytes over their weights."""
-    with gguf.GGUFFile(path) as f:
+    with gguf_file.GGUFFile(path) as f:
         keys = [k for k in f.tensors if k.split(".")[-2] in gguf.LINEARS and k.endswith(".weight")]
         return sum(f.raw(k).numel() * 8 for k in keys) / sum(int(np.prod(f.tensors[k].shape)) for k in keys)
 
@@ -148,7 +148,7 @@ def main(argv=None):
                 if "refused" in done or done.get("status"):
                     row["llama_quantize"] = done.get("refused", done)
                 else:
-                    with gguf.GGUFFile(theirs) as a, gguf.GGUFFile(path) as b:
+                    with gguf_file.GGUFFile(theirs) as a, gguf_file.GGUFFile(path) as b:
                         names = [gguf_name(n + ".weight") for n in quantized_linears(model)]
                         row["llama_quantize_same_bytes"] = sum(torch.equal(a.raw(n), b.raw(n)) for n in names)
                         row["llama_quantize_linears"] = len(names)

@@ -29,7 +29,7 @@ import frontier  # noqa: E402
 import frontier_peers as peers  # noqa: E402
 import frontier_reference as reference  # noqa: E402
 from clients import client_python, run_client  # noqa: E402
-from engine.checkpoints.gguf import GGUFFile  # noqa: E402
+from engine.checkpoints.gguf_file import GGUFFile  # noqa: E402
 from engine.checkpoints.gguf_writer import write_gguf  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
 from engine.formats import gptq  # noqa: E402

@@ -130,7 +130,7 @@ LLAMA_PYTHON = frontier_peers.clients.CACHE / "llamacpp" / "venv" / "bin" / "pyt
 @pytest.mark.skipif(not LLAMA_PYTHON.exists(), reason="llama.cpp's venv (benchmarks/clients.py builds it) is absent")
 def test_llama_cpp_quantizes_iq2_only_with_our_imatrix_file(tmp_path):
     import subprocess
-    from engine.checkpoints.gguf import GGUFFile
+    from engine.checkpoints.gguf_file import GGUFFile
     model = llama_model()
     write_gguf(model, tmp_path / "f32.gguf")
     calibration = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))

@@ -13,7 +13,7 @@ import pytest
 from safetensors import SafetensorError
 
 from engine import safe_writes, safetensors_io
-from engine.checkpoints import gguf, gguf_writer, models, streaming, tokenizer
+from engine.checkpoints import gguf_file, gguf_writer, models, streaming, tokenizer
 from engine.formats import quantized_checkpoints as registry
 from engine.loaders import save_dense
 from engine.checkpoints.tokenizer import export_tokenizer
@@ -89,8 +89,8 @@ def test_quantize_from_a_gguf_file_checks_once_and_opens_it_once(tiny_model, tmp
             return real(*args, **kwargs)
         return call
 
-    real_init = gguf.GGUFFile.__init__
-    monkeypatch.setattr(gguf.GGUFFile, "__init__", counted("file opened", real_init))
+    real_init = gguf_file.GGUFFile.__init__
+    monkeypatch.setattr(gguf_file.GGUFFile, "__init__", counted("file opened", real_init))
     for module in (streaming, models, registry, safe_writes, tokenizer):      # Source (models.py) reads the file
         for name, label in (("check_output", "output checked"), ("gguf_tokenizer", "tokenizer rebuilt")):
             if hasattr(module, name):

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from engine.checkpoints import gguf
+from engine.checkpoints import gguf, gguf_file
 from test_cli import run
 
 
@@ -26,7 +26,7 @@ def test_quantize_writes_gguf_and_export_rewrites_it(tmp_path):
     assert json.loads(wrote.split(": ", 1)[1])["types"] == {"Q4_0": 14}
     out = run("export", str(tmp_path / "q4_0.gguf"), "--gguf", str(tmp_path / "again.gguf"))
     assert out.returncode == 0, out.stderr
-    with gguf.GGUFFile(tmp_path / "q4_0.gguf") as a, gguf.GGUFFile(tmp_path / "again.gguf") as b:
+    with gguf_file.GGUFFile(tmp_path / "q4_0.gguf") as a, gguf_file.GGUFFile(tmp_path / "again.gguf") as b:
         assert a.tensors["token_embd.weight"].type_name == "Q6_K"      # --target llama.cpp: llama-quantize's choice
         assert b.tensors["token_embd.weight"].type_name == "F32"       # export's default: the embedding as loaded
         assert torch.equal(gguf.load_gguf(tmp_path / "q4_0.gguf").model.embed_tokens.weight.reshape(-1),

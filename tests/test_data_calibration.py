@@ -151,7 +151,7 @@ def test_the_default_is_named_in_help_and_recorded_in_the_checkpoint(tmp_path, t
                                model=lambda: load_model(tmp_path / "dense", torch.float32, dense=True))
     assert meta["engine.calibration"] == expected.name == " + ".join(DEFAULT_CALIBRATION)
     assert meta["engine.calibration_sha256"] == expected.digest
-    from engine.checkpoints.gguf import GGUFFile
+    from engine.checkpoints.gguf_file import GGUFFile
     from engine.checkpoints.serving import export_gguf
     export_gguf(tmp_path / "q", tmp_path / "q.gguf")                 # what --format gguf writes from that folder
     with GGUFFile(tmp_path / "q.gguf") as f:

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_tokenizer, tokenizer
+from engine.checkpoints import gguf, gguf_file, gguf_tokenizer, tokenizer
 from engine.layers import impl
 from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.affine import AffineQuantLinear
@@ -122,7 +122,7 @@ def test_every_value_type_and_tensor_round_trips(tmp_path, version, alignment):
     a, b = torch.randn(3, 5), torch.randn(7).half()
     path = write(tmp_path, gguf_bytes(meta, [("a", "F32", (3, 5), raw_of(a)), ("b", "F16", (7,), raw_of(b))],
                                       version, alignment))
-    with gguf.GGUFFile(path) as f:
+    with gguf_file.GGUFFile(path) as f:
         assert f.version == version and f.alignment == alignment
         expected = {k: ([list(v) for _, v in val[1]] if k == "nested" else list(val[1])) if kind == ARR else val
                     for k, kind, val in meta}
@@ -178,7 +178,7 @@ HOSTILE = {
 def test_hostile_file_is_a_value_error(tmp_path, case):
     content, match = HOSTILE[case]
     with pytest.raises(ValueError, match=match):
-        gguf.GGUFFile(write(tmp_path, content))
+        gguf_file.GGUFFile(write(tmp_path, content))
 
 
 def _small_file():
@@ -190,7 +190,7 @@ def _small_file():
 
 
 def _read_everything(path):
-    with gguf.GGUFFile(path) as f:
+    with gguf_file.GGUFFile(path) as f:
         for info in f.tensors.values():
             ggml.dequantize(f.raw(info.name), info.type_name, info.shape)
 
@@ -217,7 +217,7 @@ def test_random_corruption_is_a_value_error_or_reads_the_tensors_the_header_decl
             damaged[rng.randrange(len(damaged))] = rng.randrange(256)
         path.write_bytes(damaged)
         try:
-            with gguf.GGUFFile(path) as f:
+            with gguf_file.GGUFFile(path) as f:
                 for info in f.tensors.values():
                     t = ggml.dequantize(f.raw(info.name), info.type_name, info.shape)
                     assert tuple(t.shape) == tuple(info.shape)
@@ -229,13 +229,13 @@ def test_random_corruption_is_a_value_error_or_reads_the_tensors_the_header_decl
 
 def test_directory_fifo_and_empty_file_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match="not a regular file"):
-        gguf.GGUFFile(tmp_path)
+        gguf_file.GGUFFile(tmp_path)
     fifo = tmp_path / "pipe.gguf"
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="not a regular file"):
-        gguf.GGUFFile(fifo)                            # would block forever if it were opened
+        gguf_file.GGUFFile(fifo)                            # would block forever if it were opened
     with pytest.raises(ValueError, match="too short"):
-        gguf.GGUFFile(write(tmp_path, b""))
+        gguf_file.GGUFFile(write(tmp_path, b""))
 
 
 # ---- block formats ----------------------------------------------------------------------------------------------
@@ -329,7 +329,7 @@ def test_unpermute_puts_rotate_half_pairs_back():
 
 
 def _config_of(tmp_path, metadata, tensors=()):
-    with gguf.GGUFFile(write(tmp_path, gguf_bytes(metadata, tensors))) as f:
+    with gguf_file.GGUFFile(write(tmp_path, gguf_bytes(metadata, tensors))) as f:
         return gguf.hf_config(f)
 
 
@@ -415,12 +415,12 @@ def test_only_the_header_is_mapped(tmp_path, tiny_model, monkeypatch):
     tensors, _ = qwen3_tensors(tiny_model)
     path = write(tmp_path, gguf_bytes(qwen3_metadata(tiny_model.cfg) + [("qwen3.vocab_size", U32, 256)], tensors))
     os.truncate(path, 1 << 40)
-    mapped, real_mmap = [], gguf.mmap.mmap
-    monkeypatch.setattr(gguf.mmap, "mmap", lambda fd, n, **kw: mapped.append(n) or real_mmap(fd, n, **kw))
+    mapped, real_mmap = [], gguf_file.mmap.mmap
+    monkeypatch.setattr(gguf_file.mmap, "mmap", lambda fd, n, **kw: mapped.append(n) or real_mmap(fd, n, **kw))
     ids = torch.randint(0, 256, (1, 5))
     with torch.no_grad():
         assert torch.equal(gguf.load_gguf(path)(ids), tiny_model(ids))
-    assert mapped and max(mapped) <= gguf.MAX_HEADER_BYTES
+    assert mapped and max(mapped) <= gguf_file.MAX_HEADER_BYTES
 
 
 def test_missing_or_extra_tensor_is_named(tmp_path, tiny_model):
@@ -443,7 +443,7 @@ def byte_chars():
 
 
 def _tokenizer(tmp_path, metadata):
-    with gguf.GGUFFile(write(tmp_path, gguf_bytes(metadata), "tok.gguf")) as f:
+    with gguf_file.GGUFFile(write(tmp_path, gguf_bytes(metadata), "tok.gguf")) as f:
         return gguf_tokenizer.gguf_tokenizer(f)
 
 
@@ -554,7 +554,7 @@ needs_smollm2 = pytest.mark.skipif(gguf.smollm2_path() is None, reason="pip inst
 
 @pytest.fixture(scope="module")
 def smollm2():
-    with gguf.GGUFFile(gguf.smollm2_path()) as f:
+    with gguf_file.GGUFFile(gguf.smollm2_path()) as f:
         yield f
 
 
@@ -626,12 +626,12 @@ def test_tensor_spans_that_overlap_or_do_not_match_their_type_are_refused(tmp_pa
     fills less than its span (Q8_0 -> Q4_0 of the same shape)."""
     q8 = random_blocks("Q8_0", 2, 32).numpy().tobytes()
     content = gguf_bytes(tensors=[("a", "Q8_0", (2, 32), q8), ("b", "Q8_0", (2, 32), q8)])
-    assert gguf.GGUFFile(write(tmp_path, content)).tensors["b"].offset > 0             # the intact file reads
+    assert gguf_file.GGUFFile(write(tmp_path, content)).tensors["b"].offset > 0             # the intact file reads
     table_b = content.index(b"\x01\x00\x00\x00\x00\x00\x00\x00b") + 9 + 4 + 16 + 4     # b's offset field
     overlapping = content[:table_b] + bytes(8) + content[table_b + 8:]
     with pytest.raises(ValueError, match="tensors a and b overlap"):
-        gguf.GGUFFile(write(tmp_path, overlapping))
+        gguf_file.GGUFFile(write(tmp_path, overlapping))
     table_a = content.index(b"\x01\x00\x00\x00\x00\x00\x00\x00a") + 9 + 4 + 16         # a's type field
     retyped = content[:table_a] + ggml.GGML_TYPES["Q4_0"][0].to_bytes(4, "little") + content[table_a + 4:]
     with pytest.raises(ValueError, match=r"tensor a \(Q4_0 \[2, 32\]: 36 bytes\) does not fill the 96 bytes"):
-        gguf.GGUFFile(write(tmp_path, retyped))
+        gguf_file.GGUFFile(write(tmp_path, retyped))

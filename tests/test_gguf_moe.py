@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.checkpoints import gguf_writer
-from engine.checkpoints.gguf import GGUFFile, load_gguf
+from engine.checkpoints.gguf import load_gguf
+from engine.checkpoints.gguf_file import GGUFFile
 from engine.checkpoints.gguf_writer import model_metadata, model_tensors, write_container, write_gguf
 from engine.checkpoints.models import Source
 from engine.formats.llama_cpp.ggml import GGMLLinear

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_tokenizer, gguf_writer, tokenizer
+from engine.checkpoints import gguf, gguf_file, gguf_tokenizer, gguf_writer, tokenizer
 from engine.formats.numerics import affine
 from engine.formats import fp8, mx, nf4
 from engine.formats.llama_cpp import ggml
@@ -76,7 +76,7 @@ def test_symmetric_int4_g32_is_q4_0_with_the_engines_codes(tmp_path):
     model = small_model(kind="Q4_0")
     gguf_writer.write_gguf(model, tmp_path / "m.gguf")
     layer = model.model.layers[1].mlp.down_proj
-    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "m.gguf") as f:
         info = f.tensors["blk.1.ffn_down.weight"]
         raw = f.raw(info.name)
     assert info.type_name == "Q4_0" and info.shape == (64, 128)
@@ -103,7 +103,7 @@ def test_llama_q_and_k_rows_are_permuted_into_ggml_pairs(tmp_path):
     for model_type, permuted in (("llama", True), ("qwen3", False)):
         model = small_model(model_type)
         gguf_writer.write_gguf(model, tmp_path / f"{model_type}.gguf")
-        with gguf.GGUFFile(tmp_path / f"{model_type}.gguf") as f:
+        with gguf_file.GGUFFile(tmp_path / f"{model_type}.gguf") as f:
             for part, heads in (("q", 4), ("k", 2)):
                 stored = ggml.dequantize(f.raw(f"blk.0.attn_{part}.weight"), "F32", (heads * 16, 64))
                 hf = model.get_submodule(f"model.layers.0.self_attn.{part}_proj").weight
@@ -158,7 +158,7 @@ def test_bad_arguments_and_existing_files_are_refused(tmp_path):
     with pytest.raises(ValueError, match="is a folder, not a file"):          # even with force: never replaced
         gguf_writer.write_gguf(model, tmp_path / "folder", force=True)
     gguf_writer.write_gguf(model, path, force=True, dense_type="F16")
-    with gguf.GGUFFile(path) as f:
+    with gguf_file.GGUFFile(path) as f:
         assert f.tensors["token_embd.weight"].type_name == "F16" and f.tensors["output_norm.weight"].type_name == "F32"
     with pytest.raises(ValueError, match="rope_freqs"):
         gguf_writer.model_metadata(dataclasses.replace(SMALL, model_type="llama", rope_scaling={
@@ -170,7 +170,7 @@ def test_bad_arguments_and_existing_files_are_refused(tmp_path):
 
 def test_byte_model_gets_the_vocabulary_llama_cpp_accepts(tmp_path):
     gguf_writer.write_gguf(small_model(), tmp_path / "m.gguf")
-    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "m.gguf") as f:
         meta = f.metadata
         tok, config = gguf_tokenizer.gguf_tokenizer(f)
     assert (meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
@@ -220,14 +220,14 @@ def test_gguf_tokenizer_is_copied_unchanged(tmp_path):
     cfg = dataclasses.replace(SMALL, vocab_size=260)
     torch.manual_seed(0)
     gguf_writer.write_gguf(Qwen3(cfg).eval(), tmp_path / "m.gguf", tokenizer=source)
-    with gguf.GGUFFile(source) as a, gguf.GGUFFile(tmp_path / "m.gguf") as b:
+    with gguf_file.GGUFFile(source) as a, gguf_file.GGUFFile(tmp_path / "m.gguf") as b:
         assert {k: v for k, v in b.metadata.items() if k.startswith("tokenizer.")} == a.metadata
 
 
 def test_nvfp4_dequantized_by_the_reader_includes_the_tensor_scale(tmp_path):
     model = small_model(kind="NVFP4")
     gguf_writer.write_gguf(model, tmp_path / "m.gguf")
-    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "m.gguf") as f:
         dense = dict(gguf.hf_tensors(f, dense=True))
     layer = model.model.layers[0].self_attn.o_proj
     expected = dequantize_nvfp4(layer.packed, layer.block_scale, 1.0) * layer.tensor_scale     # llama.cpp's order
@@ -240,7 +240,7 @@ def test_nvfp4_dequantized_by_the_reader_includes_the_tensor_scale(tmp_path):
 def _table_entry(path, name):
     """Byte position of tensor `name`'s (type u32, offset u64) fields in the file's tensor table."""
     data = path.read_bytes()
-    with gguf.GGUFFile(path) as f:
+    with gguf_file.GGUFFile(path) as f:
         n_dims = len(f.tensors[name].shape)
     at = data.index(len(name).to_bytes(8, "little") + name.encode())
     return at + 8 + len(name) + 4 + 8 * n_dims
@@ -251,7 +251,7 @@ def test_every_tensor_is_recorded_with_its_sha256_and_gguf_py_reads_it(tmp_path)
     import hashlib
     gguf_writer.write_gguf(small_model(kind="Q4_0"), tmp_path / "m.gguf")
     reader = gguf_py.GGUFReader(str(tmp_path / "m.gguf"))             # gguf-py's own reader takes the new key
-    field = reader.fields[gguf.DIGESTS]
+    field = reader.fields[gguf_file.DIGESTS]
     entries = [bytes(field.parts[i]).decode() for i in field.data]
     assert len(entries) == len(reader.tensors) > 0
     for entry, t in zip(entries, reader.tensors):
@@ -266,7 +266,7 @@ def test_a_changed_engine_file_is_refused(tmp_path, change):
     path = tmp_path / "m.gguf"
     gguf_writer.write_gguf(small_model(), path, dense_type="F16")
     data = bytearray(path.read_bytes())
-    with gguf.GGUFFile(path) as f:
+    with gguf_file.GGUFFile(path) as f:
         a, b = f.tensors["blk.0.attn_q.weight"], f.tensors["blk.0.attn_k.weight"]
     if change == "a flipped bit":
         data[a.offset + 5] ^= 0x10
@@ -325,7 +325,7 @@ def test_the_embedding_is_written_in_its_type_and_reads_back_as_its_blocks_decod
     affine.quantize(model, bits=4, group_size=32, sym=True)
     gguf_writer.write_gguf(model, tmp_path / "m.gguf", embedding_type=embedding_type)
     loaded = gguf.load_gguf(tmp_path / "m.gguf")
-    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "m.gguf") as f:
         info = f.tensors["token_embd.weight"]
         assert info.type_name == expected
         stored = ggml.dequantize(f.raw(info.name), info.type_name, info.shape).float()
@@ -340,6 +340,6 @@ def test_an_embedding_type_the_hidden_size_cannot_hold_falls_back_as_llama_quant
     model = small_model(kind="Q4_0")                                       # hidden 64: no room for Q6_K's 256
     with caplog.at_level(logging.WARNING):
         gguf_writer.write_gguf(model, tmp_path / "m.gguf", embedding_type="Q6_K")
-    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "m.gguf") as f:
         assert f.tensors["token_embd.weight"].type_name == "Q8_0"
     assert "Q6_K needs rows of a multiple of 256, got 64; written as Q8_0" in caplog.text

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_tokenizer
+from engine.checkpoints import gguf, gguf_file, gguf_tokenizer
 from engine.loaders import load_dense, save_dense
 from engine.safetensors_io import snapshot_tensors
 from engine.formats.llama_cpp import ggml
@@ -69,7 +69,7 @@ def test_metadata_and_tensor_table_equal_gguf_reader(tmp_path):
                       raw_dtype=gg.GGMLQuantizationType.Q8_0)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
     reader = gg.GGUFReader(str(path))
-    with gguf.GGUFFile(path) as f:
+    with gguf_file.GGUFFile(path) as f:
         for key, field in reader.fields.items():
             if not key.startswith("GGUF."):
                 theirs, ours = field.contents(), f.metadata[key]
@@ -187,7 +187,7 @@ def write_hf(path, model, model_type, linear_type="F32"):
 def read_into_transformers(path):
     """Our config and tensors (quantized linears as their dequantized weight) in a transformers model."""
     transformers = pytest.importorskip("transformers")
-    with gguf.GGUFFile(path) as f:
+    with gguf_file.GGUFFile(path) as f:
         cfg = gguf.hf_config(f)
         state = {n: (v.dequantize() if isinstance(v, QuantLinear) else v) for n, v in gguf.hf_tensors(f)}
     state = {(n + ".weight" if not n.endswith(("weight", "bias")) else n): v for n, v in state.items()}
@@ -213,7 +213,7 @@ def test_quantized_llama_q_rows_are_unpermuted(tmp_path):
     model = hf_model("llama")
     write_hf(tmp_path / "m.gguf", model, "llama", "Q8_0")
     reader = gg.GGUFReader(str(tmp_path / "m.gguf"))
-    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "m.gguf") as f:
         layers = {n: v for n, v in gguf.hf_tensors(f) if isinstance(v, QuantLinear)}
     for t in reader.tensors:
         if t.name in ("blk.1.attn_q.weight", "blk.1.attn_k.weight"):
@@ -286,7 +286,7 @@ def test_smollm2_tensors_equal_gguf_reader():
     """Every tensor (the first and last 128 rows of each, so the check stays fast) and every scalar key."""
     reader = gg.GGUFReader(str(gguf.smollm2_path()))
     theirs = {t.name: t for t in reader.tensors}
-    with gguf.GGUFFile(gguf.smollm2_path()) as f:
+    with gguf_file.GGUFFile(gguf.smollm2_path()) as f:
         for key, field in reader.fields.items():
             if not key.startswith("GGUF.") and len(field.types) == 1:
                 cast = np.float32 if field.types[0] == gg.GGUFValueType.FLOAT32 else (lambda v: v)
@@ -314,7 +314,7 @@ def test_smollm2_tokenizer_equals_transformers_gguf_tokenizer():
     mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
     arch, tokenizer_dict, _ = mapping.get_gguf_tokenizer(str(gguf.smollm2_path()))
     theirs, _ = mapping.convert_gguf_tokenizer(arch, tokenizer_dict)
-    with gguf.GGUFFile(gguf.smollm2_path()) as f:
+    with gguf_file.GGUFFile(gguf.smollm2_path()) as f:
         ours, _ = gguf_tokenizer.gguf_tokenizer(f)
     text = ("The quick brown fox jumps over the lazy dog.\n\nIt's a naïve café, isn't it?  Indeed:\t"
             "<|im_start|>assistant\n\u6771\u4eac and \U0001F600 emoji; don't, won't, we'll.")

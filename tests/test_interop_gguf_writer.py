@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_writer
+from engine.checkpoints import gguf, gguf_file, gguf_writer
 from engine.checkpoints.tokenizer import BYTE_CHARS
 from engine.formats.quantized_checkpoints import load_quantized, save_quantized
 from engine.formats.llama_cpp import ggml
@@ -138,7 +138,7 @@ def test_llama_cpp_converter_reads_the_engines_checkpoints_as_the_engine_does(tm
     for name, _, _ in CONVERTED:
         model = load_quantized(tmp_path / name)               # the engine's own reading of its checkpoint
         ours = {t[0]: t[3] for t in gguf_writer.model_tensors(model)[0]} if name == "ct-nvfp4" else {}
-        with gguf.GGUFFile(tmp_path / f"{name}.gguf") as f:
+        with gguf_file.GGUFFile(tmp_path / f"{name}.gguf") as f:
             for module, layer in quantized_linears(model).items():
                 key = gguf_writer.gguf_name(module + ".weight")
                 info = f.tensors[key]

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from clients import client_python, compare, run_client  # noqa: E402
 
-from engine.checkpoints import gguf, gguf_writer  # noqa: E402
+from engine.checkpoints import gguf, gguf_file, gguf_writer  # noqa: E402
 from engine.formats.llama_cpp import ggml  # noqa: E402
 from engine.formats import gptq  # noqa: E402
 from engine.formats.llama_cpp import gptq_ggml  # noqa: E402
@@ -50,7 +50,7 @@ def test_llama_cpp_quantizer_writes_the_engines_round_to_nearest(tmp_path):
         out = tmp_path / f"{kind}.gguf"
         done = run_client(PYTHON, "quantize", tmp_path / "f32.gguf", out, kind, "--pure")[-1]
         assert done.get("status") == 0, done
-        with gguf.GGUFFile(out) as f:
+        with gguf_file.GGUFFile(out) as f:
             for name in linear_names(dense):
                 linear = dense.get_submodule(name)
                 used = gptq_ggml.ggml_type_for(kind, linear.in_features)
@@ -109,7 +109,7 @@ def test_the_engine_reads_llama_cpps_iq_files_as_llama_cpp_runs_them(tmp_path, f
     assert done.get("status") == 0, done
     loaded = gguf.load_gguf(path)
     gg = pytest.importorskip("gguf")
-    with gguf.GGUFFile(path) as f:
+    with gguf_file.GGUFFile(path) as f:
         types = set()
         for name, layer in quantized_linears(loaded).items():
             info = f.tensors[gguf_writer.gguf_name(name + ".weight")]
@@ -133,7 +133,7 @@ def test_embedding_types_are_the_ones_llama_quantize_chooses(tmp_path, ftype):
     gguf_writer.write_gguf(model(), tmp_path / "f32.gguf")
     done = run_client(PYTHON, "quantize", tmp_path / "f32.gguf", tmp_path / "q.gguf", ftype, "--own-embedding")[-1]
     assert done.get("status") == 0, done
-    with gguf.GGUFFile(tmp_path / "q.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "q.gguf") as f:
         linears = Counter(i.type_name for n, i in f.tensors.items() if n.startswith("blk.") and len(i.shape) == 2)
         assert f.tensors["token_embd.weight"].type_name == \
             gguf_writer.embedding_types(linears, CFG.hidden_size, tied=True)[0], linears

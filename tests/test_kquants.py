@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoints import gguf, gguf_writer, serving
+from engine.checkpoints import gguf, gguf_file, gguf_writer, serving
 from engine.formats.quantized_checkpoints import METHODS, load_quantized, save_quantized
 from engine.formats.llama_cpp import bit_plan, ggml, ggml_quants
 from engine.formats import gptq
@@ -292,7 +292,7 @@ def test_gptq_k_quant_model_goes_into_gguf_block_for_block_and_reads_back(tmp_pa
     assert plan == {**dict.fromkeys(plan, "Q5_0"), "mlp.down_proj": "Q4_K"}               # 96-wide rows fall back
     report = gguf_writer.write_gguf(model, tmp_path / "m.gguf")
     assert report["types"] == {"Q5_0": 6, "Q4_K": 1}
-    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "m.gguf") as f:
         for name, layer in quantized_linears(model).items():
             key = gguf_writer.gguf_name(name + ".weight")
             assert f.tensors[key].type_name == layer.ggml_type and torch.equal(f.raw(key), layer.raw.reshape(-1))
@@ -500,7 +500,7 @@ def test_a_bpw_budget_mixes_k_quants_and_the_file_meets_it(tmp_path):
     qcfg = gptq_ggml.quantize(model, calibration_ids(), bpw=4.0)                           # a budget alone: a mix
     assert qcfg["ggml_type"] == "mix" and qcfg["bpw"] == 4.0 and len(set(qcfg["ggml_types"].values())) > 1
     gguf_writer.write_gguf(model, tmp_path / "m.gguf")
-    with gguf.GGUFFile(tmp_path / "m.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "m.gguf") as f:
         linears = [info for key, info in f.tensors.items() if key.split(".")[-2] in gguf.LINEARS]
         bits = sum(f.raw(key).numel() * 8 for key in f.tensors if key.split(".")[-2] in gguf.LINEARS)
     assert bits <= 4.0 * sum(int(np.prod(info.shape)) for info in linears)
@@ -565,7 +565,7 @@ def test_cli_writes_a_k_quant_mix_for_llama_cpp_within_the_budget(tmp_path):
     out = run("quantize", "--method", "gptq", "--target", "llama.cpp", "--bpw", "4.25", "--steps", "2",
               "--out", str(tmp_path / "mix.gguf"))
     assert out.returncode == 0, out.stderr
-    with gguf.GGUFFile(tmp_path / "mix.gguf") as f:
+    with gguf_file.GGUFFile(tmp_path / "mix.gguf") as f:
         keys = [k for k in f.tensors if k.split(".")[-2] in gguf.LINEARS]
         types = {f.tensors[k].type_name for k in keys}
         bits = sum(f.raw(k).numel() * 8 for k in keys) / sum(int(np.prod(f.tensors[k].shape)) for k in keys)
@@ -589,7 +589,7 @@ def test_a_gguf_file_of_any_integer_type_is_written_back_byte_for_byte(tmp_path,
     source = write(tmp_path, gguf_bytes(qwen3_metadata(READ_CFG) + [("qwen3.vocab_size", U32, 64)], tensors))
     written, report = gguf_writer.model_tensors(gguf.load_gguf(source))
     assert report["types"] == {kind: 14}
-    with gguf.GGUFFile(source) as f:
+    with gguf_file.GGUFFile(source) as f:
         assert all(torch.equal(f.raw(name), raw) for name, type_name, _, raw in written if type_name == kind)
 
 
@@ -602,7 +602,7 @@ def test_export_refuses_a_source_whose_digests_do_not_match(tmp_path, source):
     model = Qwen3(K_CFG).eval()
     if source == "gguf":
         gguf_writer.write_gguf(quantized_model(K_CFG, "Q4_K")[0], tmp_path / "src")
-        with gguf.GGUFFile(tmp_path / "src") as f:
+        with gguf_file.GGUFFile(tmp_path / "src") as f:
             info = f.tensors[gguf_writer.gguf_name("model.layers.0.mlp.down_proj.weight")]
             at = info.offset + info.nbytes // 2
         target = tmp_path / "src"

@@ -1,5 +1,5 @@
 """GGUF writer: the engine's model, with its quantized layers kept as they are where GGML has their type, in the
-single file llama.cpp runs (the container is described in gguf.py, the blocks in engine/formats/llama_cpp/ggml.py).
+single file llama.cpp runs (the container is described in gguf_file.py, the blocks in engine/formats/llama_cpp/ggml.py).
 
 Which layer becomes which GGML type, and how exactly:
 
@@ -43,7 +43,8 @@ from ..formats.llama_cpp.ggml import DENSE, GGML_TYPES, INTEGER, IQ4, QK_K, GGML
 from ..formats.llama_cpp.ggml_quants import FALLBACK, blocks, check_type, quantize
 from ..formats.mx import MXFP4Linear, NVFP4Linear
 from . import gguf_experts
-from .gguf import ARCHITECTURES, DIGESTS, DIGESTS_FILE_TYPE, GLOBAL_NAMES, LINEARS, METADATA_DIGEST, TENSOR_NAMES
+from .gguf import ARCHITECTURES, GLOBAL_NAMES, TENSOR_NAMES
+from .gguf_file import DIGESTS, DIGESTS_FILE_TYPE, METADATA_DIGEST
 from ..safe_writes import check_output_file, output_file, output_lock
 from ..safetensors_io import check_records
 from .tokenizer import tokenizer_metadata
@@ -311,14 +312,14 @@ def _value(key, value):
 def write_container(path, metadata, tensors, force=False):
     """metadata {key: value}, tensors [(name, GGML type, torch shape, raw uint8)] -> a GGUF v3 file at `path`,
     written as engine.safe_writes.output_file writes (under its lock, never over a file unless force), with each
-    tensor's name, type, shape and SHA-256 recorded in the metadata (gguf.DIGESTS: the reader verifies them)."""
+    tensor's name, type, shape and SHA-256 recorded in the metadata (gguf_file.DIGESTS: the reader verifies them)."""
     path = Path(path)
     entries = b"".join(_string(key) + _value(key, value) for key, value in metadata.items())
     metadata = {**metadata, DIGESTS: [f"{name} {kind} {'x'.join(map(str, shape))} "
                                       f"{hashlib.sha256(raw.contiguous().numpy()).hexdigest()}"
                                       for name, kind, shape, raw in tensors],
                 METADATA_DIGEST: hashlib.sha256(entries).hexdigest()}
-    if "general.file_type" in metadata:                      # which file the digests are for (gguf.py, Integrity)
+    if "general.file_type" in metadata:                      # which file the digests are for (gguf_file.py, Integrity)
         metadata[DIGESTS_FILE_TYPE] = metadata["general.file_type"]
     head = bytearray(b"GGUF" + struct.pack("<IQQ", VERSION, len(tensors), len(metadata)))
     for key, value in metadata.items():

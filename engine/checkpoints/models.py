@@ -11,7 +11,7 @@ from ..loaders import expert_parts, load_dense, read_config, unfused, unfused_sp
 from ..qwen3 import Qwen3Config
 from ..safe_writes import TOKENIZER_FILES
 from ..safetensors_io import DTYPE_BYTES, TensorReader
-from . import gguf, gguf_experts
+from . import gguf, gguf_experts, gguf_file
 from .gguf_tokenizer import gguf_tokenizer
 from .tokenizer import check_vocabulary, export_tokenizer, load_tokenizer
 
@@ -53,7 +53,7 @@ def file_tensor_bytes(path):
     its weights cost on disk, headers, metadata and the tokenizer left out."""
     path = Path(path)
     if path.suffix == ".gguf":
-        with gguf.GGUFFile(path) as f:
+        with gguf_file.GGUFFile(path) as f:
             return sum(info.nbytes for info in f.tensors.values())
     return sum(DTYPE_BYTES[dtype] * torch.Size(shape).numel() for dtype, shape in TensorReader(path).specs.values())
 
@@ -62,7 +62,7 @@ def model_config(path):
     """The Qwen3Config of the model at `path` (a .gguf file or a folder), from its header or config.json alone."""
     path = Path(path)
     if path.suffix == ".gguf":
-        with gguf.GGUFFile(path) as f:
+        with gguf_file.GGUFFile(path) as f:
             return Qwen3Config.from_hf(gguf.hf_config(f))
     return Qwen3Config.from_hf(read_config(path))
 
@@ -77,7 +77,7 @@ class Source:
         self.path = Path(path)
         self._rebuilt = None
         if self.path.is_file() and self.path.suffix == ".gguf":
-            self.gguf = gguf.GGUFFile(self.path)
+            self.gguf = gguf_file.GGUFFile(self.path)
             self.config = gguf.hf_config(self.gguf)
             self.sizes = {}
             for n, info in self.gguf.tensors.items():

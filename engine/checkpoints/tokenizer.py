@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from .gguf import GGUFFile
+from .gguf_file import GGUFFile
 from .gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer, gpt2_pre_tokenizer
 from ..safe_writes import TOKENIZER_FILES
 from ..safetensors_io import MAX_JSON_BYTES, checked_file, read_json, write_json

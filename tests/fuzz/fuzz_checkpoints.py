@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.checkpoints import gguf, gguf_writer  # noqa: E402
+from engine.checkpoints.gguf_file import GGUFFile  # noqa: E402
 from engine.loaders import dense_tensors, load_dense, save_dense  # noqa: E402
 from engine.formats.quantized_checkpoints import load_quantized, save_quantized  # noqa: E402
 from engine.safetensors_io import INDEX, read_header, save_file, write_json  # noqa: E402
@@ -225,7 +226,7 @@ def candidates(root, target):
                  "special": [dict(file="model.gguf", op=op) for op in ("directory", "fifo", "dev-zero", "dangling")],
                  "flip": [dict(file="model.gguf", op=op) for op in ("bit", "byte")]}
     if target == "gguf-engine":                         # the engine's own file: each tensor's SHA-256 recorded
-        with gguf.GGUFFile(folder / "model.gguf") as f:
+        with GGUFFile(folder / "model.gguf") as f:
             return {"gguf-table": [dict(name=n, op=op) for n in f.tensors for op in GGUF_TABLE_OPS], **gguf_file}
     if target == "gguf":
         keys = ["general.architecture", *(f"qwen3.{k}" for k in GGUF_KEYS)]
@@ -565,7 +566,7 @@ def mutate_gguf_table(path, name, op, rng):
     """Change one field of tensor `name`'s table entry in place: its GGML type (another known one), its offset
     (another tensor's), or its dimensions (reversed, or the first one doubled)."""
     data = bytearray(path.read_bytes())
-    with gguf.GGUFFile(path) as f:
+    with GGUFFile(path) as f:
         dims = {n: len(info.shape) for n, info in f.tensors.items()}
     dims_at, type_at, offset_at = _table_entry(data, name, dims[name])
     if op == "type":
