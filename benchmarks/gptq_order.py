@@ -57,7 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.formats.numerics import calibration
+from engine.formats.numerics import calibration, input_stats
 from engine.formats import gptq
 
 # benchmark name -> (the engine's order, GPTQModel's QuantizeConfig options; None: GPTQModel has no such order)
@@ -113,7 +113,7 @@ def synthetic_layers(out_f=256, in_f=1024, tokens=4096, seed=0):
     for name, scale in scales.items():
         mix = torch.randn(in_f, in_f, generator=g) * 0.1 + torch.eye(in_f)
         x = (torch.randn(tokens, in_f, generator=g) @ mix) * scale
-        yield name, torch.randn(out_f, in_f, generator=g) * 0.02, calibration.hessian_from(x)
+        yield name, torch.randn(out_f, in_f, generator=g) * 0.02, input_stats.hessian_from(x)
 
 
 def model_layers(model, ids, layers=None):

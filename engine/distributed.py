@@ -235,7 +235,7 @@ def _exchanged_classes():
 
 def share(batches, rank, world):
     """range of the batch indices rank `rank` of `world` calibrates with: the batches of its slots."""
-    from .formats.numerics.calibration import SLOTS, slot_of    # (torch: run.py imports this file before parsing)
+    from .formats.numerics.input_stats import SLOTS, slot_of    # (torch: run.py imports this file before parsing)
     first_slot, end_slot = rank * SLOTS // world, (rank + 1) * SLOTS // world
     mine = [b for b in range(batches) if first_slot <= slot_of(b, batches) < end_slot]
     return range(mine[0], mine[-1] + 1) if mine else range(0)
@@ -243,7 +243,7 @@ def share(batches, rank, world):
 
 def check_world(world, data_aware):
     """ValueError unless a conversion can use `world` ranks."""
-    from .formats.numerics.calibration import SLOTS
+    from .formats.numerics.input_stats import SLOTS
     if data_aware and world > SLOTS:
         raise ValueError(f"{world} ranks: a data-aware method splits its calibration into {SLOTS} slots, so it uses "
                          f"at most {SLOTS} ranks")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.formats import quantized_checkpoints as registry
-from engine.formats.numerics import affine, calibration
+from engine.formats.numerics import affine, calibration, input_stats
 from engine.formats import awq
 from helpers import rtn_baseline, same
 
@@ -49,7 +49,7 @@ def test_gram_error_equals_direct_error():
     s = x.abs().mean(0) ** 0.5
     s = s / (s.max() * s.min()).sqrt()
     direct = ((x / s) @ affine.fake_quantize(w * s, 4, 32).T - x @ w.T).pow(2).mean().item()
-    stats = calibration.InputStats(64)
+    stats = input_stats.InputStats(64)
     for batch in x.split(77):                                  # streamed, never all held
         stats.add(batch)
     assert awq.scaled_error(w, s, stats.gram, 4, 32) == pytest.approx(direct, rel=1e-4)

@@ -9,7 +9,7 @@ import torch
 
 from engine.formats import quantized_checkpoints as registry
 from engine.layers import impl
-from engine.formats.numerics import affine, calibration
+from engine.formats.numerics import affine, input_stats
 from engine.formats import gptq
 from helpers import rtn_baseline, same
 
@@ -186,7 +186,7 @@ def test_hessian_accumulates_batches():
     h = gptq.hessian_from(x.split(70))                        # batches of unequal size
     assert torch.allclose(h, 2 * x.T @ x / 300, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match='no calibration inputs'):
-        _ = calibration.InputStats(24).hessian               # no data: a clear error, not a NaN Hessian
+        _ = input_stats.InputStats(24).hessian               # no data: a clear error, not a NaN Hessian
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

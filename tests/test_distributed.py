@@ -21,8 +21,7 @@ from engine.formats.numerics import obq
 from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files
 from engine.formats import gptq
 from engine.formats.numerics.affine import AffineQuantLinear
-from engine.formats.numerics import calibration
-from engine.formats.numerics.calibration import InputStats
+from engine.formats.numerics.input_stats import InputStats, slot_of
 from engine.loaders import save_dense
 from engine.qwen3 import Qwen3, Qwen3Config
 
@@ -98,12 +97,12 @@ def test_slot_sums_split_over_ranks_fold_to_the_one_process_sums():
     batches = [torch.randn(40, 24, generator=g) * 10 ** (4 * torch.randn(1, generator=g)) for _ in range(16)]
     one = InputStats(24)
     for b, x in enumerate(batches):
-        one.add(x, calibration.slot_of(b, len(batches)))
+        one.add(x, slot_of(b, len(batches)))
     halves = []
     for rank in range(2):
         part = InputStats(24, keep_slots=True)
         for b in distributed.share(len(batches), rank, 2):
-            part.add(batches[b], calibration.slot_of(b, len(batches)))
+            part.add(batches[b], slot_of(b, len(batches)))
         halves.append(part)
     assert [len(h.parts) for h in halves] == [4, 4]                 # each rank keeps its 4 slots apart
     assert halves[0].parts[0][1].shape == (24 * 25 // 2,)           # X^T X's upper triangle: what a rank sends

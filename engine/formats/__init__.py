@@ -12,8 +12,8 @@ The book's core:
   quantized_checkpoints.py   the chapter's loader and writer (load_quantized, save_quantized, build, PARTS) and the
                              registry of methods (METHODS), each imported when first used
   method.py                  CheckpointMethod (how a method lives in a checkpoint) and Option (what it takes)
-  numerics/                  what the methods share: affine, obq, calibration, layer_runs, experts (a sparse
-                             layer's experts: counts, starved ones), minifloats, hadamard, lattices, sensitivity
+  numerics/                  what the methods share: affine, obq, calibration, input_stats, layer_runs, experts (a
+                             sparse layer's experts: counts, starved ones), minifloats, hadamard, lattices, sensitivity
 
 The papers' methods and other tools' layouts:
   entropy.py                 EntQuant: Float8 pushed to low entropy, rANS-coded per transformer block

@@ -31,7 +31,7 @@ from .numerics.affine import (AffineQuantLinear, affine_parts, check_bits, choos
                               group_width, pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, scale_tensor
 from ..layers import input_owner
-from .numerics.calibration import InputStats
+from .numerics.input_stats import InputStats
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -41,7 +41,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 @torch.no_grad()
 def search_scale(weights, inputs, bits=4, group_size=128, grid=20):
     """Best per-input-channel scale s [in] for the linears `weights` ([out_k, in] each), all reading `inputs`
-    (a tensor [..., in] or a calibration.InputStats). Returns (s, alpha).
+    (a tensor [..., in] or an input_stats.InputStats). Returns (s, alpha).
 
     error(alpha) = sum_k tr(dW_k G dW_k^T) / out_k  with dW_k = Q(W_k s) / s - W_k: the mean squared output error
     on the calibration inputs, as the book measures it, computed from G = X^T X / n."""

@@ -52,8 +52,8 @@ DEFAULTS = {"bits": 4, "group_size": 128, "order": DEFAULT_ORDER, "damp": 0.01, 
 
 def hessian_from(inputs):
     """The book's gptq.hessian_from: inputs [..., in] (or an iterable of such batches) -> H = 2 X^T X / n [in, in],
-    accumulated as the model walk accumulates it (calibration.InputStats, float64)."""
-    from .numerics.calibration import InputStats        # the walk's statistics, imported where they are used
+    accumulated as the model walk accumulates it (input_stats.InputStats, float64)."""
+    from .numerics.input_stats import InputStats        # the walk's statistics, imported where they are used
     return InputStats.of(inputs).hessian
 
 

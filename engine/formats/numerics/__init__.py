@@ -2,7 +2,8 @@
 
   affine.py        chapter 38's AffineQuantLinear, round-to-nearest (find_params, quantize_to_affine), the packers
   obq.py           the error-feedback loop (OBQ / GPTQ / LDLQ): textbook and lazy-batch, tested equal
-  calibration.py   a linear's input statistics (Hessian, mean |x|), captured one decoder layer at a time
+  calibration.py   the model walk: a linear's input statistics captured one decoder layer at a time
+  input_stats.py   a linear's input statistics (Hessian, mean |x|), summed in a fixed order of slots
   layer_runs.py    one decoder layer run again and again on the calibration batches, reusing what has not changed
   minifloats.py    E4M3, E2M1, E8M0: values and rounding
   hadamard.py      the fast Walsh-Hadamard transform and random rotations
