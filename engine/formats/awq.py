@@ -26,7 +26,7 @@ Checkpoint (AutoAWQ GEMM, 4-bit):
 """
 import torch
 
-from .numerics import calibration, experts
+from .numerics import experts
 from .numerics.affine import (AffineQuantLinear, affine_parts, check_bits, choose_clip, fake_quantize,  # noqa: F401
                               group_width, pack_int32, pack_nibbles, quantize_to_affine, unpack_int32)
 from .method import CheckpointMethod, bool_option, choice_option, config_field, int_option, scale_tensor
@@ -137,7 +137,8 @@ def quantize_layer(layer, group_size=128, bits=4, clip=True, expert_min_tokens=N
 def quantize(model, calibration_ids, batch_size=8, **options):
     """AWQ every decoder layer of `model` in place (engine.formats.calibration: the inputs of each layer come from
     the float layers before it); options: those of quantize_layer. Returns the quantization_config."""
-    return calibration.by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
+    from .numerics.calibration import by_layer          # the model walk: only a whole model needs it
+    return by_layer(model, CHECKPOINT, calibration_ids, batch_size, **CHECKPOINT.checked(options))
 
 
 @torch.no_grad()
