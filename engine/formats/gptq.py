@@ -27,6 +27,7 @@ the writer re-fits any other layer's zero-0 groups on such a grid rather than wr
 At load, `to_runtime` sorts the input columns by g_idx once so that groups are contiguous; the resulting
 AffineQuantLinear permutes the activations (x[:, perm]) instead.
 """
+import functools
 import warnings
 
 import torch
@@ -305,27 +306,28 @@ def quantize(model, calibration_ids, batch_size=8, **options):
 
 # ---- the registry entry -----------------------------------------------------------------------------------------
 
-def validate(qcfg):
+def validate(quantization_config):
     """A GPTQ quantization_config, checked once: bits, group_size (-1: one group per row), checkpoint_format and the
     engine's order (absent in other tools' files), with DEFAULTS filled in; desc_act=true must go with a permuted
     order. Checkpoints written before `order` existed recorded their visit as boolean flags, still accepted."""
-    bits = config_field(qcfg, "bits", DEFAULTS["bits"], int, lambda b: b in PACKABLE_BITS, f"one of {PACKABLE_BITS}")
-    group_size = config_field(qcfg, "group_size", DEFAULTS["group_size"], int, lambda g: g == -1 or g >= 1,
-                              "-1 or a positive int")
-    fmt = config_field(qcfg, "checkpoint_format", DEFAULTS["checkpoint_format"], str,
-                       lambda f: f in CHECKPOINT_FORMATS, f"one of {CHECKPOINT_FORMATS}")
+    field = functools.partial(config_field, quantization_config)
+    bits = field("bits", DEFAULTS["bits"], int, lambda b: b in PACKABLE_BITS, f"one of {PACKABLE_BITS}")
+    group_size = field("group_size", DEFAULTS["group_size"], int, lambda g: g == -1 or g >= 1, "-1 or a positive int")
+    fmt = field("checkpoint_format", DEFAULTS["checkpoint_format"], str, lambda f: f in CHECKPOINT_FORMATS,
+                f"one of {CHECKPOINT_FORMATS}")
     names = (*ORDERS, SEARCH)
-    order = config_field(qcfg, "order", None, (str, type(None)), lambda o: o is None or o in names, f"one of {names}")
+    order = field("order", None, (str, type(None)), lambda o: o is None or o in names, f"one of {names}")
     for key in ("desc_act", "sym", "static_groups", "act_group_aware", "order_search"):
-        config_field(qcfg, key, False, bool)
-    if order is not None and qcfg.get("desc_act", False) != (order in ORDERS and ORDERS[order].permuted):
-        raise ValueError(f"quantization_config: desc_act={qcfg.get('desc_act', False)} does not fit order "
-                         f"{order!r} (only 'act_order' permutes g_idx)")
-    return {**qcfg, "bits": bits, "group_size": group_size, "checkpoint_format": fmt}
+        field(key, False, bool)
+    desc_act = quantization_config.get("desc_act", False)
+    if order is not None and desc_act != (order in ORDERS and ORDERS[order].permuted):
+        raise ValueError(f"quantization_config: desc_act={desc_act} does not fit order {order!r} (only 'act_order' "
+                         "permutes g_idx)")
+    return {**quantization_config, "bits": bits, "group_size": group_size, "checkpoint_format": fmt}
 
 
-def _read(parts, qcfg):
-    bits, group_size, fmt = qcfg["bits"], qcfg["group_size"], qcfg["checkpoint_format"]
+def _read(parts, quantization_config):
+    bits, group_size, fmt = (quantization_config[k] for k in ("bits", "group_size", "checkpoint_format"))
     qweight, qzeros, scales, g_idx = (parts[k] for k in PARTS)
     if any(t.dtype != torch.int32 for t in (qweight, qzeros)) or qweight.dim() != 2 or qzeros.dim() != 2:
         raise ValueError("GPTQ qweight / qzeros must be 2-D int32")
@@ -346,12 +348,12 @@ def _read(parts, qcfg):
     return to_runtime(codes, scales, zeros, g_idx, group_size, parts.get("bias"), bits=bits)
 
 
-def _write(layer, qcfg):
-    bits, group_size, fmt = qcfg["bits"], qcfg["group_size"], qcfg["checkpoint_format"]
+def _write(layer, quantization_config):
+    bits, group_size, fmt = (quantization_config[k] for k in ("bits", "group_size", "checkpoint_format"))
     codes, scales, zeros, g_idx = affine_parts(layer)
     if layer.bits != bits or layer.group_size != group_width(group_size, layer.in_features):
         raise ValueError(f"layer has {layer.bits} bits, group {layer.group_size}; config says {bits}, {group_size}")
-    if layer.perm is not None and not qcfg.get("desc_act", False):
+    if layer.perm is not None and not quantization_config.get("desc_act", False):
         raise ValueError("an act-order layer (permuted g_idx) needs desc_act=true in its config: loaders that trust "
                          "desc_act=false (vLLM) ignore g_idx")
     if fmt == "gptq":

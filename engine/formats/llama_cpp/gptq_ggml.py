@@ -338,12 +338,12 @@ def on_grids(options):
     return bool(GGML_OPTIONS & options.keys()) or options.get("checkpoint_format") == GGML
 
 
-def validate(qcfg):
+def validate(quantization_config):
     """gptq.validate, or for checkpoint_format "ggml" the GGML request (bits, group_size and sym do not apply)."""
-    if qcfg.get("checkpoint_format") != GGML:
-        return gptq.validate(qcfg)
-    check_request(qcfg.get("ggml_type"))
-    return dict(qcfg)
+    if quantization_config.get("checkpoint_format") != GGML:
+        return gptq.validate(quantization_config)
+    check_request(quantization_config.get("ggml_type"))
+    return dict(quantization_config)
 
 
 def all_rules(options):
