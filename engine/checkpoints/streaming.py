@@ -10,9 +10,11 @@ ids are embedded once; then for each decoder layer i:
     ->  free the layer
 
 so peak memory is about one decoder layer plus the calibration activations and statistics, whatever the depth (the
-embedding table is only read to embed the ids and again, tensor by tensor, to be copied). Unquantized tensors
-(embeddings, norms, biases) are written in their source dtype. The output is sharded safetensors with an index,
-config.json with the quantization_config, and the source's tokenizer and generation files.
+embedding table is only read to embed the ids and again, tensor by tensor, to be copied). A sparse layer's experts,
+for a method that reaches them only through its captures (CheckpointMethod.lazy_experts: GPTQ, a chunk of experts at
+a time), are read as a capture first needs them, so a layer's float experts are not all held at once either.
+Unquantized tensors (embeddings, norms, biases) are written in their source dtype. The output is sharded safetensors
+with an index, config.json with the quantization_config, and the source's tokenizer and generation files.
 
 `Conversion` checks everything once, before any work: the method, the output (its lock held: one writer; not the
 source; nothing of the user's replaced), the source (opened once: config, layer count, shapes, tokenizer) and the
@@ -52,6 +54,7 @@ from tqdm import tqdm
 from ..distributed import check_world, on_first, share
 from ..formats.numerics.calibration import (LayerCalibration, check_ids, first_layer_batches, layer_weights,
                                             merged_config)
+from ..formats.numerics.experts import expert_of
 from ..formats.numerics.sensitivity import output_fisher
 from ..qwen3 import DecoderLayer, Qwen3Config
 from ..loaders import check_complete, check_experts, check_layer_count, check_shapes, digest_of, place, skeleton
@@ -257,9 +260,18 @@ class Conversion:
         model, mode = self.model, self.mode
         prefix = f"model.layers.{i}."
         layer_dtype = self.dtype if mode else None      # data-free methods read each weight as stored (half the memory)
-        stored = _fill(model, self.source.tensors(lambda n: n.startswith(prefix)), layer_dtype, state["digests"])
+        lazy = mode and self.entry.lazy_experts         # the experts read as the method's captures need them
+
+        def read(experts=None):                         # the layer (its experts too, unless lazy), or those experts
+            def keep(name):
+                e = expert_of(name.rpartition(".")[0])
+                return name.startswith(prefix) and (e in experts if experts is not None else not lazy or e is None)
+            stored.update(_fill(model, self.source.tensors(keep), layer_dtype, state["digests"]))
+        stored = {}
+        read()
         layer = LayerCalibration(model.model.layers[i], i, batches, self.entry.name, group=self.group,
-                                 first=self.share[0], total=self.share[1], fisher=self.fisher)
+                                 first=self.share[0], total=self.share[1], fisher=self.fisher,
+                                 load=lambda experts: read(set(experts)))
         if i < state["done"]:
             if mode == "quantized":
                 self._read_back(folder, self.shards[i], self._spec(state["layer_configs"][i]), layer_dtype)
