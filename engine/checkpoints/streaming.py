@@ -40,8 +40,6 @@ statistics and shares each quantized linear), and a resumed run's replayed layer
 shards' bytes.
 """
 import contextlib
-import ctypes
-import gc
 import json
 import shutil
 import sys
@@ -56,6 +54,7 @@ from ..formats.numerics.calibration import (LayerCalibration, check_ids, first_l
                                             merged_config)
 from ..formats.numerics.experts import expert_of
 from ..formats.numerics.sensitivity import output_fisher
+from ..layers import release_memory
 from ..qwen3 import DecoderLayer, Qwen3Config
 from ..loaders import check_complete, check_experts, check_layer_count, check_shapes, digest_of, place, skeleton
 from ..formats.quantized_checkpoints import METHODS, LayerAssembler, checkpoint_tensors, config_digest
@@ -66,19 +65,6 @@ from ..safetensors_io import (INDEX, TensorReader, check_records, float_digest, 
 from .models import Source
 
 PROGRESS = "progress.json"
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-except OSError:                                  # not glibc: the system keeps its own allocator's habits
-    _LIBC = None
-
-
-def release_memory():
-    """Give freed memory back to the system: collect the cycles an nn.Module leaves, then ask glibc to return its
-    free heap (freed tensors of a few MB stay in the heap otherwise, and resident memory creeps up layer by layer)."""
-    gc.collect()
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
-
 
 def _say(message):
     print(message, file=sys.stderr, flush=True)
