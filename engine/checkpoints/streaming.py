@@ -269,7 +269,7 @@ class Conversion:
                 self._write_layer(i, checkpoint_tensors(layer.layer, self.entry, self._spec(layer_cfg), prefix,
                                                         stored), layer_cfg, layer_weights(layer), {}, folder, state)
             batches = ahead if ahead is not None else (layer.outputs() if mode else None)
-        model.model.layers[i] = DecoderLayer(model.cfg, i).to("meta")
+        model.model.layers[i] = _meta_layer(model.cfg, i)
         del layer
         release_memory()
         return batches
@@ -289,7 +289,7 @@ class Conversion:
             return model.model.layers[i]
 
         def free(i):
-            model.model.layers[i] = DecoderLayer(model.cfg, i).to("meta")
+            model.model.layers[i] = _meta_layer(model.cfg, i)
             release_memory()
 
         try:
@@ -317,7 +317,7 @@ class Conversion:
             layer_cfg = self.entry.quantize_layer(layer, **self.options)
             result = (checkpoint_tensors(layer.layer, self.entry, self._spec(layer_cfg), prefix, stored), layer_cfg,
                       layer_weights(layer), digests)
-            self.model.model.layers[i] = DecoderLayer(self.model.cfg, i).to("meta")
+            self.model.model.layers[i] = _meta_layer(self.model.cfg, i)
             del layer
             release_memory()
             if owner != 0:
@@ -409,6 +409,13 @@ class Conversion:
         self.source.export_tokenizer(folder)            # with generation_config.json and the chat template
         (folder / PROGRESS).unlink()
         commit_directory(folder, self.out)
+
+
+def _meta_layer(cfg, i):
+    """Decoder layer i on the meta device, built there (built on the CPU first, a 30B-shaped sparse layer would take
+    its 2.4 GB of float32 experts, and their initialization, for an instant)."""
+    with torch.device("meta"):
+        return DecoderLayer(cfg, i)
 
 
 def _fill(model, tensors, dtype, digests):
