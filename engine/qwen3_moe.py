@@ -31,11 +31,12 @@ class Router(nn.Module):
 class SparseMoeBlock(nn.Module):
     """x [B, T, hidden] -> sum over each token's k experts of weight * expert(x) [B, T, hidden]. Each expert runs
     once, on exactly the tokens routed to it (so a calibration hook on its linears sees those and no others).
-    mlp(cfg, width): the model's own MLP class (qwen3.MLP), one of cfg.moe_intermediate_size per expert."""
+    mlp(cfg, width): the model's own MLP class (qwen3.MLP), one of cfg.moe_intermediate_size per expert.
+    `running`: the experts that run (None: all); a calibration capture of some experts' inputs runs those alone."""
 
     def __init__(self, cfg, mlp):
         super().__init__()
-        self.gate = Router(cfg)
+        self.gate, self.running = Router(cfg), None
         self.experts = nn.ModuleList(mlp(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 
     def forward(self, x):
@@ -45,8 +46,8 @@ class SparseMoeBlock(nn.Module):
         slots = chosen.flatten().argsort(stable=True)
         counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
         out = torch.zeros_like(flat)
-        for expert, mine in zip(self.experts, slots.split(counts)):
-            if len(mine):                                              # an expert no token chose does not run
+        for e, (expert, mine) in enumerate(zip(self.experts, slots.split(counts))):
+            if len(mine) and (self.running is None or e in self.running):     # (an expert no token chose: not run)
                 tokens = mine // self.gate.top_k
                 out.index_add_(0, tokens, expert(flat[tokens]) * weights.flatten()[mine, None])
         return out.view_as(x)

@@ -1,7 +1,8 @@
 """Quantizing Qwen3-MoE: each expert calibrated on exactly the tokens routed to it (counted), starved experts rounded
 to nearest as stated and recorded, the router left dense; every method that quantizes linears one by one works on
-the experts, in memory and layer by layer from disk, and loads back to the same model; what a method cannot yet do
-with experts is refused before any work."""
+the experts, in memory and layer by layer from disk, and loads back to the same model; GPTQ walks the experts a
+chunk at a time (read from disk a chunk at a time when streamed) and writes the bytes of the unchunked walk; what a
+method cannot yet do with experts is refused before any work."""
 import copy
 
 import pytest
@@ -12,9 +13,9 @@ from engine.formats import gptq
 from engine.formats.numerics import experts
 from engine.formats.numerics.calibration import decoder_layers
 from engine.formats.quantized_checkpoints import load_quantized, save_quantized
-from engine.layers import QuantLinear, quantized_linears
+from engine.layers import QuantLinear, quantized_linears, sequential_steps
 from engine.loaders import save_dense
-from engine.qwen3 import Qwen3, Qwen3MoeConfig
+from engine.qwen3 import MLP, Qwen3, Qwen3MoeConfig
 from engine.safetensors_io import snapshot_tensors
 from helpers import random_ids
 from test_moe import fuse
@@ -128,7 +129,8 @@ def test_a_fused_expert_folder_streams_to_the_same_checkpoint(source, ids, tmp_p
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_streaming_holds_one_layers_experts_at_a_time(source, ids, tmp_path, monkeypatch):
+def float_experts_held(monkeypatch):
+    """[float expert linears held after each read], filled as the streaming converter reads its source."""
     from engine.checkpoints import streaming
     held, fill = [], streaming._fill
 
@@ -138,8 +140,69 @@ def test_streaming_holds_one_layers_experts_at_a_time(source, ids, tmp_path, mon
         return stored
 
     monkeypatch.setattr(streaming, "_fill", counting)
+    return held
+
+
+def test_streaming_holds_one_layers_experts_at_a_time(source, ids, tmp_path, monkeypatch):
+    held = float_experts_held(monkeypatch)
     quantize_checkpoint(source, tmp_path / "q", "gptq", ids, progress=False, group_size=32)
     assert max(held) == 4 * 3                                     # one sparse layer's 4 experts x 3 linears
+
+
+def chunks_of(n, monkeypatch):
+    """GPTQ's chunks of experts made n experts long: CHUNK_BYTES set to n experts' cost (experts.chunk_size)."""
+    with torch.device("meta"):
+        expert = MLP(Qwen3MoeConfig(**SIZES), SIZES["moe_intermediate_size"])
+    monkeypatch.setattr(experts, "CHUNK_BYTES", n * experts.expert_bytes(expert))
+
+
+def test_a_sparse_layer_is_walked_a_chunk_of_experts_at_a_time(monkeypatch):
+    with torch.device("meta"):                    # Qwen3-30B-A3B's expert: 86 MB a chunk holds, 3 in 256 MiB
+        thirty = MLP(Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768), 768)
+    assert experts.expert_bytes(thirty) == 85_999_616 and experts.chunk_size([thirty]) == 3
+    model = tiny_moe()
+    chunks_of(3, monkeypatch)
+    steps = experts.chunked_steps(model.model.layers[0])
+    assert steps[:2] == sequential_steps(model.model.layers[0])[:2]                   # q/k/v, then o
+    assert steps[2:] == (tuple(f"mlp.experts.{e}.{p}" for e in range(3) for p in ("gate_proj", "up_proj")),
+                         tuple(f"mlp.experts.{e}.down_proj" for e in range(3)),
+                         ("mlp.experts.3.gate_proj", "mlp.experts.3.up_proj"), ("mlp.experts.3.down_proj",))
+    assert experts.chunked_steps(model.model.layers[1]) == sequential_steps(model.model.layers[1])     # dense
+
+
+@torch.no_grad()
+def test_a_capture_of_one_experts_inputs_runs_that_expert_alone(ids):
+    layer = next(decoder_layers(tiny_moe(), ids))
+    whole = layer.capture()["model.layers.0.mlp.experts.2.gate_proj"]
+    ran = []
+    for e, expert in enumerate(layer.layer.mlp.experts):
+        expert.register_forward_pre_hook(lambda module, args, e=e: ran.append(e))
+    alone = layer.capture(["mlp.experts.2.gate_proj", "mlp.experts.2.up_proj"])["model.layers.0.mlp.experts.2.up_proj"]
+    assert set(ran) == {2} and layer.layer.mlp.running is None
+    assert alone.rows == whole.rows and torch.equal(alone.gram, whole.gram)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("options", [dict(group_size=32, order="act_order_static"), dict(ggml_type="Q4_0")])
+def test_chunks_of_experts_write_the_bytes_of_the_unchunked_walk(chunk, options, ids, tmp_path, monkeypatch):
+    options = {**options, "expert_min_tokens": 1}                 # every expert's own Hessian, none rounded
+    whole = save_quantized(tiny_moe(), tmp_path / "whole", "gptq", ids, **options)
+    chunks_of(chunk, monkeypatch)
+    assert save_quantized(tiny_moe(), tmp_path / "chunked", "gptq", ids, **options) == whole
+    a, b = dict(snapshot_tensors(tmp_path / "whole")), dict(snapshot_tensors(tmp_path / "chunked"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_streaming_reads_one_chunk_of_experts_at_a_time_into_the_same_bytes(source, ids, tmp_path, monkeypatch):
+    options = dict(group_size=32, order="act_order_static", expert_min_tokens=1)    # (save_quantized's default
+    # order is the book's, natural; the converter's another)
+    save_quantized(tiny_moe(), tmp_path / "mem", "gptq", ids, **options)          # in memory, unchunked
+    chunks_of(1, monkeypatch)
+    held = float_experts_held(monkeypatch)
+    quantize_checkpoint(source, tmp_path / "disk", "gptq", ids, progress=False, **options)
+    assert max(held) == 3                                         # one expert's 3 linears in float at a time
+    a, b = dict(snapshot_tensors(tmp_path / "mem")), dict(snapshot_tensors(tmp_path / "disk"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("method, options, match", [

@@ -10,9 +10,11 @@ ids are embedded once; then for each decoder layer i:
     ->  free the layer
 
 so peak memory is about one decoder layer plus the calibration activations and statistics, whatever the depth (the
-embedding table is only read to embed the ids and again, tensor by tensor, to be copied). Unquantized tensors
-(embeddings, norms, biases) are written in their source dtype. The output is sharded safetensors with an index,
-config.json with the quantization_config, and the source's tokenizer and generation files.
+embedding table is only read to embed the ids and again, tensor by tensor, to be copied). A sparse layer's experts,
+for a method that reaches them only through its captures (CheckpointMethod.lazy_experts: GPTQ, a chunk of experts at
+a time), are read as a capture first needs them, so a layer's float experts are not all held at once either.
+Unquantized tensors (embeddings, norms, biases) are written in their source dtype. The output is sharded safetensors
+with an index, config.json with the quantization_config, and the source's tokenizer and generation files.
 
 `Conversion` checks everything once, before any work: the method, the output (its lock held: one writer; not the
 source; nothing of the user's replaced), the source (opened once: config, layer count, shapes, tokenizer) and the
@@ -38,8 +40,6 @@ statistics and shares each quantized linear), and a resumed run's replayed layer
 shards' bytes.
 """
 import contextlib
-import ctypes
-import gc
 import json
 import shutil
 import sys
@@ -52,7 +52,9 @@ from tqdm import tqdm
 from ..distributed import check_world, on_first, share
 from ..formats.numerics.calibration import (LayerCalibration, check_ids, first_layer_batches, layer_weights,
                                             merged_config)
+from ..formats.numerics.experts import expert_of
 from ..formats.numerics.sensitivity import output_fisher
+from ..layers import release_memory
 from ..qwen3 import DecoderLayer, Qwen3Config
 from ..loaders import check_complete, check_experts, check_layer_count, check_shapes, digest_of, place, skeleton
 from ..formats.quantized_checkpoints import METHODS, LayerAssembler, checkpoint_tensors, config_digest
@@ -63,19 +65,6 @@ from ..safetensors_io import (INDEX, TensorReader, check_records, float_digest, 
 from .models import Source
 
 PROGRESS = "progress.json"
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-except OSError:                                  # not glibc: the system keeps its own allocator's habits
-    _LIBC = None
-
-
-def release_memory():
-    """Give freed memory back to the system: collect the cycles an nn.Module leaves, then ask glibc to return its
-    free heap (freed tensors of a few MB stay in the heap otherwise, and resident memory creeps up layer by layer)."""
-    gc.collect()
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
-
 
 def _say(message):
     print(message, file=sys.stderr, flush=True)
@@ -257,9 +246,18 @@ class Conversion:
         model, mode = self.model, self.mode
         prefix = f"model.layers.{i}."
         layer_dtype = self.dtype if mode else None      # data-free methods read each weight as stored (half the memory)
-        stored = _fill(model, self.source.tensors(lambda n: n.startswith(prefix)), layer_dtype, state["digests"])
+        lazy = mode and self.entry.lazy_experts         # the experts read as the method's captures need them
+
+        def read(experts=None):                         # the layer (its experts too, unless lazy), or those experts
+            def keep(name):
+                e = expert_of(name.rpartition(".")[0])
+                return name.startswith(prefix) and (e in experts if experts is not None else not lazy or e is None)
+            stored.update(_fill(model, self.source.tensors(keep), layer_dtype, state["digests"]))
+        stored = {}
+        read()
         layer = LayerCalibration(model.model.layers[i], i, batches, self.entry.name, group=self.group,
-                                 first=self.share[0], total=self.share[1], fisher=self.fisher)
+                                 first=self.share[0], total=self.share[1], fisher=self.fisher,
+                                 load=lambda experts: read(set(experts)))
         if i < state["done"]:
             if mode == "quantized":
                 self._read_back(folder, self.shards[i], self._spec(state["layer_configs"][i]), layer_dtype)
@@ -271,7 +269,7 @@ class Conversion:
                 self._write_layer(i, checkpoint_tensors(layer.layer, self.entry, self._spec(layer_cfg), prefix,
                                                         stored), layer_cfg, layer_weights(layer), {}, folder, state)
             batches = ahead if ahead is not None else (layer.outputs() if mode else None)
-        model.model.layers[i] = DecoderLayer(model.cfg, i).to("meta")
+        model.model.layers[i] = _meta_layer(model.cfg, i)
         del layer
         release_memory()
         return batches
@@ -291,7 +289,7 @@ class Conversion:
             return model.model.layers[i]
 
         def free(i):
-            model.model.layers[i] = DecoderLayer(model.cfg, i).to("meta")
+            model.model.layers[i] = _meta_layer(model.cfg, i)
             release_memory()
 
         try:
@@ -319,7 +317,7 @@ class Conversion:
             layer_cfg = self.entry.quantize_layer(layer, **self.options)
             result = (checkpoint_tensors(layer.layer, self.entry, self._spec(layer_cfg), prefix, stored), layer_cfg,
                       layer_weights(layer), digests)
-            self.model.model.layers[i] = DecoderLayer(self.model.cfg, i).to("meta")
+            self.model.model.layers[i] = _meta_layer(self.model.cfg, i)
             del layer
             release_memory()
             if owner != 0:
@@ -411,6 +409,13 @@ class Conversion:
         self.source.export_tokenizer(folder)            # with generation_config.json and the chat template
         (folder / PROGRESS).unlink()
         commit_directory(folder, self.out)
+
+
+def _meta_layer(cfg, i):
+    """Decoder layer i on the meta device, built there (built on the CPU first, a 30B-shaped sparse layer would take
+    its 2.4 GB of float32 experts, and their initialization, for an instant)."""
+    with torch.device("meta"):
+        return DecoderLayer(cfg, i)
 
 
 def _fill(model, tensors, dtype, digests):

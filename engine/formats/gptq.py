@@ -32,7 +32,6 @@ import warnings
 
 import torch
 
-from ..layers import sequential_steps
 from .gptq_order import DEFAULT as DEFAULT_ORDER
 from .gptq_order import ORDERS, SEARCH, SEARCHED, check_order, visit_order
 from .method import (CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option,
@@ -273,13 +272,14 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
     is kept >= 1 (min_zero). Returns the quantization_config: desc_act says whether g_idx is permuted (the only
     case that needs it), order records the visit. GPTQ on llama.cpp's grids is llama_cpp/gptq_ggml.py's.
     A sparse (Qwen3-MoE) layer's experts each get the Hessian of the tokens routed to them; one that saw fewer than
-    expert_min_tokens (None: its input width) is rounded to nearest (numerics/experts.py, recorded in the config)."""
+    expert_min_tokens (None: its input width) is rounded to nearest (numerics/experts.py, recorded in the config);
+    the experts are calibrated a chunk at a time (experts.chunked_steps: the same bytes, bounded memory)."""
     qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
                      "desc_act": permuted({"order": order}),
                      "sym": sym, "checkpoint_format": checkpoint_format})
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
     steps = experts.StepHessians(expert_min_tokens)
-    for step in sequential_steps(layer.layer):
+    for step in experts.chunked_steps(layer.layer):       # a sparse layer's experts a chunk at a time
         hessians = steps(layer, step)
 
         def make(name, linear, hessians=hessians):
@@ -372,5 +372,5 @@ OPTIONS = options_for(quantize_layer, bits=choice_option(PACKABLE_BITS), group_s
 
 CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize, parts=lambda qcfg: PARTS,
                               validate=validate, quantize_layer=quantize_layer,
-                              calibration=lambda options: "quantized", options=OPTIONS,
+                              calibration=lambda options: "quantized", options=OPTIONS, lazy_experts=True,
                               book_defaults=lambda options: {"group_size": 128, "order": "natural"})

@@ -59,6 +59,9 @@ class CheckpointMethod:
       output_fisher  options -> bool: whether each layer needs the float model's output Fisher (sensitivity.py; the
                 GPTQ mix's planner prices its candidates with it), measured once before the first layer
       options   {keyword: Option}: every option quantize / quantize_layer take, its default and the values it accepts
+      lazy_experts  bool: quantize_layer reaches a sparse layer's experts only through its captures (which read each
+                as a run first needs it: LayerCalibration's load), so the streaming converter leaves them on disk until
+                then and a layer's float experts are held a chunk at a time (GPTQ: numerics/experts.chunked_steps)
       rules     optional options -> None: what the options must satisfy together (ValueError naming them)
       fits      (Qwen3Config, options) -> None: what the options need of the model's shapes (ValueError), from its
                 config alone, before any work (a GPTQ bits budget the row widths cannot meet)
@@ -79,6 +82,7 @@ class CheckpointMethod:
     calibration: Callable = lambda options: None
     output_fisher: Callable = lambda options: False
     options: dict = field(default_factory=dict)
+    lazy_experts: bool = False
     rules: Callable | None = None
     fits: Callable = lambda cfg, options: None
     book_defaults: Callable = lambda options: {}

@@ -271,15 +271,14 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
     quantization_config, with the type each linear got (ggml_types). A sparse layer's experts: as gptq.py's."""
     ggml_type = MIX if ggml_type is None else ggml_type
     rules(dict(ggml_type=ggml_type, order=order, bpw=bpw, imatrix=imatrix, plan=plan))
-    steps = sequential_steps(layer.layer)
-    names = [n for step in steps for n in step]
+    names = [n for step in sequential_steps(layer.layer) for n in step]
     if ggml_type == MIX:
         wanted = plan_mix(layer, names, bpw, damp, order, imatrix, refit, plan)
     else:
         wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
     types = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
     step_hessians = experts.StepHessians(expert_min_tokens)
-    for step in steps:
+    for step in experts.chunked_steps(layer.layer):     # a sparse layer's experts a chunk at a time
         hessians = step_hessians(layer, step)
 
         def make(name, linear, hessians=hessians):

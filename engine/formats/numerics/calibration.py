@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from ...layers import QuantLinear, input_owner, linear_names, replace_linears, sequential_steps
-from .experts import PER_LAYER
+from .experts import PER_LAYER, running
 from .layer_runs import ResumingRuns
 from .input_stats import InputStats, slot_of
 from .obq import ROWS, row_shares
@@ -82,11 +82,14 @@ class LayerCalibration:
     """Decoder layer `index` of a model and the calibration batches that reach it: each batch is the tuple of
     arguments the model passes the layer (hidden states [b, T, hidden] first, then the RoPE tables); batches is
     None for a data-free method. fisher: {full linear name: G [out]}, the model's output Fisher (sensitivity.py), for a
-    method that asks for it (CheckpointMethod.output_fisher), else None."""
+    method that asks for it (CheckpointMethod.output_fisher), else None. load(indices): reads those of a sparse
+    layer's experts that are still on the meta device, as a run first needs them (experts.running; the streaming
+    converter's, for a method with CheckpointMethod.lazy_experts), None where the layer holds them all."""
 
     def __init__(self, layer, index, batches=None, method="this method", prefix=None, group=None, first=0,
-                 total=None, fisher=None):
+                 total=None, fisher=None, load=None):
         self.layer, self.index, self.batches, self.method, self.fisher = layer, index, batches, method, fisher
+        self.load = load
         self.prefix = f"model.layers.{index}." if prefix is None else prefix
         self.runs = ResumingRuns(layer, len(batches or ()))
         # several processes (engine.distributed): `batches` are this rank's share, global batches first .. first +
@@ -166,8 +169,9 @@ class LayerCalibration:
         names = [n for step in sequential_steps(self.layer) for n in step] if names is None else list(names)
         first = {n: input_owner(n) for n in names}
         watched = self.linears(dict.fromkeys(first.values()))
-        stats = capture(watched, self.batches, lambda b, args: self._run(b, args, watched.values()),
-                        lambda b: slot_of(self.first + b, self.total), keep_slots=self.group is not None)
+        with running(self.layer, watched.values(), self.load):         # a sparse block: the experts watched alone
+            stats = capture(watched, self.batches, lambda b, args: self._run(b, args, watched.values()),
+                            lambda b: slot_of(self.first + b, self.total), keep_slots=self.group is not None)
         if self.group is not None:
             for one in stats.values():
                 one.merge(self.group)
@@ -178,9 +182,10 @@ class LayerCalibration:
         """The layer's arguments for the next layer: its outputs, with the same RoPE tables. What was kept for the
         batches is freed: the layer's last use."""
         outputs = []
-        for b, args in enumerate(self.batches):
-            outputs.append((self._run(b, args), *args[1:]))
-            self.runs.forget(b)
+        with running(self.layer, load=self.load):
+            for b, args in enumerate(self.batches):
+                outputs.append((self._run(b, args), *args[1:]))
+                self.runs.forget(b)
         return outputs
 
 

@@ -1,5 +1,5 @@
 """Calibrating a sparse layer's experts (Qwen3-MoE): what a data-aware method does with experts that saw few tokens,
-and what it records.
+what it records, and how GPTQ takes them a chunk at a time.
 
 Each expert's input statistics come from exactly the calibration tokens the router sent it: qwen3_moe.SparseMoeBlock
 runs an expert once per batch on its own tokens, so the capture hooks on its linears
@@ -19,12 +19,31 @@ entry per decoder layer, null for a dense one):
     expert_tokens       the calibration tokens routed to each expert (a token counts once for each of its k experts)
     experts_rounded     the experts rounded to nearest for want of tokens
     expert_min_tokens   the threshold (null: each expert's input width)
+
+A chunk of experts at a time (chunked_steps). The statistics of every expert of a layer at once would be E times
+an expert's (a Qwen3-30B-A3B layer: 128 x 67 MB, 8.6 GB, for gate/up), so GPTQ walks a sparse layer's experts in
+chunks: a chunk's gate/up captured, quantized and their statistics freed, then its down_proj's, then the next chunk's,
+each capture re-running the layer from its kept residual (layer_runs.py) with the sparse block running the chunk's
+experts alone (SparseMoeBlock.running, set by `running`). An expert's inputs are its own tokens' (router and norm
+are unchanged) and its down_proj reads silu(gate(x)) * up(x) of its own gate and up alone, so every statistic, every
+code and every byte written is the one the unchunked walk gives. The chunk holds as many experts as fit CHUNK_BYTES,
+each priced at its gate/up step's peak (expert_bytes; n = hidden, I = the expert's width):
+
+    chunk = max(1, CHUNK_BYTES // (8 n (n + 1)  +  2 * 4 n^2  +  3 * 4 n I))
+              two float64 triangles of X^T X, a float32 Hessian for gate and for up, its float32 weights
+
+Experts the streaming converter left on disk are read as a chunk's capture needs them (`running`'s load), so a
+layer's float experts are not held all at once either.
 """
+import contextlib
 import re
 
 import torch
 
+from ...layers import release_memory, sequential_steps
+
 PER_LAYER = ("expert_tokens", "experts_rounded")
+CHUNK_BYTES = 256 * 2 ** 20     # what one chunk of experts may cost while it is calibrated (chunk_size)
 ROUTER_IGNORE = "re:.*mlp.gate$"
 EXPERT = re.compile(r"(?:.*\.)?mlp\.experts\.(\d+)\.\w+")
 
@@ -51,12 +70,15 @@ def hessians(stats, min_tokens=None):
 
 class StepHessians:
     """GPTQ's Hessians step by step: steps(layer, step) -> {name: H} of layer.capture(step), a starved expert's the
-    identity; the token counts and starved names are kept for the layer's record (record(layer))."""
+    identity; the token counts and starved names are kept for the layer's record (record(layer)). Each step first
+    hands the memory the step before freed back to the system (layers.release_memory; without it a 30B-shaped
+    layer's resident memory grew by 30 MB a chunk of three experts, its live tensors by the 8 MB of their codes)."""
 
     def __init__(self, min_tokens=None):
         self.min_tokens, self.rows, self.few = min_tokens, {}, set()
 
     def __call__(self, layer, step):
+        release_memory()                               # what the step before freed, back to the system
         stats = layer.capture(step)                    # (its float64 sums go when this returns)
         made, few = hessians(stats, self.min_tokens)
         self.rows.update({name: s.rows for name, s in stats.items()})
@@ -96,3 +118,80 @@ def layer_record(layer, rows, few, min_tokens=None):
             tokens[expert_of(name)] = n
     return {"expert_tokens": tokens, "experts_rounded": sorted({expert_of(name) for name in few}),
             "expert_min_tokens": min_tokens}
+
+
+def experts_of(layer):
+    """A decoder layer's experts (an nn.ModuleList), None for a dense layer."""
+    return getattr(getattr(layer, "mlp", None), "experts", None)
+
+
+def expert_bytes(expert):
+    """Bytes one expert (a SwiGLU MLP) costs while its chunk is calibrated, at the peak of its gate/up step (its
+    largest, hidden >= intermediate): its input's statistics (InputStats: two float64 upper triangles of
+    [hidden, hidden], the total and the open slot's), the float32 Hessian [hidden, hidden] GPTQ makes of them for
+    gate_proj and again for up_proj, and its three linears' float32 weights."""
+    n, inter = expert.gate_proj.in_features, expert.gate_proj.out_features
+    return 2 * 8 * n * (n + 1) // 2 + 2 * 4 * n * n + 3 * 4 * n * inter
+
+
+def chunk_size(experts, budget=None):
+    """Experts per chunk: as many as fit `budget` bytes (None: CHUNK_BYTES) at expert_bytes each, at least one.
+    Qwen3-30B-A3B (hidden 2048, intermediate 768): 86 MB an expert, 3 a chunk. Several processes
+    (engine.distributed) keep a float64 sum per slot of theirs instead of two, more where ranks are few."""
+    return max(1, (CHUNK_BYTES if budget is None else budget) // expert_bytes(experts[0]))
+
+
+def chunked_steps(layer, budget=None):
+    """layers.sequential_steps(layer) with a sparse layer's expert steps taken a chunk of experts at a time
+    (module docstring): q/k/v, o, then for each chunk (chunk_size) its experts' gate/up, then their down_proj."""
+    steps, experts = sequential_steps(layer), experts_of(layer)
+    if experts is None:
+        return steps
+    size = chunk_size(experts, budget)
+    chunks = [range(first, min(first + size, len(experts))) for first in range(0, len(experts), size)]
+    return steps[:2] + tuple(tuple(n for n in step if expert_of(n) in chunk) for chunk in chunks
+                             for step in steps[2:])
+
+
+def reached(layer, watched):
+    """The experts (indices) that runs of a decoder layer must run when each stops as soon as every `watched`
+    module has seen its input (calibration.capture; None: runs to the end): all (None), but none ([]) when no
+    watched module lies in the sparse block (the runs stop before it) and only their own when every watched one
+    there is an expert's."""
+    experts = experts_of(layer)
+    if experts is None or watched is None:
+        return None
+    owner = {id(m): e for e, expert in enumerate(experts) for m in expert.modules()}
+    block = {id(m) for m in layer.mlp.modules()}
+    inside = [m for m in watched if id(m) in block]
+    if any(id(m) not in owner for m in inside):
+        return None
+    return sorted({owner[id(m)] for m in inside})
+
+
+def not_held(experts, chosen):
+    """The experts among `chosen` (indices; None: all) with a weight still on the meta device (not read yet)."""
+    return [e for e in (range(len(experts)) if chosen is None else chosen)
+            if any(p.is_meta for p in experts[e].parameters())]
+
+
+@contextlib.contextmanager
+def running(layer, watched=None, load=None):
+    """`with running(layer, watched, load):` runs of the decoder layer for a capture of the `watched` modules (None:
+    whole runs) run the experts `reached` names alone (SparseMoeBlock.running); those of them not read yet are read
+    first, load(indices) (the streaming converter's experts, left on disk until a capture needs them)."""
+    experts = experts_of(layer)
+    if experts is None:
+        yield
+        return
+    chosen = reached(layer, watched)
+    missing = not_held(experts, chosen)
+    if missing and load is None:
+        raise ValueError(f"experts {missing[:3]} of this layer were never read (no loader was given)")
+    if missing:
+        load(missing)
+    layer.mlp.running = None if chosen is None else set(chosen)
+    try:
+        yield
+    finally:
+        layer.mlp.running = None
