@@ -229,9 +229,9 @@ class Conversion:
             save_file({name: tensor}, folder / self.shards[k])          # as stored, byte for byte
             del tensor
             k += 1
-        qcfg = merged_config(state["layer_configs"], state["weights"])
-        self._finish(folder, qcfg, digest_of(state["digests"]))
-        return qcfg
+        quantization_config = merged_config(state["layer_configs"], state["weights"])
+        self._finish(folder, quantization_config, digest_of(state["digests"]))
+        return quantization_config
 
     def _spec(self, layer_cfg):
         """A layer's quantization_config validated by the method, once per distinct config."""
@@ -391,7 +391,7 @@ class Conversion:
                 return None, f"lacks a complete {shard}, which its progress record counts"
         return state, None
 
-    def _finish(self, folder, qcfg, source_digest):
+    def _finish(self, folder, quantization_config, source_digest):
         """Index (with the provenance records), config.json and the source's side files; the record removed, then the
         folder swapped into `out`."""
         weight_map, total = {}, 0
@@ -399,12 +399,13 @@ class Conversion:
             for t in read_header(folder / name)[0]:
                 weight_map[t] = name
             total += (folder / name).stat().st_size
+        digest = config_digest(quantization_config)
         write_json(folder / INDEX, {"metadata": {"total_size": total, **self.records,
                                                  "engine.source_sha256": source_digest,
-                                                 "engine.quantization_config_sha256": config_digest(qcfg)},
+                                                 "engine.quantization_config_sha256": digest},
                                     "weight_map": weight_map})
         raw = self.cfg.to_hf()
-        raw["quantization_config"] = qcfg
+        raw["quantization_config"] = quantization_config
         write_json(folder / "config.json", raw)
         self.source.export_tokenizer(folder)            # with generation_config.json and the chat template
         (folder / PROGRESS).unlink()

@@ -274,9 +274,9 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
     A sparse (Qwen3-MoE) layer's experts each get the Hessian of the tokens routed to them; one that saw fewer than
     expert_min_tokens (None: its input width) is rounded to nearest (numerics/experts.py, recorded in the config);
     the experts are calibrated a chunk at a time (experts.chunked_steps: the same bytes, bounded memory)."""
-    qcfg = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
-                     "desc_act": permuted({"order": order}),
-                     "sym": sym, "checkpoint_format": checkpoint_format})
+    quantization_config = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
+                                    "desc_act": permuted({"order": order}), "sym": sym,
+                                    "checkpoint_format": checkpoint_format})
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
     steps = experts.StepHessians(expert_min_tokens)
     for step in experts.chunked_steps(layer.layer):       # a sparse layer's experts a chunk at a time
@@ -292,8 +292,8 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
             return to_runtime(*parts, group, linear.bias, bits=bits)
 
         layer.replace(make, names=hessians, rows=order != SEARCH)      # search prices an order over all rows
-    return {**{k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
-                                    "order")}, **steps.record(layer)}
+    kept = ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "order")
+    return {**{k: quantization_config[k] for k in kept}, **steps.record(layer)}
 
 
 def quantize(model, calibration_ids, batch_size=8, **options):
@@ -370,7 +370,7 @@ OPTIONS = options_for(quantize_layer, bits=choice_option(PACKABLE_BITS), group_s
                       sym=bool_option(), checkpoint_format=choice_option(CHECKPOINT_FORMATS),
                       expert_min_tokens=int_option(1))
 
-CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize, parts=lambda qcfg: PARTS,
-                              validate=validate, quantize_layer=quantize_layer,
+CHECKPOINT = CheckpointMethod(name="gptq", read=_read, write=_write, quantize=quantize,
+                              parts=lambda quantization_config: PARTS, validate=validate, quantize_layer=quantize_layer,
                               calibration=lambda options: "quantized", options=OPTIONS, lazy_experts=True,
                               book_defaults=lambda options: {"group_size": 128, "order": "natural"})

@@ -332,6 +332,11 @@ GGML_OPTIONS = set(OPTIONS) - set(gptq.OPTIONS)
 PLAIN_OPTIONS = {"bits", "group_size", "sym", "checkpoint_format"}
 
 
+def is_ggml(quantization_config):
+    """Whether a (validated) quantization_config is an engine folder of GGML blocks."""
+    return quantization_config["checkpoint_format"] == GGML
+
+
 def on_grids(options):
     """Whether options (or a quantization_config) ask for GPTQ on llama.cpp's grids."""
     return bool(GGML_OPTIONS & options.keys()) or options.get("checkpoint_format") == GGML
@@ -380,10 +385,10 @@ def quantize(model, calibration_ids, batch_size=8, **options):
 CHECKPOINT = dataclasses.replace(
     gptq.CHECKPOINT, quantize=quantize, quantize_layer=quantize_any_layer, validate=validate, rules=all_rules,
     fits=fits, options={**gptq.CHECKPOINT.options, **OPTIONS},
-    parts=lambda qcfg: PARTS if qcfg["checkpoint_format"] == GGML else gptq.PARTS,
-    read=lambda parts, qcfg: read_parts(parts) if qcfg["checkpoint_format"] == GGML else gptq.CHECKPOINT.read(
-        parts, qcfg),
-    write=lambda layer, qcfg: write_parts(layer) if qcfg["checkpoint_format"] == GGML else gptq.CHECKPOINT.write(
-        layer, qcfg),
+    parts=lambda quantization_config: PARTS if is_ggml(quantization_config) else gptq.PARTS,
+    read=lambda parts, quantization_config: read_parts(parts) if is_ggml(quantization_config) else
+    gptq.CHECKPOINT.read(parts, quantization_config),
+    write=lambda layer, quantization_config: write_parts(layer) if is_ggml(quantization_config) else
+    gptq.CHECKPOINT.write(layer, quantization_config),
     output_fisher=lambda options: options.get("plan") == "fisher",
     book_defaults=lambda options: {"order": "natural"} if on_grids(options) else gptq.CHECKPOINT.book_defaults(options))
