@@ -69,6 +69,16 @@ def files(folder):
     return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
 
 
+def two_ranks_write_what_one_process_writes(tmp_path, common):
+    """`run.py quantize *common` by one process and by torchrun with 2 ranks: both succeed, with the same bytes."""
+    one = quantize(*common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    two = quantize(*common, "--out", str(tmp_path / "two"), ranks=2)
+    assert two.returncode == 0, two.stderr
+    assert "with 2 ranks" in two.stderr
+    assert files(tmp_path / "two") == files(tmp_path / "one")
+
+
 def rank_pid(launcher, rank):
     """The pid of rank `rank` among the processes torchrun (pid `launcher`) started (Linux /proc), None if none."""
     for task in Path(f"/proc/{launcher}/task").iterdir():
@@ -163,12 +173,7 @@ def test_shares_are_contiguous_and_cover_every_batch():
                                              ("entquant", ("--bpw", "3.0", "--option", "feedback=calibration"))])
 def test_two_ranks_write_the_bytes_of_one_process(tmp_path, source, method, options):
     common = ("--model", str(source), "--method", method, *options, *CALIB)
-    one = quantize(*common, "--out", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr
-    two = quantize(*common, "--out", str(tmp_path / "two"), ranks=2)
-    assert two.returncode == 0, two.stderr
-    assert "with 2 ranks" in two.stderr
-    assert files(tmp_path / "two") == files(tmp_path / "one")
+    two_ranks_write_what_one_process_writes(tmp_path, common)
 
 
 @pytest.fixture(scope="module")
@@ -191,12 +196,7 @@ def test_two_ranks_write_the_bytes_of_one_process_for_a_sparse_model(tmp_path, s
     records it): the same experts starved (here those under 100 of the 768 tokens' 2 picks), the same bytes."""
     common = ("--model", str(sparse), "--method", method, "--group-size", "32", "--option", "expert_min_tokens=100",
               *CALIB)
-    one = quantize(*common, "--out", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr
-    two = quantize(*common, "--out", str(tmp_path / "two"), ranks=2)
-    assert two.returncode == 0, two.stderr
-    assert "with 2 ranks" in two.stderr
-    assert files(tmp_path / "two") == files(tmp_path / "one")
+    two_ranks_write_what_one_process_writes(tmp_path, common)
     config = json.loads((tmp_path / "two" / "config.json").read_text())["quantization_config"]
     assert any(config["experts_rounded"]) and sum(map(sum, filter(None, config["expert_tokens"]))) > 0
 
