@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from engine.loaders import load_dense, read_config, save_dense
+from engine.loaders import all_finite, load_dense, read_config, save_dense
 from engine.safetensors_io import save_file, snapshot_tensors
 from helpers import rewrite_tensors
 
@@ -136,6 +136,15 @@ def test_non_finite_weight_is_refused(saved, value):
     rewrite_tensors(saved, lambda t: t["model.norm.weight"].__setitem__(3, value))
     with pytest.raises(ValueError, match="model.norm.weight: checkpoint tensor holds NaN or infinite values"):
         load_dense(saved)
+
+
+@pytest.mark.parametrize("at", [0, 9, 10])
+def test_finiteness_is_checked_chunk_by_chunk_to_the_last_value(at):
+    t = torch.ones(2, 5, dtype=torch.bfloat16)
+    assert all_finite(t, chunk=3)
+    if at < t.numel():
+        t.view(-1)[at] = float("nan")
+    assert all_finite(t, chunk=3) == (at == t.numel())
 
 
 def test_a_corrupted_digest_map_is_refused(saved):
