@@ -1,5 +1,5 @@
-"""Qwen3Config: the configuration of the model family engine/qwen3.py runs (Qwen3, Qwen2, Llama; Qwen3-MoE as its
-subclass Qwen3MoeConfig), read from and written to Hugging Face's config.json.
+"""Qwen3Config: the configuration of the model family engine/qwen3.py runs (Qwen3, Qwen2, Llama; Qwen3-MoE and
+Qwen2-MoE as its subclass Qwen3MoeConfig), read from and written to Hugging Face's config.json.
 
 `from_hf` checks every field it reads for its exact type and range before anything is built (a size that is a bool
 or a float, a layer count of a billion, a NaN epsilon, an unknown RoPE scaling, sliding-window attention: each a
@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE_TYPES = ("qwen3_moe", "qwen2_moe")
 # What transformers' config classes assume for a key that config.json leaves out (None: derived, as there).
 HF_DEFAULTS = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
@@ -22,10 +23,16 @@ HF_DEFAULTS = {
               "bos_token_id": 1, "eos_token_id": 2},
     "qwen3_moe": {"num_key_value_heads": 4, "head_dim": None, "max_position_embeddings": 32768,
                   "bos_token_id": None, "eos_token_id": None},
+    "qwen2_moe": {"num_key_value_heads": 16, "head_dim": None, "max_position_embeddings": 32768,
+                  "bos_token_id": None, "eos_token_id": None},
 }
 # Qwen3MoeConfig's own keys and transformers' defaults for them (num_experts: 5.x writes it as num_local_experts)
-MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
-                "decoder_sparse_step": 1, "mlp_only_layers": ()}
+MOE_DEFAULTS = {
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": (), "shared_expert_intermediate_size": 0},
+    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": (), "shared_expert_intermediate_size": 5632},
+}
 ROPE_PARAMETERS = {"default": (), "linear": ("factor",),
                    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 DTYPES = ("float32", "float16", "bfloat16")
@@ -101,9 +108,9 @@ class Qwen3Config:
     def __post_init__(self):
         """Check every field's exact type and range (a bool is not a size), before any tensor exists."""
         _model_type(self.model_type)
-        if (self.model_type == "qwen3_moe") != isinstance(self, Qwen3MoeConfig):
+        if (self.model_type in MOE_TYPES) != isinstance(self, Qwen3MoeConfig):
             raise ValueError(f"config model_type={self.model_type!r} goes with "
-                             f"{'Qwen3MoeConfig' if self.model_type == 'qwen3_moe' else 'Qwen3Config'}")
+                             f"{'Qwen3MoeConfig' if self.model_type in MOE_TYPES else 'Qwen3Config'}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                      "max_position_embeddings"):
             _size(name, getattr(self, name))
@@ -129,8 +136,9 @@ class Qwen3Config:
         self.initializer_range = _positive("initializer_range", self.initializer_range, allow_zero=True)
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
             _flag(name, getattr(self, name))
-        if self.model_type == "qwen2" and self.attention_bias:
-            raise ValueError("config attention_bias=True: qwen2 has q/k/v biases always and no o_proj bias")
+        if self.model_type in ("qwen2", "qwen2_moe") and self.attention_bias:
+            raise ValueError(f"config attention_bias=True: {self.model_type} has q/k/v biases always and no o_proj "
+                             "bias")
         if self.model_type != "llama" and self.mlp_bias:
             raise ValueError(f"config mlp_bias=True: only llama has MLP biases, not {self.model_type}")
         self.rope_scaling = self._checked_rope_scaling()
@@ -179,7 +187,7 @@ class Qwen3Config:
 
     @property
     def qkv_bias(self):
-        return self.attention_bias or self.model_type == "qwen2"
+        return self.attention_bias or self.model_type in ("qwen2", "qwen2_moe")
 
     @classmethod
     def from_hf(cls, raw: dict) -> "Qwen3Config":
@@ -202,8 +210,11 @@ class Qwen3Config:
         theta, scaling = _rope_from_hf(raw, defaults)
         heads = raw["num_attention_heads"]
         kv_heads = raw.get("num_key_value_heads", defaults["num_key_value_heads"])
-        moe = model_type == "qwen3_moe"
-        if moe and raw.get("use_sliding_window", False) is not False:
+        moe = model_type in MOE_TYPES
+        if model_type == "qwen2_moe" and raw.get("qkv_bias", True) is not True:
+            raise ValueError(f"config qkv_bias={raw['qkv_bias']!r}: Qwen2-MoE's q/k/v biases are implemented, "
+                             "not their absence")
+        if model_type == "qwen3_moe" and raw.get("use_sliding_window", False) is not False:
             raise ValueError(f"config use_sliding_window={raw['use_sliding_window']!r}: qwen3_moe would slide every "
                              "layer's window; only full attention is implemented")
         new = Qwen3MoeConfig if moe else cls
@@ -214,7 +225,8 @@ class Qwen3Config:
                   rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
                   max_position_embeddings=raw.get("max_position_embeddings", defaults["max_position_embeddings"]),
                   tie_word_embeddings=raw.get("tie_word_embeddings", False),
-                  attention_bias=raw.get("attention_bias", False) if model_type != "qwen2" else False,
+                  attention_bias=raw.get("attention_bias", False) if model_type in ("qwen3", "llama",
+                                                                                   "qwen3_moe") else False,
                   mlp_bias=raw.get("mlp_bias", False) if model_type == "llama" else False,
                   initializer_range=raw.get("initializer_range", 0.02),
                   torch_dtype=raw.get("dtype") or raw.get("torch_dtype") or "float32",
@@ -231,10 +243,14 @@ class Qwen3Config:
         raw.update(architectures=[self.architecture], dtype=self.torch_dtype, hidden_act="silu", use_cache=True,
                    attention_dropout=0.0, rope_parameters={"rope_theta": self.rope_theta,
                                                            **(self.rope_scaling or {"rope_type": "default"})})
-        if self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen2_moe"):
             del raw["attention_bias"]
         if isinstance(self, Qwen3MoeConfig):                 # transformers 4 reads num_experts, 5 num_local_experts
             raw.update(mlp_only_layers=list(self.mlp_only_layers), num_local_experts=self.num_experts)
+            if self.model_type == "qwen2_moe":
+                raw["qkv_bias"] = True
+            else:
+                del raw["shared_expert_intermediate_size"]
         if self.model_type == "llama":
             raw["pretraining_tp"] = 1
         else:
@@ -249,7 +265,9 @@ class Qwen3MoeConfig(Qwen3Config):
     sparse layer a router over num_experts SwiGLU experts of moe_intermediate_size, num_experts_per_tok of them per
     token (their softmax weights renormalized to sum 1 if norm_topk_prob). Layer i is sparse unless it is in
     mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step; a dense layer has an MLP of
-    intermediate_size, as Qwen3's."""
+    intermediate_size, as Qwen3's. Qwen2-MoE (model_type "qwen2_moe", Qwen1.5-MoE-A2.7B's family): Qwen2's attention
+    (q/k/v biases, no q/k norms), and beside the routed experts every token also runs a shared expert of
+    shared_expert_intermediate_size, weighted by a sigmoid gate (0 for Qwen3-MoE, which has none)."""
     model_type: str = "qwen3_moe"
     num_experts: int = 8
     num_experts_per_tok: int = 2
@@ -257,9 +275,16 @@ class Qwen3MoeConfig(Qwen3Config):
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple = ()
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         super().__post_init__()
+        shared = self.shared_expert_intermediate_size
+        if self.model_type == "qwen2_moe":
+            _size("shared_expert_intermediate_size", shared)
+        elif shared != 0:
+            raise ValueError(f"config shared_expert_intermediate_size={shared!r}: {self.model_type} has no shared "
+                             "expert")
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             _size(name, getattr(self, name))
         if self.num_experts_per_tok > self.num_experts:
@@ -283,8 +308,11 @@ def _moe_from_hf(raw):
     if len(names) == 2 and raw["num_experts"] != raw["num_local_experts"]:
         raise ValueError(f"config num_experts={raw['num_experts']!r} and num_local_experts="
                          f"{raw['num_local_experts']!r} disagree")
-    fields = {k: raw.get(k, v) for k, v in MOE_DEFAULTS.items()}
-    fields["num_experts"] = raw[names[0]] if names else MOE_DEFAULTS["num_experts"]
+    defaults = MOE_DEFAULTS[raw.get("model_type")]
+    fields = {k: raw.get(k, v) for k, v in defaults.items()}
+    if raw.get("model_type") == "qwen3_moe":                 # not Qwen3-MoE's key: a stray one is not read
+        fields["shared_expert_intermediate_size"] = 0
+    fields["num_experts"] = raw[names[0]] if names else defaults["num_experts"]
     fields["mlp_only_layers"] = fields["mlp_only_layers"] if fields["mlp_only_layers"] is not None else ()
     return fields
 

@@ -260,13 +260,15 @@ SEQUENTIAL_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 def sequential_steps(layer):
-    """A decoder layer's SEQUENTIAL_STEPS; in a sparse (Qwen3-MoE) layer the two MLP steps hold every expert's
-    linears (mlp.experts.E.gate_proj and up_proj, then each down_proj), each expert reading its own tokens."""
-    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    """A decoder layer's SEQUENTIAL_STEPS; in a sparse (MoE) layer the two MLP steps hold the shared expert's linears
+    where there is one (mlp.shared_expert.gate_proj ...), then every expert's (mlp.experts.E.gate_proj and up_proj,
+    then each down_proj), each expert reading its own tokens."""
+    mlp = getattr(layer, "mlp", None)
+    experts = getattr(mlp, "experts", None)
     if experts is None:
         return SEQUENTIAL_STEPS
-    return SEQUENTIAL_STEPS[:2] + tuple(tuple(f"mlp.experts.{e}.{name.removeprefix('mlp.')}"
-                                              for e in range(len(experts)) for name in step)
+    owners = ["mlp.shared_expert."] * hasattr(mlp, "shared_expert") + [f"mlp.experts.{e}." for e in range(len(experts))]
+    return SEQUENTIAL_STEPS[:2] + tuple(tuple(owner + name.removeprefix("mlp.") for owner in owners for name in step)
                                         for step in SEQUENTIAL_STEPS[2:])
 
 

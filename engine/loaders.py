@@ -109,11 +109,13 @@ def unfused(tensors):
 
 
 def check_experts(model, specs, directory):
-    """Every sparse layer's router and each expert's linears must be stored (any tensor of a linear counts: a
-    quantized format stores its parts), checked from the headers before a byte is read."""
+    """Every sparse layer's router and each expert's linears (a shared expert's and its gate too) must be stored
+    (any tensor of a linear counts: a quantized format stores its parts), checked from the headers before a byte is
+    read."""
     linears = set(linear_names(model))
-    needed = {n for n in linears if ".mlp.experts." in n} | {n.removesuffix(".weight") for n, _ in
-                                                            model.named_parameters() if n.endswith(".mlp.gate.weight")}
+    needed = {n for n in linears if ".mlp.experts." in n or ".mlp.shared_expert." in n} | {
+        n.removesuffix(".weight") for n, _ in model.named_parameters()
+        if n.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight"))}
     if not needed:
         return
     missing = sorted(needed - {split_part(name, linears)[0] for name in specs})

@@ -17,9 +17,11 @@ The same module serves Qwen2 and Llama, chosen by `model_type` as transformers' 
     qwen2        Qwen2ForCausalLM     no         q, k, v always, o never
     llama        LlamaForCausalLM     no         q, k, v, o if attention_bias; gate, up, down if mlp_bias
     qwen3_moe    Qwen3MoeForCausalLM  yes        q, k, v, o if attention_bias
+    qwen2_moe    Qwen2MoeForCausalLM  no         q, k, v always, o never
 
-Qwen3-MoE (a Qwen3MoeConfig) replaces the MLP of its sparse layers (cfg.sparse(i)) by a SparseMoeBlock, a router
-and experts that are this file's MLPs: engine/qwen3_moe.py.
+Qwen3-MoE and Qwen2-MoE (a Qwen3MoeConfig) replace the MLP of their sparse layers (cfg.sparse(i)) by a
+SparseMoeBlock, a router and experts that are this file's MLPs (Qwen2-MoE's with a shared expert beside them):
+engine/qwen3_moe.py.
 
 RoPE may be rescaled (`rope_scaling`, any family): "linear" divides every inv_freq by factor; "llama3" keeps the
 frequencies whose wavelength 2 pi / inv_freq is under original_max_position_embeddings / high_freq_factor, divides

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return fuzz.campaign(tmp_path_factory.mktemp("fuzz"), checkpoint_n=308, stream_n=300, seed=0, timeout=60,
+    return fuzz.campaign(tmp_path_factory.mktemp("fuzz"), checkpoint_n=340, stream_n=300, seed=0, timeout=60,
                          memory_gib=3, workers=2)
 
 

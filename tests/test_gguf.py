@@ -314,8 +314,9 @@ def test_names_map_to_hugging_face():
     assert gguf.hf_name("blk.0.attn_k.bias") == ("model.layers.0.self_attn.k_proj.bias", "attn_k")
     assert gguf.hf_name("blk.2.ffn_norm.weight")[0] == "model.layers.2.post_attention_layernorm.weight"
     assert gguf.hf_name("output.weight")[0] == "lm_head.weight"
+    assert gguf.hf_name("blk.0.ffn_gate_shexp.weight")[0] == "model.layers.0.mlp.shared_expert.gate_proj.weight"
     with pytest.raises(ValueError, match="no Hugging Face counterpart"):
-        gguf.hf_name("blk.0.ffn_gate_shexp.weight")          # qwen2moe's shared expert
+        gguf.hf_name("blk.0.exp_probs_b.bias")               # DeepSeek-V3's expert bias: not a family read here
     with pytest.raises(ValueError, match="RoPE frequency factors"):
         gguf.hf_name("rope_freqs.weight")
 

@@ -206,7 +206,7 @@ def test_streaming_reads_one_chunk_of_experts_at_a_time_into_the_same_bytes(sour
 
 
 @pytest.mark.parametrize("method, options, match", [
-    ("trellis", dict(ldlq=True, L=6, K=2, group=32), r"trellis with ldlq=True is not implemented for Qwen3-MoE"),
+    ("trellis", dict(ldlq=True, L=6, K=2, group=32), r"trellis with ldlq=True is not implemented for MoE models"),
     ("entquant", dict(lam=14.5, feedback="calibration"), r"EntQuant's feedback and sensitivity is not implemented"),
     ("gptq", dict(ggml_type="mix", bpw=4.5), r"give one ggml_type for a Qwen3-MoE model"),
 ])

@@ -173,7 +173,7 @@ def check_target(target, method, options, fmt="safetensors", moe=False):
     """The settings `target` loads, for `run.py quantize --method ... --target ...`: returns (options, fmt) with
     the target's defaults filled in (vLLM: symmetric GPTQ; llama.cpp: GGUF with group size 32). A combination the
     target refuses is a ValueError naming the reason; one refused only on a CPU, or loaded with a caveat, warns.
-    moe: the model is Qwen3-MoE (transformers: MOE_TRANSFORMERS; llama.cpp: gguf_writer.check_writable)."""
+    moe: the model is a MoE one (transformers: MOE_TRANSFORMERS; llama.cpp: gguf_writer.check_writable)."""
     if target not in TARGETS:
         raise ValueError(f"--target must be one of {TARGETS}, got {target!r}")
     if target == "llama.cpp":
@@ -193,7 +193,7 @@ def check_target(target, method, options, fmt="safetensors", moe=False):
     verdict, reason = LOADS[kind].get(target, ("loads", ""))
     if moe and target == "transformers":
         verdict, reason = MOE_TRANSFORMERS.get(kind, (verdict, reason))
-        reason = reason and f"(Qwen3-MoE) {reason}"
+        reason = reason and f"(MoE) {reason}"
     if verdict == "refuses":
         raise ValueError(f"{target} cannot load this checkpoint: {reason}")
     if picked:

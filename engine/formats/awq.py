@@ -3,12 +3,12 @@
 For input channel j with scale s_j > 0,  X W^T = (X diag(s)^-1) (W diag(s))^T  exactly; rounding W diag(s) then
 gives the big-activation channels a finer relative grid. The 1/s folds into whatever produced X: an RMSNorm weight
 (-> q, k, v and -> gate, up) or the previous linear's output rows (v -> o, up -> down; skipped when v's rows do not
-match o's columns, as under GQA); in a sparse (Qwen3-MoE) layer, every expert's gate and up share the norm's scale
-(and the router's weight takes it), each expert's down its own up's (scaling_pairs). s = mean|x|^alpha (normalized
-by sqrt(max * min)), alpha from a 20-point grid minimizing the linears' output error; alpha = 0 is plain
-round-to-nearest, so the search never does worse than RTN on the error it measures. Then, as AutoAWQ does, each
-group's range is clipped (affine.choose_clip: the shrink that minimizes that group's output error), which matters
-more than the scales on a model without outlier channels.
+match o's columns, as under GQA); in a sparse (MoE) layer, every expert's gate and up share the norm's scale
+(the router's weight and a shared expert's gate take it too), each expert's down its own up's (scaling_pairs).
+s = mean|x|^alpha (normalized by sqrt(max * min)), alpha from a 20-point grid minimizing the linears' output error;
+alpha = 0 is plain round-to-nearest, so the search never does worse than RTN on the error it measures. Then, as
+AutoAWQ does, each group's range is clipped (affine.choose_clip: the shrink that minimizes that group's output
+error), which matters more than the scales on a model without outlier channels.
 
 Improvements over the book's code (tested in tests/test_ch39_awq.py):
   * The book keeps every calibration input and recomputes x @ W^T for all tokens at each of the 20 alphas. The
@@ -76,16 +76,17 @@ SCALING_PAIRS = (("input_layernorm", None, ("self_attn.q_proj", "self_attn.k_pro
 
 
 def scaling_pairs(layer):
-    """SCALING_PAIRS of a decoder layer; a sparse (Qwen3-MoE) layer's: every expert's gate/up after
-    post_attention_layernorm (the router reads its output too: its weight takes the scale, exactly, and stays dense),
-    each expert's down after its own up."""
+    """SCALING_PAIRS of a decoder layer; a sparse (MoE) layer's: every expert's gate/up, and a shared expert's, after
+    post_attention_layernorm (the router and a shared expert's gate read its output too: their weights take the
+    scale, exactly, and stay dense), each expert's down after its own up."""
     experts = getattr(layer.mlp, "experts", None)
     if experts is None:
         return SCALING_PAIRS
-    each = range(len(experts))
-    return (SCALING_PAIRS[0], ("post_attention_layernorm", None, tuple(f"mlp.experts.{e}.{linear}" for e in each
+    owners = ["mlp.shared_expert"] * hasattr(layer.mlp, "shared_expert") + [f"mlp.experts.{e}"
+                                                                             for e in range(len(experts))]
+    return (SCALING_PAIRS[0], ("post_attention_layernorm", None, tuple(f"{owner}.{linear}" for owner in owners
                                                                         for linear in ("gate_proj", "up_proj"))),
-            SCALING_PAIRS[2], *((None, f"mlp.experts.{e}.up_proj", (f"mlp.experts.{e}.down_proj",)) for e in each))
+            SCALING_PAIRS[2], *((None, f"{owner}.up_proj", (f"{owner}.down_proj",)) for owner in owners))
 
 
 @torch.no_grad()
@@ -105,6 +106,7 @@ def quantize_layer(layer, group_size=128, bits=4, clip=True, expert_min_tokens=N
     if not isinstance(clip, bool):
         raise ValueError(f"clip must be true or false, got {clip!r}")
     pairs, router = scaling_pairs(layer.layer), getattr(layer.layer.mlp, "gate", None)
+    dense = [m for m in (router, getattr(layer.layer.mlp, "shared_expert_gate", None)) if m is not None]
     watched = [input_owner(n) for _, _, names in pairs for n in names] + ["mlp.gate"] * (router is not None)
     stats = layer.capture(dict.fromkeys(watched))
     few = experts.starved(stats, expert_min_tokens)
@@ -123,7 +125,7 @@ def quantize_layer(layer, group_size=128, bits=4, clip=True, expert_min_tokens=N
         folds = previous is None or previous.out_features == linears[0].in_features   # GQA: v's rows feed several
         if folds and not starved:                                                     # heads: no fold
             s, _ = search_scale([lin.weight for lin in linears], inputs, bits, group(linears[0]))
-            _fold_scale(norm and layer.layer.get_submodule(norm), previous, linears + [router] * shared, s)
+            _fold_scale(norm and layer.layer.get_submodule(norm), previous, linears + dense * shared, s)
         # AutoAWQ's clipping search, on the scaled weights: their inputs x / s have the Gram matrix G / (s s^T)
         for name, linear in zip(names, linears):
             own = layer.prefix + input_owner(name)

@@ -292,9 +292,9 @@ def quantize_layer(layer, format="pack-quantized", group_size=64, symmetric=True
 
 
 def moe_ignore(config, module):
-    """config, with a Qwen3-MoE model's routers in its ignore list (numerics/experts.py: ROUTER_IGNORE)."""
-    if experts.is_moe(module):
-        config["ignore"] = [*config["ignore"], experts.ROUTER_IGNORE]
+    """config, with a MoE model's dense routers and shared experts' gates in its ignore list
+    (numerics/experts.py: dense_weights)."""
+    config["ignore"] = [*config["ignore"], *experts.dense_weights(module)]
     return config
 
 

@@ -2,7 +2,9 @@
 
 From one small random Qwen3: one checkpoint per method (gptq, gptq act-order, awq, fp8, the four compressed-tensors
 formats, trellis, entquant, lattice), a dense one, a sharded dense one (three shards and model.safetensors.index.json)
-and two GGUF files, written by gguf-py and by the engine (Q8_0 linears both). Each safetensors checkpoint exists
+and two GGUF files, written by gguf-py and by the engine (Q8_0 linears both); and from one small random Qwen2-MoE
+(routed experts and a shared expert), a dense checkpoint and the engine's `qwen2moe` GGUF file (Q8_0, stacked
+experts). Each safetensors checkpoint exists
 twice: as the engine wrote it ("engine": a SHA-256 per tensor, the quantization_config's digest) and re-saved without
 the engine's metadata ("foreign", as another tool would write it), so that the checks that do not rely on digests
 are reached too.
@@ -40,10 +42,12 @@ from engine.formats.quantized_checkpoints import load_quantized, save_quantized 
 from engine.safetensors_io import INDEX, read_header, save_file, write_json  # noqa: E402
 from engine.formats.numerics import affine  # noqa: E402
 from engine.formats.llama_cpp import ggml  # noqa: E402
-from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+from engine.qwen3 import Qwen3, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_hidden_layers=2)
+MOE = dict(TINY, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=64, norm_topk_prob=False)
 QUANTIZED = {"gptq": ("gptq", {"group_size": 32}), "gptq-act": ("gptq", {"group_size": 32, "order": "act_order"}),
              "awq": ("awq", {"group_size": 32}), "fp8": ("fp8", {}),
              "ct-pack": ("compressed-tensors", {"format": "pack-quantized", "group_size": 32, "symmetric": False}),
@@ -52,8 +56,8 @@ QUANTIZED = {"gptq": ("gptq", {"group_size": 32}), "gptq-act": ("gptq", {"group_
              "ct-mxfp4": ("compressed-tensors", {"format": "mxfp4-pack-quantized"}),
              "trellis": ("trellis", {"group": 64}), "entquant": ("entquant", {"lam": 14.5, "max_iter": 30}),
              "lattice": ("lattice", {"bps": 3.0, "tile": 64})}
-SAFETENSORS_TARGETS = ("dense", "dense-sharded", *QUANTIZED)
-GGUF_TARGETS = ("gguf", "gguf-engine")          # written by gguf-py (no digests) and by the engine (digests)
+SAFETENSORS_TARGETS = ("dense", "dense-sharded", *QUANTIZED, "dense-moe")
+GGUF_TARGETS = ("gguf", "gguf-engine", "gguf-engine-moe")   # written by gguf-py (no digests), by the engine (digests)
 TARGETS = (*SAFETENSORS_TARGETS, *GGUF_TARGETS)
 DELETE = object()
 WRONG_VALUES = {"delete": DELETE, "string": "fuzz", "true": True, "false": False, "float": 1.5, "list": [1, 2],
@@ -160,6 +164,10 @@ def _build(root, seed):
     calibration = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(seed))
     save_dense(base, pristine(root, "dense"))
     write_sharded(base, pristine(root, "dense-sharded"))
+    with torch.random.fork_rng():                         # (the other checkpoints' bytes as they were)
+        torch.manual_seed(seed + 1)
+        moe = Qwen3(Qwen3MoeConfig(**MOE)).eval()
+    save_dense(moe, pristine(root, "dense-moe"))
     with contextlib.redirect_stderr(io.StringIO()):
         for target, (method, options) in QUANTIZED.items():
             save_quantized(copy.deepcopy(base), pristine(root, target), method, calibration, **options)
@@ -174,6 +182,9 @@ def _build(root, seed):
     q8 = copy.deepcopy(base)
     affine.quantize(q8, bits=8, group_size=32, sym=True)                 # Q8_0 linears, as the gguf-py file
     gguf_writer.write_gguf(q8, pristine(root, "gguf-engine") / "model.gguf")
+    pristine(root, "gguf-engine-moe").mkdir(parents=True)
+    affine.quantize(moe, bits=8, group_size=32, sym=True)
+    gguf_writer.write_gguf(moe, pristine(root, "gguf-engine-moe") / "model.gguf")
     for target in TARGETS:
         flavors = ("file",) if target in GGUF_TARGETS else ("engine", "foreign")
         logits = [forward(load(target, pristine(root, target, f))) for f in flavors]
@@ -224,7 +235,7 @@ def candidates(root, target):
     file_cases = {"file": [dict(file="model.gguf", op=op) for op in FILE_OPS["safetensors"]],
                  "special": [dict(file="model.gguf", op=op) for op in ("directory", "fifo", "dev-zero", "dangling")],
                  "flip": [dict(file="model.gguf", op=op) for op in ("bit", "byte")]}
-    if target == "gguf-engine":                         # the engine's own file: each tensor's SHA-256 recorded
+    if target in ("gguf-engine", "gguf-engine-moe"):    # the engine's own file: each tensor's SHA-256 recorded
         with gguf_file.GGUFFile(folder / "model.gguf") as f:
             return {"gguf-table": [dict(name=n, op=op) for n in f.tensors for op in GGUF_TABLE_OPS], **file_cases}
     if target == "gguf":

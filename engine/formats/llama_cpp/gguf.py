@@ -13,7 +13,7 @@ rotate-half RoPE pairs (i, i + D/2) to GGML's adjacent pairs (2i, 2i + 1):
     gguf_rows = hf_rows.reshape(heads, 2, D/2).swapaxes(1, 2)       (LlamaModel.permute in convert_hf_to_gguf.py)
 
 `unpermute_rows` undoes it (on the raw rows, so it works for every type); qwen2 and qwen3 are stored unpermuted.
-The tokenizer in the metadata is rebuilt by gguf_tokenizer.py; Qwen3-MoE's stacked experts (`qwen3moe`) are
+The tokenizer in the metadata is rebuilt by gguf_tokenizer.py; MoE models' stacked experts (`qwen3moe`, `qwen2moe`) are
 gguf_experts.py's.
 """
 import importlib.util
@@ -34,14 +34,15 @@ from .gguf_file import GGUFFile
 # ---- names, permutation, config ---------------------------------------------------------------------------------
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 gguf_experts.ARCH: "Qwen3MoeForCausalLM"}                    # (model_type: gguf_experts.MODEL_TYPE)
+                 "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}   # (model_type: ARCHES)
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 TENSOR_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
                 "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                gguf_experts.ROUTER: "mlp.gate", **{k: gguf_experts.stack_name(k) for k in gguf_experts.STACKS}}
-LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+                gguf_experts.ROUTER: "mlp.gate", **{k: gguf_experts.stack_name(k) for k in gguf_experts.STACKS},
+                gguf_experts.SHARED_GATE: "mlp.shared_expert_gate", **gguf_experts.SHARED}
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", *gguf_experts.SHARED)
 
 
 def hf_name(name):
@@ -53,7 +54,7 @@ def hf_name(name):
     if base in GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{GLOBAL_NAMES[base]}.{suffix}", base
     extra = " (llama3-style RoPE frequency factors are not supported)" if base == "rope_freqs" else ""
-    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart in llama / qwen2 / qwen3 / qwen3moe"
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart in {' / '.join(ARCHITECTURES)}"
                      f"{extra}")
 
 
@@ -78,7 +79,8 @@ def unpermute_rows(rows, heads):
 
 
 def hf_config(f):
-    """What config.json would hold for the model in GGUFFile f (model_type llama / qwen2 / qwen3 / qwen3_moe)."""
+    """What config.json would hold for the model in GGUFFile f (model_type llama / qwen2 / qwen3 / qwen3_moe /
+    qwen2_moe)."""
     meta = f.metadata
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -106,8 +108,8 @@ def hf_config(f):
         rope.update(rope_type=scaling, factor=get("rope.scaling.factor", kind=float))
         if scaling == "yarn":
             rope["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
-    moe = gguf_experts.moe_config(f, get) if arch == gguf_experts.ARCH else {}
-    cfg = {"architectures": [ARCHITECTURES[arch]], "model_type": gguf_experts.MODEL_TYPE if moe else arch,
+    moe = gguf_experts.moe_config(f, arch, get) if arch in gguf_experts.ARCHES else {}
+    cfg = {"architectures": [ARCHITECTURES[arch]], "model_type": gguf_experts.ARCHES.get(arch, arch),
            "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": get("block_count"), **moe,
            "intermediate_size": get("feed_forward_length", moe.get("moe_intermediate_size")),
            "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv", heads),
@@ -120,7 +122,7 @@ def hf_config(f):
         cfg["max_position_embeddings"] = get("context_length")
     if scaling != "none":
         cfg["rope_scaling"] = dict(rope)
-    if arch != "qwen2":                              # qwen2 always has q/k/v biases and says nothing
+    if arch not in ("qwen2", "qwen2moe"):            # qwen2 always has q/k/v biases and says nothing
         cfg["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
     return cfg
 
@@ -164,7 +166,7 @@ def hf_tensors(f, keep=None, dense=False, to_run=False):
             if weight is None or weight.type_name in DENSE:
                 raise ValueError(f"GGUF tensor {info.name}: a per-tensor scale on a dense weight is not supported")
         else:                                         # (dense=True: an NVFP4 weight times its scale)
-            value = dequantize(read(info, kind), info.type_name, info.shape)
+            value = dequantize(read(info, kind), info.type_name, gguf_experts.hf_shape(name, info.shape))
             scale = _tensor_scale(f, stem) if suffix == "weight" else None
             yield name, value if scale is None else value * scale
 

@@ -24,10 +24,11 @@ ValueError naming the layer and the reason, or, if the caller asks for it with f
 layer's dequantized weight in that type, logged.
 
 Names are gguf.py's tables read backwards (`model.layers.N.self_attn.q_proj` -> `blk.N.attn_q`); the architecture is
-the model's model_type (llama / qwen2 / qwen3; qwen3_moe as `qwen3moe`, its experts stacked by gguf_experts.py, each
-stack in one GGML type); a tied lm_head writes no `output.weight`. For `llama` the q_proj and k_proj rows (of the raw
-blocks and of the bias) are permuted into GGML's adjacent RoPE pairs (`permute_rows`, the inverse of
-gguf.unpermute_rows). The `tokenizer.*` keys are the caller's (checkpoints/tokenizer.py's `tokenizer_metadata`).
+the model's model_type (llama / qwen2 / qwen3; qwen3_moe and qwen2_moe as `qwen3moe` and `qwen2moe`, their
+experts stacked by gguf_experts.py, each stack in one GGML type); a tied lm_head writes no `output.weight`. For
+`llama` the q_proj and k_proj rows (of the raw blocks and of the bias) are permuted into GGML's adjacent RoPE pairs
+(`permute_rows`, the inverse of gguf.unpermute_rows). The `tokenizer.*` keys are the caller's
+(checkpoints/tokenizer.py's `tokenizer_metadata`).
 """
 import hashlib
 import logging
@@ -226,9 +227,10 @@ def model_tensors(model, dense_type="F32", fallback=None, embedding_type=None):
         module = name.rpartition(".")[0]
         if module in quantized or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        kind = embeddings.get(name) or ("F32" if name.endswith(".mlp.gate.weight") else dense_type)   # router: F32
+        gates = name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight"))     # router, shared gate
+        kind = embeddings.get(name) or ("F32" if gates else dense_type)
         kind, raw = _dense(value, kind, name) if kind in DENSE else _quantized_embedding(value, kind, name)
-        add(name, kind, value.shape, raw)
+        add(name, kind, value.shape[1:] if name.endswith("shared_expert_gate.weight") else value.shape, raw)
         if value.dim() == 2 and name.rpartition(".")[0] in dense_linears:
             report["types"][kind] += 1
     return tensors + gguf_experts.stack_experts(experts, gguf_name), report
@@ -240,18 +242,18 @@ def check_writable(cfg):
     """ValueError, from the config alone, where llama.cpp has no architecture for the model or would run another."""
     if architecture(cfg) not in ARCHITECTURES:
         raise ValueError(f"model_type {cfg.model_type!r} has no GGUF architecture here ({sorted(ARCHITECTURES)})")
-    if architecture(cfg) == gguf_experts.ARCH:
+    if architecture(cfg) in gguf_experts.ARCHES:
         gguf_experts.check_writable(cfg)
 
 
 def architecture(cfg):
-    """The GGUF architecture of cfg's model_type (qwen3_moe: llama.cpp's qwen3moe)."""
-    return gguf_experts.ARCH if cfg.model_type == gguf_experts.MODEL_TYPE else cfg.model_type
+    """The GGUF architecture of cfg's model_type (qwen3_moe, qwen2_moe: llama.cpp's qwen3moe, qwen2moe)."""
+    return gguf_experts.architecture(cfg.model_type) or cfg.model_type
 
 
 def model_metadata(cfg, name="engine"):
     """{key: value} of the architecture keys llama.cpp reads for cfg.model_type (llama / qwen2 / qwen3 /
-    qwen3_moe)."""
+    qwen3_moe / qwen2_moe)."""
     arch = architecture(cfg)
     meta = {"general.architecture": arch, "general.type": "model", "general.name": name,
             "general.quantization_version": 2, f"{arch}.vocab_size": cfg.vocab_size,
@@ -262,7 +264,7 @@ def model_metadata(cfg, name="engine"):
             f"{arch}.attention.key_length": cfg.head_dim, f"{arch}.attention.value_length": cfg.head_dim,
             f"{arch}.rope.dimension_count": cfg.head_dim, f"{arch}.rope.freq_base": float(cfg.rope_theta),
             f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps)}
-    if arch == gguf_experts.ARCH:
+    if arch in gguf_experts.ARCHES:
         meta.update(gguf_experts.moe_metadata(cfg))
     scaling = cfg.rope_scaling or {"rope_type": "default"}
     if scaling["rope_type"] == "linear":

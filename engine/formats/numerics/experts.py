@@ -1,5 +1,6 @@
-"""Calibrating a sparse layer's experts (Qwen3-MoE): what a data-aware method does with experts that saw few tokens,
-what it records, and how GPTQ takes them a chunk at a time.
+"""Calibrating a sparse layer's experts (Qwen3-MoE, Qwen2-MoE): what a data-aware method does with experts that saw
+few tokens, what it records, and how GPTQ takes them a chunk at a time. (A shared expert sees every token: its
+linears are calibrated as a dense MLP's are, in their own steps before the chunks.)
 
 Each expert's input statistics come from exactly the calibration tokens the router sent it: qwen3_moe.SparseMoeBlock
 runs an expert once per batch on its own tokens, so the capture hooks on its linears
@@ -10,8 +11,9 @@ every direction not seen. So an expert whose tokens number fewer than `min_token
 a full-rank Hessian needs) is rounded to nearest instead, on the same grid in the same file: GPTQ with H = I, whose
 inverse is diagonal, so that the error feedback moves no other column (obq.error_feedback); AWQ gives such an expert
 no scale or clipping of its own (awq.quantize_layer). Never a NaN (no division by a zero count), never a skipped or a
-zeroed expert. The router (mlp.gate) is not an nn.Linear and stays dense (compressed-tensors files say so in their
-`ignore` list, ROUTER_IGNORE, as llm-compressor's MoE recipes do, for readers that would match it as a linear).
+zeroed expert. The router (mlp.gate) is not an nn.Linear and stays dense, as does a shared expert's gate
+(mlp.shared_expert_gate, Qwen2-MoE's); compressed-tensors files say so in their `ignore` list (dense_weights), as
+llm-compressor's MoE recipes do, for readers that would match them as linears.
 
 A MoE model's quantization_config records, per layer (merged_config keeps PER_LAYER fields as per-layer lists, one
 entry per decoder layer, null for a dense one):
@@ -45,6 +47,7 @@ from ...layers import release_memory, sequential_steps
 PER_LAYER = ("expert_tokens", "experts_rounded")
 CHUNK_BYTES = 256 * 2 ** 20     # what one chunk of experts may cost while it is calibrated (chunk_size)
 ROUTER_IGNORE = "re:.*mlp.gate$"
+SHARED_GATE_IGNORE = "re:.*mlp.shared_expert_gate$"
 EXPERT = re.compile(r"(?:.*\.)?mlp\.experts\.(\d+)\.\w+")
 
 
@@ -90,20 +93,32 @@ class StepHessians:
 
 
 def moe_config(cfg):
-    """Whether a model's config is a Qwen3-MoE one (config.Qwen3MoeConfig; asked by its model_type, so that a
+    """Whether a model's config is a MoE one (config.Qwen3MoeConfig; asked by its model_type, so that a
     method's module need not import the model's config)."""
-    return getattr(cfg, "model_type", None) == "qwen3_moe"
+    return getattr(cfg, "model_type", None) in ("qwen3_moe", "qwen2_moe")
+
+
+def _cfg(module):
+    return getattr(module, "cfg", None) or getattr(getattr(module, "self_attn", None), "cfg", None)
 
 
 def is_moe(module):
-    """Whether a model, or a decoder layer of one (a dense layer included), is Qwen3-MoE's."""
-    return moe_config(getattr(module, "cfg", None) or getattr(getattr(module, "self_attn", None), "cfg", None))
+    """Whether a model, or a decoder layer of one (a dense layer included), is a MoE model's."""
+    return moe_config(_cfg(module))
+
+
+def dense_weights(module):
+    """The patterns (compressed-tensors' `ignore`) of the weights a MoE model keeps dense that a reader would
+    match as linears: the routers, and the shared experts' gates where the model has them; [] for a dense model."""
+    if not is_moe(module):
+        return []
+    return [ROUTER_IGNORE] + [SHARED_GATE_IGNORE] * bool(getattr(_cfg(module), "shared_expert_intermediate_size", 0))
 
 
 def refuse(cfg, what, why):
     """ValueError, before any work, where a method cannot yet treat a Qwen3-MoE model's experts."""
     if moe_config(cfg):
-        raise ValueError(f"{what} is not implemented for Qwen3-MoE models: {why}")
+        raise ValueError(f"{what} is not implemented for MoE models: {why}")
 
 
 def layer_record(layer, rows, few, min_tokens=None):
@@ -149,24 +164,21 @@ def chunked_steps(layer, budget=None):
         return steps
     size = chunk_size(experts, budget)
     chunks = [range(first, min(first + size, len(experts))) for first in range(0, len(experts), size)]
-    return steps[:2] + tuple(tuple(n for n in step if expert_of(n) in chunk) for chunk in chunks
-                             for step in steps[2:])
+    shared = tuple(tuple(n for n in step if expert_of(n) is None) for step in steps[2:])    # a shared expert's
+    return steps[:2] + tuple(step for step in shared if step) + tuple(
+        tuple(n for n in step if expert_of(n) in chunk) for chunk in chunks for step in steps[2:])
 
 
 def reached(layer, watched):
     """The experts (indices) that runs of a decoder layer must run when each stops as soon as every `watched`
-    module has seen its input (calibration.capture; None: runs to the end): all (None), but none ([]) when no
-    watched module lies in the sparse block (the runs stop before it) and only their own when every watched one
-    there is an expert's."""
+    module has seen its input (calibration.capture; None: runs to the end): the experts that own a watched module,
+    none ([]) when no watched module is an expert's (the router and a shared expert read their inputs before any
+    expert runs)."""
     experts = experts_of(layer)
     if experts is None or watched is None:
         return None
     owner = {id(m): e for e, expert in enumerate(experts) for m in expert.modules()}
-    block = {id(m) for m in layer.mlp.modules()}
-    inside = [m for m in watched if id(m) in block]
-    if any(id(m) not in owner for m in inside):
-        return None
-    return sorted({owner[id(m)] for m in inside})
+    return sorted({owner[id(m)] for m in watched if id(m) in owner})
 
 
 def not_held(experts, chosen):
