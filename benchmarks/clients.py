@@ -2,7 +2,7 @@
 serving clients on this CPU, each compared with the engine's own model of the same checkpoint.
 
     python benchmarks/clients.py [--clients transformers vllm llama.cpp converter onnx] [--formats NAME ...]
-                                 [--out DIR] [--no-install] [--rewrite]
+                                 [--out DIR] [--no-install] [--rewrite] [--moe qwen3_moe|qwen2_moe]
 
 Each client lives in its own virtual environment under $ENGINE_CLIENTS (default ~/.cache/engine/clients/<name>/venv),
 installed on first use by the commands in INSTALL (llama.cpp builds from source: 20-40 minutes on 2 cores; vLLM
@@ -12,6 +12,8 @@ installed on first use by the commands in INSTALL (llama.cpp builds from source:
 refusal in one line; a cell whose KL exceeds the client's arithmetic noise (NOISE) is marked. Two more tables:
 llama.cpp's own Q4_0 / Q4_1 / Q8_0 (round-to-nearest of the F32 GGUF) against the engine's GGUF exports, all run in
 llama.cpp against the F32 model; and greedy continuations of llama.cpp against the engine's generate().
+--moe ARCH makes the tiny trained model a mixture of experts (MOE: 8 experts of 128, top 2; qwen2_moe with a shared
+expert of 256), every expert linear written as the dense ones are (GGUF: stacked).
 """
 import argparse
 import copy
@@ -35,7 +37,7 @@ from engine.formats.quantized_checkpoints import METHODS, save_quantized  # noqa
 from engine.checkpoints.serving import LOADS, config_kind, load_checkpoint  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
-from engine.qwen3 import Qwen3Config  # noqa: E402
+from engine.qwen3 import Qwen3Config, Qwen3MoeConfig  # noqa: E402
 from engine.training import TrainConfig, trained_model  # noqa: E402
 
 CACHE = Path(os.environ.get("ENGINE_CLIENTS", Path.home() / ".cache/engine/clients"))
@@ -92,6 +94,9 @@ FORMATS = {
     "gguf-mxfp4": ("compressed-tensors", {"format": "mxfp4-pack-quantized"}, "gguf"),
     "gguf-nvfp4": ("compressed-tensors", {"format": "nvfp4-pack-quantized"}, "gguf"),
 }
+MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True),
+       "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=False,
+                         shared_expert_intermediate_size=256)}
 LLAMA_QUANTS = {"Q4_0": ("gguf-q4_0-rtn", "gguf-q4_0-gptq"), "Q4_1": ("gguf-q4_1-rtn", "gguf-q4_1-gptq",
                                                                      "gguf-q4_1-awq"), "Q8_0": ("gguf-q8_0-rtn",)}
 
@@ -204,19 +209,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", nargs="*", default=list(CLIENTS), choices=CLIENTS)
     parser.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
-    parser.add_argument("--out", type=Path, default=Path("/tmp/engine-clients"))
+    parser.add_argument("--out", type=Path, help="default /tmp/engine-clients (-ARCH with --moe)")
     parser.add_argument("--no-install", action="store_true", help="report a missing client instead of installing")
     parser.add_argument("--rewrite", action="store_true", help="write the checkpoints again")
+    parser.add_argument("--moe", choices=list(MOE), help="a tiny mixture-of-experts model of this architecture")
     parser.add_argument("--render", type=Path, metavar="REPORT", help="only print the tables of a saved report.json")
     args = parser.parse_args(argv)
     if args.render:
         return print(markdown(json.loads(args.render.read_text())))
-    out, timings = args.out, {}
+    out, timings = args.out or Path("/tmp/engine-clients" + (f"-{args.moe}" if args.moe else "")), {}
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = byte_tokenizer_files(out / "byte-tokenizer")
     t0 = time.perf_counter()
     corpus = Corpus.from_bytes(load_corpus(None))
-    model = trained_model(Qwen3Config(), corpus, TrainConfig(steps=300, seed=0))
+    cfg = Qwen3MoeConfig(model_type=args.moe, **MOE[args.moe]) if args.moe else Qwen3Config()
+    model = trained_model(cfg, corpus, TrainConfig(steps=300, seed=0))
     IDS = corpus.eval_windows(seq_len=128, max_windows=4)[:, :128].numpy()
     np.save(out / "ids.npy", IDS)
     prompts = IDS[:, :32]

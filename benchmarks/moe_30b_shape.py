@@ -94,7 +94,8 @@ def main():
     out = folder.parent / f"{folder.name}-gptq"
     seconds, peak = convert(folder, out, args.calib_samples, args.calib_len, args.threads)
     print(json.dumps({"method": "gptq", "layers": args.layers, "calibration": f"{args.calib_samples} x "
-                      f"{args.calib_len}", "threads": args.threads or torch.get_num_threads(), "source_gb": round(folder_bytes(folder) / 1e9, 2),
+                      f"{args.calib_len}", "threads": args.threads or torch.get_num_threads(),
+                      "source_gb": round(folder_bytes(folder) / 1e9, 2),
                       "output_gb": round(folder_bytes(out) / 1e9, 2), "seconds": round(seconds, 1),
                       "peak_rss_gb": round(peak / 1e9, 2), "load": [round(x, 2) for x in os.getloadavg()]}),
           flush=True)

@@ -68,3 +68,21 @@ def test_what_a_moe_model_cannot_get_is_one_line_before_any_work(folders, args, 
     out = run(*args, cwd=folders)
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr
     assert "layers:" not in out.stderr and not (folders / "x").exists() and not (folders / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("method, options, warns", [
+    ("gptq", {}, True), ("awq", {}, True), ("compressed-tensors", {}, True), ("gptq", {"sym": False}, None)])
+def test_vllm_on_a_moe_model_warns_of_its_cpu_build_where_dense_layers_would_load(method, options, warns):
+    """serving.MOE_VLLM: vLLM CPU 0.32 refused the engine's 4-bit MoE files ('No WNA16 MoE backend'), the dense
+    folder loaded (appendix/moe.md); what LOADS refuses everywhere stays an error."""
+    import warnings
+    from engine.checkpoints.serving import check_target
+    if warns is None:
+        with pytest.raises(ValueError, match="vllm cannot load this checkpoint"):
+            check_target("vllm", method, options, moe=True)
+        return
+    with pytest.warns(UserWarning, match=r"vllm: \(MoE\) vLLM's CPU build has no MoE kernel for 4-bit experts"):
+        check_target("vllm", method, options, moe=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_target("vllm", method, {**options, "sym": True} if method == "gptq" else options, moe=False)

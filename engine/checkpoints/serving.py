@@ -98,6 +98,11 @@ MOE_TRANSFORMERS = {
                                                 "requires zero-point values'): --option symmetric=true"),
     "compressed-tensors nvfp4": ("refuses", "its fused experts decode to other weights (logits off by ~6 on a tiny "
                                             "model)")}
+# vLLM CPU 0.32 on Qwen3-MoE and Qwen2-MoE (engine files, `benchmarks/clients.py --moe ARCH --clients vllm`): the
+# dense folder loads; its CPU build has no kernel for 4-bit experts; the rest of LOADS holds (FP8, FP4: no CPU kernel).
+MOE_VLLM = dict.fromkeys(("gptq sym", "awq", "compressed-tensors int4 sym", "compressed-tensors int4 asym"), (
+    "cpu-refuses", "vLLM's CPU build has no MoE kernel for 4-bit experts ('No WNA16 MoE backend supports the "
+                   "deployment configuration')"))
 CT_FORMATS = {"pack-quantized": "int4", "float-quantized": "fp8", "nvfp4-pack-quantized": "nvfp4",
               "mxfp4-pack-quantized": "mxfp4"}
 
@@ -173,7 +178,8 @@ def check_target(target, method, options, fmt="safetensors", moe=False):
     """The settings `target` loads, for `run.py quantize --method ... --target ...`: returns (options, fmt) with
     the target's defaults filled in (vLLM: symmetric GPTQ; llama.cpp: GGUF with group size 32). A combination the
     target refuses is a ValueError naming the reason; one refused only on a CPU, or loaded with a caveat, warns.
-    moe: the model is a MoE one (transformers: MOE_TRANSFORMERS; llama.cpp: gguf_writer.check_writable)."""
+    moe: the model is a MoE one (transformers: MOE_TRANSFORMERS; vLLM: MOE_VLLM; llama.cpp:
+    gguf_writer.check_writable)."""
     if target not in TARGETS:
         raise ValueError(f"--target must be one of {TARGETS}, got {target!r}")
     if target == "llama.cpp":
@@ -191,8 +197,8 @@ def check_target(target, method, options, fmt="safetensors", moe=False):
         options["sym"] = True
     kind = checkpoint_kind(method, options)
     verdict, reason = LOADS[kind].get(target, ("loads", ""))
-    if moe and target == "transformers":
-        verdict, reason = MOE_TRANSFORMERS.get(kind, (verdict, reason))
+    if moe and target in ("transformers", "vllm"):
+        verdict, reason = (MOE_TRANSFORMERS if target == "transformers" else MOE_VLLM).get(kind, (verdict, reason))
         reason = reason and f"(MoE) {reason}"
     if verdict == "refuses":
         raise ValueError(f"{target} cannot load this checkpoint: {reason}")
