@@ -1,5 +1,5 @@
-"""run.py on Qwen3-MoE models: generate, quantize layer by layer from disk (into a folder and into a qwen3moe GGUF
-file), eval; what cannot be done refused in one line before any work."""
+"""run.py on Qwen3-MoE and Qwen2-MoE models: generate, quantize layer by layer from disk (into a folder and into a
+qwen3moe / qwen2moe GGUF file), eval; what cannot be done refused in one line before any work."""
 import json
 import os
 import subprocess
@@ -27,7 +27,9 @@ def run(*args, cwd):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
-    for name, change in (("mixed", dict(mlp_only_layers=(1,))), ("sparse", {})):
+    for name, change in (("mixed", dict(mlp_only_layers=(1,))), ("sparse", {}),
+                         ("shared", dict(model_type="qwen2_moe", shared_expert_intermediate_size=64,
+                                         norm_topk_prob=False))):
         torch.manual_seed(0)
         save_dense(Qwen3(Qwen3MoeConfig(**{**SIZES, **change})), root / name)
     return root
@@ -52,6 +54,14 @@ def test_a_moe_model_goes_into_a_qwen3moe_gguf_file_and_evaluates(folders):
     assert out.returncode == 0 and '"types": {"Q4_0": 32}' in out.stderr, out.stderr
     out = run("eval", "--model", "sparse", "--quantized", "m.gguf", "--chunks", "2", "--ctx", "32", cwd=folders)
     assert out.returncode == 0 and 0 < json.loads(out.stdout.splitlines()[0])["kl_nats"] < 1, out.stderr
+
+
+def test_a_qwen2_moe_model_quantizes_to_a_gguf_file_that_runs(folders):
+    out = run("quantize", "--model", "shared", "--method", "gptq", "--target", "llama.cpp", "--option",
+              "ggml_type=Q4_0", "--calib-samples", "4", "--calib-len", "32", "--out", "shared.gguf", cwd=folders)
+    assert out.returncode == 0 and '"types": {"Q4_0": 38}' in out.stderr, out.stderr      # 2 x (4 + 3 + 4 x 3)
+    out = run("generate", "--model", "shared.gguf", "--prompt", "hello", "--max-new-tokens", "4", cwd=folders)
+    assert out.returncode == 0 and "4 tokens in" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("args, message", [
