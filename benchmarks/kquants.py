@@ -31,15 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from clients import client_python, compare, run_client  # noqa: E402
 
-from engine.formats.llama_cpp import gguf, gguf_file  # noqa: E402
-from engine.formats.llama_cpp.gguf_writer import gguf_name, write_gguf  # noqa: E402
+from engine.formats.llama_cpp import ggml, gguf, gguf_file  # noqa: E402
+from engine.formats.llama_cpp.gguf_writer import write_gguf  # noqa: E402
 from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer, tokenizer_metadata  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats  # noqa: E402
 from engine.formats import gptq  # noqa: E402
 from engine.formats.llama_cpp import gptq_ggml
-from engine.layers import linear_names, quantized_linears  # noqa: E402
+from engine.layers import linear_names  # noqa: E402
 from engine.qwen3 import Qwen3Config  # noqa: E402
 from engine.training import TrainConfig, trained_model  # noqa: E402
 
@@ -149,8 +149,11 @@ def main(argv=None):
                     row["llama_quantize"] = done.get("refused", done)
                 else:
                     with gguf_file.GGUFFile(theirs) as a, gguf_file.GGUFFile(path) as b:
-                        names = [gguf_name(n + ".weight") for n in quantized_linears(model)]
-                        row["llama_quantize_same_bytes"] = sum(torch.equal(a.raw(n), b.raw(n)) for n in names)
+                        names = [n for n, info in b.tensors.items()      # (a MoE's experts: whole stacks)
+                                 if info.type_name not in ggml.DENSE
+                                 and n not in ("token_embd.weight", "output.weight")]
+                        row["llama_quantize_same_bytes"] = sum(n in a.tensors and torch.equal(a.raw(n), b.raw(n))
+                                                               for n in names)
                         row["llama_quantize_linears"] = len(names)
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -248,6 +248,16 @@ def test_a_qwen2moe_file_holds_llama_cpps_tensors_and_reads_back_to_the_same_mod
     assert torch.equal(back(ids()), model(ids()))
 
 
+@torch.no_grad()
+def test_a_tied_head_is_written_as_the_output_llama_cpps_qwen2moe_requires(tmp_path):
+    model = tiny(**{**GGUF_SIZES, "tie_word_embeddings": True})
+    write_gguf(model, tmp_path / "m.gguf")
+    with GGUFFile(tmp_path / "m.gguf") as f:
+        assert torch.equal(f.raw("output.weight"), f.raw("token_embd.weight"))
+    back = load_gguf(tmp_path / "m.gguf")
+    assert not back.cfg.tie_word_embeddings and torch.equal(back(ids()), model(ids()))
+
+
 def test_what_llama_cpps_qwen2moe_would_run_differently_is_not_written(tmp_path):
     with pytest.raises(ValueError, match=r"norm_topk_prob=true: llama.cpp's qwen2moe never renormalizes"):
         write_gguf(tiny(**GGUF_SIZES, norm_topk_prob=True), tmp_path / "x.gguf")
@@ -271,8 +281,8 @@ def test_a_qwen2moe_file_whose_shared_expert_disagrees_with_its_metadata_is_refu
 
 LLAMA_PYTHON = Path.home() / ".cache" / "engine" / "clients" / "llamacpp" / "venv" / "bin" / "python"
 RUNNERS = Path(__file__).resolve().parents[1] / "benchmarks" / "client_runners.py"
-ARCHES = {"qwen2moe": dict(GGUF_SIZES), "qwen3moe": dict(GGUF_SIZES, model_type="qwen3_moe", norm_topk_prob=True,
-                                                         shared_expert_intermediate_size=0)}
+ARCHES = {"qwen2moe": dict(GGUF_SIZES), "qwen2moe-tied": dict(GGUF_SIZES, tie_word_embeddings=True),
+          "qwen3moe": dict(GGUF_SIZES, model_type="qwen3_moe", norm_topk_prob=True, shared_expert_intermediate_size=0)}
 
 
 def llama_cpp_logprobs(path, tokens, tmp_path):

@@ -20,6 +20,8 @@ expert splits off as its own raw blocks and loads as the same layer a dense mode
 `expert_shared_feed_forward_length`; every stack, router and shared expert must agree with them. llama.cpp's graphs
 have experts in every layer; qwen3moe's renormalizes the top-k weights (norm_topk_prob), qwen2moe's never does. So
 the reader reads norm_topk_prob as the architecture fixes it, and the writer refuses a model that differs.
+llama.cpp's qwen2moe also requires `output.weight` (its qwen3moe falls back to the embedding): a tied head is written
+as a copy of `token_embd`, so the file reads back untied, with the same logits.
 """
 import re
 
@@ -29,6 +31,7 @@ from .ggml import DENSE, dequantize, quantized_linear
 
 ARCHES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}          # GGUF architecture -> model_type
 RENORMALIZES = {"qwen3moe": True, "qwen2moe": False}                 # norm_topk_prob, fixed by llama.cpp's graph
+OWN_OUTPUT = ("qwen2moe",)           # llama.cpp's qwen2moe requires output.weight: a tied head is written twice
 ROUTER, SHARED_GATE = "ffn_gate_inp", "ffn_gate_inp_shexp"
 STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 SHARED = {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",

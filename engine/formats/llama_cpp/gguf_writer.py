@@ -233,6 +233,8 @@ def model_tensors(model, dense_type="F32", fallback=None, embedding_type=None):
         add(name, kind, value.shape[1:] if name.endswith("shared_expert_gate.weight") else value.shape, raw)
         if value.dim() == 2 and name.rpartition(".")[0] in dense_linears:
             report["types"][kind] += 1
+    if cfg.tie_word_embeddings and architecture(cfg) in gguf_experts.OWN_OUTPUT:     # the head written as its own
+        tensors += [("output.weight", *entry[1:]) for entry in tensors if entry[0] == "token_embd.weight"]
     return tensors + gguf_experts.stack_experts(experts, gguf_name), report
 
 
