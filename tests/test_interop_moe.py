@@ -137,7 +137,8 @@ def test_an_asymmetric_experts_layout_decompresses_with_compressed_tensors_own_c
 @torch.no_grad()
 @pytest.mark.parametrize("method, options, kind", [
     ("rtn", dict(group_size=8), "compressed-tensors int4 asym"), ("nvfp4", {}, "compressed-tensors nvfp4"),
-    ("awq", dict(group_size=8), "awq"), ("nf4", dict(group_size=32), "bitsandbytes")])
+    ("awq", dict(group_size=8), "awq"), ("nf4", dict(group_size=32), "bitsandbytes"),
+    ("compressed-tensors", dict(format="float-quantized", block=16), "compressed-tensors fp8")])
 def test_what_serving_says_transformers_refuses_for_moe_it_does(method, options, kind, tmp_path):
     """serving.MOE_TRANSFORMERS' refusals, seen: transformers 5.25 raises, or computes other logits."""
     from engine.checkpoints.serving import MOE_TRANSFORMERS

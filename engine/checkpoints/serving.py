@@ -88,7 +88,10 @@ for _kind in ("compressed-tensors int4 sym", "compressed-tensors int4 asym", "co
 # parameters, and reads them from these kinds only; the rest of LOADS holds for the attention and dense layers.
 NOT_FUSED = "its {} loader replaces nn.Linears only, so the fused experts stay uninitialized"
 MOE_TRANSFORMERS = {
-    "dense": ("loads", ""), "compressed-tensors int4 sym": ("loads", ""), "compressed-tensors fp8": ("loads", ""),
+    "dense": ("loads", ""), "compressed-tensors int4 sym": ("loads", ""),
+    "compressed-tensors fp8": ("refuses", "its fused experts' dequantizer multiplies by the block scales without "
+                                          "expanding them ('The size of tensor a (256) must match the size of tensor "
+                                          "b (2)'), so only experts of one block load: --method fp8"),
     "fp8": ("loads", "dequantized on CPU; the expert widths must be multiples of the block (real models' are)"),
     "compressed-tensors mxfp4": ("loads", FP4_FLOAT32),
     "gptq sym": ("refuses", NOT_FUSED.format("GPTQ")), "gptq asym": ("refuses", NOT_FUSED.format("GPTQ")),
