@@ -34,7 +34,8 @@ from engine.formats.llama_cpp.gguf_writer import write_gguf  # noqa: E402
 from engine.checkpoints.tokenizer import byte_tokenizer, write_tokenizer_files  # noqa: E402
 from engine.loaders import save_dense  # noqa: E402
 from engine.formats.quantized_checkpoints import METHODS, save_quantized  # noqa: E402
-from engine.checkpoints.serving import LOADS, config_kind, load_checkpoint  # noqa: E402
+from engine.checkpoints.serving import (LOADS, MOE_TRANSFORMERS, MOE_VLLM, config_kind,  # noqa: E402
+                                       load_checkpoint)
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
 from engine.qwen3 import Qwen3Config, Qwen3MoeConfig  # noqa: E402
@@ -198,9 +199,13 @@ def kind_of(path):
     return "gguf" if path.suffix == ".gguf" else config_kind(json.loads((path / "config.json").read_text()))
 
 
-def expected(kind, client):
-    """What serving.LOADS says, to flag a cell that disagrees with the table (None: the table has a caveat)."""
+def expected(kind, client, moe=False):
+    """What serving.LOADS says (for a MoE model, MOE_TRANSFORMERS and MOE_VLLM where they speak), to flag a cell
+    that disagrees with the table (None: the table has a caveat)."""
     verdict, caveat = LOADS[kind].get("llama.cpp" if client == "converter" else client, ("not checked", ""))
+    if moe:
+        verdict, caveat = {"transformers": MOE_TRANSFORMERS, "vllm": MOE_VLLM}.get(client, {}).get(kind, (verdict,
+                                                                                                        caveat))
     return None if caveat and verdict == "loads" else verdict
 
 
@@ -279,7 +284,7 @@ def main(argv=None):
                                   tokenizer_dir, *extra)[-1]
             record(client, name, info, npy[name])
         timings[f"{client}_s"] = round(time.perf_counter() - t1, 1)
-    report = {"clients": args.clients, "cells": {f"{n} | {c}": v for (n, c), v in cells.items()},
+    report = {"clients": args.clients, "moe": args.moe, "cells": {f"{n} | {c}": v for (n, c), v in cells.items()},
               "timings": timings, "written": {n: {"kind": kind_of(p), "seconds": s, **r}
                                               for n, (p, s, r) in written.items()}}
     if "llama.cpp" in pythons and not pythons["llama.cpp"][1] and "gguf-f32" in written:
@@ -343,7 +348,7 @@ def markdown(report):
                 text = f"{cell['kl']:.1e} / {cell['max_dlogp']:.1e}" + (" **above noise**" if cell["kl"] > NOISE[client]
                                                                       else "")
                 text += f" ({cell['with']})" if cell.get("with", "plain") != "plain" else ""
-            want = expected(written["kind"], client)
+            want = expected(written["kind"], client, report.get("moe"))
             if want and (want in ("loads", "converts")) != ("refused" not in cell):
                 text += f" [table: {want}]"
             row.append(text)
