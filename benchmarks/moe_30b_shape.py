@@ -24,9 +24,7 @@ several times; one thread is slower but steady.
 import argparse
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.checkpoints.tokenizer import export_tokenizer  # noqa: E402
+from scale import folder_bytes, timed_quantize  # noqa: E402
 
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
@@ -59,22 +58,10 @@ def write_checkpoint(folder, layers):
 def convert(folder, out, samples, length, threads=None):
     """(wall seconds, peak RSS bytes) of run.py quantize --method gptq on `folder` as a whole process (threads:
     its OMP_NUM_THREADS, None: torch's default)."""
-    command = ["/usr/bin/time", "-v", sys.executable, str(ROOT / "run.py"), "quantize", "--model", str(folder),
-               "--method", "gptq", "--calib-samples", str(samples), "--calib-len", str(length), "--out", str(out),
-               "--force"]
+    arguments = ["--method", "gptq", "--calib-samples", str(samples), "--calib-len", str(length)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
-    print(" ".join(command[2:]), file=sys.stderr, flush=True)
-    start = time.time()
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
-    seconds = time.time() - start
-    if run.returncode:
-        raise SystemExit(f"the conversion failed:\n{run.stderr[-3000:]}")
-    peak_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr).group(1))
-    return seconds, peak_kb * 1024
-
-
-def folder_bytes(folder):
-    return sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
+    print(" ".join(["run.py quantize --model", str(folder), *arguments]), file=sys.stderr, flush=True)
+    return timed_quantize(folder, out, arguments, env)
 
 
 def main():

@@ -71,13 +71,19 @@ def write_checkpoint(folder, cfg):
 def convert(folder, method, out):
     """(wall seconds, peak RSS bytes) of `run.py quantize --model folder --method method` as a whole process."""
     options = {"fp8": [], "lattice": ["--option", "bps=3.0"], "entquant": ["--option", "lam=14.5"]}[method]
+    return timed_quantize(folder, out, ["--method", method, *options])
+
+
+def timed_quantize(folder, out, arguments, env=None):
+    """(wall seconds, peak RSS bytes) of `run.py quantize --model folder ARGUMENTS --out out --force` as a whole
+    process under /usr/bin/time -v (its "Maximum resident set size")."""
     start = time.time()
     run = subprocess.run(["/usr/bin/time", "-v", sys.executable, str(ROOT / "run.py"), "quantize", "--model",
-                          str(folder), "--method", method, *options, "--out", str(out), "--force"],
-                         capture_output=True, text=True, cwd=ROOT)
+                          str(folder), *arguments, "--out", str(out), "--force"],
+                         capture_output=True, text=True, cwd=ROOT, env=env)
     seconds = time.time() - start
     if run.returncode:
-        raise SystemExit(f"{method} failed:\n{run.stderr[-3000:]}")
+        raise SystemExit(f"the conversion failed:\n{run.stderr[-3000:]}")
     peak_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr).group(1))
     return seconds, peak_kb * 1024
 
