@@ -264,17 +264,31 @@ def test_what_llama_cpps_qwen2moe_would_run_differently_is_not_written(tmp_path)
     assert not (tmp_path / "x.gguf").exists()
 
 
-def test_a_qwen2moe_file_whose_shared_expert_disagrees_with_its_metadata_is_refused(tmp_path):
+def rewritten(path, **metadata):
+    """The tiny model's qwen2moe file with metadata keys changed (None: left out)."""
     from engine.formats.llama_cpp import gguf_tokenizer
     from engine.formats.llama_cpp.gguf_writer import model_metadata, model_tensors, write_container
     model = tiny(**GGUF_SIZES)
-    tensors, _ = model_tensors(model)
-    metadata = {**model_metadata(model.cfg), **gguf_tokenizer.byte_tokenizer_metadata(model.cfg),
-                "qwen2moe.expert_shared_feed_forward_length": 48}
-    write_container(tmp_path / "bad.gguf", metadata, tensors)
+    meta = {**model_metadata(model.cfg), **gguf_tokenizer.byte_tokenizer_metadata(model.cfg),
+            **{f"qwen2moe.{k}": v for k, v in metadata.items()}}
+    write_container(path, {k: v for k, v in meta.items() if v is not None}, model_tensors(model)[0])
+    return path
+
+
+def test_a_qwen2moe_file_whose_shared_expert_disagrees_with_its_metadata_is_refused(tmp_path):
+    bad = rewritten(tmp_path / "bad.gguf", expert_shared_feed_forward_length=48)
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_shexp\.weight is \[64, 64\]; the metadata .*"
                                          r"expert_shared_feed_forward_length=48\) says \[48, 64\]"):
-        load_gguf(tmp_path / "bad.gguf")
+        load_gguf(bad)
+
+
+@torch.no_grad()
+def test_a_file_without_the_shared_width_reads_it_as_llama_cpp_does_from_the_feed_forward_length(tmp_path):
+    old = rewritten(tmp_path / "old.gguf", expert_shared_feed_forward_length=None, feed_forward_length=64)
+    back = load_gguf(old)
+    assert back.cfg.shared_expert_intermediate_size == 64 and torch.equal(back(ids()), tiny(**GGUF_SIZES)(ids()))
+    with pytest.raises(ValueError, match=r"ffn_gate_shexp\.weight is \[64, 64\]; .* says \[96, 64\]"):
+        load_gguf(rewritten(tmp_path / "wide.gguf", expert_shared_feed_forward_length=None))
 
 
 # ---- llama.cpp's own runtime ------------------------------------------------------------------------------------

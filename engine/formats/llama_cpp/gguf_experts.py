@@ -67,7 +67,9 @@ def moe_config(f, arch, get):
               "ffn_up_exps": (experts, width, hidden), "ffn_down_exps": (experts, hidden, width)}
     shared = {}
     if arch == "qwen2moe":
-        shared["shared_expert_intermediate_size"] = wide = get("expert_shared_feed_forward_length")
+        # (llama.cpp reads a missing width as feed_forward_length's, as files converted before the key existed need)
+        shared["shared_expert_intermediate_size"] = wide = get("expert_shared_feed_forward_length",
+                                                               get("feed_forward_length"))
         shapes.update({SHARED_GATE: (hidden,), "ffn_gate_shexp": (wide, hidden), "ffn_up_shexp": (wide, hidden),
                        "ffn_down_shexp": (hidden, wide)})
     dense = []
