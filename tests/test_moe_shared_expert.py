@@ -220,10 +220,14 @@ def test_a_capture_of_the_shared_experts_inputs_runs_no_routed_expert():
 def test_awq_folds_the_norms_scale_into_the_shared_experts_gate_too():
     from engine.formats import awq
     model, reference = tiny(), tiny()
+    for m in (model, reference):              # an outlier input channel: AWQ's search scales it on any CPU
+        m.model.layers[0].post_attention_layernorm.weight.data[5] = 30.0
     awq.quantize(model, random_ids(4, 16), group_size=32)
     ours, theirs = model.model.layers[0], reference.model.layers[0]
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
-    assert not torch.equal(ours.mlp.shared_expert_gate.weight, theirs.mlp.shared_expert_gate.weight)
+    s = theirs.post_attention_layernorm.weight / ours.post_attention_layernorm.weight        # the folded scale
+    assert s[5] > 1.5                                                                         # it protects channel 5
+    torch.testing.assert_close(ours.mlp.shared_expert_gate.weight, theirs.mlp.shared_expert_gate.weight * s)
     torch.testing.assert_close(ours.mlp.shared_expert_gate(ours.post_attention_layernorm(x)),
                                theirs.mlp.shared_expert_gate(theirs.post_attention_layernorm(x)), rtol=1e-5, atol=1e-6)
 
