@@ -194,6 +194,29 @@ def test_streaming_from_disk_writes_what_the_in_memory_path_writes(method, tmp_p
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_killed_moe_conversion_resumes_to_the_same_bytes_and_expert_records(tmp_path, monkeypatch):
+    from engine.checkpoints.streaming import quantize_checkpoint
+    from test_streaming import _Killed, _watched_gptq
+    save_dense(tiny(), tmp_path / "dense")
+    options = dict(group_size=32, expert_min_tokens=32)                 # some experts rounded, some not
+    whole = quantize_checkpoint(tmp_path / "dense", tmp_path / "whole", "gptq", random_ids(4, 16), progress=False,
+                                **options)
+    seen = []
+    _watched_gptq(monkeypatch, seen, dies_at=2)                          # layer 2: sparse, after the dense one
+    with pytest.raises(_Killed):
+        quantize_checkpoint(tmp_path / "dense", tmp_path / "out", "gptq", random_ids(4, 16), progress=False,
+                            **options)
+    seen.clear()
+    _watched_gptq(monkeypatch, seen)
+    resumed = quantize_checkpoint(tmp_path / "dense", tmp_path / "out", "gptq", random_ids(4, 16), progress=False,
+                                  **options)
+    assert seen == [2] and resumed == whole and whole["expert_tokens"][1] is None
+    rounded = whole["experts_rounded"][0] + whole["experts_rounded"][2]
+    assert 0 < len(rounded) < 8, whole["expert_tokens"]
+    a, b = dict(snapshot_tensors(tmp_path / "whole")), dict(snapshot_tensors(tmp_path / "out"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_the_shared_expert_is_calibrated_in_its_own_steps_before_the_chunks_of_experts(monkeypatch):
     layer = tiny().model.layers[0]
     shared = (("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), ("mlp.shared_expert.down_proj",))
