@@ -91,8 +91,13 @@ def moe_config(f, arch, get):
 
 def hf_shape(name, shape):
     """The torch shape of a MoE model's dense tensor `name` whose GGUF shape is `shape`: a shared expert's gate,
-    a vector in GGUF, is a [1, hidden] weight."""
+    a vector in GGUF, is a [1, hidden] weight (gguf_shape's inverse)."""
     return (1, *shape) if name.endswith(".mlp.shared_expert_gate.weight") and len(shape) == 1 else shape
+
+
+def gguf_shape(name, shape):
+    """The GGUF shape of tensor `name` of torch shape `shape`: a shared expert's [1, hidden] gate is a vector."""
+    return tuple(shape[1:]) if name.endswith(".mlp.shared_expert_gate.weight") else tuple(shape)
 
 
 def expert_tensors(info, stacked, raw, keep=None, dense=False):

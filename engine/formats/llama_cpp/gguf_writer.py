@@ -230,7 +230,7 @@ def model_tensors(model, dense_type="F32", fallback=None, embedding_type=None):
         gates = name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight"))     # router, shared gate
         kind = embeddings.get(name) or ("F32" if gates else dense_type)
         kind, raw = _dense(value, kind, name) if kind in DENSE else _quantized_embedding(value, kind, name)
-        add(name, kind, value.shape[1:] if name.endswith("shared_expert_gate.weight") else value.shape, raw)
+        add(name, kind, gguf_experts.gguf_shape(name, value.shape), raw)
         if value.dim() == 2 and name.rpartition(".")[0] in dense_linears:
             report["types"][kind] += 1
     if cfg.tie_word_embeddings and architecture(cfg) in gguf_experts.OWN_OUTPUT:     # the head written as its own
