@@ -234,14 +234,6 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.layer = layer
 
-    @property
-    def num_embeddings(self):
-        return self.layer.out_features
-
-    @property
-    def embedding_dim(self):
-        return self.layer.in_features
-
     def forward(self, ids):
         return self.layer.rows(ids.reshape(-1)).reshape(*ids.shape, self.layer.in_features)
 
