@@ -5,8 +5,9 @@
 
 For each GGML type: the engine's round-to-nearest (ggml_quants: llama.cpp's quantize_row_*_ref, bit-exact, its
 fallback for rows that are not a multiple of 256 included) and GPTQ on llama.cpp's grids of the same types
-(gptq.quantize with ggml_type: the scales `llama-quantize --imatrix` picks with the calibration's importance), and for each --bpw a GPTQ mix (ggml_type="mix"). Every model is written as a GGUF file and read back, and
-the file is what is scored: bits per weight of the decoder linears (the file's bytes), KL against the reference in
+(gptq_ggml.quantize with ggml_type: the scales `llama-quantize --imatrix` picks with the calibration's importance),
+and for each --bpw a GPTQ mix (ggml_type="mix"). Every model is written as a GGUF file and read back, and the file is
+what is scored: bits per weight of the decoder linears (the file's bytes), KL against the reference in
 the engine's forward (the tiny model: every held-out window; a real model, --model a folder or .gguf whose
 dequantized weights are the reference: llama.cpp's perplexity --kl-divergence chunks, second halves scored). The
 calibration is run.py's: the tiny corpus' training windows, or --calib-samples x --calib-len tokens of the default
@@ -37,8 +38,7 @@ from engine.checkpoints.models import load_model  # noqa: E402
 from engine.checkpoints.tokenizer import load_tokenizer, tokenizer_metadata  # noqa: E402
 from engine.data import Corpus, load_corpus  # noqa: E402
 from engine.evaluation import ReferenceLogits, compare_models, held_out_logits, kl_stats  # noqa: E402
-from engine.formats import gptq  # noqa: E402
-from engine.formats.llama_cpp import gptq_ggml
+from engine.formats.llama_cpp import gptq_ggml  # noqa: E402
 from engine.layers import linear_names  # noqa: E402
 from engine.qwen3 import Qwen3Config  # noqa: E402
 from engine.training import TrainConfig, trained_model  # noqa: E402

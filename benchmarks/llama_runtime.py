@@ -33,7 +33,6 @@ from engine.formats.llama_cpp.gguf_file import GGUFFile  # noqa: E402
 from engine.checkpoints.tokenizer import tokenizer_metadata  # noqa: E402
 from engine.formats.llama_cpp.gguf_writer import write_gguf  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
-from engine.formats import gptq  # noqa: E402
 from engine.formats.llama_cpp import gptq_ggml  # noqa: E402
 
 
