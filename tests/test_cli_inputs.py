@@ -2,8 +2,6 @@
 multiplies text cost the model's context, not the file's size; eval's --text its first MAX_TEXT_TOKENS tokens; --ctx
 stays within the model's context; a tokenizer that panics in Rust is one `error:` line naming its file."""
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.formats.llama_cpp import gguf_tokenizer, gguf_writer
+from engine.formats.llama_cpp import gguf_tokenizer
 from engine.formats.llama_cpp.gguf import load_gguf
 from engine.formats.llama_cpp.gguf_file import GGUFFile
 from engine.formats.llama_cpp.gguf_writer import model_metadata, model_tensors, write_container, write_gguf

@@ -16,7 +16,6 @@ from clients import client_python, compare, run_client  # noqa: E402
 
 from engine.formats.llama_cpp import gguf, gguf_file, gguf_writer  # noqa: E402
 from engine.formats.llama_cpp import ggml  # noqa: E402
-from engine.formats import gptq  # noqa: E402
 from engine.formats.llama_cpp import gptq_ggml  # noqa: E402
 from engine.layers import linear_names, quantized_linears  # noqa: E402
 from engine.qwen3 import Qwen3, Qwen3Config  # noqa: E402

@@ -4,7 +4,6 @@ gate left dense, as the router), GGUF's `qwen2moe` written and read, and llama.c
 MoE files (qwen2moe and qwen3moe) with the engine's log-probabilities."""
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np

@@ -14,7 +14,7 @@ from engine.checkpoints.models import file_tensor_bytes, load_model
 from engine.formats import entropy as E, fp8, lattice, mx, nf4, trellis
 from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.affine import AffineQuantLinear
-from engine.layers import QuantEmbedding, decoded_weights, impl
+from engine.layers import QuantEmbedding, decoded_weights
 from engine.qwen3 import KVCache, Qwen3, Qwen3Config
 from test_gguf import U32, gguf_bytes, gguf_name, qwen3_metadata, random_blocks, raw_of
 

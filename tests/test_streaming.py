@@ -20,7 +20,6 @@ from engine.loaders import model_digest, save_dense
 from engine.formats.quantized_checkpoints import load_quantized, save_quantized
 from engine.safetensors_io import INDEX, checkpoint_records, snapshot_tensors
 from engine.checkpoints.streaming import quantize_checkpoint
-from engine.formats import gptq
 from engine.formats.llama_cpp import gptq_ggml
 from engine.qwen3 import Qwen3, Qwen3Config
 
