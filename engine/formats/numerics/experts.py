@@ -93,9 +93,9 @@ class StepHessians:
 
 
 def moe_config(cfg):
-    """Whether a model's config is a MoE one (config.Qwen3MoeConfig; asked by its model_type, so that a
-    method's module need not import the model's config)."""
-    return getattr(cfg, "model_type", None) in ("qwen3_moe", "qwen2_moe")
+    """Whether a model's config is a MoE one (config.Qwen3MoeConfig, the one that counts experts; asked by its
+    fields, so that a method's module need not import the model's config nor list its model types)."""
+    return getattr(cfg, "num_experts", None) is not None
 
 
 def _cfg(module):
