@@ -18,13 +18,18 @@ Step 2 multiplies the members of every group of 32 inputs by different factors, 
 linear, while only step 1 changes what the model computes. The KL of the perturbed model to the original is
 reported (`perturbation_kl`) and must stay well below every 4-bit row.
 
-**Texts** (never seen by the calibration): `pydoc`, the last 10% of Python's `pydoc_data.topics` (the engine's default
-corpus; the calibration draws from the first 90%), and `gpl3`, the GNU GPL version 3 (/usr/share/common-licenses/GPL-3,
-Debian's base system): legal English, another domain.
+**Texts**, four kinds, none seen by the calibration, all on the machine offline (each one's SHA-256 in info.json):
+- `gpl3`: the GNU GPL version 3 (/usr/share/common-licenses/GPL-3, Debian's base system): legal English;
+- `pydoc`: the last 10% of Python's `pydoc_data.topics` (the engine's default corpus; the calibration draws from the
+  first 90%): technical documentation, the calibration's own domain;
+- `code`: Python source, CPython's `textwrap.py` (in every Python's standard library);
+- `idle`: IDLE's release history (`idlelib/HISTORY.txt`, every CPython): informal English notes written by people.
+Chunks are read from each text's start (from the held-out tenth for pydoc).
 """
 import copy
 import hashlib
 import json
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -41,22 +46,46 @@ from engine.qwen3 import Qwen3Config
 from engine.training import TrainConfig, trained_model
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
-TEXTS = ("gpl3", "pydoc")
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+FILES = {"gpl3": GPL3, "code": STDLIB / "textwrap.py", "idle": STDLIB / "idlelib" / "HISTORY.txt"}
+TEXTS = ("gpl3", "pydoc", "code", "idle")
 # autoround_iters: SignRound's steps per block (its default 200 on the tiny model; on SmolLM2 they would take hours
 # on 2 CPU cores, so its RTN path, iters=0, runs there)
 SETTINGS = {"tiny": dict(ctx=128, chunks=32, calib_len=128, calib_samples=16, autoround_iters=200),
             "smollm2": dict(ctx=512, chunks=4, calib_len=512, calib_samples=32, autoround_iters=0)}
 
 
-def text_chunks(name, tokenizer, ctx, chunks):
-    """Held-out chunks [n, ctx] of text `name` (module docstring)."""
+def text_bytes(name):
+    """The raw bytes of held-out text `name` (module docstring)."""
     if name == "pydoc":
-        return Corpus.from_text(default_corpus(), tokenizer).eval_chunks(ctx, chunks)
-    if name == "gpl3":
-        if not GPL3.is_file():
-            raise ValueError(f"held-out text gpl3: {GPL3} is missing (Debian's base-files ships it)")
-        return Corpus.from_text(GPL3.read_bytes(), tokenizer, held_out=1.0).eval_chunks(ctx, chunks)
-    raise ValueError(f"unknown held-out text {name!r}; texts are {TEXTS}")
+        return default_corpus()
+    if name not in FILES:
+        raise ValueError(f"unknown held-out text {name!r}; texts are {TEXTS}")
+    if not FILES[name].is_file():
+        raise ValueError(f"held-out text {name}: {FILES[name]} is missing")
+    return FILES[name].read_bytes()
+
+
+def text_chunks(name, tokenizer, ctx, chunks):
+    """Held-out chunks [n, ctx] of text `name`: the held-out tenth of pydoc, every other text whole."""
+    corpus = Corpus.from_text(text_bytes(name), tokenizer, held_out=0.1 if name == "pydoc" else 1.0)
+    return corpus.eval_chunks(ctx, chunks)
+
+
+def text_digests():
+    return {name: hashlib.sha256(text_bytes(name)).hexdigest() for name in TEXTS}
+
+
+def added_texts(folder, info, tokenizer, settings):
+    """A reference built before a text was added gets its chunks (and digest) now; the rest is unchanged."""
+    texts = torch.load(folder / "texts.pt")
+    missing = [t for t in TEXTS if t not in texts]
+    if missing:
+        texts.update({t: text_chunks(t, tokenizer, settings["ctx"], settings["chunks"]) for t in missing})
+        torch.save(texts, folder / "texts.pt")
+        info["texts_sha256"] = text_digests()
+        (folder / "info.json").write_text(json.dumps(info, indent=1))
+    return info
 
 
 def q4_1_steps(weight, group=32):
@@ -110,18 +139,24 @@ def tokenizer_files(source, folder):
     return write_tokenizer_files(byte_tokenizer(), folder, {"pad_token": BYTE_CHARS[0], "eos_token": BYTE_CHARS[0]})
 
 
+def tokenizer_of(name):
+    """The reference's tokenizer: SmolLM2's (from its GGUF), None (bytes) for the tiny model."""
+    return None if name == "tiny" else load_tokenizer(smollm2_path() or "")
+
+
 def build(name, root, seed=0):
     """The reference `name` in root/<name>/ (built once): reference/ (HF folder with tokenizer files),
     reference.gguf (F32, for llama.cpp), texts.pt {text: chunks}, calibration.pt, info.json. Returns
     (model, info, folder)."""
     folder = Path(root) / name
     info_path = folder / "info.json"
-    if info_path.exists():
-        return load_dense(folder / "reference", torch.float32), json.loads(info_path.read_text()), folder
-    folder.mkdir(parents=True, exist_ok=True)
     s = SETTINGS[name]
-    info = {"reference": name, **s}
-    tokenizer = None if name == "tiny" else load_tokenizer(smollm2_path() or "")
+    tokenizer = tokenizer_of(name)
+    if info_path.exists():
+        info = added_texts(folder, json.loads(info_path.read_text()), tokenizer, s)
+        return load_dense(folder / "reference", torch.float32), info, folder
+    folder.mkdir(parents=True, exist_ok=True)
+    info = {"reference": name, **s, "texts_sha256": text_digests()}
     texts = {t: text_chunks(t, tokenizer, s["ctx"], s["chunks"]) for t in TEXTS}
     if name == "tiny":
         corpus = Corpus.from_bytes(default_corpus())

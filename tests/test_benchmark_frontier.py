@@ -124,6 +124,52 @@ def test_tiny_run_writes_rows_table_and_plot_resumes_and_names_absent_peers(tmp_
     assert f"| engine | {q4k[8:]} | {lines[2]['bits']:.3f} | {lines[2]['file_bytes'] / 2 ** 20:.1f} |" in out
 
 
+def test_a_text_added_later_is_scored_from_the_kept_rows_without_quantizing_again(tmp_path, monkeypatch, capsys,
+                                                                                  tiny_model):
+    monkeypatch.setitem(frontier_reference.SETTINGS, "tiny", dict(ctx=32, chunks=2, calib_len=32, calib_samples=2,
+                                                                  autoround_iters=0))
+    monkeypatch.setattr(frontier_reference, "trained_model", lambda *a, **k: tiny_model)
+    monkeypatch.setattr(frontier_peers.clients, "CACHE", tmp_path / "no-venvs")
+    args = ["--references", "tiny", "--tools", "engine", "--rows", "RTN int4, g128", "AWQ int4, g128",
+            "--out", str(tmp_path), "--no-install"]
+    frontier.main(args + ["--texts", "gpl3"])
+    first = {r["row"]: r for r in map(json.loads, (s for s in capsys.readouterr().out.splitlines()
+                                                   if s.startswith("{")))}
+    assert set(first) == {"RTN int4, g128", "AWQ int4, g128"} and all(set(r["texts"]) == {"gpl3"}
+                                                                       for r in first.values())
+    # AWQ folds scales into the norms: its kept layers must bring them back, or the gpl3 score moves
+    awq_json = next((tmp_path / "tiny" / "rows").glob("engine-AWQ*.json"))
+    forgotten = json.loads(awq_json.read_text())
+    planted = {**forgotten["texts"].pop("gpl3"), "kl_nats": 123.0}
+    forgotten["texts"]["pydoc"] = planted                              # kept as it is: never scored again
+    awq_json.write_text(json.dumps(forgotten))
+    monkeypatch.setattr(frontier, "engine_row", lambda *a: pytest.fail("a kept row was quantized again"))
+    frontier.main(args)                                               # every text: the default
+    again = {r["row"]: r for r in map(json.loads, (s for s in capsys.readouterr().out.splitlines()
+                                                   if s.startswith("{")))}
+    assert all(set(r["texts"]) == set(frontier_reference.TEXTS) for r in again.values())
+    for label in first:
+        assert again[label]["texts"]["gpl3"] == first[label]["texts"]["gpl3"]
+        assert again[label]["bits"] == first[label]["bits"] and again[label]["seconds"] == first[label]["seconds"]
+    assert again["AWQ int4, g128"]["texts"]["pydoc"] == planted
+    texts = torch.load(tmp_path / "tiny" / "texts.pt")
+    assert set(texts) == set(frontier_reference.TEXTS) and all(len(t) == 2 for t in texts.values())
+    info = json.loads((tmp_path / "tiny" / "info.json").read_text())
+    assert set(info["texts_sha256"]) == set(frontier_reference.TEXTS)
+
+
+def test_the_spread_table_says_where_the_engine_is_not_below_on_every_text():
+    def row(tool, bits, kls):
+        return {"tool": tool, "row": f"{tool}{bits}", "bits": bits, "texts": {t: {"kl_nats": v} for t, v in kls.items()}}
+    results = [row("engine", 4.0, {"a": 0.1, "b": 0.3}), row("llama.cpp", 4.1, {"a": 0.2, "b": 0.2}),
+               row("engine", 8.0, {"a": 0.01, "b": 0.01}), row("llama.cpp", 8.5, {"a": 0.02, "b": 0.04})]
+    assert frontier.ratios(results, ["a", "b"]) == {4.0: {"a": 0.5, "b": pytest.approx(1.5)},
+                                                    8.0: {"a": 0.5, "b": 0.25}}
+    table = frontier.spread_table(results, ["a", "b"]).splitlines()
+    assert table[2] == "| ~4.0 | 0.50x | 1.50x | 0.50-1.50x | 0.87x | no |"
+    assert table[3] == "| ~8.0 | 0.50x | 0.25x | 0.25-0.50x | 0.35x | yes |"
+
+
 LLAMA_PYTHON = frontier_peers.clients.CACHE / "llamacpp" / "venv" / "bin" / "python"
 
 
@@ -170,3 +216,22 @@ def test_a_llama_cpp_venv_without_gguf_counts_as_not_installed(tmp_path):
     done = subprocess.run([sys.executable, "-c", frontier_peers.clients.LLAMA_IMPORT], cwd=tmp_path,
                           env={"PYTHONPATH": str(tmp_path)}, capture_output=True)
     assert done.returncode != 0 and b"no gguf here" in done.stderr
+
+
+def test_a_remedy_row_quantizes_on_its_own_calibration_mix(tmp_path, monkeypatch, capsys, tiny_model):
+    monkeypatch.setitem(frontier_reference.SETTINGS, "tiny", dict(ctx=32, chunks=2, calib_len=32, calib_samples=2,
+                                                                  autoround_iters=0))
+    monkeypatch.setattr(frontier_reference, "trained_model", lambda *a, **k: tiny_model)
+    seen = []
+
+    def engine_row(model, calibration, quantize, options):
+        seen.append((calibration, options))
+        return copy.deepcopy(model), 4.0, "counted"
+
+    monkeypatch.setattr(frontier, "engine_row", engine_row)
+    frontier.main(["--references", "tiny", "--tools", "engine", "--rows", "=engine GPTQ int4, g128",
+                   "=engine GPTQ int4, g128, calibration pydoc + self", "--out", str(tmp_path), "--texts", "gpl3"])
+    (plain, plain_options), (mixed, mixed_options) = seen
+    assert plain_options == mixed_options == {"group_size": 128}          # calib is the row's, not the quantizer's
+    assert plain.shape == mixed.shape == (2, 32) and not torch.equal(plain, mixed)
+    assert torch.equal(torch.load(tmp_path / "tiny" / "calibration-pydoc+self.pt"), mixed)
