@@ -1,6 +1,7 @@
 """benchmarks/frontier.py's pieces: the bit count and dequantization of a GGUF file (gguf-py against the engine's
 layers), the reference moved off its grid with its function kept, llama.cpp's imatrix file, the frontier's choice,
-and a tiny run end to end (JSON lines, table, plot, resume, a peer that is absent says why)."""
+a tiny run end to end (JSON lines, table, plot, resume, a peer that is absent says why), texts added later scored
+from the kept rows, the ratios per text and a remedy row's own calibration."""
 import copy
 import json
 import sys
@@ -13,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import client_runners  # noqa: E402
 import frontier  # noqa: E402
 import frontier_peers  # noqa: E402
+import frontier_report  # noqa: E402
 import frontier_reference  # noqa: E402
 from engine.formats.llama_cpp.gguf_writer import write_gguf  # noqa: E402
 from engine.evaluation import kl_per_position  # noqa: E402
@@ -87,7 +89,7 @@ def test_frontier_compares_the_best_peer_with_the_engine_at_or_below_its_bits():
         return {"tool": tool, "row": f"{tool}{bits}", "bits": bits, "texts": {"t": {"kl_nats": kl}}}
     results = [row("engine", 3.9, 0.2), row("engine", 4.3, 0.05), row("llama.cpp", 4.1, 0.1),
                row("HQQ", 4.0, 0.3), row("engine", 8.0, 0.01), {"tool": "HQQ", "row": "x", "error": "absent"}]
-    [(rate, peer, ours)] = frontier.frontier(results, "t")
+    [(rate, peer, ours)] = frontier_report.frontier(results, "t")
     assert (rate, peer["row"], ours["row"]) == (4.0, "llama.cpp4.1", "engine3.9")   # 4.3 bits is above 4.1
 
 
@@ -163,9 +165,9 @@ def test_the_spread_table_says_where_the_engine_is_not_below_on_every_text():
         return {"tool": tool, "row": f"{tool}{bits}", "bits": bits, "texts": {t: {"kl_nats": v} for t, v in kls.items()}}
     results = [row("engine", 4.0, {"a": 0.1, "b": 0.3}), row("llama.cpp", 4.1, {"a": 0.2, "b": 0.2}),
                row("engine", 8.0, {"a": 0.01, "b": 0.01}), row("llama.cpp", 8.5, {"a": 0.02, "b": 0.04})]
-    assert frontier.ratios(results, ["a", "b"]) == {4.0: {"a": 0.5, "b": pytest.approx(1.5)},
+    assert frontier_report.ratios(results, ["a", "b"]) == {4.0: {"a": 0.5, "b": pytest.approx(1.5)},
                                                     8.0: {"a": 0.5, "b": 0.25}}
-    table = frontier.spread_table(results, ["a", "b"]).splitlines()
+    table = frontier_report.spread_table(results, ["a", "b"]).splitlines()
     assert table[2] == "| ~4.0 | 0.50x | 1.50x | 0.50-1.50x | 0.87x | no |"
     assert table[3] == "| ~8.0 | 0.50x | 0.25x | 0.25-0.50x | 0.35x | yes |"
 
