@@ -35,6 +35,7 @@ import argparse
 import copy
 import json
 import os
+import pickle
 import re
 import sys
 import time
@@ -229,12 +230,18 @@ def keep_layers(model, path):
 
 
 def kept_model(ctx, label):
-    """The reference with an engine row's kept decoder layers, or None where none are kept."""
+    """The reference with an engine row's kept decoder layers, or None where none are kept or they no longer load
+    (the engine's classes changed since: the row is quantized again)."""
     path = layers_path(ctx, label)
     if not path.exists():
         return None
+    try:
+        layers = torch.load(path, weights_only=False)             # our own cache, written by keep_layers
+    except (AttributeError, ImportError, EOFError, RuntimeError, pickle.UnpicklingError) as e:
+        log(f"{path.name} does not load ({type(e).__name__}: {e}); quantizing the row again")
+        return None
     model = copy.deepcopy(ctx.model)
-    model.model.layers = torch.load(path, weights_only=False)     # our own cache, written by keep_layers
+    model.model.layers = layers
     return model
 
 

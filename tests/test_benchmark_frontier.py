@@ -140,6 +140,7 @@ def test_a_text_added_later_is_scored_from_the_kept_rows_without_quantizing_agai
     assert set(first) == {"RTN int4, g128", "AWQ int4, g128"} and all(set(r["texts"]) == {"gpl3"}
                                                                        for r in first.values())
     # AWQ folds scales into the norms: its kept layers must bring them back, or the gpl3 score moves
+    original_engine_row = frontier.engine_row
     awq_json = next((tmp_path / "tiny" / "rows").glob("engine-AWQ*.json"))
     forgotten = json.loads(awq_json.read_text())
     planted = {**forgotten["texts"].pop("gpl3"), "kl_nats": 123.0}
@@ -154,6 +155,20 @@ def test_a_text_added_later_is_scored_from_the_kept_rows_without_quantizing_agai
         assert again[label]["texts"]["gpl3"] == first[label]["texts"]["gpl3"]
         assert again[label]["bits"] == first[label]["bits"] and again[label]["seconds"] == first[label]["seconds"]
     assert again["AWQ int4, g128"]["texts"]["pydoc"] == planted
+    # kept layers that no longer load: the row is quantized again and scored on every text, its old scores dropped
+    rtn_json = next((tmp_path / "tiny" / "rows").glob("engine-RTN*.json"))
+    stale = json.loads(rtn_json.read_text())
+    del stale["texts"]["idle"]
+    stale["texts"]["code"] = planted
+    rtn_json.write_text(json.dumps(stale))
+    kept = tmp_path / "tiny" / "files" / "engine" / f"{frontier.slug('engine', 'RTN int4, g128')}.pt"
+    kept.write_bytes(b"not a pickle")
+    quantized = []
+    monkeypatch.setattr(frontier, "engine_row", lambda *a: quantized.append(a[3]) or original_engine_row(*a))
+    frontier.main(args)
+    [fresh] = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith("{")]
+    assert quantized == [{"bits": 4, "group_size": 128}] and fresh["texts"]["code"] != planted
+    assert fresh["texts"]["gpl3"] == first["RTN int4, g128"]["texts"]["gpl3"]       # the same quantization again
     texts = torch.load(tmp_path / "tiny" / "texts.pt")
     assert set(texts) == set(frontier_reference.TEXTS) and all(len(t) == 2 for t in texts.values())
     info = json.loads((tmp_path / "tiny" / "info.json").read_text())
