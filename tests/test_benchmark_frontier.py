@@ -93,12 +93,18 @@ def test_frontier_compares_the_best_peer_with_the_engine_at_or_below_its_bits():
     assert (rate, peer["row"], ours["row"]) == (4.0, "llama.cpp4.1", "engine3.9")   # 4.3 bits is above 4.1
 
 
-def test_tiny_run_writes_rows_table_and_plot_resumes_and_names_absent_peers(tmp_path, monkeypatch, capsys,
-                                                                            tiny_model):
+@pytest.fixture
+def tiny_reference(tmp_path, monkeypatch, tiny_model):
+    """frontier.py's tiny reference made small (2 chunks of 32 bytes, 2 calibration rows) and no peer venv."""
     monkeypatch.setitem(frontier_reference.SETTINGS, "tiny", dict(ctx=32, chunks=2, calib_len=32, calib_samples=2,
                                                                   autoround_iters=0))
     monkeypatch.setattr(frontier_reference, "trained_model", lambda *a, **k: tiny_model)
     monkeypatch.setattr(frontier_peers.clients, "CACHE", tmp_path / "no-venvs")
+    return tiny_model
+
+
+def test_tiny_run_writes_rows_table_and_plot_resumes_and_names_absent_peers(tmp_path, monkeypatch, capsys,
+                                                                            tiny_reference):
     q4k = "=engine GPTQ on llama.cpp's Q4_K imatrix grid"
     args = ["--references", "tiny", "--tools", "engine", "HQQ", "--rows", "RTN int4, g128", "FP8", "HQQ int4 g64",
             q4k, "--out", str(tmp_path), "--no-install", "--texts", "gpl3", "pydoc"]
@@ -111,10 +117,10 @@ def test_tiny_run_writes_rows_table_and_plot_resumes_and_names_absent_peers(tmp_
     assert [s.split(" | ")[1] for s in table] == ["RTN int4, g128", q4k[8:], "FP8 E4M3, 128x128 blocks"]  # by bits
     # the GGUF row's whole file was written (64-wide rows: Q5_0 linears, the embedding at Q8_0), measured and
     # removed; rows of the engine's own formats have no GGUF to measure
-    linears = lines[2]["bits"] * sum(m.weight.numel() for n, m in tiny_model.named_modules()
+    linears = lines[2]["bits"] * sum(m.weight.numel() for n, m in tiny_reference.named_modules()
                                      if n.startswith("model.layers.") and hasattr(m, "weight")
                                      and m.weight.dim() == 2) / 8
-    embedding = tiny_model.model.embed_tokens.weight.numel() * 8.5 / 8
+    embedding = tiny_reference.model.embed_tokens.weight.numel() * 8.5 / 8
     # the rest (norms, byte vocabulary, alignment) is ~10 KB; an F32 embedding would add 48 KB
     assert linears + embedding < lines[2]["file_bytes"] < linears + embedding + 16384
     assert "file_bytes" not in lines[0] and not list((tmp_path / "tiny" / "files").glob("*.gguf"))
@@ -127,11 +133,7 @@ def test_tiny_run_writes_rows_table_and_plot_resumes_and_names_absent_peers(tmp_
 
 
 def test_a_text_added_later_is_scored_from_the_kept_rows_without_quantizing_again(tmp_path, monkeypatch, capsys,
-                                                                                  tiny_model):
-    monkeypatch.setitem(frontier_reference.SETTINGS, "tiny", dict(ctx=32, chunks=2, calib_len=32, calib_samples=2,
-                                                                  autoround_iters=0))
-    monkeypatch.setattr(frontier_reference, "trained_model", lambda *a, **k: tiny_model)
-    monkeypatch.setattr(frontier_peers.clients, "CACHE", tmp_path / "no-venvs")
+                                                                                  tiny_reference):
     args = ["--references", "tiny", "--tools", "engine", "--rows", "RTN int4, g128", "AWQ int4, g128",
             "--out", str(tmp_path), "--no-install"]
     frontier.main(args + ["--texts", "gpl3"])
@@ -235,10 +237,7 @@ def test_a_llama_cpp_venv_without_gguf_counts_as_not_installed(tmp_path):
     assert done.returncode != 0 and b"no gguf here" in done.stderr
 
 
-def test_a_remedy_row_quantizes_on_its_own_calibration_mix(tmp_path, monkeypatch, capsys, tiny_model):
-    monkeypatch.setitem(frontier_reference.SETTINGS, "tiny", dict(ctx=32, chunks=2, calib_len=32, calib_samples=2,
-                                                                  autoround_iters=0))
-    monkeypatch.setattr(frontier_reference, "trained_model", lambda *a, **k: tiny_model)
+def test_a_remedy_row_quantizes_on_its_own_calibration_mix(tmp_path, monkeypatch, tiny_reference):
     seen = []
 
     def engine_row(model, calibration, quantize, options):
