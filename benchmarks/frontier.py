@@ -318,6 +318,18 @@ def measure(row, ctx, refs, texts, install, cached=None):
     return result
 
 
+def cached_row(path):
+    """A row's cached result, or None where there is none or it does not parse (a run killed while writing it: the
+    row is measured again)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as e:
+        log(f"{path.name} does not parse ({e}); measuring the row again")
+        return None
+
+
 def run_reference(name, args):
     model, info, folder = reference.build(name, args.out)
     texts = {t: ids for t, ids in torch.load(folder / "texts.pt").items() if t in args.texts}
@@ -327,7 +339,7 @@ def run_reference(name, args):
     for row in all_rows(args.tools, args.rows):
         path = folder / "rows" / f"{slug(row[0], row[1])}.json"
         rerun = args.rerun and any(matches(s, row) for s in args.rerun)
-        cached = json.loads(path.read_text()) if path.exists() and not rerun else None
+        cached = cached_row(path) if not rerun else None
         if cached and ("error" in cached or set(texts) <= set(cached["texts"])):
             results.append(cached)
             continue

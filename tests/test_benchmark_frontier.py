@@ -165,12 +165,16 @@ def test_a_text_added_later_is_scored_from_the_kept_rows_without_quantizing_agai
     rtn_json.write_text(json.dumps(stale))
     kept = tmp_path / "tiny" / "files" / "engine" / f"{frontier.slug('engine', 'RTN int4, g128')}.pt"
     kept.write_bytes(b"not a pickle")
+    awq_json.write_text(awq_json.read_text()[:100])        # a row file cut short (a run killed while writing it)
     quantized = []
     monkeypatch.setattr(frontier, "engine_row", lambda *a: quantized.append(a[3]) or original_engine_row(*a))
     frontier.main(args)
-    [fresh] = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith("{")]
-    assert quantized == [{"bits": 4, "group_size": 128}] and fresh["texts"]["code"] != planted
-    assert fresh["texts"]["gpl3"] == first["RTN int4, g128"]["texts"]["gpl3"]       # the same quantization again
+    fresh = {r["row"]: r for r in map(json.loads, (s for s in capsys.readouterr().out.splitlines()
+                                                   if s.startswith("{")))}
+    assert quantized == [{"bits": 4, "group_size": 128}, {"group_size": 128}]     # both measured again, whole
+    assert fresh["RTN int4, g128"]["texts"]["code"] != planted
+    for label in first:                                                             # the same quantization again
+        assert fresh[label]["texts"]["gpl3"] == first[label]["texts"]["gpl3"]
     texts = torch.load(tmp_path / "tiny" / "texts.pt")
     assert set(texts) == set(frontier_reference.TEXTS) and all(len(t) == 2 for t in texts.values())
     info = json.loads((tmp_path / "tiny" / "info.json").read_text())
