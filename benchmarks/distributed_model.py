@@ -9,7 +9,7 @@ A layer's time on N ranks (one rank per machine, every machine alike) is
 
 walk: the calibration forwards (true-sequential captures and the outputs), split with the batches; it grows as the
 tokens times the layer's weights, and is calibrated from the 8-layer Qwen3-0.6B shape's one-process, one-thread run
-(benchmarks/distributed.py: its wall time less start-up, less the modelled GPTQ work). GPTQ work: distributed.plan's
+(benchmarks/distributed.py: its wall time less start-up, less the modelled GPTQ work). GPTQ work: obq.row_shares'
 shares, each costing its rank the inverse-Hessian factor (A * in^3, whoever else also computes it) and its rows'
 feedback (B * rows * in^2); A and B are measured below. exchange: the Hessian fold (each rank passes its float64
 upper triangles to the next, N - 1 hops one after the other, then the last rank sends each rank the float32
@@ -26,7 +26,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.distributed import plan  # noqa: E402
 from engine.formats import gptq  # noqa: E402
 from engine.formats.numerics import obq  # noqa: E402
 
@@ -66,7 +65,7 @@ def gptq_s(shape, ranks, a, b):
     total = 0.0
     for step in steps(shape):
         load = [0.0] * ranks
-        for name, shares in plan(step, ranks, obq.ROWS).items():
+        for name, shares in obq.row_shares(step, ranks).items():
             cols = step[name][1]
             for r, first, end in shares:
                 load[r] += a * cols ** 3 + b * (end - first) * cols ** 2

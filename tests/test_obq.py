@@ -94,6 +94,27 @@ def test_feedback_lowers_the_layer_error_and_step_must_divide():
         obq.error_feedback(w, U[:64, :64], rounding())
 
 
+@pytest.mark.parametrize("n", [40, 300, 701])
+def test_the_factor_is_the_textbooks_upper_cholesky_of_the_damped_inverse(n):
+    """One factorization of the reversed H and a triangular inverse give the factor the book's three steps give
+    (float64: they agree to rounding). 300 and 701 take upper_inverse's halves (below 256 a solve), 701 odd ones; a
+    wrong flip gives the lower factor or another one, a sign error in the off-diagonal block a wrong inverse."""
+    _, h, U = layer(1, n, 5)
+    damped = h + 0.01 * torch.diag(h).mean() * torch.eye(n, dtype=h.dtype)
+    book = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
+    assert torch.equal(U, U.triu()) and bool((torch.diag(U) > 0).all())
+    assert torch.allclose(U, book, rtol=1e-9, atol=1e-12 * float(book.abs().max()))
+    assert torch.allclose(U.T @ U @ damped, torch.eye(n, dtype=h.dtype), atol=1e-9)
+
+
+def test_upper_inverse_inverts_an_upper_triangle():
+    g = torch.Generator().manual_seed(2)
+    r = (torch.randn(600, 600, generator=g, dtype=torch.float64) / 30).triu() + torch.eye(600, dtype=torch.float64)
+    inverse = obq.upper_inverse(r)
+    assert torch.equal(inverse, inverse.triu())
+    assert torch.allclose(inverse @ r, torch.eye(600, dtype=torch.float64), atol=1e-10)
+
+
 def test_dead_inputs_do_not_break_the_factorization():
     w, h, _ = layer(4, 16, 4)
     h[3, :] = h[:, 3] = 0                                           # an input that was never active
