@@ -189,6 +189,16 @@ def test_hessian_accumulates_batches():
         _ = input_stats.InputStats(24).hessian               # no data: a clear error, not a NaN Hessian
 
 
+def test_the_upper_panels_give_the_whole_gram_matrixs_triangle():
+    """upper_gram multiplies only row panels from the diagonal on: over three panels (the last ragged) its triangle
+    is the whole X^T X's (against float64, to float32 rounding); a panel skipped or written at other columns is
+    far off."""
+    x = torch.randn(64, 1100, generator=torch.Generator().manual_seed(0))
+    whole = x.double().T @ x.double()
+    upper = torch.ones(1100, 1100, dtype=torch.bool).triu()
+    assert torch.allclose(input_stats.upper_gram(x).double(), whole[upper], rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_never_worse_than_rtn(seed, act_order):
