@@ -115,6 +115,15 @@ def test_upper_inverse_inverts_an_upper_triangle():
     assert torch.allclose(inverse @ r, torch.eye(600, dtype=torch.float64), atol=1e-10)
 
 
+def test_a_hessian_that_is_not_positive_definite_is_a_clear_error():
+    _, h, _ = layer(1, 300, 5)
+    h[7, 7] = float("nan")                                          # calibration inputs that overflowed
+    with pytest.raises(ValueError, match=r"not positive definite \(it holds inf or NaN"):
+        obq.inverse_cholesky(h)
+    with pytest.raises(ValueError, match=r"\[3, 3\] is not positive definite: GPTQ"):
+        obq.inverse_cholesky(-torch.eye(3, dtype=torch.float64), damp=0.0)
+
+
 def test_dead_inputs_do_not_break_the_factorization():
     w, h, _ = layer(4, 16, 4)
     h[3, :] = h[:, 3] = 0                                           # an input that was never active

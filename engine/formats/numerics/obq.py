@@ -47,7 +47,12 @@ def inverse_cholesky(hessian, damp=0.01):
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     H += damp * torch.diag(H).mean().clamp_min(1e-12) * torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
-    return upper_inverse(torch.linalg.cholesky(H.flip(0, 1)).flip(0, 1))
+    M, info = torch.linalg.cholesky_ex(H.flip(0, 1))
+    if info:
+        raise ValueError(f"the damped Hessian [{len(H)}, {len(H)}] is not positive definite"
+                         f"{'' if torch.isfinite(H).all() else ' (it holds inf or NaN: the calibration inputs do)'}: "
+                         "GPTQ's inverse factor cannot be made from it")
+    return upper_inverse(M.flip(0, 1))
 
 
 def upper_inverse(R):
