@@ -120,7 +120,7 @@ def test_a_hessian_that_is_not_positive_definite_is_a_clear_error():
     h[7, 7] = float("nan")                                          # calibration inputs that overflowed
     with pytest.raises(ValueError, match=r"not positive definite \(it holds inf or NaN"):
         obq.inverse_cholesky(h)
-    with pytest.raises(ValueError, match=r"\[3, 3\] is not positive definite: GPTQ"):
+    with pytest.raises(ValueError, match=r"\[3, 3\] is not positive definite: the error feedback"):
         obq.inverse_cholesky(-torch.eye(3, dtype=torch.float64), damp=0.0)
 
 

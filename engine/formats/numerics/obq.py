@@ -41,8 +41,8 @@ def inverse_cholesky(hessian, damp=0.01):
     The reference code (and the book) factors, inverts and factors again: cholesky(cholesky_inverse(cholesky(H)),
     upper=True), about 4/3 in^3 flops. One factorization and one triangular inverse give the same U: with J the
     exchange matrix (the inputs in reverse order), J H J = M M^T makes H = R R^T with R = J M J upper triangular,
-    so H^-1 = R^-T R^-1 = U^T U with U = R^-1 upper, the unique factor with a positive diagonal. A third less time
-    at in = 3072, and U^T U H nearer I (tests/test_obq.py)."""
+    so H^-1 = R^-T R^-1 = U^T U with U = R^-1 upper, the unique factor with a positive diagonal: about in^3 flops,
+    most of them in matrix products, and U^T U H nearer I (tests/test_obq.py)."""
     H = hessian.clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
@@ -51,7 +51,7 @@ def inverse_cholesky(hessian, damp=0.01):
     if info:
         raise ValueError(f"the damped Hessian [{len(H)}, {len(H)}] is not positive definite"
                          f"{'' if torch.isfinite(H).all() else ' (it holds inf or NaN: the calibration inputs do)'}: "
-                         "GPTQ's inverse factor cannot be made from it")
+                         "the error feedback's factor cannot be made from it")
     return upper_inverse(M.flip(0, 1))
 
 
