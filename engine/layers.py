@@ -251,12 +251,32 @@ SEQUENTIAL_STEPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
                     ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
+def moe_config(cfg):
+    """Whether a model's config is a MoE one (config.Qwen3MoeConfig, the one that counts experts; asked by its
+    fields, so that a method's module need not import the model's config nor list its model types)."""
+    return getattr(cfg, "num_experts", None) is not None
+
+
+def model_cfg(module):
+    """The model's config, from the model or one of its decoder layers."""
+    return getattr(module, "cfg", None) or getattr(getattr(module, "self_attn", None), "cfg", None)
+
+
+def is_moe(module):
+    """Whether a model, or a decoder layer of one (a dense layer included), is a MoE model's."""
+    return moe_config(model_cfg(module))
+
+
+def experts_of(layer):
+    """A decoder layer's experts (an nn.ModuleList), None for a dense layer."""
+    return getattr(getattr(layer, "mlp", None), "experts", None)
+
+
 def sequential_steps(layer):
     """A decoder layer's SEQUENTIAL_STEPS; in a sparse (MoE) layer the two MLP steps hold the shared expert's linears
     where there is one (mlp.shared_expert.gate_proj ...), then every expert's (mlp.experts.E.gate_proj and up_proj,
     then each down_proj), each expert reading its own tokens."""
-    mlp = getattr(layer, "mlp", None)
-    experts = getattr(mlp, "experts", None)
+    mlp, experts = getattr(layer, "mlp", None), experts_of(layer)
     if experts is None:
         return SEQUENTIAL_STEPS
     owners = ["mlp.shared_expert."] * hasattr(mlp, "shared_expert") + [f"mlp.experts.{e}." for e in range(len(experts))]

@@ -63,6 +63,7 @@ from ..safe_writes import (check_apart, check_free_space, check_output, commit_d
 from ..safetensors_io import (INDEX, TensorReader, check_records, float_digest, read_header, read_json, save_file,
                              tensor_digest, write_json)
 from .models import Source
+from .rank_layers import RankLayerCalibration
 
 PROGRESS = "progress.json"
 
@@ -255,9 +256,10 @@ class Conversion:
             stored.update(_fill(model, self.source.tensors(keep), layer_dtype, state["digests"]))
         stored = {}
         read()
-        layer = LayerCalibration(model.model.layers[i], i, batches, self.entry.name, group=self.group,
-                                 first=self.share[0], total=self.share[1], fisher=self.fisher,
-                                 load=lambda experts: read(set(experts)))
+        options = dict(fisher=self.fisher, load=lambda experts: read(set(experts)))
+        layer = (LayerCalibration(model.model.layers[i], i, batches, self.entry.name, **options) if self.group is None
+                 else RankLayerCalibration(model.model.layers[i], i, batches, self.entry.name, self.group, *self.share,
+                                           **options))
         if i < state["done"]:
             if mode == "quantized":
                 self._read_back(folder, self.shards[i], self._spec(state["layer_configs"][i]), layer_dtype)

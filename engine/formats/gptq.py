@@ -36,7 +36,6 @@ from .gptq_order import DEFAULT as DEFAULT_ORDER
 from .gptq_order import ORDERS, SEARCH, SEARCHED, check_order, visit_order
 from .method import (CheckpointMethod, bool_option, choice_option, config_field, int_option, number_option,
                      options_for, scale_tensor)
-from .numerics import experts
 from .numerics.affine import (AffineQuantLinear, affine_parts, as_int32, find_params, group_width,  # noqa: F401
                               grouped, pack_int32, unpack_int32)
 from .numerics.obq import error_feedback, inverse_cholesky, layer_error
@@ -273,14 +272,12 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
     case that needs it), order records the visit. GPTQ on llama.cpp's grids is llama_cpp/gptq_ggml.py's.
     A sparse (Qwen3-MoE) layer's experts each get the Hessian of the tokens routed to them; one that saw fewer than
     expert_min_tokens (None: its input width) is rounded to nearest (numerics/experts.py, recorded in the config);
-    the experts are calibrated a chunk at a time (experts.chunked_steps: the same bytes, bounded memory)."""
+    the experts are calibrated a chunk at a time (LayerCalibration.step_hessians: the same bytes, bounded memory)."""
     quantization_config = validate({"quant_method": "gptq", "bits": bits, "group_size": group_size, "order": order,
                                     "desc_act": permuted({"order": order}), "sym": sym,
                                     "checkpoint_format": checkpoint_format})
     min_zero = 1 if checkpoint_format == "gptq" and not sym else 0
-    steps = experts.StepHessians(expert_min_tokens)
-    for step in experts.chunked_steps(layer.layer):       # a sparse layer's experts a chunk at a time
-        hessians = steps(layer, step)
+    for hessians in layer.step_hessians(expert_min_tokens):
 
         def make(name, linear, hessians=hessians):
             group = group_width(group_size, linear.in_features)
@@ -293,7 +290,7 @@ def quantize_layer(layer, bits=DEFAULTS["bits"], group_size=DEFAULTS["group_size
 
         layer.replace(make, names=hessians, rows=order != SEARCH)      # search prices an order over all rows
     kept = ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "order")
-    return {**{k: quantization_config[k] for k in kept}, **steps.record(layer)}
+    return {**{k: quantization_config[k] for k in kept}, **layer.expert_record}
 
 
 def quantize(model, calibration_ids, batch_size=8, **options):

@@ -39,7 +39,7 @@ from .. import gptq
 from ..gptq_order import DEFAULT as DEFAULT_ORDER
 from ..gptq_order import ORDERS, SEARCH, visit_order
 from ..method import Option, bool_option, choice_option, number_option, options_for
-from ..numerics import calibration, experts
+from ..numerics import calibration
 from ..numerics.affine import AffineQuantLinear
 from ..numerics.obq import error_feedback, inverse_cholesky, layer_error
 from . import bit_plan, ggml, ggml_quants, iq4
@@ -277,9 +277,7 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
     else:
         wanted = ggml_type if isinstance(ggml_type, dict) else dict.fromkeys(names, ggml_type)
     types = {name: ggml_type_for(wanted[name], layer.module(layer.prefix + name).in_features) for name in names}
-    step_hessians = experts.StepHessians(expert_min_tokens)
-    for step in experts.chunked_steps(layer.layer):     # a sparse layer's experts a chunk at a time
-        hessians = step_hessians(layer, step)
+    for hessians in layer.step_hessians(expert_min_tokens):    # a sparse layer's experts a chunk at a time
 
         def make(name, linear, hessians=hessians):
             kind, H = types[name.removeprefix(layer.prefix)], hessians[name]
@@ -291,7 +289,7 @@ def quantize_layer(layer, ggml_type=None, order=DEFAULT_ORDER, damp=0.01, bpw=No
     return {"quant_method": "gptq", "checkpoint_format": "ggml", "ggml_type": ggml_type, "order": order,
             "desc_act": False, "imatrix": imatrix, "refit": refit, "ggml_types": types,
             **({"bpw": bpw, "plan": plan} if bpw is not None else {}),
-            **step_hessians.record(layer)}
+            **layer.expert_record}
 
 
 # ---- the engine folder on the way to a GGUF file (checkpoint_format "ggml") ----------------------------------------

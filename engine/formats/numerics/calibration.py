@@ -15,33 +15,21 @@ Within a layer, a step's run may resume where the step before stopped instead of
 (the attention computed once, not once per GPTQ step): engine/formats/numerics/layer_runs.py, a speed-up with the same
 results, kept apart so that this file reads as the walk itself.
 
-With several processes (engine/distributed.py) each rank walks the layers with its share of the batches: capture
-merges the ranks' statistics in a fixed order (InputStats' slots: the sums of one process, bit for bit) and replace
-has one rank make each linear (or, for error feedback, each share of a large linear's rows) and send it to the others,
-so every method runs unchanged.
+With several processes each rank walks the layers with its share of the batches, through a LayerCalibration whose
+capture merges the ranks' statistics and whose replace shares the work (engine/checkpoints/rank_layers.py), so every
+method runs unchanged.
 """
+import contextlib
+
 import torch
 from tqdm import tqdm
 
-from ...layers import QuantLinear, input_owner, linear_names, replace_linears, sequential_steps
-from .experts import PER_LAYER, running
+from ...layers import QuantLinear, experts_of, input_owner, is_moe, linear_names, replace_linears, sequential_steps
+from . import experts
 from .layer_runs import ResumingRuns
 from .input_stats import InputStats, slot_of
-from .obq import ROWS, row_shares
 
 BATCH_SIZE = 8                  # calibration sequences in one forward pass (by_layer's default)
-
-
-def _rows(linear, first, end):
-    """An nn.Linear holding rows first .. end - 1 of `linear` (views of its weight and bias), the whole one as it
-    is."""
-    if first == 0 and end == linear.out_features:
-        return linear
-    share = torch.nn.Linear(linear.in_features, end - first, bias=linear.bias is not None, device="meta")
-    share.weight = torch.nn.Parameter(linear.weight[first:end], requires_grad=False)
-    if linear.bias is not None:
-        share.bias = torch.nn.Parameter(linear.bias[first:end], requires_grad=False)
-    return share
 
 
 class _Seen(Exception):
@@ -86,59 +74,48 @@ class LayerCalibration:
     layer's experts that are still on the meta device, as a run first needs them (experts.running; the streaming
     converter's, for a method with CheckpointMethod.lazy_experts), None where the layer holds them all."""
 
-    def __init__(self, layer, index, batches=None, method="this method", prefix=None, group=None, first=0,
-                 total=None, fisher=None, load=None):
+    def __init__(self, layer, index, batches=None, method="this method", prefix=None, fisher=None, load=None):
         self.layer, self.index, self.batches, self.method, self.fisher = layer, index, batches, method, fisher
-        self.load = load
+        self.load, self.experts = load, experts_of(layer)        # a sparse layer's experts, None for a dense one
+        self.expert_record = {}                                 # what step_hessians saw of them (experts.py)
         self.prefix = f"model.layers.{index}." if prefix is None else prefix
         self.runs = ResumingRuns(layer, len(batches or ()))
-        # several processes (engine.distributed): `batches` are this rank's share, global batches first .. first +
-        # len - 1 of `total`; statistics are merged over the ranks and each linear quantized by one of them
-        self.group, self.first = group, first
-        self.total = len(batches or ()) if total is None else total
+        self.first, self.total = 0, len(batches or ())          # the calibration slots of the batches (input_stats)
 
     def replace(self, make, names=None, rows=False):
-        """Replace the layer's linears (all, or the full names in `names`) by make(full name, linear), in place. In a
-        group of processes each linear is made by the rank obq.row_shares gives it and sent to the others; with
-        rows=True (make quantizes each output row on its own given the statistics, as error feedback does) a large
-        linear is cut into shares of rows, make gets a linear of one share's rows, and the shares' layers are joined
-        (QuantLinear.joined) on every rank."""
+        """Replace the layer's linears (all, or the full names in `names`) by make(full name, linear), in place.
+        rows=True says that make quantizes each output row on its own given the statistics (error feedback), so that
+        several processes may each make a share of the rows (checkpoints/rank_layers.py)."""
         names = None if names is None else {n.removeprefix(self.prefix) for n in names}
-        if self.group is None:
-            replaced = replace_linears(self.layer, lambda name, linear: make(self.prefix + name, linear), names)
-        else:
-            chosen = [n for n in linear_names(self.layer) if names is None or n in names]
-            linears = {n: self.layer.get_submodule(n) for n in chosen}
-            if rows:
-                shares = row_shares({n: (m.out_features, m.in_features) for n, m in linears.items()}, self.group.world,
-                              ROWS)
-            else:                                       # whole linears, turn about
-                shares = {n: [((self.index + k) % self.group.world, 0, m.out_features)]
-                          for k, (n, m) in enumerate(linears.items())}
-            made = {(n, a): make(self.prefix + n, _rows(linears[n], a, b))
-                    for n in chosen for r, a, b in shares[n] if r == self.group.rank}
-
-            def gathered(name, linear):
-                parts = [self.group.broadcast(made.get((name, a)), r, f"sharing {self.prefix}{name}")
-                         for r, a, _ in shares[name]]
-                return parts[0] if len(parts) == 1 else type(parts[0]).joined(parts)
-            replaced = replace_linears(self.layer, gathered, set(chosen))
+        replaced = replace_linears(self.layer, lambda name, linear: make(self.prefix + name, linear), names)
         self.runs.drop_stale()                          # what the replaced linears made is freed now
         return replaced
 
     def by_rows(self, fn, *rows):
         """fn(*rows) for tensors whose first dimension is a weight's output rows (None passes as it is) and an fn
-        whose results are tensors per output row in turn (the first dimension follows the rows, in blocks of them):
-        error feedback given the statistics. In a group of processes each rank runs fn on its share of the rows
-        (obq.row_shares) and the shares' results are joined on every rank."""
-        if self.group is None:
-            return fn(*rows)
-        shares = row_shares({"weight": tuple(rows[0].shape[:2])}, self.group.world, ROWS)["weight"]
-        mine = [fn(*(t if t is None else t[a:b] for t in rows)) for r, a, b in shares if r == self.group.rank]
-        parts = [self.group.broadcast(mine[0] if r == self.group.rank else None, r,
-                                      f"sharing rows {first}-{end - 1} of a weight of {self.prefix[:-1]}")
-                 for r, first, end in shares]
-        return tuple(torch.cat(joined) for joined in zip(*parts))
+        whose results are tensors per output row in turn: error feedback given the statistics, which several
+        processes split by rows (checkpoints/rank_layers.py)."""
+        return fn(*rows)
+
+    def step_hessians(self, min_tokens=None):
+        """Yield {full name: H = 2 X^T X / n [in, in]} for each step of the layer in forward order (q/k/v, o,
+        gate/up, down), each captured when the caller has replaced the steps before: GPTQ's true-sequential walk. A
+        sparse layer's experts are taken a chunk at a time and one that saw fewer than min_tokens gets H = I
+        (experts.StepHessians); what they saw is left in self.expert_record ({} for a dense layer)."""
+        if self.experts is None:
+            for step in sequential_steps(self.layer):
+                yield {name: stats.hessian for name, stats in self.capture(step).items()}
+            if is_moe(self.layer):                      # a MoE model's dense layer: its record says it has none
+                self.expert_record = experts.layer_record(self, {}, set(), min_tokens)
+            return
+        hessians = experts.StepHessians(min_tokens)
+        for step in experts.chunked_steps(self.layer):
+            yield hessians(self, step)
+        self.expert_record = hessians.record(self)
+
+    def _running(self, watched=None):
+        """A sparse layer's runs limited to the experts `watched` needs (experts.running); a dense one's as is."""
+        return contextlib.nullcontext() if self.experts is None else experts.running(self.layer, watched, self.load)
 
     def _run(self, b, args, watched=()):
         """What self.layer(*args) returns for batch b (resumed where an earlier run of the batch stopped, when that
@@ -169,20 +146,22 @@ class LayerCalibration:
         names = [n for step in sequential_steps(self.layer) for n in step] if names is None else list(names)
         first = {n: input_owner(n) for n in names}
         watched = self.linears(dict.fromkeys(first.values()))
-        with running(self.layer, watched.values(), self.load):         # a sparse block: the experts watched alone
-            stats = capture(watched, self.batches, lambda b, args: self._run(b, args, watched.values()),
-                            lambda b: slot_of(self.first + b, self.total), keep_slots=self.group is not None)
-        if self.group is not None:
-            for one in stats.values():
-                one.merge(self.group)
+        stats = self._statistics(watched)
         return {self.prefix + n: stats[self.prefix + first[n]] for n in names}
+
+    def _statistics(self, watched, keep_slots=False):
+        """{full name: InputStats} of the watched modules' inputs over this process's batches, each batch summed in
+        its calibration slot (input_stats.slot_of); keep_slots: each slot's sums kept apart, to be merged."""
+        with self._running(watched.values()):
+            return capture(watched, self.batches, lambda b, args: self._run(b, args, watched.values()),
+                           lambda b: slot_of(self.first + b, self.total), keep_slots)
 
     @torch.no_grad()
     def outputs(self):
         """The layer's arguments for the next layer: its outputs, with the same RoPE tables. What was kept for the
         batches is freed: the layer's last use."""
         outputs = []
-        with running(self.layer, load=self.load):
+        with self._running():
             for b, args in enumerate(self.batches):
                 outputs.append((self._run(b, args), *args[1:]))
                 self.runs.forget(b)
@@ -287,11 +266,11 @@ def layer_weights(layer):
 def merged_config(configs, weights):
     """One quantization_config from the layers' own: fields they agree on as they are; bits_per_weight (EntQuant's
     per-block rate search) as the weight-weighted mean; any other field that differs, and those that are always one
-    value per layer (PER_LAYER: the experts' token counts), as the list of per-layer values."""
+    value per layer (experts.PER_LAYER: the experts' token counts), as the list of per-layer values."""
     merged = dict(configs[0])
     for key in merged:
         values = [c[key] for c in configs]
-        if any(v != values[0] for v in values) or key in PER_LAYER:
+        if any(v != values[0] for v in values) or key in experts.PER_LAYER:
             merged[key] = (sum(v * n for v, n in zip(values, weights)) / sum(weights)
                            if key == "bits_per_weight" else values)
     return merged

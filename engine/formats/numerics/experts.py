@@ -42,7 +42,7 @@ import re
 
 import torch
 
-from ...layers import release_memory, sequential_steps
+from ...layers import experts_of, is_moe, model_cfg, moe_config, release_memory, sequential_steps
 
 PER_LAYER = ("expert_tokens", "experts_rounded")
 CHUNK_BYTES = 256 * 2 ** 20     # what one chunk of experts may cost while it is calibrated (chunk_size)
@@ -92,27 +92,13 @@ class StepHessians:
         return layer_record(layer, self.rows, self.few, self.min_tokens)
 
 
-def moe_config(cfg):
-    """Whether a model's config is a MoE one (config.Qwen3MoeConfig, the one that counts experts; asked by its
-    fields, so that a method's module need not import the model's config nor list its model types)."""
-    return getattr(cfg, "num_experts", None) is not None
-
-
-def _cfg(module):
-    return getattr(module, "cfg", None) or getattr(getattr(module, "self_attn", None), "cfg", None)
-
-
-def is_moe(module):
-    """Whether a model, or a decoder layer of one (a dense layer included), is a MoE model's."""
-    return moe_config(_cfg(module))
-
-
 def dense_weights(module):
     """The patterns (compressed-tensors' `ignore`) of the weights a MoE model keeps dense that a reader would
     match as linears: the routers, and the shared experts' gates where the model has them; [] for a dense model."""
     if not is_moe(module):
         return []
-    return [ROUTER_IGNORE] + [SHARED_GATE_IGNORE] * bool(getattr(_cfg(module), "shared_expert_intermediate_size", 0))
+    shared = getattr(model_cfg(module), "shared_expert_intermediate_size", 0)
+    return [ROUTER_IGNORE] + [SHARED_GATE_IGNORE] * bool(shared)
 
 
 def refuse(cfg, what, why):
@@ -133,11 +119,6 @@ def layer_record(layer, rows, few, min_tokens=None):
             tokens[expert_of(name)] = n
     return {"expert_tokens": tokens, "experts_rounded": sorted({expert_of(name) for name in few}),
             "expert_min_tokens": min_tokens}
-
-
-def experts_of(layer):
-    """A decoder layer's experts (an nn.ModuleList), None for a dense layer."""
-    return getattr(getattr(layer, "mlp", None), "experts", None)
 
 
 def expert_bytes(expert):
