@@ -1,6 +1,7 @@
 """The house the book's code lives in: the chapter's methods stand alone (their imports stay small, none reaches
 into the rooms a reader can skip), and no file grows past a page a reader can hold."""
 import ast
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,34 @@ print(sorted(m for m in sys.modules if m.startswith({SKIPPABLE_ROOMS!r})))
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "[]"
+
+
+def test_a_dense_models_gptq_runs_no_code_of_the_experts_or_of_the_ranks(tmp_path):
+    """The book's path (benchmarks/book_path.py counts it): GPTQ of a dense model and its save enter no function of
+    the sparse layers' room (numerics/experts.py) nor of several processes' (rank_layers.py, distributed.py)."""
+    import torch
+    from engine.formats import gptq
+    from engine.formats.quantized_checkpoints import save_quantized
+    from engine.qwen3 import Qwen3, Qwen3Config
+    torch.manual_seed(0)
+    model = Qwen3(Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, num_hidden_layers=2)).eval()
+    entered, engine = set(), str(ROOT / "engine")
+
+    def profile(frame, event, arg):
+        code = frame.f_code                             # functions only: a module imported on the way runs its body
+        if event == "call" and code.co_flags & inspect.CO_OPTIMIZED and code.co_filename.startswith(engine):
+            entered.add(Path(code.co_filename).relative_to(ROOT).as_posix())
+
+    sys.setprofile(profile)
+    try:
+        config = gptq.quantize(model, torch.randint(0, 256, (4, 16)), group_size=32)
+        save_quantized(model, tmp_path / "ck", "gptq", quantization_config=config)
+    finally:
+        sys.setprofile(None)
+    assert "engine/formats/numerics/calibration.py" in entered           # the walk was traced
+    assert not entered & {"engine/formats/numerics/experts.py", "engine/checkpoints/rank_layers.py",
+                          "engine/distributed.py"}, sorted(entered)
 
 
 def test_each_option_default_is_the_one_its_quantizer_uses():
