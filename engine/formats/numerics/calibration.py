@@ -24,7 +24,8 @@ import contextlib
 import torch
 from tqdm import tqdm
 
-from ...layers import QuantLinear, experts_of, input_owner, is_moe, linear_names, replace_linears, sequential_steps
+from ...layers import (QuantLinear, experts_of, input_owner, is_moe, linear_names, release_memory, replace_linears,
+                       sequential_steps)
 from . import experts
 from .layer_runs import ResumingRuns
 from .input_stats import InputStats, slot_of
@@ -104,6 +105,7 @@ class LayerCalibration:
         (experts.StepHessians); what they saw is left in self.expert_record ({} for a dense layer)."""
         if self.experts is None:
             for step in sequential_steps(self.layer):
+                release_memory()                        # what the step before freed, back to the system
                 yield {name: stats.hessian for name, stats in self.capture(step).items()}
             if is_moe(self.layer):                      # a MoE model's dense layer: its record says it has none
                 self.expert_record = experts.layer_record(self, {}, set(), min_tokens)
