@@ -23,8 +23,11 @@ Fair by construction:
   (the embedding at llama-quantize's type), written once to be measured.
 
 Each row is cached in OUT/<reference>/rows/<row>.json (a killed run resumes; --rerun recomputes matching rows); each
-prints one JSON line. What a row quantized is kept too (a peer's file in files/, the engine's quantized decoder
-layers in files/engine/), so a text added later is scored from the cache without quantizing again. At the end: a
+prints one JSON line. A row the cache lacks is taken from those kept with the repository (--kept, default
+appendix/frontier_rows/<reference>/: the cache's row files, copied there by hand), so a new machine resumes. What a
+row quantized is kept too (a peer's file in files/, the engine's quantized decoder layers in files/engine/), so a
+text added later is scored from the cache without quantizing again (a row kept with the repository has no such
+files: it is quantized again). At the end: a
 markdown table per reference sorted by bits (rows that could not run say why), per rate (about 2.5, 3, 3.5, 4, 4.5,
 5, 6.5 and 8 bits) the engine's best KL over the best peer's on each text with their range and geometric mean, each
 text's frontier (the best peer row against the engine's best row at or below its bits), and OUT/frontier.png (KL on
@@ -60,6 +63,7 @@ from engine.safe_writes import folder_size  # noqa: E402
 from engine.layers import model_bits  # noqa: E402
 
 OUT = Path(os.environ.get("ENGINE_FRONTIER", Path.home() / ".cache" / "engine" / "frontier"))
+KEPT = ROOT / "appendix" / "frontier_rows"     # rows kept with the repository: <reference>/<row>.json
 ENGINE_ROWS = [   # (label, quantize(model, calibration, **options), options): cheap rows first
     ("FP8 E4M3, 128x128 blocks", fp8.quantize, dict(block=128)),
     ("RTN int8, g128", affine.quantize, dict(bits=8, group_size=128)),
@@ -339,7 +343,7 @@ def run_reference(name, args):
     for row in all_rows(args.tools, args.rows):
         path = folder / "rows" / f"{slug(row[0], row[1])}.json"
         rerun = args.rerun and any(matches(s, row) for s in args.rerun)
-        cached = cached_row(path) if not rerun else None
+        cached = (cached_row(path) or cached_row(args.kept / name / path.name)) if not rerun else None
         if cached and ("error" in cached or set(texts) <= set(cached["texts"])):
             results.append(cached)
             continue
@@ -402,6 +406,8 @@ def main(argv=None):
                         "(or is '=tool label')")
     parser.add_argument("--rerun", nargs="*", help="recompute the cached rows matching these substrings")
     parser.add_argument("--out", type=Path, default=OUT, help=f"cache and outputs (default {OUT})")
+    parser.add_argument("--kept", type=Path, default=KEPT, help="rows kept with the repository, used where the cache "
+                        f"has none (default {KEPT}; copied there from OUT/<reference>/rows by hand)")
     parser.add_argument("--no-install", action="store_true", help="a missing peer venv is a row's reason, not built")
     parser.add_argument("--render", action="store_true", help="only the tables and plot of the cached rows")
     parser.add_argument("--plot", type=Path, help="the plot's path (default OUT/frontier.png)")

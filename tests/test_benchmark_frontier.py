@@ -100,6 +100,7 @@ def tiny_reference(tmp_path, monkeypatch, tiny_model):
                                                                   autoround_iters=0))
     monkeypatch.setattr(frontier_reference, "trained_model", lambda *a, **k: tiny_model)
     monkeypatch.setattr(frontier_peers.clients, "CACHE", tmp_path / "no-venvs")
+    monkeypatch.setattr(frontier, "KEPT", tmp_path / "none-kept")          # not the repository's rows
     return tiny_model
 
 
@@ -130,6 +131,27 @@ def test_tiny_run_writes_rows_table_and_plot_resumes_and_names_absent_peers(tmp_
     out = capsys.readouterr().out
     assert [json.loads(s)["row"] for s in out.splitlines() if s.startswith("{")] == ["int4 g64"]
     assert f"| engine | {q4k[8:]} | {lines[2]['bits']:.3f} | {lines[2]['file_bytes'] / 2 ** 20:.1f} |" in out
+
+
+def test_a_row_kept_with_the_repository_is_used_where_the_cache_has_none(tmp_path, monkeypatch, capsys,
+                                                                         tiny_reference):
+    args = ["--references", "tiny", "--tools", "engine", "--rows", "RTN int4, g128", "--no-install",
+            "--texts", "gpl3"]
+    frontier.main(args + ["--out", str(tmp_path / "first")])
+    measured = next((tmp_path / "first" / "tiny" / "rows").glob("*.json"))
+    row = json.loads(measured.read_text())
+    row["texts"]["gpl3"]["kl_nats"] = 123.0                         # planted: only the kept copy says it
+    (tmp_path / "kept" / "tiny").mkdir(parents=True)
+    (tmp_path / "kept" / "tiny" / measured.name).write_text(json.dumps(row))
+    capsys.readouterr()
+    monkeypatch.setattr(frontier, "engine_row", lambda *a: pytest.fail("a kept row was quantized again"))
+    frontier.main(args + ["--out", str(tmp_path / "new-machine"), "--kept", str(tmp_path / "kept")])
+    out = capsys.readouterr().out
+    assert not [s for s in out.splitlines() if s.startswith("{")]          # nothing measured
+    assert "123" in next(s for s in out.splitlines() if s.startswith("| engine | RTN int4, g128 |"))
+    frontier.main(args + ["--out", str(tmp_path / "first"), "--kept", str(tmp_path / "kept")])
+    out = capsys.readouterr().out                                      # the cache's own row comes first
+    assert "123" not in next(s for s in out.splitlines() if s.startswith("| engine | RTN int4, g128 |"))
 
 
 def test_a_text_added_later_is_scored_from_the_kept_rows_without_quantizing_again(tmp_path, monkeypatch, capsys,
