@@ -412,6 +412,8 @@ def main(argv=None):
     parser.add_argument("--render", action="store_true", help="only the tables and plot of the cached rows")
     parser.add_argument("--plot", type=Path, help="the plot's path (default OUT/frontier.png)")
     args = parser.parse_args(argv)
+    if args.kept.exists() and not args.kept.is_dir():
+        parser.error(f"--kept {args.kept} is not a folder")
     torch.set_num_threads(1)      # on a shared 2-core machine a second thread made the forward 8x slower (spinning)
     reports = [run_reference(name, args) for name in args.references]
     report = "\n\n".join(reference_report(info, results, args.texts) for info, results in reports)

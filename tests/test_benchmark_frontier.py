@@ -154,6 +154,13 @@ def test_a_row_kept_with_the_repository_is_used_where_the_cache_has_none(tmp_pat
     assert "123" not in next(s for s in out.splitlines() if s.startswith("| engine | RTN int4, g128 |"))
 
 
+def test_kept_rows_that_name_a_file_are_one_error_line(tmp_path, capsys):
+    (tmp_path / "rows.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        frontier.main(["--kept", str(tmp_path / "rows.json"), "--render", "--out", str(tmp_path)])
+    assert f"error: --kept {tmp_path / 'rows.json'} is not a folder" in capsys.readouterr().err
+
+
 def test_a_text_added_later_is_scored_from_the_kept_rows_without_quantizing_again(tmp_path, monkeypatch, capsys,
                                                                                   tiny_reference):
     args = ["--references", "tiny", "--tools", "engine", "--rows", "RTN int4, g128", "AWQ int4, g128",

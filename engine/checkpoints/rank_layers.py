@@ -38,7 +38,7 @@ class RankLayerCalibration(LayerCalibration):
         self.group, self.first = group, first
         self.total = self.total if total is None else total
 
-    def _statistics(self, watched, keep_slots=True):
+    def _statistics(self, watched, keep_slots=True):          # each rank's slots apart until they are folded
         stats = super()._statistics(watched, keep_slots)
         for one in stats.values():
             one.merge(self.group)
