@@ -17,7 +17,8 @@ from torch import nn
 
 from .formats.numerics.hadamard import rotate_by_product
 
-CHUNK = 1 << 20                 # floats a DecodedLinear decodes at once: 4 MB, cache-sized; a layer's rows in chunks
+CHUNK = 1 << 17                 # floats a DecodedLinear decodes at once (512 KB): still in a core's L2 cache when
+                                # its matmul reads them, where a whole layer's rows come back from memory
 INT4_GROUPS = (32, 64, 128, 256)          # the group sizes PyTorch's CPU int4 kernel takes
 
 
