@@ -2,6 +2,7 @@
 the textbook one, the best rice_k per sub-stream, and the checksum over the stream and its side data."""
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,6 +104,22 @@ def test_each_rice_k_is_the_cheapest(name):
             if m.size:
                 costs = [int(R.rice_lengths(m, rice_k).sum()) for rice_k in range(8)]
                 assert costs[(int(streams.rice_ks[s]) >> shift) & 7] == min(costs)
+
+
+def test_escapes_at_every_bit_alignment_decode_as_the_reference_does():
+    """The fast decoder reads 32-bit windows (at least 25 valid bits past the bit offset) and an escape's raw value
+    from a second window 16 bits on: escapes starting at each of the 8 bit offsets within a byte, at several rice_k."""
+    g = torch.Generator().manual_seed(3)
+    small = (-torch.log(torch.rand(8 * 512, generator=g)) * 1.45 * 2.0 ** torch.arange(8).repeat_interleave(512)).long()
+    big = torch.randint(1 << 12, 1 << 16, (8 * 512,), generator=g)
+    symbols = torch.where(torch.rand(8 * 512, generator=g) < 0.05, big, small)
+    streams = R.rice_encode(symbols)
+    rice_k = R.symbol_rice_ks(R.choose_rice_ks(symbols), symbols.numel())
+    starts = np.cumsum(R.rice_lengths(symbols.numpy(), rice_k)) - R.rice_lengths(symbols.numpy(), rice_k)
+    escaped = (symbols.numpy() >> rice_k) >= R.ESCAPE
+    assert set(starts[escaped] % 8) == set(range(8)) and len(set(rice_k[escaped])) >= 4
+    assert torch.equal(R.rice_decode(streams), R.rice_decode_reference(streams))
+    assert torch.equal(R.rice_decode(streams), symbols)
 
 
 @pytest.mark.parametrize("decode", [R.rice_decode, R.rice_decode_reference])

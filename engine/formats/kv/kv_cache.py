@@ -255,6 +255,8 @@ class KVQuantizer(KVHook):
             axis = torch.tensor(self.lat.axis * (shape[-1] // self.lat.n))
             if "dither" in codes:
                 y_hat = (points * axis.double() - codes["dither"].reshape(shape)) * scale.double()
+            elif set(self.lat.axis) == {1.0}:                  # E8, D4, Z: x * 1.0 is x, a pass over the values saved
+                y_hat = points.float() * scale
             else:
                 y_hat = points.float() * axis * scale
         s = self._rotation(layer, which, y_hat.shape[-1])

@@ -30,7 +30,8 @@ class Lattice:
     code * axis); volume (of a cell, real coordinates); period p (p Z^n, axis-scaled, is a sublattice: a box of side
     p * axis tiles space); levels [n] (which of a sub-stream's two Rice parameters codes each stripped symbol).
     A subclass gives _closest (x [..., n] float64 -> codes int64), is_member (codes [..., n] -> bool [...]),
-    strip (codes [V, n] -> symbols [V, n] >= 0, a bijection onto N^n) and unstrip (its inverse)."""
+    strip (codes [V, n] -> symbols [V, n] >= 0, a bijection onto N^n) and unstrip (its inverse, int32: symbols are
+    below 2^16, so every code fits, at half int64's memory traffic where a KV cache decodes every step)."""
     name: str
     n: int
     G: float
@@ -84,7 +85,7 @@ class Z(Lattice):
         return zigzag(codes.long())
 
     def unstrip(self, symbols):
-        return unzigzag(symbols.long())
+        return unzigzag(symbols.to(torch.int32))
 
 
 class A2(Lattice):
@@ -107,7 +108,7 @@ class A2(Lattice):
         return zigzag(torch.stack([n_x, (n_y - (n_x & 1)) >> 1], 1))
 
     def unstrip(self, symbols):
-        n_x, t_y = unzigzag(symbols.long()).unbind(1)
+        n_x, t_y = unzigzag(symbols.to(torch.int32)).unbind(1)
         return torch.stack([2 * t_y + (n_x & 1), n_x], 1)
 
 
@@ -128,9 +129,9 @@ class D4(Lattice):
         return zigzag(torch.cat([c[:, :3], t[:, None]], 1))
 
     def unstrip(self, symbols):
-        c = unzigzag(symbols.long())
-        c3 = 2 * c[:, 3] + (c[:, :3].sum(1) & 1)
-        return torch.cat([c[:, :3], c3[:, None]], 1)
+        c = unzigzag(symbols.to(torch.int32))
+        c[:, 3] = 2 * c[:, 3] + (c[:, :3].sum(1, dtype=torch.int32) & 1)
+        return c
 
 
 class E8(Lattice):
@@ -155,11 +156,10 @@ class E8(Lattice):
         return torch.cat([(2 * zigzag(t) + coset)[:, None], zigzag(s[:, :7])], 1)
 
     def unstrip(self, symbols):
-        m = symbols.long()
-        coset, t = m[:, 0] & 1, unzigzag(m[:, 0] >> 1)
-        s = unzigzag(m[:, 1:])
-        s7 = 2 * t + (s.sum(1) & 1)
-        return 2 * torch.cat([s, s7[:, None]], 1) + coset[:, None]
+        m = symbols.to(torch.int32)
+        s = unzigzag(torch.cat([m[:, 1:], m[:, :1] >> 1], 1))                       # s_0 .. s_6, t
+        s[:, 7] = 2 * s[:, 7] + (s[:, :7].sum(1, dtype=torch.int32) & 1)           # s_7
+        return s.mul_(2).add_(m[:, :1] & 1)                                          # 2 s_i + coset
 
 
 LATTICES = {lat.name: lat for lat in (Z(), A2(), D4(), E8())}
