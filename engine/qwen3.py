@@ -268,17 +268,20 @@ class Attention(nn.Module):
                 v = torch.cat((v_hat[:, :, :a], v[:, :, a:]), 2)
         if basis is not None:
             q = q @ basis[0].T
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        scores = (q @ k.transpose(-1, -2) * cfg.head_dim ** -0.5).float()   # as transformers' eager path
+        b_, h, t, d = q.shape
+        # The heads that share a KV head are rows of one product (head h reads KV head h // groups): K and V are
+        # not copied once per head, which at a long context costs more than the products.
+        scores = (q.reshape(b_, -1, groups * t, d) @ k.transpose(-1, -2)).view(b_, h, t, -1)
+        scores = (scores * cfg.head_dim ** -0.5).float()                   # as transformers' eager path
         if coded is not None and b > a:
             band = far[:, a:b]
             k_band = k_hat[:, :, a:b].repeat_interleave(groups, 1)
             scores[..., a:b] = torch.where(band, (q @ k_band.transpose(-1, -2) * cfg.head_dim ** -0.5).float(),
                                            scores[..., a:b])
         p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        out = p.to(v.dtype) @ v
+        out = (p.to(v.dtype).reshape(b_, -1, groups * t, p.shape[-1]) @ v).view(b_, h, t, -1)
         if coded is not None and b > a:
-            v_band = (v_hat[:, :, a:b] - v[:, :, a:b][:, ::groups]).repeat_interleave(groups, 1)
+            v_band = (v_hat[:, :, a:b] - v[:, :, a:b]).repeat_interleave(groups, 1)
             out = out + p[..., a:b].masked_fill(~band, 0).to(v.dtype) @ v_band
         return out if basis is None else out @ basis[1]
 
