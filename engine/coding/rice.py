@@ -139,12 +139,12 @@ def decode_lockstep(payload, offsets, ends, rice_ks, count, substream=SUBSTREAM,
         if escapes:                                                             # rare: a raw 16-bit value
             i = np.flatnonzero(e)
             bad[i] |= qj[i] > ESCAPE
+            raw_at = p[i] - qj[i] - lk[i] + (ESCAPE + 1)                        # the codeword's start + 16
         np.left_shift(qj, rk, out=qj)
         np.bitwise_or(qj, r, out=out[j, :lanes], casting="unsafe")
         if escapes:
-            raw_at = p[i] - lk[i] + 1                                           # the codeword's start + 16
             out[j, i] = (win[raw_at >> 3] << (raw_at & 7).astype(np.uint32)) >> (32 - RAW_BITS)
-            p[i] = raw_at + RAW_BITS
+            p[i] = raw_at + RAW_BITS                                            # 32 bits on, corrupt or not
     wrong = bad | (pos != ends)
     if wrong.any():
         i = int(np.flatnonzero(wrong)[0])
