@@ -244,9 +244,13 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.index, k, v)
         past = k.shape[2] - t
-        mask = None if t == 1 or past == 0 else torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=t > 1 and past == 0,
-                                             scale=d ** -0.5, enable_gqa=h != kv)
+        if t == 1:                     # one query (a generated token): two products beat the fused kernel's one row
+            scores = q.reshape(b, kv, h // kv, d) @ k.transpose(-1, -2) * d ** -0.5      # [b, kv, groups, L]
+            out = (scores.softmax(-1) @ v).view(b, h, 1, d)
+        else:
+            mask = None if past == 0 else torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0, scale=d ** -0.5,
+                                                 enable_gqa=h != kv)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _attend(self, q, k, v, causal, coded=None, basis=None):
@@ -255,7 +259,9 @@ class Attention(nn.Module):
         [0, a) (older than every query's window) and none of [b, L): only the band [a, b), at most T wide, needs
         both K/V (a decode step's band is one column). basis (m_k, m_v): k_hat, v_hat hold the coded K/V in it
         (KVCache.windowed) and every column is coded: q (k_hat m_k)^T is read as (q m_k^T) k_hat^T, p (v_hat m_v) as
-        (p v_hat) m_v."""
+        (p v_hat) m_v. A fast model (set_fast) reads several queries with no band through torch's fused attention,
+        which never holds the [T, L] scores (a long prompt's prefill over a coded cache); one query's
+        step stays a product, which is faster than that kernel for one row."""
         cfg = self.cfg
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         if coded is not None:
@@ -269,6 +275,10 @@ class Attention(nn.Module):
         if basis is not None:
             q = q @ basis[0].T
         b_, h, t, d = q.shape
+        if self.fast and t > 1 and (coded is None or b <= a):    # no band: one K/V per column, torch's kernel
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=cfg.head_dim ** -0.5,
+                                                 enable_gqa=groups > 1)
+            return out if basis is None else out @ basis[1]
         # The heads that share a KV head are rows of one product (head h reads KV head h // groups): K and V are
         # not copied once per head, which at a long context costs more than the products.
         scores = (q.reshape(b_, -1, groups * t, d) @ k.transpose(-1, -2)).view(b_, h, t, -1)
@@ -370,9 +380,10 @@ class Qwen3(nn.Module):
         return self.lm_head(self.model.norm(h))
 
     def set_fast(self, fast=True):
-        """Run with torch's fused kernels (F.rms_norm on float32, scaled_dot_product_attention where no KV transform
-        is set): what engine.runtime.prepare turns on for generate and eval. The same math in fewer ops, equal up
-        to rounding; off (the default) this file computes as transformers' eager path, bit for bit."""
+        """Run with torch's fused kernels (F.rms_norm on float32, scaled_dot_product_attention; under a KV transform
+        for several queries where none reads both a coded and an exact K/V: Attention._attend): what
+        engine.runtime.prepare turns on for generate and eval. The same math in fewer ops, equal up to rounding; off
+        (the default) this file computes as transformers' eager path, bit for bit."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention)):
                 module.fast = fast

@@ -123,9 +123,10 @@ def test_ggml_blocks_are_llama_cpps(name, reference):
 
 @pytest.mark.parametrize("name, size", [("q4_0", 18), ("q8_0", 34)])
 def test_ggml_blocks_read_back_as_the_textbook_decoder_reads_them(name, size):
-    """dequantize_blocks (every block of a layer's pages at once) is ggml.dequantize bit for bit, on random bytes
+    """dequantize_blocks (every block of a layer's pages at once) gives ggml.dequantize's values, on random bytes
     with f16 scales of every magnitude (subnormal, huge, zero, negative), token-major views included (a stored
-    page's layout); the rotation back as one matmul is fwht's up to float rounding."""
+    page's layout), also written into a slice of a buffer; the rotation back as one matmul is fwht's up to float
+    rounding."""
     g = torch.Generator().manual_seed(size)
     raw = torch.randint(0, 256, (2, 3, 40, 2 * size), dtype=torch.uint8, generator=g)
     scales = torch.cat([torch.randn(470, generator=g), torch.tensor([0.0, -0.0, 6e-8, 65504.0, -1e-5] * 2)])
@@ -134,10 +135,32 @@ def test_ggml_blocks_read_back_as_the_textbook_decoder_reads_them(name, size):
     assert torch.equal(kv_baselines.dequantize_blocks(raw, name), expected)
     token_major = raw.movedim(2, 0).contiguous().movedim(0, 2)
     assert torch.equal(kv_baselines.dequantize_blocks(token_major, name), expected)
+    buffer = torch.full((2, 3, 50, 64), float("nan"))                      # a cache's buffer: written in place
+    kv_baselines.dequantize_blocks(token_major, name, out=buffer[:, :, 5:45])
+    assert torch.equal(buffer[:, :, 5:45], expected)
+    assert buffer[:, :, :5].isnan().all() and buffer[:, :, 45:].isnan().all()
     kv = kv_baselines.GGMLKV(name, key_order="halves")
     for which in (0, 1):
         torch.testing.assert_close(kv._rotate_back(expected, which), kv._rotate(expected, which), atol=1e-5,
                                    rtol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["q4_0", "q8_0,rotation=none", "q8_0,key_order=interleaved"])
+def test_ggml_pages_decoded_into_a_buffer_are_what_decode_gives(spec):
+    """decode_into writes the blocks straight into a cache's buffer only where decode adds nothing (in the basis,
+    or no rotation back nor reordered keys); elsewhere, and into a bf16 buffer, it is decode's values: a rotated
+    K or V read unrotated, or the interleaved keys in their stored order, is red."""
+    from engine.formats.kv.kv_store import parse_kv_spec
+    kv = parse_kv_spec(spec)
+    kv.adopt(Qwen3Config(head_dim=64))
+    x = torch.randn(1, 2, 40, 64, generator=torch.Generator().manual_seed(1))
+    for which in (0, 1):
+        codes = kv.encode(x, 0, which)
+        for dtype in (torch.float32, torch.bfloat16):
+            for in_basis, expected in ((False, kv.decode(codes, 0, which)), (True, kv.decode_in_basis(codes))):
+                buffer = torch.zeros(1, 2, 50, 64, dtype=dtype)
+                kv.decode_into(codes, buffer[:, :, 10:], 0, which, in_basis)
+                assert torch.equal(buffer[:, :, 10:], expected.to(dtype)) and not buffer[:, :, :10].any()
 
 
 def ggml_gen_hadamard(n):

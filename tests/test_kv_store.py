@@ -68,6 +68,40 @@ def test_attention_reads_rotated_pages_in_their_basis(spec):
     assert torch.equal(part.kept, kv_baselines.dequantize_blocks(blocks, quantizer.cache_type))
 
 
+@pytest.mark.parametrize("spec", ["q4_0", "q8_0,window=7"])
+def test_with_no_window_attention_gets_the_coded_values_once(model32, spec):
+    """With no window no query reads an exact value, so a step hands attention one tensor of coded K (and V), not
+    a second copy of the whole cache with the newest exact values in it (a copy per layer per step); with a window
+    the newest positions are exact there."""
+    quantizer = kv_store.parse_kv_spec(spec)
+    cache = kv_store.install(model32, quantizer)
+    chunked(model32, ids(1, 40), 8, cache)
+    cfg = model32.cfg
+    k, v = torch.randn(2, 1, cfg.num_key_value_heads, 1, cfg.head_dim)
+    k_all, v_all, k_hat, v_hat, _ = cache.windowed(0, k, v, quantizer, quantizer.window)
+    assert (k_all is k_hat and v_all is v_hat) == (quantizer.window == 0)
+    assert torch.equal(k_all[:, :, -1:], k) == bool(quantizer.window)
+
+
+@pytest.mark.parametrize("spec", ["q8_0", "e8:3,window=0", "e8:3,window=5"])
+def test_fast_attention_reads_a_stored_cache_as_the_eager_one_does(spec):
+    """A fast model's attention reads a prompt's chunks over a coded cache through torch's fused kernel where no
+    query reads both a coded and an exact K/V (no window), its own path elsewhere: the eager logits up to float
+    rounding (a wrong causal mask, or exact values read where coded ones belong, moves them by ~0.1). One layer,
+    only attention fast: the same codes on both sides (a layer's input rounded otherwise can flip a code)."""
+    from engine.qwen3 import Attention, Qwen3, Qwen3Config
+    torch.manual_seed(0)
+    model = Qwen3(Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, num_hidden_layers=1)).eval()
+    x = ids(1, 120)
+    eager = chunked(model, x, 40, kv_store.install(model, kv_store.parse_kv_spec(spec)))
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.fast = True
+    fast = chunked(model, x, 40, kv_store.install(model, kv_store.parse_kv_spec(spec)))
+    torch.testing.assert_close(fast, eager, atol=1e-5, rtol=0)
+
+
 def test_the_cache_holds_codes_not_values(model32):
     """E8 at 3 bps with no window: pages of Rice sub-streams plus f16 scales, well under a bf16 cache; the exact
     window holds exactly the last `window` positions."""

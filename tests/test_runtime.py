@@ -383,7 +383,8 @@ def test_stream_mode_counts_the_decoder_and_is_refused_elsewhere(tmp_path):
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])
 def test_the_fast_path_computes_the_same_model(model_type, tiny_cfg):
     """set_fast (fused norms, scaled_dot_product_attention, q/k/v from one product): the same logits up to float32
-    rounding, cached generation included; under a KV transform the model takes its own path, bit for bit."""
+    rounding, cached generation included, under a KV transform too (engine/formats/kv/: its own path for the
+    coded K/V, torch's attention where a query reads one K/V per column)."""
     torch.manual_seed(0)
     cfg = Qwen3Config(**{**vars(tiny_cfg), "model_type": model_type, "attention_bias": True})
     model = Qwen3(cfg).eval()
@@ -396,8 +397,11 @@ def test_the_fast_path_computes_the_same_model(model_type, tiny_cfg):
         cache = KVCache(cfg.num_hidden_layers)                  # a prompt read in two pieces: the causal mask
         pieces = torch.cat((model(ids[:, :4], cache), model(ids[:, 4:], cache)), 1)
         assert torch.allclose(pieces, want, rtol=1e-5, atol=1e-5)
+        cache = KVCache(cfg.num_hidden_layers)                  # one token at a time: a generated token's step
+        steps = torch.cat([model(ids[:, i:i + 1], cache) for i in range(ids.shape[1])], 1)
+        assert torch.allclose(steps, want, rtol=1e-5, atol=1e-5)
         model.set_kv_transform(lambda k, v, index: (k, v))
-        assert torch.equal(model(ids), want)
+        assert torch.allclose(model(ids), want, rtol=1e-5, atol=1e-5)
 
 
 # ---- the command line -------------------------------------------------------------------------------------------

@@ -84,22 +84,29 @@ class FP8KV(KVHook):
         return codes["e4m3"].float() * codes["scale"]
 
 
-def dequantize_blocks(raw, cache_type):
-    """q8_0 / q4_0 blocks uint8 [..., k * block bytes] -> float32 [..., 32 k], as llama_cpp/ggml.py's dequantize
-    (the textbook decoder of every GGML type) computes them, bit for bit: code * d + offset in float32 (q4_0: the
-    nibbles, low ones first, offset -8 d; q8_0: int8 q + 128, offset -128 d), in a few tensor ops over all blocks
-    at once, with no int64 or per-type machinery (a stored cache reads back a whole layer's pages per step)."""
+def dequantize_blocks(raw, cache_type, out=None):
+    """q8_0 / q4_0 blocks uint8 [..., k * block bytes] -> float32 [..., 32 k], the values llama_cpp/ggml.py's
+    dequantize (the textbook decoder of every GGML type) gives, in a few tensor ops over all blocks at once, with no
+    int64 or per-type machinery (a stored cache reads back a whole layer's pages per step). q4_0 as it computes
+    them, bit for bit: code * d - 8 d in float32 (the nibbles, low ones first). q8_0 as q * d for its int8 q, one
+    pass fewer than its (q + 128) * d - 128 d: the same value, as q * d is exact in float32 (8 bits times an f16's
+    11), only a zero's sign may differ (-0 where d < 0, which no encoder writes: d = amax / 127).
+    out: a float32 tensor of that shape (a view of a cache's buffer: rows of 32 k contiguous) to write into, so
+    that a long cache is not written twice, once here and once where it goes."""
     size = GGML_KV_VALUES[cache_type]
-    blocks = raw.reshape(-1, size)
-    d = blocks.view(torch.float16)[:, :1].float()                  # the f16 at bytes 0-1 (a view of whole rows)
-    packed = blocks[:, 2:].contiguous()
+    blocks = raw.unflatten(-1, (-1, size))                          # [..., k, block bytes]
+    d = blocks.view(torch.float16)[..., :1].float()                 # the f16 at bytes 0-1: [..., k, 1]
+    if out is None:
+        out = torch.empty(*raw.shape[:-1], raw.shape[-1] // size * QK)
+    x = out.unflatten(-1, (-1, QK))                                 # [..., k, 32], a view of out
     if cache_type == "q4_0":                          # value j < 16: byte j's low nibble, 16 + j its high one
-        words = packed.view(torch.int32)              # (four bytes per op: uint8 ops are slower per byte)
-        codes, offset = torch.cat([(words >> shift & 0x0F0F0F0F).view(torch.uint8) for shift in (0, 4)], 1), -8 * d
+        words = blocks[..., 2:].contiguous().view(torch.int32)      # (four bytes per op: uint8 ops are slower)
+        x[..., :QK // 2] = (words & 0x0F0F0F0F).view(torch.uint8)
+        x[..., QK // 2:] = (words >> 4 & 0x0F0F0F0F).view(torch.uint8)
+        x.mul_(d).add_(-8 * d)
     else:
-        codes, offset = packed ^ 128, -128 * d                                   # int8 bits + 128
-    x = codes.float()
-    return x.mul_(d).add_(offset).reshape(*raw.shape[:-1], raw.shape[-1] // size * QK)
+        x.copy_(blocks[..., 2:].view(torch.int8)).mul_(d)
+    return out
 
 
 @functools.cache
@@ -164,13 +171,25 @@ class GGMLKV(KVHook):
     def basis(self, d, which):
         """What decode does after dequantizing (the rotation back, then the interleaved keys' order) as a matrix;
         None where that is nothing."""
-        return self._to_values(torch.eye(d), which) if self._chunk(d, which) or self._interleaved(which) else None
+        return None if self._read_as_stored(d, which) else self._to_values(torch.eye(d), which)
+
+    def _read_as_stored(self, d, which):
+        """Whether decode is the blocks' values as they are (no rotation back, no reordered keys)."""
+        return not (self._chunk(d, which) or self._interleaved(which))
 
     def decode_in_basis(self, codes, layer=0, which=0):
         return dequantize_blocks(codes["blocks"], self.cache_type)
 
     def decode(self, codes, layer=0, which=0):
         return self._to_values(self.decode_in_basis(codes), which)
+
+    def decode_into(self, codes, out, layer=0, which=0, in_basis=False):
+        """Blocks dequantized straight into out where nothing follows (in the basis, or no rotation nor reorder)
+        and out is float32."""
+        if out.dtype == torch.float32 and (in_basis or self._read_as_stored(out.shape[-1], which)):
+            dequantize_blocks(codes["blocks"], self.cache_type, out=out)
+        else:
+            super().decode_into(codes, out, layer, which, in_basis)
 
     def _to_values(self, x, which):
         x = self._rotate_back(x, which)

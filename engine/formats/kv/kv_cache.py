@@ -83,6 +83,12 @@ class KVHook:
         its pages with decode_in_basis and attention rotates each query and output by m instead of each position."""
         return None
 
+    def decode_into(self, codes, out, layer=0, which=0, in_basis=False):
+        """out[...] = decode(codes) (decode_in_basis with in_basis): how a stored cache reads its pages into its
+        buffer. A format that can write its values straight into out overrides it (one pass over a long cache, not
+        two)."""
+        out.copy_((self.decode_in_basis if in_basis else self.decode)(codes, layer, which))
+
     def count(self, which, scalars, bits):
         self.coded[which][0] += scalars
         self.coded[which][1] += bits

@@ -13,9 +13,10 @@ the coded ones; a plain KVCache keeps both. StoredKVCache keeps, per layer:
 
 Each forward codes what the hook would (the same calls, so the same codes), appends them, and reads the layer's
 pages back: one lockstep Rice decode over all of a layer's sub-streams (NumPy, or the Triton decoder with
-kernel=True), then the format's decode, written straight into one buffer per K and V (no copy per piece). Attention
-then sees what the simulated hook gives: exact K/V where a query is within the window, decoded ones elsewhere; the
-positions whose exact values are gone are read by no query. A format whose decode ends in a linear map (llama.cpp's
+kernel=True), then the format's decode into one buffer per K and V (KVHook.decode_into: GGML blocks are dequantized
+in place there). Attention then sees what the simulated hook gives: exact K/V where a query is within the window,
+decoded ones elsewhere; the positions whose exact values are gone are read by no query (with no window, no exact
+value is read at all, so attention gets the one buffer). A format whose decode ends in a linear map (llama.cpp's
 Hadamard rotation back: KVHook.basis) is read without it when there is no window: attention rotates each query and
 its output instead of every position (equal up to float rounding). Memory is what the pages, the tail and the
 window hold (nbytes), against bf16_bytes, a bf16 cache of the length.
@@ -95,7 +96,7 @@ class CodedPart:
 
     def __init__(self, quantizer, layer, which, page_tokens, in_basis=False):
         self.quantizer, self.layer, self.which, self.page_tokens = quantizer, layer, which, page_tokens
-        self.decode = quantizer.decode_in_basis if in_basis else quantizer.decode      # (kept values too)
+        self.in_basis = in_basis                     # (the kept values too)
         self.arenas, self.like, self.tail, self.tail_tokens, self.sealed = {}, None, None, 0, 0
         self.ends = array("q")                       # each page's end (tokens)
         self.kept, self.kept_pages = None, 0         # x_hat [B, kv_heads, n, d] of the first kept_pages pages
@@ -140,9 +141,9 @@ class CodedPart:
         step = max(n, 1) if self.quantizer.decode_at_once else DECODE_PAGES * self.page_tokens
         if unpacked is not None:
             for i in range(0, n, step):
-                out[:, :, first + i:first + min(i + step, n)] = self._decode(_cut(unpacked, n, i, min(i + step, n)))
+                self._decode(_cut(unpacked, n, i, min(i + step, n)), out[:, :, first + i:first + min(i + step, n)])
         if self.tail_tokens:
-            out[:, :, self.sealed:] = self._decode(self.tail)
+            self._decode(self.tail, out[:, :, self.sealed:])
         if unpacked is None:
             return 0
         ends = np.frombuffer(self.ends, np.int64)[self.kept_pages:]
@@ -154,8 +155,8 @@ class CodedPart:
         self.kept_pages += fit
         return (int(ends[fit - 1]) - first) * per_token
 
-    def _decode(self, codes):
-        return self.decode(codes, self.layer, self.which)
+    def _decode(self, codes, out):
+        self.quantizer.decode_into(codes, out, self.layer, self.which, self.in_basis)
 
     @property
     def nbytes(self):
@@ -249,10 +250,10 @@ class StoredKVCache:
         self._read(s.parts, (k_hat[:, :, kept_keys:s.coded], v_hat[:, :, :s.coded]))
         uncoded = s.coded - s.first_exact
         k_hat[:, :, s.coded:], v_hat[:, :, s.coded:] = ek[:, :, uncoded:], ev[:, :, uncoded:]
-        if uncoded:                                           # exact values the coded ones replace in k_hat
+        if uncoded and window:                                # exact values the coded ones replace in k_hat
             k_all = torch.cat((k_hat[:, :, :s.first_exact], ek), 2)
             v_all = torch.cat((v_hat[:, :, :s.first_exact], ev), 2)
-        else:                                                 # the same values: one tensor, not two copies
+        else:                    # the same values, or no window (no query reads an exact value): one tensor
             k_all, v_all = k_hat, v_hat
         keep = max(0, min(s.coded, length - window))          # a later query reads exact values from here on
         s.exact_k, s.exact_v = ek[:, :, keep - s.first_exact:].clone(), ev[:, :, keep - s.first_exact:].clone()
