@@ -259,9 +259,10 @@ class Attention(nn.Module):
         [0, a) (older than every query's window) and none of [b, L): only the band [a, b), at most T wide, needs
         both K/V (a decode step's band is one column). basis (m_k, m_v): k_hat, v_hat hold the coded K/V in it
         (KVCache.windowed) and every column is coded: q (k_hat m_k)^T is read as (q m_k^T) k_hat^T, p (v_hat m_v) as
-        (p v_hat) m_v. A fast model (set_fast) reads several queries with no band through torch's fused attention,
-        which never holds the [T, L] scores (a long prompt's prefill over a coded cache); one query's
-        step stays a product, which is faster than that kernel for one row."""
+        (p v_hat) m_v. A fast model (set_fast) reads several queries through torch's fused attention, which never
+        holds the [T, L] scores (a long prompt's prefill over a coded cache), the band's coded K/V as extra columns
+        that only the queries far from them see; one query's step stays a product, faster than that kernel for one
+        row."""
         cfg = self.cfg
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         if coded is not None:
@@ -275,8 +276,13 @@ class Attention(nn.Module):
         if basis is not None:
             q = q @ basis[0].T
         b_, h, t, d = q.shape
-        if self.fast and t > 1 and (coded is None or b <= a):    # no band: one K/V per column, torch's kernel
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=cfg.head_dim ** -0.5,
+        if self.fast and t > 1:                # torch's fused kernel; a band's columns enter twice, each copy masked
+            mask = causal
+            if coded is not None and b > a:
+                band = far[:, a:b] & causal[:, a:b]
+                mask = torch.cat((causal[:, :a], causal[:, a:b] & ~band, causal[:, b:], band), 1)
+                k, v = torch.cat((k, k_hat[:, :, a:b]), 2), torch.cat((v, v_hat[:, :, a:b]), 2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5,
                                                  enable_gqa=groups > 1)
             return out if basis is None else out @ basis[1]
         # The heads that share a KV head are rows of one product (head h reads KV head h // groups): K and V are

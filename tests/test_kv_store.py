@@ -83,12 +83,13 @@ def test_with_no_window_attention_gets_the_coded_values_once(model32, spec):
     assert torch.equal(k_all[:, :, -1:], k) == bool(quantizer.window)
 
 
-@pytest.mark.parametrize("spec", ["q8_0", "e8:3,window=0", "e8:3,window=5"])
+@pytest.mark.parametrize("spec", ["q8_0", "e8:3,window=0", "e8:3,window=5", "kivi:2,group=8,window=10"])
 def test_fast_attention_reads_a_stored_cache_as_the_eager_one_does(spec):
-    """A fast model's attention reads a prompt's chunks over a coded cache through torch's fused kernel where no
-    query reads both a coded and an exact K/V (no window), its own path elsewhere: the eager logits up to float
-    rounding (a wrong causal mask, or exact values read where coded ones belong, moves them by ~0.1). One layer,
-    only attention fast: the same codes on both sides (a layer's input rounded otherwise can flip a code)."""
+    """A fast model's attention reads a prompt's chunks over a coded cache through torch's fused kernel, a window's
+    band of columns (coded for the queries far from them, exact for the near ones) as two masked copies: the eager
+    logits up to float rounding (a wrong causal mask, or exact values read where coded ones belong, moves them by
+    ~0.1). One layer, only attention fast: the same codes on both sides (a layer's input rounded otherwise can flip
+    a code)."""
     from engine.qwen3 import Attention, Qwen3, Qwen3Config
     torch.manual_seed(0)
     model = Qwen3(Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
