@@ -225,7 +225,8 @@ class Attention(nn.Module):
         """forward in fewer ops, for a model that runs (set_fast): q, k and v from one projection where they are
         fused, RoPE as one product by each position's rotation (rope_matrices; on q and k at once where no norm sits
         between), torch's scaled_dot_product_attention (its softmax in the activations' dtype, as this file's in
-        float32 models). The same math: equal up to rounding."""
+        float32 models), or for one query two products (its softmax in float32). The same math: equal up to
+        rounding."""
         b, t, _ = x.shape
         h, kv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         plain = isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
@@ -246,7 +247,7 @@ class Attention(nn.Module):
         past = k.shape[2] - t
         if t == 1:                     # one query (a generated token): two products beat the fused kernel's one row
             scores = q.reshape(b, kv, h // kv, d) @ k.transpose(-1, -2) * d ** -0.5      # [b, kv, groups, L]
-            out = (scores.softmax(-1) @ v).view(b, h, 1, d)
+            out = (scores.float().softmax(-1).to(v.dtype) @ v).view(b, h, 1, d)
         else:
             mask = None if past == 0 else torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0, scale=d ** -0.5,
