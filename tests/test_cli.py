@@ -352,6 +352,7 @@ def test_generate_and_eval_run_on_a_coded_kv_cache(tmp_path, tiny_model):
     # head_dim 16: the f16 scale of each head vector alone costs 1 bit per scalar, the window of 8 bf16 more
     assert result["kv_cache"] == "e8:3,window=8" and 4 < result["kv_bits"] < 8 and result["kl_nats"] > 0
     assert result["kv_bytes"] < result["kv_bf16_bytes"] and "KV cache e8:3,window=8: " in out.stderr
+    assert "(its float32 weights, read with the exact cache and with the coded one): weights held " in out.stderr
 
 
 def test_bad_kv_cache_arguments_are_one_line_before_any_model_loads(tmp_path, tiny_model):
