@@ -65,7 +65,7 @@ def main(argv=None):
         parse_kv_spec(spec)                                     # a bad SPEC stops here, before the model loads
     torch.set_num_threads(1)
     model = load_model(model_argument(args.model), torch.float32, dense=True)
-    model.set_fast()                      # as `generate` runs a model: the exact cache through torch's fused attention
+    model.set_fast()                      # as `generate` runs a model (the exact cache's fast path)
     generator = torch.Generator().manual_seed(0)
     exact, _ = step_seconds(model, None, args.ctx, args.steps, generator)
     print(f"exact float32  ctx {args.ctx}: {1 / exact:.2f} steps/s", flush=True)

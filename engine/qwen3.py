@@ -387,8 +387,8 @@ class Qwen3(nn.Module):
         return self.lm_head(self.model.norm(h))
 
     def set_fast(self, fast=True):
-        """Run with torch's fused kernels (F.rms_norm on float32, scaled_dot_product_attention; under a KV transform
-        for several queries where none reads both a coded and an exact K/V: Attention._attend): what
+        """Run with torch's fused kernels (F.rms_norm on float32, scaled_dot_product_attention for several queries,
+        under a KV transform too: Attention._attend; one query's step as two products): what
         engine.runtime.prepare turns on for generate and eval. The same math in fewer ops, equal up to rounding; off
         (the default) this file computes as transformers' eager path, bit for bit."""
         for module in self.modules():
