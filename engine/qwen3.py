@@ -375,7 +375,9 @@ class Qwen3(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, ids, cache: KVCache | None = None):
+    def forward(self, ids, cache: KVCache | None = None, last_only=False):
+        """ids [B, T] -> logits [B, T, vocab] (last_only: [B, 1, vocab], the last position's, which is all generate
+        reads: the head's product for one position instead of T)."""
         if ids.dim() != 2:
             raise ValueError(f"ids must be [batch, tokens], got shape {tuple(ids.shape)}")
         start = 0 if cache is None else cache.length
@@ -384,7 +386,7 @@ class Qwen3(nn.Module):
         h = self.model.embed_tokens(ids)
         for layer in self.model.layers:
             h = layer(h, cos, sin, cache)
-        return self.lm_head(self.model.norm(h))
+        return self.lm_head(self.model.norm(h[:, -1:] if last_only else h))
 
     def set_fast(self, fast=True):
         """Run with torch's fused kernels (F.rms_norm on float32, scaled_dot_product_attention for several queries,
@@ -428,7 +430,7 @@ class Qwen3(nn.Module):
             raise ValueError(f"generate needs an empty cache; this one holds {cache.length} positions")
         chunk = prefill_chunk or ids.shape[1]
         for first in range(0, ids.shape[1], chunk):
-            logits = self(ids[:, first:first + chunk], cache)[:, -1]
+            logits = self(ids[:, first:first + chunk], cache, last_only=True)[:, -1]
         out = [ids]
         for step in range(max_new_tokens):
             if not bool(torch.isfinite(logits).all()):
@@ -444,5 +446,5 @@ class Qwen3(nn.Module):
             if on_token is not None:
                 on_token(nxt)
             if step + 1 < max_new_tokens:                 # the last token needs no logits after it
-                logits = self(nxt, cache)[:, -1]
+                logits = self(nxt, cache, last_only=True)[:, -1]
         return torch.cat(out, 1)

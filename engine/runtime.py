@@ -9,9 +9,10 @@ form does not need:
             GGUF Q4_0 / Q4_1 / Q4_K): int4 codes + bf16 scales       its output in bf16 (Int4Linear)
             and zeros
             8-bit affine codes (Q8_0, Q5 / IQ types, GPTQ int8):     the int4 kernel twice, q = 16 hi + lo
-            two int4 planes + their bf16 scales and zeros            (Int8PlanesLinear); a tied head, whose rows the
-                                                                     embedding reads: int8 codes + scales, the int8
-                                                                     kernel one group at a time (Int8Linear)
+            two int4 planes + their bf16 scales and zeros            (Int8PlanesLinear)
+            8-bit codes the planes cannot take (a tied head, whose   one token: a product compiled by torch.compile
+            rows the embedding reads; Q6_K's groups of 16): int8     (C++), a prompt: decoded; float32
+            codes - z + float32 group scales                         (Int8Linear)
             EntQuant: its Float8 bytes, each block's stream decoded  where they are int8 multiples of one step (Int8
             once at load (or its Int8 codes), a scale per row        codes; Float8 values under 0.25, as a low-rate
                                                                      model's are): the int8 kernel, per-row scales,
@@ -21,7 +22,7 @@ form does not need:
             trellis (L <= 8): its states replayed once at load, a    decoded a few rows at a time (one gather, one
             byte a weight, with a scale per tile                     product) into the shared buffer (TableRows)
             anything else: its own codes (FP8, MXFP4, NVFP4, NF4,    decoded, a few rows at a time, into ONE float32
-            A2, trellis L > 8, the other K-quants)                   buffer the model shares, then one float32
+            A2, trellis L > 8, Q2_K, Q3_K)                           buffer the model shares, then one float32
                                                                      matmul per chunk (DecodedLinear): exact
   exact     every layer its own codes                                as above (DecodedLinear): the float32 weight
                                                                      dequantize() gives, multiplied in float32
@@ -56,7 +57,7 @@ def form(layer, weights, workspace, rows=False):
     if weights == "compact" and Int8PlanesLinear.takes(layer) and not rows:
         return Int8PlanesLinear(layer)
     if weights == "compact" and Int8Linear.takes(layer):
-        return Int8Linear(layer)
+        return Int8Linear(layer, workspace)
     parts = layer.int8_rows() if weights == "compact" and hasattr(layer, "int8_rows") else None
     if parts is not None:
         return Int8RowsLinear(layer, *parts)
@@ -103,6 +104,9 @@ def prepare(model, weights="compact"):
         _give_back_memory()
     if hasattr(model, "set_fast"):
         model.set_fast()
+    first = next((m for m in model.modules() if isinstance(m, Int8Linear)), None)
+    if first is not None:
+        first.build()                       # the product's shapes are symbolic: one build serves every layer
     _give_back_memory()
     return model
 

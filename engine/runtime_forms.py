@@ -3,15 +3,19 @@ multiplies with, and x [..., in] -> x @ W^T (+ bias) [..., out].
 
   Int4Linear        4-bit affine codes through PyTorch's CPU int4 kernel
   Int8PlanesLinear  8-bit affine codes as two int4 planes, the int4 kernel twice
-  Int8Linear        8-bit affine codes through the int8 kernel, one group of inputs at a time (it gives rows too)
+  Int8Linear        8-bit codes with group scales (a tied head, whose rows the embedding reads; groups of 16): one
+                    token through int8_product compiled by torch.compile, a prompt through its decoded weight; float32
   Int8RowsLinear    int8 codes with a scale per output row (EntQuant, a lattice): the int8 kernel in one call
   DecodedLinear     rows of the weight decoded, a chunk at a time, into the Workspace the model shares, then one
                     float32 matmul per chunk: by the layer's own decode_rows, or by TableRows (a trellis's states)
 
 The int4 and int8 kernels round x, the scales and each product's output to bf16 (8 significant bits): their error is
 bounded in tests/test_runtime.py, |y - x W^T| <= 2^-7 (|x| |W|^T + the scale terms), and measured on SmolLM2 in
-appendix/inference.md. DecodedLinear is exact: the weight dequantize() gives.
+appendix/inference.md. Int8Linear and DecodedLinear compute in float32: the weight dequantize() gives.
 """
+import functools
+import warnings
+
 import torch
 from torch import nn
 
@@ -143,50 +147,112 @@ class Int8PlanesLinear(RunLinear):
                 + mm(xb, self.lo, self.group_size, self.lo_scales_zeros).float())
 
 
+def int8_product(x2d, codes, scales):
+    """x2d [M, groups * g] float32, codes int8 [groups, g, out], scales float32 [groups, out] -> [M, out]:
+
+        y = sum_j  s_j * (x_j @ c_j)          (x_j: group j's g inputs, c_j its [g, out] codes)
+
+    As written it makes an [M, groups, g, out] product; compiled (compiled_int8_product) it is one pass over the
+    codes, vectorized along the outputs."""
+    groups, g, out_f = codes.shape
+    return ((codes.float() * x2d.view(len(x2d), groups, g, 1)).sum(2) * scales).sum(1)
+
+
+@functools.cache
+def compiled_int8_product():
+    """int8_product compiled by torch.compile (C++ on a CPU, its shapes symbolic: one build for every layer), or
+    None where it cannot be built here (no C++ compiler, say: a warning, and the layers decode their weights instead).
+    Made on first use: compiling takes seconds (a few more the first time on a machine, with no inductor cache)."""
+    try:
+        product = torch.compile(int8_product, dynamic=True, fullgraph=True)
+        with torch.no_grad():
+            product(torch.zeros(1, 64), torch.zeros(2, 32, 48, dtype=torch.int8), torch.zeros(2, 48))
+    except Exception as failure:          # the decoded product computes the same numbers
+        warnings.warn(f"torch.compile cannot build the int8 product here ({failure!r:.200}): 8-bit layers decode "
+                      "their weights and multiply in float32 instead (slower, the same results)")
+        return None
+    return product
+
+
+def shared_zero(codes, scales, offsets):
+    """The integer zero point z every group of an affine grid shares (offsets == -z * scales, float for float) when
+    codes - z fit int8, else None. codes uint8 [out, in], scales / offsets [out, groups]."""
+    s, o = scales.float(), offsets.float()
+    nonzero = s != 0
+    if not nonzero.any():
+        return None
+    z = round(float(-o[nonzero][0] / s[nonzero][0]))
+    fits = 0 <= z <= 255 and int(codes.min()) - z >= -128 and int(codes.max()) - z <= 127
+    return z if fits and torch.equal(-z * s, o) else None
+
+
 class Int8Linear(RunLinear):
-    """8-bit affine codes through PyTorch's int8 kernel (`_weight_int8pack_mm`: per-row scales only), one group of
-    g >= 32 inputs at a time: w = q * s + o = c * s + (o + 128 s) with c = q - 128 int8, so
+    """8-bit affine codes with a scale per group of g inputs (Q8_0, Q5_0 / Q5_1 / Q6_K held a byte a code, IQ4,
+    GPTQ int8): c = q - z int8 [groups, g, out], z the grid's shared_zero (Q8_0 128, Q6_K 32, Q5_0 16), scales
+    float32 [groups, out]; a grid with free offsets keeps them, c = q - 128 and o' = o + 128 s [groups, out]:
 
-        y = sum_g  (x_g @ c_g^T) * s_g  +  (sum of x over each group) @ (o + 128 s)^T
+        y = sum_j  s_j (x_j @ c_j)  +  sum_j (x_j summed) o'_j
 
-    codes int8 [groups, out, g] (each group one contiguous matrix), scales and offsets float32 [groups, out] (exact:
-    an embedding reads its rows from them, as dequantize computes them) and the scales' bf16 copy for the kernel;
-    offsets None where o = -128 s (Q8_0, GPTQ's symmetric int8: an integer zero point of 128)."""
+    One row of x (a decode step): compiled_int8_product, in float32. More rows (a prompt): the weight decoded a few
+    outputs at a time into the model's Workspace, each chunk one float32 matmul (_decoded_product). Both are the
+    dequantized weight's product up to float32 rounding, and the rows an embedding reads are dequantize()'s, float
+    for float. Held: a byte a weight and 4 bytes a group (8 with offsets)."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, workspace):
         super().__init__(layer)
-        g, groups = layer.group_size, layer.scales.shape[1]
-        self.group_size = g
-        codes = layer.weight_codes.bitwise_xor(128).view(torch.int8)        # q - 128: the top bit flipped
-        self.register_buffer("codes", codes.view(self.out_features, groups, g).transpose(0, 1).contiguous())
-        s, o = layer.scales.float(), layer.offsets.float()
+        self.workspace, g = workspace, layer.group_size
+        q, s, o = layer.weight_codes, layer.scales.float(), layer.offsets.float()
+        self.zero = shared_zero(q, s, o)
+        zero = 128 if self.zero is None else self.zero
+        c = (q.to(torch.int16) - zero).to(torch.int8)
+        self.register_buffer("codes", c.view(self.out_features, -1, g).permute(1, 2, 0).contiguous())
         self.register_buffer("scales", s.T.contiguous())
-        self.register_buffer("kernel_scales", self.scales.bfloat16())
-        self.register_buffer("offsets", None if torch.equal(o, -128 * s) else o.T.contiguous())
+        self.register_buffer("offsets", None if self.zero is not None else o.T.contiguous())
         self.register_buffer("perm", layer.perm)
+        self.chunk = max(1, CHUNK // self.in_features)
 
     @staticmethod
     def takes(layer):
-        return (getattr(layer, "bits", None) == 8 and layer.group_size >= 32
-                and layer.in_features % layer.group_size == 0)
+        return getattr(layer, "bits", None) == 8 and layer.in_features % layer.group_size == 0
+
+    def build(self):
+        """Build the compiled product before the first token (seconds, once per process; runtime.prepare calls it):
+        for activations made under torch.inference_mode (generate's) and outside it (eval's), which torch.compile
+        builds apart."""
+        product = compiled_int8_product()
+        if product is not None:
+            product(torch.zeros(1, self.in_features), self.codes, self.scales)
+            with torch.inference_mode():
+                product(torch.zeros(1, self.in_features), self.codes, self.scales)
 
     def matmul(self, x2d):
         if self.perm is not None:
             x2d = x2d[:, self.perm]
-        groups = x2d.reshape(len(x2d), -1, self.group_size)
-        xb = groups.transpose(0, 1).bfloat16().contiguous()                  # [groups, M, g]
-        y = torch.zeros(len(x2d), self.out_features)
-        for j in range(len(xb)):
-            y += torch.ops.aten._weight_int8pack_mm(xb[j], self.codes[j], self.kernel_scales[j])
+        product = compiled_int8_product() if len(x2d) == 1 else None
+        y = product(x2d, self.codes, self.scales) if product is not None else self._decoded_product(x2d)
         if self.offsets is not None:
-            y += groups.sum(-1) @ (self.offsets + 128 * self.scales)
+            xsum = x2d.view(len(x2d), -1, self.codes.shape[1]).sum(-1)
+            y += xsum @ (self.offsets + 128 * self.scales)
+        return y
+
+    def _decoded_product(self, x2d):
+        """sum_j s_j (x_j @ c_j) as x2d @ W'^T, W'^T [in, out] = the codes (in their order already) times the scales,
+        decoded `chunk` outputs at a time into the Workspace."""
+        groups, g, out_f = self.codes.shape
+        codes = self.codes.view(self.in_features, out_f)
+        y = x2d.new_empty(len(x2d), out_f)
+        for start in range(0, out_f, self.chunk):
+            stop = min(start + self.chunk, out_f)
+            w = self.workspace.take(self.in_features, stop - start)
+            w.copy_(codes[:, start:stop]).view(groups, g, -1).mul_(self.scales[:, None, start:stop])
+            y[:, start:stop] = x2d @ w
         return y
 
     def rows(self, ids):
-        """dequantize()'s rows, q * s + o with q = c + 128, float for float."""
+        """dequantize()'s rows, q * s + o float for float: q = c + z, o = -z s where every group shares z."""
         s = self.scales[:, ids, None]
-        o = -128 * s if self.offsets is None else self.offsets[:, ids, None]
-        w = (self.codes[:, ids].float() + 128) * s + o                       # [groups, n, g]
+        o = -self.zero * s if self.offsets is None else self.offsets[:, ids, None]
+        w = (self.codes[..., ids].permute(0, 2, 1).float() + (128 if self.zero is None else self.zero)) * s + o
         return w.transpose(0, 1).reshape(len(ids), -1)
 
 

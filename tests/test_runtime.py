@@ -132,23 +132,66 @@ def test_int4_kernel_is_within_its_bf16_bound(name):
     assert (error <= bound).all() and 0 < error.max() < 0.25 * bound.max()
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q5_K", "IQ4_NL", "int8 g64"])
-def test_int8_kernel_is_within_its_bf16_bound_and_its_rows_are_exact(name):
-    """PyTorch's int8 kernel, one group at a time: x, the scales and each group's partial product in bf16, so
-    |y - x W^T| <= 3u |x| |(q - 128) s|^T (+ u |y|); the rows an embedding reads are the exact weights."""
+INT8 = ["Q8_0", "Q5_1", "Q5_K", "Q6_K", "IQ4_NL", "IQ2_XS", "int8 g64"]
+
+
+def _shared_zero(layer):
+    """The integer zero point every group of `layer` shares, None where its groups differ or it has free offsets."""
+    zeros = getattr(layer, "zeros", None)
+    return None if zeros is None or zeros.unique().numel() != 1 else int(zeros.flatten()[0])
+
+
+@pytest.mark.parametrize("rows", [1, 5], ids=["one token (compiled)", "a prompt (decoded)"])
+@pytest.mark.parametrize("name", INT8)
+def test_int8_product_is_the_dequantized_product_and_its_rows_are_exact(name, rows):
+    """8-bit codes with group scales, in float32 (one token through the compiled product, several through the
+    decoded weight): within float32's bound for a sum of `in` products, n 2^-24 |x| |W|^T (2^-24: float32's unit roundoff);
+    a grid whose groups share one integer zero point keeps no offsets; the rows an embedding reads are dequantize()'s,
+    float for float."""
     original = LAYERS[name]()
     layer = original.compact()
     form = runtime.form(layer, "compact", runtime_forms.Workspace(), rows=True)     # a tied embedding's head
     assert isinstance(form, runtime_forms.Int8Linear)
-    assert (form.offsets is None) == (original.zeros is not None and bool((original.zeros == 128).all()))
-    x = _inputs(5, layer.in_features)
+    assert form.zero == _shared_zero(original) and (form.offsets is None) == (form.zero is not None)
+    x = _inputs(rows, layer.in_features)
     w = layer.dequantize()
-    y = x @ w.T
-    s = layer.scales.repeat_interleave(layer.group_size, 1)
-    bound = 4 * U * (x.abs() @ ((layer.weight_codes.float() - 128).abs() * s.abs()).T + y.abs()) + 1e-7
-    assert ((form(x) - y).abs() <= bound).all()
+    bound = layer.in_features * 2.0 ** -24 * (x.abs() @ w.abs().T) + 1e-7
+    assert ((form(x) - x @ w.T).abs() <= bound).all()
     ids = torch.tensor([3, 0, 3, layer.out_features - 1])
     assert torch.equal(form.rows(ids), w[ids])
+
+
+def test_int8_product_compiled_is_the_textbook_product():
+    """compiled_int8_product computes int8_product (as written: an [M, groups, g, out] product, then two sums) up to
+    float32's rounding, on a shape other than the one it was first built for (its shapes are symbolic)."""
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (6, 16, 40), generator=gen, dtype=torch.int8)
+    scales, x = torch.rand(6, 40, generator=gen), torch.randn(1, 96, generator=gen)
+    want = runtime_forms.int8_product(x, codes, scales)
+    bound = 96 * 2.0 ** -24 * (x.abs().view(1, 6, 16, 1) * codes.abs() * scales[:, None]).sum((1, 2)) + 1e-7
+    assert ((runtime_forms.compiled_int8_product()(x, codes, scales) - want).abs() <= bound).all()
+
+
+def test_without_a_compiler_8_bit_layers_decode_with_a_warning(monkeypatch):
+    """Where torch.compile cannot build the product (no C++ compiler), one warning says so and one token's product
+    goes through the decoded weight: the same numbers up to float32 rounding."""
+    layer = LAYERS["Q6_K"]().compact()
+    form = runtime.form(layer, "compact", runtime_forms.Workspace())
+    x = _inputs(1, layer.in_features)
+    compiled = form(x)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(runtime_forms.torch, "compile", no_compiler)
+    runtime_forms.compiled_int8_product.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="cannot build the int8 product here.*decode their weights"):
+            decoded = form(x)
+        assert runtime_forms.compiled_int8_product() is None
+    finally:
+        runtime_forms.compiled_int8_product.cache_clear()
+    w = layer.dequantize()
+    assert ((decoded - compiled).abs() <= 2 * layer.in_features * 2.0 ** -24 * (x.abs() @ w.abs().T) + 1e-7).all()
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q5_K", "IQ4_NL"])
@@ -236,9 +279,9 @@ def _expected_bytes(weights):
     linears = [((CFG.num_attention_heads + 2 * CFG.num_key_value_heads) * d, h), (h, CFG.num_attention_heads * d),
                (2 * CFG.intermediate_size, h), (h, CFG.intermediate_size)]         # qkv, o, gate_up, down
     norms = 4 * (2 * h * CFG.num_hidden_layers + h + 2 * d * CFG.num_hidden_layers)  # f32: input, post, final, q/k
-    if weights == "compact":      # int4 codes + bf16 scale and zero per 32; int8 codes + f32 and bf16 scale per 32
+    if weights == "compact":      # int4 codes + bf16 scale and zero per 32; int8 codes + f32 scale per 32
         per_block = sum(o * i // 2 + 2 * 2 * o * i // 32 for o, i in linears)
-        head = v * h + (4 + 2) * v * h // 32
+        head = v * h + 4 * v * h // 32
     else:                         # 4-bit codes + f32 scale and offset per 32 (the zero points only a writer needs)
         per_block = sum(o * i // 2 + (4 + 4) * o * i // 32 for o, i in linears)
         head = v * h + (4 + 4) * v * h // 32
@@ -255,8 +298,9 @@ def test_held_bytes_count_each_forms_tensors(tmp_path, weights):
     assert held["weights"] == _expected_bytes(weights)
     assert held["weights"] <= 1.25 * file_tensor_bytes(path) or weights == "exact"
     _logits(model)
-    decoded = [m.out_features * m.in_features for m in model.modules() if isinstance(m, runtime_forms.DecodedLinear)]
-    assert runtime.held_bytes(model)["workspace"] == 4 * max(decoded, default=0)       # all under CHUNK here
+    decoded = [min(m.chunk, m.out_features) * m.in_features for m in model.modules()
+               if isinstance(m, (runtime_forms.DecodedLinear, runtime_forms.Int8Linear))]   # a prompt's head decodes
+    assert runtime.held_bytes(model)["workspace"] == 4 * max(decoded, default=0)
 
 
 def test_float32_copies_are_counted_too(tmp_path):
