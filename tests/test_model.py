@@ -46,6 +46,21 @@ def test_cached_generation_equals_full_forward(tiny_model):
     assert torch.equal(greedy, out[:, ids.shape[1]:])
 
 
+def test_generate_computes_the_head_for_the_last_position_only(tiny_model):
+    """last_only=True gives the full forward's last row of logits (the same rows through the same layers), and
+    generate asks for nothing else: every product the head makes, prompt and steps, is one position's."""
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(tiny_model(ids, last_only=True), tiny_model(ids)[:, -1:], rtol=1e-5, atol=1e-6)
+    seen = []
+    hook = tiny_model.lm_head.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+    try:
+        tiny_model.generate(ids, 3)
+    finally:
+        hook.remove()
+    assert seen == [(2, 1, tiny_model.cfg.hidden_size)] * 3
+
+
 def test_kv_transform_sees_rotated_k_and_v_and_changes_output(tiny_model):
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
     seen = []

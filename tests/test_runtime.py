@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from engine import runtime, runtime_forms
 from engine.checkpoints.models import file_tensor_bytes, load_model
@@ -271,6 +272,23 @@ def test_a_gguf_model_runs_from_its_stored_types(tmp_path, arch):
     assert (_logits(compact) - reference).abs().max() < 0.02 * reference.abs().max()
     with torch.no_grad():
         assert torch.equal(exact.generate(IDS, 6), dense.generate(IDS, 6))
+
+
+def test_prepare_builds_the_compiled_product_before_the_first_token(tmp_path, monkeypatch):
+    """A model with an Int8Linear (the tied Q8_0 head) has its product built by prepare, for generate's inference
+    tensors and eval's plain ones: the first token's time is no compile's."""
+    model = load_model(_gguf(tmp_path), to_run=True)
+    runtime_forms.compiled_int8_product.cache_clear()
+    calls = []
+    original = runtime_forms.Int8Linear.build
+    monkeypatch.setattr(runtime_forms.Int8Linear, "build", lambda self: calls.append(self) or original(self))
+    runtime.prepare(model, "compact")
+    assert calls == [model.lm_head] and runtime_forms.compiled_int8_product.cache_info().currsize == 1
+    built = dict(counters["stats"])
+    model.generate(IDS, 3)                                           # under inference_mode
+    with torch.no_grad():
+        model(IDS[:, :1])                                            # one token outside it
+    assert dict(counters["stats"]) == built                          # nothing compiled again
 
 
 def _expected_bytes(weights):
