@@ -204,7 +204,7 @@ class Int8Linear(RunLinear):
         q, s, o = layer.weight_codes, layer.scales.float(), layer.offsets.float()
         self.zero = shared_zero(q, s, o)
         zero = 128 if self.zero is None else self.zero
-        c = (q.to(torch.int16) - zero).to(torch.int8)
+        c = (q - zero).view(torch.int8)             # uint8 arithmetic wraps: q - z itself where it fits a byte
         self.register_buffer("codes", c.view(self.out_features, -1, g).permute(1, 2, 0).contiguous())
         self.register_buffer("scales", s.T.contiguous())
         self.register_buffer("offsets", None if self.zero is not None else o.T.contiguous())
