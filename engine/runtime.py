@@ -104,9 +104,9 @@ def prepare(model, weights="compact"):
         _give_back_memory()
     if hasattr(model, "set_fast"):
         model.set_fast()
-    first = next((m for m in model.modules() if isinstance(m, Int8Linear)), None)
-    if first is not None:
-        first.build()                       # the product's shapes are symbolic: one build serves every layer
+    kinds = {m.codes.shape[0] == 1: m for m in model.modules() if isinstance(m, Int8Linear)}
+    for layer in kinds.values():            # the product's shapes are symbolic, but torch.compile builds a size of
+        layer.build()                       # 1 apart: one build for the layers of one group, one for the others
     _give_back_memory()
     return model
 

@@ -215,10 +215,11 @@ class Int8Linear(RunLinear):
     def takes(layer):
         return getattr(layer, "bits", None) == 8 and layer.in_features % layer.group_size == 0
 
+    @torch.no_grad()
     def build(self):
-        """Build the compiled product before the first token (seconds, once per process; runtime.prepare calls it):
-        for activations made under torch.inference_mode (generate's) and outside it (eval's), which torch.compile
-        builds apart."""
+        """Build the compiled product for this layer's kind before the first token (seconds, once per process;
+        runtime.prepare calls it): for activations made under torch.inference_mode (generate's) and under no_grad
+        outside it (eval's), which torch.compile builds apart."""
         product = compiled_int8_product()
         if product is not None:
             product(torch.zeros(1, self.in_features), self.codes, self.scales)
@@ -237,7 +238,8 @@ class Int8Linear(RunLinear):
 
     def _decoded_product(self, x2d):
         """sum_j s_j (x_j @ c_j) as x2d @ W'^T, W'^T [in, out] = the codes (in their order already) times the scales,
-        decoded `chunk` outputs at a time into the Workspace."""
+        decoded `chunk` outputs at a time into the Workspace: columns of W^T, not DecodedLinear's rows of W, since a
+        column block of the codes as they are held is a contiguous copy where rows would be a strided one."""
         groups, g, out_f = self.codes.shape
         codes = self.codes.view(self.in_features, out_f)
         y = x2d.new_empty(len(x2d), out_f)

@@ -291,6 +291,22 @@ def test_prepare_builds_the_compiled_product_before_the_first_token(tmp_path, mo
     assert dict(counters["stats"]) == built                          # nothing compiled again
 
 
+@pytest.mark.parametrize("group", [64, 32], ids=["one group a row", "several groups"])
+def test_a_built_product_compiles_nothing_at_the_first_token(group):
+    """build() compiles the product for the layer's own kind (torch.compile builds a single group apart from
+    several), for activations made under inference_mode and outside it: a token after it compiles nothing."""
+    form = runtime.form(AffineQuantLinear.from_weight(_weight(40, 64), 8, group), "compact",
+                        runtime_forms.Workspace(), rows=True)
+    assert isinstance(form, runtime_forms.Int8Linear) and form.codes.shape[0] == 64 // group
+    form.build()
+    built = dict(counters["stats"])
+    with torch.inference_mode():
+        form(_inputs(1, 64))
+    with torch.no_grad():
+        form(_inputs(1, 64))
+    assert dict(counters["stats"]) == built
+
+
 def _expected_bytes(weights):
     """What each form holds for _gguf's file (Q4_0 linears, Q8_0 tied embedding), from the shapes alone."""
     h, v, d = CFG.hidden_size, CFG.vocab_size, CFG.head_dim
