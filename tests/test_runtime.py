@@ -146,9 +146,9 @@ def _shared_zero(layer):
 @pytest.mark.parametrize("name", INT8)
 def test_int8_product_is_the_dequantized_product_and_its_rows_are_exact(name, rows):
     """8-bit codes with group scales, in float32 (one token through the compiled product, several through the
-    decoded weight): within float32's bound for a sum of `in` products, n 2^-24 |x| |W|^T (2^-24: float32's unit roundoff);
-    a grid whose groups share one integer zero point keeps no offsets; the rows an embedding reads are dequantize()'s,
-    float for float."""
+    decoded weight): within 2 n 2^-24 |x| |W|^T of x W^T (each side within float32's bound for a sum of n = `in`
+    products, 2^-24 its unit roundoff); a grid whose groups share one integer zero point keeps no offsets; the rows
+    an embedding reads are dequantize()'s, float for float."""
     original = LAYERS[name]()
     layer = original.compact()
     form = runtime.form(layer, "compact", runtime_forms.Workspace(), rows=True)     # a tied embedding's head
@@ -156,7 +156,7 @@ def test_int8_product_is_the_dequantized_product_and_its_rows_are_exact(name, ro
     assert form.zero == _shared_zero(original) and (form.offsets is None) == (form.zero is not None)
     x = _inputs(rows, layer.in_features)
     w = layer.dequantize()
-    bound = layer.in_features * 2.0 ** -24 * (x.abs() @ w.abs().T) + 1e-7
+    bound = 2 * layer.in_features * 2.0 ** -24 * (x.abs() @ w.abs().T) + 1e-7    # each side within n u of the sum
     assert ((form(x) - x @ w.T).abs() <= bound).all()
     ids = torch.tensor([3, 0, 3, layer.out_features - 1])
     assert torch.equal(form.rows(ids), w[ids])
@@ -169,7 +169,8 @@ def test_int8_product_compiled_is_the_textbook_product():
     codes = torch.randint(-128, 128, (6, 16, 40), generator=gen, dtype=torch.int8)
     scales, x = torch.rand(6, 40, generator=gen), torch.randn(1, 96, generator=gen)
     want = runtime_forms.int8_product(x, codes, scales)
-    bound = 96 * 2.0 ** -24 * (x.abs().view(1, 6, 16, 1) * codes.abs() * scales[:, None]).sum((1, 2)) + 1e-7
+    terms = (x.abs().view(1, 6, 16, 1) * codes.abs() * scales[:, None]).sum((1, 2))
+    bound = 2 * 96 * 2.0 ** -24 * terms + 1e-7                        # each side within n u of the exact sum
     assert ((runtime_forms.compiled_int8_product()(x, codes, scales) - want).abs() <= bound).all()
 
 
