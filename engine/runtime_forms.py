@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .formats.numerics.hadamard import rotate_by_product
+from .kernels import compiled
 
 CHUNK = 1 << 17                 # floats a DecodedLinear decodes at once (512 KB): still in a core's L2 cache when
                                 # its matmul reads them, where a whole layer's rows come back from memory
@@ -164,7 +165,7 @@ def compiled_int8_product():
     None where it cannot be built here (no C++ compiler, say: a warning, and the layers decode their weights instead).
     Made on first use: compiling takes seconds (a few more the first time on a machine, with no inductor cache)."""
     try:
-        product = torch.compile(int8_product, dynamic=True, fullgraph=True)
+        product = compiled(int8_product, dynamic=True, fullgraph=True)
         with torch.no_grad():
             product(torch.zeros(1, 64), torch.zeros(2, 32, 48, dtype=torch.int8), torch.zeros(2, 48))
     except Exception as failure:          # the decoded product computes the same numbers

@@ -2,6 +2,7 @@
 where it is exact and within the bf16 bound where PyTorch's int4 / int8 kernels round; what a prepared model holds,
 counted; EntQuant decoded once (or block by block, its stream resident); the model's fused fast path; --weights on
 the command line."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +173,34 @@ def test_int8_product_compiled_is_the_textbook_product():
     terms = (x.abs().view(1, 6, 16, 1) * codes.abs() * scales[:, None]).sum((1, 2))
     bound = 2 * 96 * 2.0 ** -24 * terms + 1e-7                        # each side within n u of the exact sum
     assert ((runtime_forms.compiled_int8_product()(x, codes, scales) - want).abs() <= bound).all()
+
+
+COMPILED_PRODUCT_CHECK = """
+import torch
+from engine import runtime_forms
+gen = torch.Generator().manual_seed(0)
+codes = torch.randint(-128, 128, (6, 16, 40), generator=gen, dtype=torch.int8)
+scales, x = torch.rand(6, 40, generator=gen), torch.randn(1, 96, generator=gen)
+error = (runtime_forms.compiled_int8_product()(x, codes, scales) - runtime_forms.int8_product(x, codes, scales)).abs()
+terms = (x.abs().view(1, 6, 16, 1) * codes.abs() * scales[:, None]).sum((1, 2))
+print(torch.backends.cpu.get_cpu_capability(), bool((error <= 2 * 96 * 2.0 ** -24 * terms + 1e-7).all()),
+      float(error.max()))
+"""
+
+
+@pytest.mark.slow
+def test_the_compiled_product_is_right_on_either_cpu_kernel_set_with_one_inductor_cache(tmp_path):
+    """inductor writes its C++ for the vector width ATEN_CPU_CAPABILITY picks, but leaves that out of its cache key:
+    a product built on AVX-512 and loaded from the cache under avx2 computed garbage, the reverse crashed. The engine
+    pins the width (engine.kernels.compiled), so the cache keeps one build per width. (On a CPU without AVX-512 both
+    runs are AVX2.)"""
+    for capability in ("", "avx2", ""):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+        run = subprocess.run([sys.executable, "-c", COMPILED_PRODUCT_CHECK], capture_output=True, text=True,
+                             cwd=ROOT, env=env)
+        assert run.returncode == 0, run.stderr[-2000:]
+        kernels, right, error = run.stdout.split()
+        assert right == "True", f"{kernels}: the compiled product is off by up to {error}"
 
 
 def test_without_a_compiler_8_bit_layers_decode_with_a_warning(monkeypatch):

@@ -31,6 +31,8 @@ import warnings
 
 import torch
 
+from ..kernels import compiled
+
 
 def _check(x, table, L, K, wrap):
     if x.dim() != 2 or table.shape != (2 ** L,) or x.shape[1] * K < L:
@@ -158,7 +160,7 @@ def _compiled_step():
     (cpp_wrapper) runs it without the GIL, so that chunks on several Python threads run at once; one torch thread
     each keeps inductor from adding an OpenMP team (and its barrier at every step). Made on first use: importing
     torch.compile's machinery takes seconds."""
-    return torch.compile(_acs_into, dynamic=False, options={"cpp_wrapper": True})
+    return compiled(_acs_into, dynamic=False, options={"cpp_wrapper": True})
 
 
 @functools.cache

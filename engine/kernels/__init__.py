@@ -1,6 +1,6 @@
 """Triton kernels (compiled on a GPU, interpreted on CPU): triton_formats.py holds the dequantize-and-matmul kernels,
-stream_decoders.py the rANS and Rice decoders. Kernels are leaves: they import nothing from the formats, which pass
-their constants in."""
+stream_decoders.py the rANS and Rice decoders; and compiled(), the one way the engine calls torch.compile. Kernels are
+leaves: they import nothing from the formats, which pass their constants in."""
 import os
 
 import torch
@@ -9,6 +9,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# torch's CPU kernel set (ATEN_CPU_CAPABILITY, else the CPU's best) -> the vector width inductor's C++ is written for
+VECTOR_BITS = {"AVX512": 512, "AVX2": 256, "DEFAULT": 0}
+
+
+def compiled(fn, **kwargs):
+    """torch.compile(fn, **kwargs) with inductor's C++ vector width pinned to the CPU kernel set torch runs here.
+    inductor picks that width from ATEN_CPU_CAPABILITY but leaves it out of its cache key (torch 2.13): a graph cached
+    at one width and loaded at another computes garbage or crashes; pinned, the width is part of the key."""
+    bits = VECTOR_BITS.get(torch.backends.cpu.get_cpu_capability())
+    options = kwargs.pop("options", {})
+    if bits is not None:
+        options = {"cpp.simdlen": bits, **options}
+    return torch.compile(fn, options=options, **kwargs)
 
 
 def check_device(x, *tensors):
