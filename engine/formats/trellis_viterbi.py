@@ -31,8 +31,6 @@ import warnings
 
 import torch
 
-from ..kernels import compiled
-
 
 def _check(x, table, L, K, wrap):
     if x.dim() != 2 or table.shape != (2 ** L,) or x.shape[1] * K < L:
@@ -160,6 +158,7 @@ def _compiled_step():
     (cpp_wrapper) runs it without the GIL, so that chunks on several Python threads run at once; one torch thread
     each keeps inductor from adding an OpenMP team (and its barrier at every step). Made on first use: importing
     torch.compile's machinery takes seconds."""
+    from ..kernels import compiled                  # torch.compile's machinery: imported by big searches only
     return compiled(_acs_into, dynamic=False, options={"cpp_wrapper": True})
 
 
