@@ -1,12 +1,14 @@
 """KV-cache quantization (engine/formats/kv/kv_cache.py, kv_baselines.py): HyperQuant's dither makes every inner
 product unbiased; the baselines' grids are llama.cpp's, vLLM's and KIVI's; the residual window is exactly the
 per-query rule (exact if t - s < R) in prefill and in generate; and every stored bit is counted."""
+import contextlib
 import math
 
 import numpy as np
 import pytest
 import torch
 from helpers import random_ids as ids
+from torch._dynamo.utils import counters
 
 from engine.coding import rice
 from engine.formats.llama_cpp import ggml, ggml_quants
@@ -121,28 +123,90 @@ def test_ggml_blocks_are_llama_cpps(name, reference):
     assert np.array_equal(blocks.numpy().reshape(-1), theirs.reshape(-1))
 
 
+def _ggml_pages(name, size, tokens=40):
+    """Random q4_0 / q8_0 blocks [2, 3, tokens, 2 blocks] with f16 scales of every magnitude (subnormal, huge, zero,
+    negative), and ggml.dequantize's values of them."""
+    g = torch.Generator().manual_seed(size + tokens)
+    raw = torch.randint(0, 256, (2, 3, tokens, 2 * size), dtype=torch.uint8, generator=g)
+    extremes = torch.tensor([0.0, -0.0, 6e-8, 65504.0, -1e-5] * 2)
+    scales = torch.cat([torch.randn(12 * tokens - len(extremes), generator=g), extremes])
+    raw.view(torch.float16)[..., ::size // 2] = scales.reshape(2, 3, tokens, 2).half()
+    return raw, ggml.dequantize(raw.reshape(-1), name.upper(), (2, 3, tokens, 64))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["tensor ops", "compiled"])
 @pytest.mark.parametrize("name, size", [("q4_0", 18), ("q8_0", 34)])
-def test_ggml_blocks_read_back_as_the_textbook_decoder_reads_them(name, size):
-    """dequantize_blocks (every block of a layer's pages at once) gives ggml.dequantize's values, on random bytes
-    with f16 scales of every magnitude (subnormal, huge, zero, negative), token-major views included (a stored
-    page's layout), also written into a slice of a buffer; the rotation back as one matmul is fwht's up to float
-    rounding."""
-    g = torch.Generator().manual_seed(size)
-    raw = torch.randint(0, 256, (2, 3, 40, 2 * size), dtype=torch.uint8, generator=g)
-    scales = torch.cat([torch.randn(470, generator=g), torch.tensor([0.0, -0.0, 6e-8, 65504.0, -1e-5] * 2)])
-    raw.view(torch.float16)[..., ::size // 2] = scales.reshape(2, 3, 40, 2).half()
-    expected = ggml.dequantize(raw.reshape(-1), name.upper(), (2, 3, 40, 64))
-    assert torch.equal(kv_baselines.dequantize_blocks(raw, name), expected)
+def test_ggml_blocks_read_back_as_the_textbook_decoder_reads_them(name, size, compiled):
+    """dequantize_blocks (every block of a layer's pages at once; by its tensor ops, or q4_0's by q4_0_into
+    compiled)
+    gives ggml.dequantize's values bit for bit, on random bytes with scales of every magnitude, token-major views
+    included (a stored page's layout), also written into a slice of a buffer; the rotation back as one matmul is
+    fwht's up to float rounding."""
+    raw, expected = _ggml_pages(name, size)
+    assert torch.equal(kv_baselines.dequantize_blocks(raw, name, compiled=compiled), expected)
     token_major = raw.movedim(2, 0).contiguous().movedim(0, 2)
-    assert torch.equal(kv_baselines.dequantize_blocks(token_major, name), expected)
+    assert torch.equal(kv_baselines.dequantize_blocks(token_major, name, compiled=compiled), expected)
     buffer = torch.full((2, 3, 50, 64), float("nan"))                      # a cache's buffer: written in place
-    kv_baselines.dequantize_blocks(token_major, name, out=buffer[:, :, 5:45])
+    kv_baselines.dequantize_blocks(token_major, name, out=buffer[:, :, 5:45], compiled=compiled)
     assert torch.equal(buffer[:, :, 5:45], expected)
     assert buffer[:, :, :5].isnan().all() and buffer[:, :, 45:].isnan().all()
     kv = kv_baselines.GGMLKV(name, key_order="halves")
     for which in (0, 1):
         torch.testing.assert_close(kv._rotate_back(expected, which), kv._rotate(expected, which), atol=1e-5,
                                    rtol=1e-6)
+
+
+def test_a_long_caches_q4_0_decode_is_compiled_once_for_every_length(monkeypatch):
+    """dequantize_blocks compiles q4_0's decode from COMPILE_FROM values at once (a long cache's step: seconds to
+    build, once), its shapes symbolic: a cache that grows compiles nothing more; a short one, and q8_0, run the
+    tensor ops."""
+    monkeypatch.setattr(kv_baselines, "COMPILE_FROM", 2 * 3 * 41 * 64)
+    compiled_calls, built_once = [], kv_baselines.compiled_q4_0_into
+    monkeypatch.setattr(kv_baselines, "compiled_q4_0_into", lambda: compiled_calls.append(1) or built_once())
+    for name, size in (("q4_0", 18), ("q8_0", 34)):
+        raw, expected = _ggml_pages(name, size)
+        assert torch.equal(kv_baselines.dequantize_blocks(raw, name), expected)     # 40 tokens: below
+    assert not compiled_calls
+    with torch.inference_mode():
+        buffer = torch.empty(2, 3, 70, 64)
+        kv_baselines.dequantize_blocks(_ggml_pages("q4_0", 18, 41)[0], "q4_0", out=buffer[:, :, 1:42])
+        built = dict(counters["stats"])
+        for tokens in (42, 57, 69):
+            raw, expected = _ggml_pages("q4_0", 18, tokens)
+            kv_baselines.dequantize_blocks(raw, "q4_0", out=buffer[:, :, 1:1 + tokens])
+            assert torch.equal(buffer[:, :, 1:1 + tokens], expected)
+    assert len(compiled_calls) == 4 and dict(counters["stats"]) == built
+
+
+def test_past_dynamos_limit_of_builds_the_q4_0_decode_still_gives_its_values():
+    """A new layout or grad mode is a new build, and dynamo stops building at 8 (then q4_0_into runs eager): every
+    layout still reads back ggml.dequantize's values."""
+    raw, expected = _ggml_pages("q4_0", 18)
+    for mode in (torch.inference_mode, torch.no_grad, contextlib.nullcontext):
+        with mode():
+            for r in (raw, raw.movedim(2, 0).contiguous().movedim(0, 2), raw[:1, :1], raw[:, :1],
+                      raw.transpose(0, 1).contiguous().transpose(0, 1)):
+                want = expected[:r.shape[0], :r.shape[1]]
+                assert torch.equal(kv_baselines.dequantize_blocks(r, "q4_0", compiled=True), want)
+                buffer = torch.full((*r.shape[:2], 49, 64), float("nan"))
+                kv_baselines.dequantize_blocks(r, "q4_0", out=buffer[:, :, 4:44], compiled=True)
+                assert torch.equal(buffer[:, :, 4:44], want)
+
+
+def test_without_a_compiler_the_block_decode_runs_its_tensor_ops_with_a_warning(monkeypatch):
+    """Where torch.compile cannot build the decode (no C++ compiler), one warning says so and the tensor ops give
+    the same values."""
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    kv_baselines.compiled_q4_0_into.cache_clear()
+    raw, expected = _ggml_pages("q4_0", 18)
+    try:
+        with pytest.warns(UserWarning, match="cannot build the KV cache's block decode here.*same values"):
+            assert torch.equal(kv_baselines.dequantize_blocks(raw, "q4_0", compiled=True), expected)
+        assert kv_baselines.compiled_q4_0_into() is None
+    finally:
+        kv_baselines.compiled_q4_0_into.cache_clear()
 
 
 @pytest.mark.parametrize("spec", ["q4_0", "q8_0,rotation=none", "q8_0,key_order=interleaved"])

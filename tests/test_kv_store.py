@@ -3,6 +3,7 @@ computes is exactly what the simulated hook computes; its pages are checked, its
 import pytest
 import torch
 from helpers import random_ids as ids
+from torch._dynamo.utils import counters
 
 from engine.formats.kv import kv_baselines, kv_cache, kv_store
 from engine.qwen3 import KVCache
@@ -135,6 +136,25 @@ def test_the_triton_decoder_reads_the_pages_as_numpy_does(model32):
         cache = kv_store.install(model32, kv_store.parse_kv_spec("e8:3,window=8"), kernel=kernel, page_tokens=32)
         logits.append(chunked(model32, x, 48, cache))
     assert torch.equal(*logits)
+
+
+def test_a_long_q4_0_cache_reads_its_pages_through_the_compiled_decode(model32, monkeypatch):
+    """From COMPILE_FROM values at once (lowered here to one page's), q4_0's pages decode through the compiled
+    q4_0_into: a chunked prefill's logits and generate's tokens are the tensor ops' bit for bit, with few builds
+    (generate's inference_mode, a forward's no_grad: at most 4 of dynamo's 8)."""
+    x = ids(1, 150)
+    logits = chunked(model32, x, 16, kv_store.install(model32, kv_store.parse_kv_spec("q4_0")))
+    tokens = model32.generate(x[:, :40], 30, cache=kv_store.install(model32, kv_store.parse_kv_spec("q4_0")),
+                              prefill_chunk=16)
+    monkeypatch.setattr(kv_baselines, "COMPILE_FROM", 2 * 64 * 32)
+    compiled_calls, built_once = [], kv_baselines.compiled_q4_0_into
+    monkeypatch.setattr(kv_baselines, "compiled_q4_0_into", lambda: compiled_calls.append(1) or built_once())
+    built_once()
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.equal(chunked(model32, x, 16, kv_store.install(model32, kv_store.parse_kv_spec("q4_0"))), logits)
+    cache = kv_store.install(model32, kv_store.parse_kv_spec("q4_0"))
+    assert torch.equal(model32.generate(x[:, :40], 30, cache=cache, prefill_chunk=16), tokens)
+    assert compiled_calls and counters["stats"]["unique_graphs"] - graphs <= 4
 
 
 def pages_read(quantizer):

@@ -38,6 +38,7 @@ min(G, head_dim) channels. KIVI keeps the most recent tokens in full precision; 
 window (>= G - 1 tokens), where KIVI's own residual fills up to R tokens and is then quantized as a whole.
 """
 import functools
+import warnings
 
 import torch
 
@@ -52,6 +53,7 @@ GGML_KV = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
 GGML_KV_VALUES = {"q8_0": 34, "q4_0": 18}          # bytes of a 32-value block
 KEY_ORDERS = ("auto", "halves", "interleaved")
 QK = 32                    # values per GGML block
+COMPILE_FROM = 1 << 20     # values decoded at once from which the compiled decode (seconds to build, once) pays
 
 
 def _check_head_dim(d, multiple, what):
@@ -84,7 +86,7 @@ class FP8KV(KVHook):
         return codes["e4m3"].float() * codes["scale"]
 
 
-def dequantize_blocks(raw, cache_type, out=None):
+def dequantize_blocks(raw, cache_type, out=None, compiled=None):
     """q8_0 / q4_0 blocks uint8 [..., k * block bytes] -> float32 [..., 32 k], the values llama_cpp/ggml.py's
     dequantize (the textbook decoder of every GGML type) gives, in a few tensor ops over all blocks at once, with no
     int64 or per-type machinery (a stored cache reads back a whole layer's pages per step). q4_0 as it computes
@@ -92,13 +94,20 @@ def dequantize_blocks(raw, cache_type, out=None):
     pass fewer than its (q + 128) * d - 128 d: the same value, as q * d is exact in float32 (8 bits times an f16's
     11), only a zero's sign may differ (-0 where d < 0, which no encoder writes: d = amax / 127).
     out: a float32 tensor of that shape (a view of a cache's buffer: rows of 32 k contiguous) to write into, so
-    that a long cache is not written twice, once here and once where it goes."""
+    that a long cache is not written twice, once here and once where it goes.
+    compiled (q4_0): True / False forces q4_0_into compiled by torch.compile (one pass that reads the codes and
+    writes out once, where these ops make five) / these ops; None compiles from COMPILE_FROM values (a long cache),
+    and runs these ops where it cannot."""
     size = GGML_KV_VALUES[cache_type]
     blocks = raw.unflatten(-1, (-1, size))                          # [..., k, block bytes]
-    d = blocks.view(torch.float16)[..., :1].float()                 # the f16 at bytes 0-1: [..., k, 1]
     if out is None:
         out = torch.empty(*raw.shape[:-1], raw.shape[-1] // size * QK)
     x = out.unflatten(-1, (-1, QK))                                 # [..., k, 32], a view of out
+    d = blocks.view(torch.float16)[..., :1].float()                 # the f16 at bytes 0-1: [..., k, 1]
+    fast = cache_type == "q4_0" and (compiled or (compiled is None and x.numel() >= COMPILE_FROM))
+    if fast and (into := compiled_q4_0_into()) is not None:
+        into(x, blocks[..., 2:], d)
+        return out
     if cache_type == "q4_0":                          # value j < 16: byte j's low nibble, 16 + j its high one
         words = blocks[..., 2:].contiguous().view(torch.int32)      # (four bytes per op: uint8 ops are slower)
         x[..., :QK // 2] = (words & 0x0F0F0F0F).view(torch.uint8)
@@ -107,6 +116,33 @@ def dequantize_blocks(raw, cache_type, out=None):
     else:
         x.copy_(blocks[..., 2:].view(torch.int8)).mul_(d)
     return out
+
+
+def q4_0_into(x, codes, d):
+    """x float32 [..., k, 32] (a view of the output) <- code * d - 8 d, the low nibbles first: codes uint8
+    [..., k, 16] (two a byte), d float32 [..., k, 1], as dequantize_blocks' ops compute them. Eager, a temporary
+    per op; compiled, one pass that writes x once."""
+    halves = x.unflatten(-1, (2, QK // 2))
+    halves[..., 0, :] = (codes & 15).float() * d - 8 * d
+    halves[..., 1, :] = (codes >> 4).float() * d - 8 * d
+
+
+@functools.cache
+def compiled_q4_0_into():
+    """q4_0_into compiled (C++ on a CPU; shapes symbolic), or None where it cannot be built here (no C++ compiler,
+    say: a warning, and dequantize_blocks' ops run instead). Made on first use: it takes seconds, which a long
+    cache's first steps repay. Not fullgraph: past dynamo's limit of builds for new layouts or grad modes (8), it
+    runs q4_0_into eager (the same values)."""
+    from ...kernels import compiled               # torch.compile's machinery: imported by long caches only
+    try:
+        into = compiled(q4_0_into, dynamic=True)
+        blocks = torch.zeros(1, 2, 2, 2, GGML_KV_VALUES["q4_0"], dtype=torch.uint8)    # [B, kv_heads, n, k, 18]
+        into(torch.empty(1, 2, 2, 2, QK), blocks[..., 2:], blocks.view(torch.float16)[..., :1].float())
+    except Exception as failure:      # dequantize_blocks' ops compute the same values
+        warnings.warn(f"torch.compile cannot build the KV cache's block decode here ({failure!r:.200}): it runs "
+                      "as separate tensor ops (slower, the same values)")
+        return None
+    return into
 
 
 @functools.cache
