@@ -14,15 +14,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 VECTOR_BITS = {"AVX512": 512, "AVX2": 256, "DEFAULT": 0}
 
 
-def compiled(fn, **kwargs):
-    """torch.compile(fn, **kwargs) with inductor's C++ vector width pinned to the CPU kernel set torch runs here.
-    inductor picks that width from ATEN_CPU_CAPABILITY but leaves it out of its cache key (torch 2.13): a graph cached
-    at one width and loaded at another computes garbage or crashes; pinned, the width is part of the key."""
+def compiled(fn, options=None, **kwargs):
+    """torch.compile(fn, options=options, **kwargs) with inductor's C++ vector width pinned to the CPU kernel set torch
+    runs here. inductor picks that width from ATEN_CPU_CAPABILITY but leaves it out of its cache key (torch 2.13): a
+    graph cached at one width and loaded at another computes garbage or crashes; pinned, the width is in the key."""
     bits = VECTOR_BITS.get(torch.backends.cpu.get_cpu_capability())
-    options = kwargs.pop("options", {})
-    if bits is not None:
-        options = {"cpp.simdlen": bits, **options}
-    return torch.compile(fn, options=options, **kwargs)
+    pinned = {} if bits is None else {"cpp.simdlen": bits}
+    return torch.compile(fn, options={**pinned, **(options or {})}, **kwargs)
 
 
 def check_device(x, *tensors):
