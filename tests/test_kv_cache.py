@@ -138,10 +138,9 @@ def _ggml_pages(name, size, tokens=40):
 @pytest.mark.parametrize("name, size", [("q4_0", 18), ("q8_0", 34)])
 def test_ggml_blocks_read_back_as_the_textbook_decoder_reads_them(name, size, compiled):
     """dequantize_blocks (every block of a layer's pages at once; by its tensor ops, or q4_0's by q4_0_into
-    compiled)
-    gives ggml.dequantize's values bit for bit, on random bytes with scales of every magnitude, token-major views
-    included (a stored page's layout), also written into a slice of a buffer; the rotation back as one matmul is
-    fwht's up to float rounding."""
+    compiled) gives ggml.dequantize's values bit for bit, on random bytes with scales of every magnitude, token-major
+    views included (a stored page's layout), also written into a slice of a buffer; the rotation back as one matmul
+    is fwht's up to float rounding."""
     raw, expected = _ggml_pages(name, size)
     assert torch.equal(kv_baselines.dequantize_blocks(raw, name, compiled=compiled), expected)
     token_major = raw.movedim(2, 0).contiguous().movedim(0, 2)
@@ -167,6 +166,8 @@ def test_a_long_caches_q4_0_decode_is_compiled_once_for_every_length(monkeypatch
         raw, expected = _ggml_pages(name, size)
         assert torch.equal(kv_baselines.dequantize_blocks(raw, name), expected)     # 40 tokens: below
     assert not compiled_calls
+    raw, expected = _ggml_pages("q8_0", 34, 57)
+    assert torch.equal(kv_baselines.dequantize_blocks(raw, "q8_0"), expected) and not compiled_calls   # long q8_0
     with torch.inference_mode():
         buffer = torch.empty(2, 3, 70, 64)
         kv_baselines.dequantize_blocks(_ggml_pages("q4_0", 18, 41)[0], "q4_0", out=buffer[:, :, 1:42])
