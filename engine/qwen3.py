@@ -136,9 +136,9 @@ class KVCache:
         """The new k, v [B, kv_heads, t, d] under a windowed transform fn -> the exact K, V of every position and the
         coded ones (exact where fn has not coded them yet), [B, kv_heads, L, d] each. A cache that stores only the
         codes (engine/formats/kv/kv_store.py) gives the same four, its exact K/V filled with codes where no query
-        reads them any more, then basis: None here; a stored cache with no window may give (m_k, m_v) [d, d]
-        orthogonal, its coded K being k_hat @ m_k and V v_hat @ m_v (attention then rotates each query and output
-        instead of each position)."""
+        reads them any more, then basis: None here; a stored cache may give (m_k, m_v) [d, d] orthogonal, every K
+        it gives being k @ m_k and V v @ m_v (attention then rotates each query and output instead of each
+        position)."""
         k, v = self.update(index, k, v)
         done = self.coded_length(index)
         k_hat, v_hat = self.update(index, *fn(k[:, :, done:], v[:, :, done:], index, done), coded=True)
@@ -258,9 +258,8 @@ class Attention(nn.Module):
         """Causal grouped-query attention [B, heads, T, d]. coded = (k_hat, v_hat, far): where far [T, L], the
         score comes from k_hat and the weight multiplies v_hat. Where a query can look, far holds whole columns
         [0, a) (older than every query's window) and none of [b, L): only the band [a, b), at most T wide, needs
-        both K/V (a decode step's band is one column). basis (m_k, m_v): k_hat, v_hat hold the coded K/V in it
-        (KVCache.windowed) and every column is coded: q (k_hat m_k)^T is read as (q m_k^T) k_hat^T, p (v_hat m_v) as
-        (p v_hat) m_v. A fast model (set_fast) reads several queries through torch's fused attention, which never
+        both K/V (a decode step's band is one column). basis (m_k, m_v): k, v, k_hat, v_hat hold K/V in it
+        (KVCache.windowed): q (k m_k)^T is read as (q m_k^T) k^T, p (v m_v) as (p v) m_v. A fast model (set_fast) reads several queries through torch's fused attention, which never
         holds the [T, L] scores (a long prompt's prefill over a coded cache), the band's coded K/V as extra columns
         that only the queries far from them see; one query's step stays a product, faster than that kernel for one
         row."""

@@ -23,26 +23,31 @@ def chunked(model, x, chunk, cache):
 @pytest.mark.parametrize("chunk", [150, 16, 1])
 def test_stored_cache_computes_what_the_simulated_hook_computes(model32, spec, chunk):
     """Same calls, same codes: the logits are those of the plain cache that keeps every exact and decoded value (a
-    stored page decoding to anything else, or a window dropping a value still read, is red). Equal bit for bit here;
-    the tolerance is for BLAS libraries that sum the Haar rotation's float64 matmul in another order when the number
-    of rows differs (one call's tokens vs a layer's pages): 1e-6 is far below what one changed code moves."""
+    stored page decoding to anything else, or a window dropping a value still read, is red). Read as the simulated
+    hook reads (no basis: the rotation back on every position, as decode does), equal bit for bit here; the
+    tolerance is for BLAS libraries that sum the Haar rotation's float64 matmul in another order when the number of
+    rows differs (one call's tokens vs a layer's pages): 1e-6 is far below what one changed code moves. Read in the
+    basis: test_attention_reads_rotated_pages_in_their_basis."""
     x = ids(2, 150)
     simulated = kv_store.parse_kv_spec(spec)
     kv_cache.install(model32, simulated)
     expected = chunked(model32, x, chunk, KVCache(2))
     stored = kv_store.parse_kv_spec(spec)
+    stored.basis = lambda d, which, layer=0: None
     cache = kv_store.install(model32, stored)
     torch.testing.assert_close(chunked(model32, x, chunk, cache), expected, atol=1e-6, rtol=0)
     assert stored.coded == simulated.coded                  # the same bits counted: the same codes
     assert cache.length == 150 and cache.nbytes()["pages"] > 0
 
 
-@pytest.mark.parametrize("spec", ["q4_0", "q8_0,key_order=interleaved", "q4_0,window=3"])
+@pytest.mark.parametrize("spec", ["q4_0", "q8_0,key_order=interleaved", "q4_0,window=3", "e8:3",
+                                  "e8:3,window=5,exact_keys=3", "d4:3,rotation=signs,window=0"])
 def test_attention_reads_rotated_pages_in_their_basis(spec):
-    """With head_dim 64 llama.cpp's cache rotates each head: with no window, the cache hands attention the pages'
-    values unrotated and their basis (a d x d matmul per query and output, not per position), K's with the
-    interleaved order in it; the logits are the simulated hook's up to float rounding (which can flip a code of the
-    second layer: 2e-5 here; a wrong basis moves them by ~1). A window mixes exact values in: no basis."""
+    """With head_dim 64 llama.cpp's cache rotates each head, and the lattice's rotates each (Haar, or random signs):
+    the cache hands attention the pages' values unrotated and their basis (a d x d matmul per query and output, not
+    per position), K's with the interleaved order in it, the window's and the first keys' exact values put in it;
+    the logits are the simulated hook's up to float rounding (which can flip a code of the second layer: 2e-5 here;
+    a wrong basis, or an exact value left out of it, moves them by ~1)."""
     from engine.qwen3 import Qwen3, Qwen3Config
     torch.manual_seed(0)
     model = Qwen3(Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -54,11 +59,11 @@ def test_attention_reads_rotated_pages_in_their_basis(spec):
     quantizer = kv_store.parse_kv_spec(spec)
     cache = kv_store.install(model, quantizer, page_tokens=32)
     torch.testing.assert_close(chunked(model, x, 30, cache), expected, atol=1e-4, rtol=0)
-    basis = cache.layers[1].basis
-    if quantizer.window:
-        assert basis is None
+    m_k, m_v = cache.layers[1].basis
+    if isinstance(quantizer, kv_cache.KVQuantizer):
+        for which, m in enumerate((m_k, m_v)):
+            assert torch.equal(m, quantizer._rotation(1, which, 64).float())
         return
-    m_k, m_v = basis
     assert torch.equal(m_v, kv_baselines.hadamard_matrix(64))
     assert not torch.equal(m_k, m_v) if "interleaved" in spec else torch.equal(m_k, m_v)
     assert torch.allclose(m_k @ m_k.T, torch.eye(64), atol=1e-6)

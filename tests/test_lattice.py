@@ -70,6 +70,7 @@ def test_strip_saves_exact_bits_and_round_trips(name):
     symbols = lat.strip(codes)
     assert symbols.shape == codes.shape and int(symbols.min()) >= 0
     assert torch.equal(lat.unstrip(symbols), codes)
+    assert torch.equal(lat.unstrip(symbols.reshape(3, -1, lat.n)), codes.reshape(3, -1, lat.n))   # any leading dims
     # ... and every symbol vector is a lattice point, so the stripped stream carries no pinned bit.
     g = torch.Generator().manual_seed(3)
     anything = torch.randint(0, 200, (3000, lat.n), generator=g)

@@ -24,8 +24,8 @@ in the version benchmarks/clients.py builds) rotates each head before a quantize
 the largest power of two >= 64 dividing head_dim, V in chunks of 64, by the orthonormal Sylvester Hadamard matrix
 H / sqrt(n) (its own inverse; Q gets the same rotation, the attention output V's back), when head_dim is a multiple
 of 64 (LLAMA_ATTN_ROT_DISABLE=1 turns it off): rotation "hadamard" (the default) does the same (on SmolLM2 it cuts
-q4_0's KL by 2.3-2.6x, in llama.cpp and here), and a stored cache with no window is read as llama.cpp reads it, Q
-and the output rotated (GGMLKV.basis), not every position. Which 32 values share a block
+q4_0's KL by 2.3-2.6x, in llama.cpp and here), and a stored cache is read as llama.cpp reads it, Q and the
+output rotated (GGMLKV.basis), not every position. Which 32 values share a block
 depends on the model's RoPE in llama.cpp: Qwen2 / Qwen3 rotate the halves of a head (NEOX, as transformers), so a
 block is 32 consecutive values as here; for Llama its converter permutes q_proj / k_proj so that each rotated pair is
 adjacent (element 2i = transformers' i, 2i + 1 = i + d / 2) and K's blocks are cut in that order, which keeps a
@@ -204,7 +204,7 @@ class GGMLKV(KVHook):
         self.count(which, x.numel(), 8 * raw.numel())
         return {"blocks": raw.reshape(*x.shape[:-1], -1)}
 
-    def basis(self, d, which):
+    def basis(self, d, which, layer=0):
         """What decode does after dequantizing (the rotation back, then the interleaved keys' order) as a matrix;
         None where that is nothing."""
         return None if self._read_as_stored(d, which) else self._to_values(torch.eye(d), which)

@@ -30,7 +30,7 @@ exactly as a weight's would be (engine.coding.rice.rice_bits: the bits the encod
 stream), plus 40 bits per 512-symbol sub-stream and 16 bits per vector for alpha. The scale alpha beta is rounded
 to float32 once and the points are codes * axis * scale in float32, what the Triton decoder computes: a cache that
 stores the streams (engine/formats/kv/kv_store.py: encode / pack there, unpack / decode back) reads exactly these
-values back.
+values back (in the rotated basis, attention rotating each query and output instead: equal up to float rounding).
 
 The formats real engines use (FP8, llama.cpp's q8_0 / q4_0, KIVI) are in engine/formats/kv/kv_baselines.py.
 """
@@ -77,10 +77,11 @@ class KVHook:
     def check_head_dim(self, d):
         """ValueError if heads of d values cannot be coded (checked from a model's config before it loads)."""
 
-    def basis(self, d, which):
+    def basis(self, d, which, layer=0):
         """None, or m [d, d] orthogonal float32 with decode(codes) = decode_in_basis(codes) @ m for heads of d values
-        (a linear map after the codes are read, such as a rotation back): a stored cache with no window then reads
-        its pages with decode_in_basis and attention rotates each query and output by m instead of each position."""
+        (a linear map after the codes are read, such as a rotation back): a stored cache then reads its pages with
+        decode_in_basis, puts its few exact values in the basis too (x @ m^T), and attention rotates each query and
+        output by m instead of each position."""
         return None
 
     def decode_into(self, codes, out, layer=0, which=0, in_basis=False):
@@ -248,23 +249,32 @@ class KVQuantizer(KVHook):
         codes["symbols"] = symbols.reshape(x.shape).to(torch.int16 if small else torch.int32)
         return codes
 
-    def decode(self, codes, layer=0, which=0):
-        """codes (encode's, or unpack's with "points" already decoded by the kernel) -> x_hat [B, H, n, d]
-        (float64 when rotated or dithered, else float32): points = codes * axis * scale in float32, as the Triton
-        decoder computes them."""
-        scale = self._scale(codes["alpha"])
+    def basis(self, d, which, layer=0):
+        """The layer's rotation S (float32; None unrotated): decode is decode_in_basis(codes) @ S. A dithered cache
+        has none (its noise is subtracted in float64 before the rotation)."""
+        s = None if self.dither else self._rotation(layer, which, d)
+        return None if s is None else s.float()
+
+    def decode_in_basis(self, codes, layer=0, which=0):
+        """codes (encode's, or unpack's with "points" already decoded by the kernel) -> y_hat [B, H, n, d], the
+        rotated vector's estimate (float64 when dithered, else float32): points = codes * axis * scale in float32,
+        as the Triton decoder computes them."""
         if "points" in codes:
-            y_hat = codes["points"]
-        else:
-            shape = codes["symbols"].shape
-            points = self.lat.unstrip(codes["symbols"].reshape(-1, self.lat.n)).reshape(shape)
-            axis = torch.tensor(self.lat.axis * (shape[-1] // self.lat.n))
-            if "dither" in codes:
-                y_hat = (points * axis.double() - codes["dither"].reshape(shape)) * scale.double()
-            elif set(self.lat.axis) == {1.0}:                  # E8, D4, Z: x * 1.0 is x, a pass over the values saved
-                y_hat = points.float() * scale
-            else:
-                y_hat = points.float() * axis * scale
+            return codes["points"]
+        scale = self._scale(codes["alpha"])
+        shape = codes["symbols"].shape
+        points = self.lat.unstrip(codes["symbols"].unflatten(-1, (-1, self.lat.n))).flatten(-2)
+        axis = torch.tensor(self.lat.axis * (shape[-1] // self.lat.n))
+        if "dither" in codes:
+            return (points * axis.double() - codes["dither"].reshape(shape)) * scale.double()
+        if set(self.lat.axis) == {1.0}:                        # E8, D4, Z: x * 1.0 is x, a pass over the values saved
+            return points.float() * scale
+        return points.float() * axis * scale
+
+    def decode(self, codes, layer=0, which=0):
+        """codes -> x_hat [B, H, n, d] (float64 when rotated or dithered, else float32): decode_in_basis, rotated
+        back by S^T in float64."""
+        y_hat = self.decode_in_basis(codes, layer, which)
         s = self._rotation(layer, which, y_hat.shape[-1])
         return y_hat if s is None else y_hat.double() @ s
 

@@ -17,8 +17,9 @@ kernel=True), then the format's decode into one buffer per K and V (KVHook.decod
 in place there). Attention then sees what the simulated hook gives: exact K/V where a query is within the window,
 decoded ones elsewhere; the positions whose exact values are gone are read by no query (with no window, no exact
 value is read at all, so attention gets the one buffer). A format whose decode ends in a linear map (llama.cpp's
-Hadamard rotation back: KVHook.basis) is read without it when there is no window: attention rotates each query and
-its output instead of every position (equal up to float rounding). Memory is what the pages, the tail and the
+Hadamard rotation back, the lattice's rotation S: KVHook.basis) is read without it: the window's few exact values are
+put in that basis, and attention rotates each query and its output instead of every position (equal up to float
+rounding). Memory is what the pages, the tail and the
 window hold (nbytes), against bf16_bytes, a bf16 cache of the length.
 
 A page never changes once written, so decoding it again each step would only repeat work (one-token steps would
@@ -166,6 +167,11 @@ class CodedPart:
         return sum(a.nbytes for a in self.arenas.values()), tail, decoded
 
 
+def _in_basis(x, basis, which):
+    """Exact values x [B, H, n, d] as attention reads them beside pages decoded in a basis (m_k, m_v): x @ m^T."""
+    return x if basis is None else x @ basis[which].T
+
+
 def _cut(codes, tokens, first, last):
     """Positions first..last of codes of `tokens` positions (each tensor's axis 2 holds tokens or groups of them)."""
     return {name: t[:, :, first * t.shape[2] // tokens:last * t.shape[2] // tokens] for name, t in codes.items()}
@@ -223,7 +229,7 @@ class StoredKVCache:
         if fn is not self.quantizer:
             raise ValueError("the model's KV hook is not this cache's quantizer (kv_store.install puts it there)")
         if self.layers[index] is None:
-            self.layers[index] = LayerStore(fn, index, self._pages_of(k), self._basis(k))
+            self.layers[index] = LayerStore(fn, index, self._pages_of(k), self._basis(k, index))
         s = self.layers[index]
         if s.exact_k is None:
             s.exact_k, s.exact_v = k[:, :, :0], v[:, :, :0]
@@ -246,13 +252,14 @@ class StoredKVCache:
         k_hat, v_hat = k.new_empty(b, h, length, d), v.new_empty(b, h, length, v.shape[3])
         kept_keys = 0 if s.first_k is None else s.first_k.shape[2]
         if kept_keys:
-            k_hat[:, :, :kept_keys] = s.first_k
+            k_hat[:, :, :kept_keys] = _in_basis(s.first_k, s.basis, 0)
         self._read(s.parts, (k_hat[:, :, kept_keys:s.coded], v_hat[:, :, :s.coded]))
         uncoded = s.coded - s.first_exact
-        k_hat[:, :, s.coded:], v_hat[:, :, s.coded:] = ek[:, :, uncoded:], ev[:, :, uncoded:]
+        bk, bv = _in_basis(ek, s.basis, 0), _in_basis(ev, s.basis, 1)   # the window's few values, as attention reads
+        k_hat[:, :, s.coded:], v_hat[:, :, s.coded:] = bk[:, :, uncoded:], bv[:, :, uncoded:]
         if uncoded and window:                                # exact values the coded ones replace in k_hat
-            k_all = torch.cat((k_hat[:, :, :s.first_exact], ek), 2)
-            v_all = torch.cat((v_hat[:, :, :s.first_exact], ev), 2)
+            k_all = torch.cat((k_hat[:, :, :s.first_exact], bk), 2)
+            v_all = torch.cat((v_hat[:, :, :s.first_exact], bv), 2)
         else:                    # the same values, or no window (no query reads an exact value): one tensor
             k_all, v_all = k_hat, v_hat
         keep = max(0, min(s.coded, length - window))          # a later query reads exact values from here on
@@ -260,14 +267,12 @@ class StoredKVCache:
         s.first_exact, s.length = keep, length
         return k_all, v_all, k_hat, v_hat, s.basis
 
-    def _basis(self, k):
-        """(m_k, m_v) in k's dtype and device when attention can read the pages in the quantizer's basis
-        (KVHook.basis): every position coded (no window, no exact keys), so that no exact value meets a coded one in
-        another basis; else None."""
-        q = self.quantizer
+    def _basis(self, k, layer):
+        """(m_k, m_v) in k's dtype and device when attention reads the layer's pages in the quantizer's basis
+        (KVHook.basis), else None."""
         d = k.shape[3]
-        bases = [q.basis(d, which) for which in (0, 1)]
-        if q.window or q.exact_keys or bases == [None, None]:
+        bases = [self.quantizer.basis(d, which, layer) for which in (0, 1)]
+        if bases == [None, None]:
             return None
         return tuple((torch.eye(d) if m is None else m).to(k) for m in bases)
 

@@ -30,8 +30,9 @@ class Lattice:
     code * axis); volume (of a cell, real coordinates); period p (p Z^n, axis-scaled, is a sublattice: a box of side
     p * axis tiles space); levels [n] (which of a sub-stream's two Rice parameters codes each stripped symbol).
     A subclass gives _closest (x [..., n] float64 -> codes int64), is_member (codes [..., n] -> bool [...]),
-    strip (codes [V, n] -> symbols [V, n] >= 0, a bijection onto N^n) and unstrip (its inverse, int32: symbols are
-    below 2^16, so every code fits, at half int64's memory traffic where a KV cache decodes every step)."""
+    strip (codes [V, n] -> symbols [V, n] >= 0, a bijection onto N^n) and unstrip (its inverse for symbols [..., n],
+    int32: symbols are below 2^16, so every code fits, at half int64's memory traffic where a KV cache decodes every
+    step)."""
     name: str
     n: int
     G: float
@@ -108,8 +109,8 @@ class A2(Lattice):
         return zigzag(torch.stack([n_x, (n_y - (n_x & 1)) >> 1], 1))
 
     def unstrip(self, symbols):
-        n_x, t_y = unzigzag(symbols.to(torch.int32)).unbind(1)
-        return torch.stack([2 * t_y + (n_x & 1), n_x], 1)
+        n_x, t_y = unzigzag(symbols.to(torch.int32)).unbind(-1)
+        return torch.stack([2 * t_y + (n_x & 1), n_x], -1)
 
 
 class D4(Lattice):
@@ -130,7 +131,7 @@ class D4(Lattice):
 
     def unstrip(self, symbols):
         c = unzigzag(symbols.to(torch.int32))
-        c[:, 3] = 2 * c[:, 3] + (c[:, :3].sum(1, dtype=torch.int32) & 1)
+        c[..., 3] = 2 * c[..., 3] + (c[..., :3].sum(-1, dtype=torch.int32) & 1)
         return c
 
 
@@ -157,9 +158,9 @@ class E8(Lattice):
 
     def unstrip(self, symbols):
         m = symbols.to(torch.int32)
-        s = unzigzag(torch.cat([m[:, 1:], m[:, :1] >> 1], 1))                       # s_0 .. s_6, t
-        s[:, 7] = 2 * s[:, 7] + (s[:, :7].sum(1, dtype=torch.int32) & 1)           # s_7
-        return s.mul_(2).add_(m[:, :1] & 1)                                          # 2 s_i + coset
+        s = unzigzag(torch.cat([m[..., 1:], m[..., :1] >> 1], -1))                  # s_0 .. s_6, t
+        s[..., 7] = 2 * s[..., 7] + (s[..., :7].sum(-1, dtype=torch.int32) & 1)    # s_7
+        return s.mul_(2).add_(m[..., :1] & 1)                                        # 2 s_i + coset
 
 
 LATTICES = {lat.name: lat for lat in (Z(), A2(), D4(), E8())}
