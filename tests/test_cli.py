@@ -97,6 +97,23 @@ def test_help_imports_no_torch_and_explains_every_flag():
     assert "steps" not in flags["export"] and "order" in flags["quantize"] and "model" in flags["generate"]
 
 
+def test_a_command_runs_with_torchs_objects_frozen_out_of_the_collectors_view(monkeypatch):
+    """run.py freezes what lives as long as the process (torch's objects) before a command runs, so that the full
+    collection layers.release_memory makes after each step of a conversion does not walk them again each time."""
+    import gc
+    import importlib.util
+
+    from engine import cli
+    spec = importlib.util.spec_from_file_location("run_cli", ROOT / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    frozen = []
+    monkeypatch.setattr(cli, "cmd_train", lambda args: frozen.append(gc.get_freeze_count()))
+    gc.unfreeze()
+    module.main(["train"])
+    assert frozen[0] > 0
+
+
 def test_method_and_order_names_are_the_registry_names():
     from engine.formats.quantized_checkpoints import ALIASES, METHODS
     from engine.formats import gptq
