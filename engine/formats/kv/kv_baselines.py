@@ -24,13 +24,12 @@ in the version benchmarks/clients.py builds) rotates each head before a quantize
 the largest power of two >= 64 dividing head_dim, V in chunks of 64, by the orthonormal Sylvester Hadamard matrix
 H / sqrt(n) (its own inverse; Q gets the same rotation, the attention output V's back), when head_dim is a multiple
 of 64 (LLAMA_ATTN_ROT_DISABLE=1 turns it off): rotation "hadamard" (the default) does the same (on SmolLM2 it cuts
-q4_0's KL by 2.3-2.6x, in llama.cpp and here), and a stored cache is read as llama.cpp reads it, Q and the
-output rotated (GGMLKV.basis), not every position. Which 32 values share a block
-depends on the model's RoPE in llama.cpp: Qwen2 / Qwen3 rotate the halves of a head (NEOX, as transformers), so a
-block is 32 consecutive values as here; for Llama its converter permutes q_proj / k_proj so that each rotated pair is
-adjacent (element 2i = transformers' i, 2i + 1 = i + d / 2) and K's blocks are cut in that order, which keeps a
-pair's two values (one frequency) in one block. key_order "interleaved" codes K that way ("auto": as llama.cpp would
-for the model it is installed on).
+q4_0's KL by 2.3-2.6x, in llama.cpp and here), and a stored cache is read as llama.cpp reads it, Q and the output
+rotated (GGMLKV.basis), not every position. Which 32 values share a block depends on the model's RoPE in llama.cpp:
+Qwen2 / Qwen3 rotate the halves of a head (NEOX, as transformers), so a block is 32 consecutive values as here; for
+Llama its converter permutes q_proj / k_proj so that each rotated pair is adjacent (element 2i = transformers' i,
+2i + 1 = i + d / 2) and K's blocks are cut in that order, which keeps a pair's two values (one frequency) in one
+block. key_order "interleaved" codes K that way ("auto": as llama.cpp would for the model it is installed on).
 
 KIVI: asymmetric b-bit, x_hat = q s + z, z = min, s = (max - min) / (2^b - 1), both f16, q = clamp(round((x - z) /
 s)); K grouped per channel over G consecutive tokens (so blocks of G tokens are coded together), V per token over

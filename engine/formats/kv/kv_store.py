@@ -19,8 +19,8 @@ decoded ones elsewhere; the positions whose exact values are gone are read by no
 value is read at all, so attention gets the one buffer). A format whose decode ends in a linear map (llama.cpp's
 Hadamard rotation back, the lattice's rotation S: KVHook.basis) is read without it: the window's few exact values are
 put in that basis, and attention rotates each query and its output instead of every position (equal up to float
-rounding). Memory is what the pages, the tail and the
-window hold (nbytes), against bf16_bytes, a bf16 cache of the length.
+rounding). Memory is what the pages, the tail and the window hold (nbytes), against bf16_bytes, a bf16 cache of the
+length.
 
 A page never changes once written, so decoding it again each step would only repeat work (one-token steps would
 cost a decode of the whole context each: quadratic). The cache keeps the decoded values of its first pages, up to
