@@ -258,8 +258,8 @@ def main(argv=None):
                 "eval": cli.cmd_eval, "generate": cli.cmd_generate, "export": cli.cmd_export}
     try:
         import torch  # noqa: F401  (every command runs on it; argparse and --help ran without it)
-        # torch's ~170K objects live as long as the process: frozen, they leave the garbage collector's view, where a
-        # full collection over them (layers.release_memory's, after each step of a conversion) took ~80 ms each
+        # torch's objects live as long as the process: frozen, they leave the garbage collector's view, so that the
+        # full collection layers.release_memory makes after each step of a conversion does not walk them every time
         gc.freeze()
         for flag in ("model", "quantized"):
             if getattr(args, flag, None) is not None:

@@ -255,14 +255,14 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _attend(self, q, k, v, causal, coded=None, basis=None):
-        """Causal grouped-query attention [B, heads, T, d]. coded = (k_hat, v_hat, far): where far [T, L], the
-        score comes from k_hat and the weight multiplies v_hat. Where a query can look, far holds whole columns
-        [0, a) (older than every query's window) and none of [b, L): only the band [a, b), at most T wide, needs
-        both K/V (a decode step's band is one column). basis (m_k, m_v): k, v, k_hat, v_hat hold K/V in it
-        (KVCache.windowed): q (k m_k)^T is read as (q m_k^T) k^T, p (v m_v) as (p v) m_v. A fast model (set_fast) reads several queries through torch's fused attention, which never
-        holds the [T, L] scores (a long prompt's prefill over a coded cache), the band's coded K/V as extra columns
-        that only the queries far from them see; one query's step stays a product, faster than that kernel for one
-        row."""
+        """Causal grouped-query attention [B, heads, T, d]. coded = (k_hat, v_hat, far): where far [T, L], the score
+        comes from k_hat and the weight multiplies v_hat. Where a query can look, far holds whole columns [0, a) (older
+        than every query's window) and none of [b, L): only the band [a, b), at most T wide, needs both K/V (a decode
+        step's band is one column). basis (m_k, m_v): k, v, k_hat, v_hat hold K/V in it (KVCache.windowed): q (k m_k)^T
+        is read as (q m_k^T) k^T, p (v m_v) as (p v) m_v. A fast model (set_fast) reads several queries through torch's
+        fused attention, which never holds the [T, L] scores (a long prompt's prefill over a coded cache), the band's
+        coded K/V as extra columns that only the queries far from them see; one query's step stays a product, faster
+        than that kernel for one row."""
         cfg = self.cfg
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         if coded is not None:

@@ -100,11 +100,11 @@ _FROZEN_AT = [None]
 
 
 def pytest_runtest_setup(item):
-    """At each test module's first test, what lives on (torch's, transformers' and the engine's modules: ~200K
-    objects, then what earlier modules leave: compiled graphs, loaded tools) leaves the garbage collector's view, the
-    garbage among it collected first (gc.collect, gc.freeze). The engine's release_memory collects after each step
-    of a conversion: a full collection over all of that took 75 ms and more each, most of a tiny model's conversion
-    time. What the tests make is collected as before."""
+    """At each test module's first test, what lives on (torch's, transformers' and the engine's modules, then what
+    earlier modules leave: compiled graphs, loaded tools) leaves the garbage collector's view, the garbage among it
+    collected first (gc.collect, gc.freeze): the engine's release_memory collects after each step of a conversion,
+    and a full collection over all of that was most of a tiny model's conversion time. What the tests make is
+    collected as before."""
     if item.module is not _FROZEN_AT[0]:
         _FROZEN_AT[0] = item.module
         gc.collect()
