@@ -9,7 +9,8 @@ form does not need:
             GGUF Q4_0 / Q4_1 / Q4_K): int4 codes + bf16 scales       its output in bf16 (Int4Linear)
             and zeros
             8-bit affine codes (Q8_0, Q5 / IQ types, GPTQ int8):     the int4 kernel twice, q = 16 hi + lo
-            two int4 planes + their bf16 scales and zeros            (Int8PlanesLinear)
+            two int4 planes + their bf16 scales and zeros; 5-bit     (Int8PlanesLinear); a 5-bit high plane
+            codes' high plane a bit a weight                         expanded first, into the shared buffer
             8-bit codes the planes cannot take (a tied head, whose   one token: a product compiled by torch.compile
             rows the embedding reads; Q6_K's groups of 16): int8     (C++), a prompt: decoded; float32
             codes - z + float32 group scales                         (Int8Linear)
@@ -55,7 +56,7 @@ def form(layer, weights, workspace, rows=False):
     if weights == "compact" and Int4Linear.takes(layer) and not rows:
         return Int4Linear(layer)
     if weights == "compact" and Int8PlanesLinear.takes(layer) and not rows:
-        return Int8PlanesLinear(layer)
+        return Int8PlanesLinear(layer, workspace)
     if weights == "compact" and Int8Linear.takes(layer):
         return Int8Linear(layer, workspace)
     parts = layer.int8_rows() if weights == "compact" and hasattr(layer, "int8_rows") else None

@@ -2,7 +2,8 @@
 multiplies with, and x [..., in] -> x @ W^T (+ bias) [..., out].
 
   Int4Linear        4-bit affine codes through PyTorch's CPU int4 kernel
-  Int8PlanesLinear  8-bit affine codes as two int4 planes, the int4 kernel twice
+  Int8PlanesLinear  8-bit affine codes as two int4 planes, the int4 kernel twice (5-bit codes' high plane
+                    held a bit a weight)
   Int8Linear        8-bit codes with group scales (a tied head, whose rows the embedding reads; groups of 16): one
                     token through int8_product compiled by torch.compile, a prompt through its decoded weight; float32
   Int8RowsLinear    int8 codes with a scale per output row (EntQuant, a lattice): the int8 kernel in one call
@@ -25,6 +26,7 @@ from .kernels import compiled
 CHUNK = 1 << 17                 # floats a DecodedLinear decodes at once (512 KB): still in a core's L2 cache when
                                 # its matmul reads them, where a whole layer's rows come back from memory
 INT4_GROUPS = (32, 64, 128, 256)          # the group sizes PyTorch's CPU int4 kernel takes
+QUARTERS = torch.arange(4)[:, None]       # a bit plane's shifts (packed_plane)
 
 
 class Workspace:
@@ -120,17 +122,20 @@ class Int8PlanesLinear(RunLinear):
         w = 16 s hi + (s lo + o) = [(hi - 8) * 16 s + 0] + [(lo - 8) * s + (136 s + o)]
 
     two int4 layers of the kernel's form (code - 8) * scale + zero, their zeros chosen so that a symmetric code's
-    (Q8_0: o = -128 s) are 0 and 8 s, exact in bf16. Two kernel calls where Int8Linear makes one per group of 32
-    (the same bytes held, 1 + 1/4 per weight). No rows: the kernel's packed layout depends on the CPU's vector width,
-    so a tied embedding's head stays an Int8Linear."""
+    (Q8_0: o = -128 s) are 0 and 8 s, exact in bf16. Two kernel calls where Int8Linear makes one per group of 32.
+    Held: 1 + 1/4 bytes a weight with groups of 32; 5-bit codes (Q5_0, Q5_1, Q5_K: q < 32, so hi is 0 or 1) keep
+    their high plane a bit a weight (bit_plane) and expand it into the Workspace at each product, 7/8 + 1/4 bytes.
+    No rows: the kernel's packed layout depends on the CPU's vector width, so a tied embedding's head stays an
+    Int8Linear."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, workspace):
         super().__init__(layer)
-        self.group_size = g = int4_group(layer, bits=8)
+        self.workspace, self.group_size = workspace, int4_group(layer, bits=8)
         q, s, o = layer.weight_codes.to(torch.int32), layer.scales.float(), layer.offsets.float()
-        hi, hi_sz = int4_parts(q >> 4, 16 * s, torch.zeros_like(s), layer.group_size, g)
-        lo, lo_sz = int4_parts(q & 15, s, 136 * s + o, layer.group_size, g)
-        self.register_buffer("hi", hi)
+        hi, hi_sz = int4_parts(q >> 4, 16 * s, torch.zeros_like(s), layer.group_size, self.group_size)
+        lo, lo_sz = int4_parts(q & 15, s, 136 * s + o, layer.group_size, self.group_size)
+        self.hi_shape = hi.shape if int(q.max()) < 32 and hi.numel() % 32 == 0 else None   # None: packed
+        self.register_buffer("hi", hi if self.hi_shape is None else bit_plane(hi))
         self.register_buffer("hi_scales_zeros", hi_sz)
         self.register_buffer("lo", lo)
         self.register_buffer("lo_scales_zeros", lo_sz)
@@ -144,8 +149,27 @@ class Int8PlanesLinear(RunLinear):
         if self.perm is not None:
             x2d = x2d[:, self.perm]
         xb, mm = x2d.bfloat16(), torch.ops.aten._weight_int4pack_mm_for_cpu
-        return (mm(xb, self.hi, self.group_size, self.hi_scales_zeros).float()
-                + mm(xb, self.lo, self.group_size, self.lo_scales_zeros).float())
+        hi = self.hi if self.hi_shape is None else packed_plane(self.hi, self.workspace).view(self.hi_shape)
+        y = mm(xb, hi, self.group_size, self.hi_scales_zeros).float()
+        return y.add_(mm(xb, self.lo, self.group_size, self.lo_scales_zeros))     # added in float32
+
+
+def bit_plane(packed):
+    """The int4 kernel's packed plane of codes 0 and 1 (each byte two of them: 0x00, 0x01, 0x10 or 0x11), its bytes
+    a multiple of 32 -> uint8 [bytes / 4]: byte i of the plane's quarter s keeps its two codes in bits s and s + 4
+    of byte i. Byte for byte, so it holds whatever order the kernel's layout puts the codes in."""
+    quarters = packed.reshape(4, -1).to(torch.int32) & 0x11
+    return (quarters << torch.arange(4)[:, None]).sum(0).to(torch.uint8)
+
+
+def packed_plane(bits, workspace):
+    """bit_plane's inverse, into the Workspace: quarter s of the packed bytes is (bits >> s) & 0x11, eight bytes a
+    64-bit word (a shift by s <= 3 moves no bit of a byte's neighbour into its bits 0 or 4): two passes, bits [n]
+    -> uint8 [4 n]."""
+    words = bits.view(torch.int64)
+    out = workspace.take(4, 2 * len(words)).view(torch.int64)
+    torch.bitwise_right_shift(words.expand(4, -1), QUARTERS, out=out)
+    return out.bitwise_and_(0x1111111111111111).view(torch.uint8)
 
 
 def int8_product(x2d, codes, scales):

@@ -247,6 +247,28 @@ def test_int8_codes_as_two_int4_planes_are_within_the_int4_bound_of_each(name):
     assert isinstance(runtime.form(ragged.compact(), "compact", runtime_forms.Workspace()), runtime_forms.Int8Linear)
 
 
+@pytest.mark.parametrize("name", ["Q5_0", "Q5_1", "Q5_K"])
+def test_a_5_bit_high_plane_held_a_bit_a_weight_gives_the_packed_planes_product(name):
+    """5-bit codes' high plane (0 or 1) is held a bit a weight, an eighth of its packed bytes, and expanded at each
+    product back to the very bytes int4_parts packs: the same kernel calls, the same output bit for bit."""
+    layer = LAYERS[name]().compact()
+    workspace = runtime_forms.Workspace()
+    form = runtime.form(layer, "compact", workspace)
+    assert isinstance(form, runtime_forms.Int8PlanesLinear)
+    assert form.hi.dtype == torch.uint8 and form.hi.numel() * 8 == layer.out_features * layer.in_features
+    q, s, g = layer.weight_codes.to(torch.int32), layer.scales.float(), form.group_size
+    hi, hi_sz = runtime_forms.int4_parts(q >> 4, 16 * s, torch.zeros_like(s), layer.group_size, g)
+    assert torch.equal(runtime_forms.packed_plane(form.hi, workspace).view(hi.shape), hi)
+    x = _inputs(3, layer.in_features)
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    lo = mm(x.bfloat16(), form.lo, g, form.lo_scales_zeros).float()
+    assert torch.equal(form(x), mm(x.bfloat16(), hi, g, hi_sz).float() + lo)
+    layer.weight_codes[0, 0] = 32                       # one code above 31: the high plane stays packed
+    assert torch.equal(runtime.form(layer, "compact", workspace).hi,
+                       runtime_forms.int4_parts(layer.weight_codes.to(torch.int32) >> 4, 16 * s, 0 * s,
+                                                layer.group_size, g)[0])
+
+
 # ---- a GGUF model, loaded to run ------------------------------------------------------------------------------
 
 CFG = Qwen3Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
