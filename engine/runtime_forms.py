@@ -134,7 +134,7 @@ class Int8PlanesLinear(RunLinear):
         q, s, o = layer.weight_codes.to(torch.int32), layer.scales.float(), layer.offsets.float()
         hi, hi_sz = int4_parts(q >> 4, 16 * s, torch.zeros_like(s), layer.group_size, self.group_size)
         lo, lo_sz = int4_parts(q & 15, s, 136 * s + o, layer.group_size, self.group_size)
-        self.hi_shape = hi.shape if int(q.max()) < 32 and hi.numel() % 32 == 0 else None   # None: packed
+        self.hi_shape = hi.shape if int(q.max()) < 32 else None       # None: the high plane held packed
         self.register_buffer("hi", hi if self.hi_shape is None else bit_plane(hi))
         self.register_buffer("hi_scales_zeros", hi_sz)
         self.register_buffer("lo", lo)
@@ -155,9 +155,10 @@ class Int8PlanesLinear(RunLinear):
 
 
 def bit_plane(packed):
-    """The int4 kernel's packed plane of codes 0 and 1 (each byte two of them: 0x00, 0x01, 0x10 or 0x11), its bytes
-    a multiple of 32 -> uint8 [bytes / 4]: byte i of the plane's quarter s keeps its two codes in bits s and s + 4
-    of byte i. Byte for byte, so it holds whatever order the kernel's layout puts the codes in."""
+    """The int4 kernel's packed plane of codes 0 and 1 (each byte two of them: 0x00, 0x01, 0x10 or 0x11) -> uint8
+    [bytes / 4]: byte i of the plane's quarter s keeps its two codes in bits s and s + 4 of byte i. Byte for byte, so
+    it holds whatever order the kernel's layout puts the codes in. The plane's bytes are a multiple of 256 (int4_group:
+    rows a multiple of 16, inputs of 32), so the bits are whole 64-bit words (packed_plane)."""
     quarters = packed.reshape(4, -1).to(torch.int32) & 0x11
     return (quarters << torch.arange(4)[:, None]).sum(0).to(torch.uint8)
 
