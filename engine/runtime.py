@@ -64,7 +64,7 @@ def form(layer, weights, workspace, rows=False):
         return Int8RowsLinear(layer, *parts)
     parts = layer.table_rows() if weights == "compact" and hasattr(layer, "table_rows") else None
     if parts is not None:
-        return DecodedLinear(TableRows(layer, *parts), workspace)
+        return DecodedLinear(TableRows(layer, *parts, workspace), workspace)
     return DecodedLinear(layer, workspace)
 
 
@@ -149,7 +149,7 @@ def _fuse(module, names, fused, weights, workspace):
 
 def held_bytes(model):
     """{"weights": bytes of every parameter and buffer the model holds and of the float32 copies decoded_weights
-    keeps (each storage once: a tied head is counted once), "workspace": the shared decode buffer's bytes (and an
+    keeps (each storage once: a tied head is counted once), "workspace": the shared decode buffers' bytes (and an
     EntQuant decoder's block buffer and parsed streams)}: what the model keeps for its weights, counted, not
     measured."""
     seen, weights = set(), 0
@@ -160,7 +160,7 @@ def held_bytes(model):
             seen.add(storage.data_ptr())
             weights += storage.nbytes()
     workspace = getattr(model, "runtime_workspace", None)
-    extra = 0 if workspace is None else workspace.buffer.numel() * 4
+    extra = 0 if workspace is None else workspace.nbytes()
     decoder = getattr(model, "entquant_decoder", None)
     if decoder is not None:
         extra += decoder.held_bytes()

@@ -30,15 +30,25 @@ QUARTERS = torch.arange(4)[:, None]       # a bit plane's shifts (packed_plane)
 
 
 class Workspace:
-    """One float32 buffer shared by every DecodedLinear of a model, grown to the largest chunk any of them takes."""
+    """One float32 buffer shared by every DecodedLinear of a model, grown to the largest chunk any of them takes, and
+    one int32 buffer beside it for the codes a chunk's gather reads (TableRows: index_select takes no uint8 index)."""
 
     def __init__(self):
         self.buffer = torch.empty(0)
+        self.indices = torch.empty(0, dtype=torch.int32)
 
     def take(self, rows, cols):
         if self.buffer.numel() < rows * cols:
             self.buffer = torch.empty(rows * cols)
         return self.buffer[:rows * cols].view(rows, cols)
+
+    def take_indices(self, n):
+        if self.indices.numel() < n:
+            self.indices = torch.empty(n, dtype=torch.int32)
+        return self.indices[:n]
+
+    def nbytes(self):
+        return self.buffer.numel() * 4 + self.indices.numel() * 4
 
 
 class RunLinear(nn.Module):
@@ -316,10 +326,11 @@ class TableRows(nn.Module):
     """Codes that index a table of values, decoded once at load (layer.table_rows: a trellis's states), as a layer
     DecodedLinear multiplies through: table float32 [n], indices uint8 [out, in], scales float32 [out / th, in / tw]
     (one per tile of th x tw), and the rotation (signs, tile) the input takes. decode_rows is one gather and one
-    product, the decode's own: exact."""
+    product, the decode's own: exact. The codes are widened into the Workspace's indices, not a new tensor a chunk."""
 
-    def __init__(self, layer, table, indices, scales, tile, rotation):
+    def __init__(self, layer, table, indices, scales, tile, rotation, workspace):
         super().__init__()
+        self.workspace = workspace
         self.in_features, self.out_features, self.dtype, self.bias = (layer.in_features, layer.out_features,
                                                                        layer.dtype, layer.bias)
         self.register_buffer("table", table)
@@ -334,7 +345,8 @@ class TableRows(nn.Module):
 
     def decode_rows(self, out, start, stop):
         (th, tw), rows = self.tile, self.indices[start:stop]
-        torch.index_select(self.table, 0, rows.reshape(-1).to(torch.int32), out=out.view(-1))
+        codes = self.workspace.take_indices(rows.numel()).copy_(rows.view(-1))
+        torch.index_select(self.table, 0, codes, out=out.view(-1))
         out.view(-1, th, self.in_features // tw, tw).mul_(self.scales[start // th:stop // th, None, :, None])
 
 

@@ -488,12 +488,15 @@ def test_trellis_states_decoded_once_give_the_exact_decode_bit_for_bit(chunk, mo
     keeps its streams (two bytes of states a weight would outgrow the stream 8x)."""
     monkeypatch.setattr(runtime_forms, "CHUNK", chunk)
     layer = _trellis()
-    form = runtime.form(layer, "compact", runtime_forms.Workspace())
+    workspace = runtime_forms.Workspace()
+    form = runtime.form(layer, "compact", workspace)
     assert isinstance(form, runtime_forms.DecodedLinear) and isinstance(form.layer, runtime_forms.TableRows)
     assert form.layer.indices.dtype == torch.uint8
     assert form.layer.indices.numel() == layer.in_features * layer.out_features
     x = _inputs(3, layer.in_features)
     assert torch.equal(form(x), runtime_forms.DecodedLinear(layer, runtime_forms.Workspace())(x))
+    assert workspace.indices.numel() == workspace.buffer.numel() == min(form.chunk, layer.out_features) * 256
+    assert workspace.nbytes() == 8 * workspace.buffer.numel()        # what held_bytes counts as the workspace
     codes, scales, _ = trellis.trellis_codes(_weight(16, 256), 16, 2, group=128, seed=3, tile=(16, 16))
     wide = trellis.TrellisLinear(codes, scales, 16, 2, tile=(16, 16), group=128, seed=3)
     assert wide.table_rows() is None and isinstance(runtime.form(wide, "compact", runtime_forms.Workspace()),
