@@ -39,16 +39,23 @@ class Workspace:
 
     def take(self, rows, cols):
         if self.buffer.numel() < rows * cols:
-            self.buffer = torch.empty(rows * cols)
+            self.buffer = _normal_empty(rows * cols, torch.float32)
         return self.buffer[:rows * cols].view(rows, cols)
 
     def take_indices(self, n):
         if self.indices.numel() < n:
-            self.indices = torch.empty(n, dtype=torch.int32)
+            self.indices = _normal_empty(n, torch.int32)
         return self.indices[:n]
 
     def nbytes(self):
         return self.buffer.numel() * 4 + self.indices.numel() * 4
+
+
+def _normal_empty(n, dtype):
+    """A buffer made outside torch.inference_mode even when asked inside it: written there or under no_grad alike
+    (an inference tensor refuses writes outside inference mode, so a model generating first could not eval after)."""
+    with torch.inference_mode(False):
+        return torch.empty(n, dtype=dtype)
 
 
 class RunLinear(nn.Module):

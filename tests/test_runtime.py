@@ -511,6 +511,29 @@ def test_stream_mode_counts_the_decoder_and_is_refused_elsewhere(tmp_path):
         runtime.prepare(load_model(_gguf(tmp_path), to_run=True), "stream")
 
 
+def _run_twice(run):
+    """run() under torch.inference_mode (generate's), then under no_grad (eval's): both outputs."""
+    with torch.inference_mode():
+        first = run()
+    with torch.no_grad():
+        return first, run()
+
+
+@pytest.mark.parametrize("what", ["gguf Q5_0", "entquant stream", "trellis"])
+def test_a_model_generating_first_can_still_be_evaluated(what, tmp_path):
+    """The buffers forms share (the Workspace's, EntQuant's block buffer) are made as normal tensors even inside
+    torch.inference_mode: an inference tensor refuses writes outside it, so `eval` after `generate` in one process
+    would fail on the first layer that decodes into one."""
+    if what == "trellis":
+        form, x = runtime.form(_trellis(), "compact", runtime_forms.Workspace()), _inputs(2, 256)
+        first, second = _run_twice(lambda: form(x))
+    else:
+        model = (runtime.prepare(load_model(_gguf(tmp_path, "Q5_0"), to_run=True)) if what == "gguf Q5_0" else
+                 runtime.prepare(_entquant("float8"), "stream"))
+        first, second = _run_twice(lambda: _logits(model))
+    assert torch.equal(first, second)
+
+
 # ---- the model's fast path --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])

@@ -55,7 +55,8 @@ class BlockDecoder:
         """Make the buffer hold block `index`; returns the buffer (uint8 [largest block])."""
         head = self.blocks[index][0]
         if self.buffer is None or self.buffer.device != head.stream.device:
-            self.buffer = torch.empty(max(self.sizes.values()), dtype=torch.uint8, device=head.stream.device)
+            with torch.inference_mode(False):     # a normal tensor: written under inference_mode and no_grad alike
+                self.buffer = torch.empty(max(self.sizes.values()), dtype=torch.uint8, device=head.stream.device)
             self.current = None
         if self.current != index:
             self.current = None                                 # a failed decode leaves no block marked valid
