@@ -79,7 +79,7 @@ class RunLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.in_features}")
         shape, dtype = x.shape, x.dtype
-        y = self.matmul(x.reshape(-1, self.in_features).float())
+        y = self.matmul(x.reshape(-1, self.in_features).float().contiguous())    # the kernels take no strides
         if self.bias is not None:
             y = y + self.bias
         return y.to(self.dtype or dtype).reshape(*shape[:-1], self.out_features)

@@ -247,6 +247,16 @@ def test_int8_codes_as_two_int4_planes_are_within_the_int4_bound_of_each(name):
     assert isinstance(runtime.form(ragged.compact(), "compact", runtime_forms.Workspace()), runtime_forms.Int8Linear)
 
 
+@pytest.mark.parametrize("name", LAYERS)
+def test_every_form_takes_an_input_of_any_strides(name):
+    """A transposed view of x gives what x gives (PyTorch's int4 and int8 kernels refuse a non-contiguous input:
+    the form makes it contiguous, as nn.Linear takes any strides)."""
+    layer = LAYERS[name]().compact()
+    form = runtime.form(layer, "compact", runtime_forms.Workspace())
+    x = _inputs(layer.in_features, 5).T                      # [5, in], strides (1, 5)
+    assert not x.is_contiguous() and torch.equal(form(x), form(x.contiguous()))
+
+
 @pytest.mark.parametrize("name", ["Q5_0", "Q5_1", "Q5_K"])
 def test_a_5_bit_high_plane_held_a_bit_a_weight_gives_the_packed_planes_product(name):
     """5-bit codes' high plane (0 or 1) is held a bit a weight, an eighth of its packed bytes, and expanded at each
