@@ -16,7 +16,7 @@ from engine.checkpoints.models import file_tensor_bytes, load_model
 from engine.formats import entropy as E, fp8, lattice, mx, nf4, trellis
 from engine.formats.llama_cpp import ggml
 from engine.formats.numerics.affine import AffineQuantLinear
-from engine.layers import QuantEmbedding, decoded_weights
+from engine.layers import QuantEmbedding, decoded_weights, quantized_linears
 from engine.qwen3 import KVCache, Qwen3, Qwen3Config
 from test_gguf import U32, gguf_bytes, gguf_name, qwen3_metadata, random_blocks, raw_of
 
@@ -382,6 +382,19 @@ def _expected_bytes(weights):
         per_block = sum(o * i // 2 + (4 + 4) * o * i // 32 for o, i in linears)
         head = v * h + (4 + 4) * v * h // 32
     return norms + CFG.num_hidden_layers * per_block + head
+
+
+@pytest.mark.parametrize("linear_type", ["Q5_0", "Q8_0", "Q4_1"])
+def test_a_gguf_layer_loaded_to_run_still_counts_its_files_bits(tmp_path, linear_type):
+    """Loaded to run, a GGUF layer drops its blocks but not their size: `eval --quantized FILE.gguf` reports the
+    file's bits a weight (Q5_0 5.5, Q8_0 8.5), not those of the 8-bit codes and float scales it holds (9)."""
+    path = _gguf(tmp_path, linear_type)
+    stored, to_run = quantized_linears(load_model(path)), quantized_linears(load_model(path, to_run=True))
+    assert isinstance(to_run["model.layers.0.mlp.down_proj"], ggml.GGMLCodes)
+    assert {name: stored[name].storage_bits() for name in stored} == {
+        name: to_run[name].storage_bits() for name in stored}
+    down = stored["model.layers.0.mlp.down_proj"]
+    assert down.storage_bits() == down.raw.numel() * 8
 
 
 @pytest.mark.parametrize("weights", ["compact", "exact"])

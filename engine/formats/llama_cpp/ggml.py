@@ -45,8 +45,9 @@ element i.
 
 A layer read from GGML blocks is a `GGMLLinear`: an AffineQuantLinear (codes, per-group scale and offset: the
 engine's one integer layer and kernel) that also keeps the blocks it came from, so a file is written back byte for
-byte and its size is the blocks' (Q4_K: 4.5 bits per weight). GPTQ's GGML grids (engine/formats/llama_cpp/gptq_ggml.py) build
-their layers the same way, from blocks.
+byte and its size is the blocks' (Q4_K: 4.5 bits per weight); loaded to run, it is a `GGMLCodes`, the same without
+the blocks, its size still theirs. GPTQ's GGML grids (engine/formats/llama_cpp/gptq_ggml.py) build their layers the
+same way, from blocks.
 
 The writer's side is the inverse of the decoders: `encode` for the 32-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4,
 NVFP4: codes, per-block scale and offset), `encode_k` for the K-quants (codes, the super-block's f16 d / dmin and
@@ -253,9 +254,22 @@ class GGMLLinear(AffineQuantLinear):
         return self.raw.numel() * 8
 
 
+class GGMLCodes(AffineQuantLinear):
+    """A GGML layer loaded to run (quantized_linear's keep_blocks=False): its codes and grid without the blocks, an
+    AffineQuantLinear whose storage_bits are still the blocks' (what the file stores: a Q5_0 layer's 5.5 bits a
+    weight, where its 8-bit codes and float scales would count 9)."""
+
+    def __init__(self, *args, block_bits, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.block_bits = block_bits
+
+    def storage_bits(self):
+        return self.block_bits
+
+
 def quantized_linear(raw, type_name, shape, bias=None, tensor_scale=None, keep_blocks=True):
     """raw uint8 [nbytes] of a quantized weight [out, in] -> the engine layer holding exactly its codes and grid:
-    GGMLLinear (an AffineQuantLinear with its blocks; keep_blocks=False: a plain AffineQuantLinear, without them) for the
+    GGMLLinear (an AffineQuantLinear with its blocks; keep_blocks=False: GGMLCodes, without them) for the
     integer types, MXFP4Linear for MXFP4, NVFP4Linear for NVFP4 (tensor_scale: the `<name>.scale` tensor's value, 1
     when absent)."""
     if len(shape) != 2 or type_name in DENSE:
@@ -276,8 +290,8 @@ def quantized_linear(raw, type_name, shape, bias=None, tensor_scale=None, keep_b
     scale = scale.reshape(out_f, -1)
     grid = {"zeros": torch.full_like(scale, zero)} if zero is not None else {"offsets": offset.reshape(out_f, -1)}
     if not keep_blocks:
-        return AffineQuantLinear(_pack(codes.reshape(out_f, in_f), bits), scale, grid.get("offsets"), group, True,
-                                 bias, bits=bits, zeros=grid.get("zeros"), in_features=in_f)
+        return GGMLCodes(_pack(codes.reshape(out_f, in_f), bits), scale, grid.get("offsets"), group, True, bias,
+                         bits=bits, zeros=grid.get("zeros"), in_features=in_f, block_bits=raw.numel() * 8)
     return GGMLLinear(raw.reshape(out_f, -1), type_name, codes.reshape(out_f, in_f), scale, group, bits, bias, **grid)
 
 
