@@ -26,7 +26,7 @@ from .kernels import compiled
 CHUNK = 1 << 17                 # floats a DecodedLinear decodes at once (512 KB): still in a core's L2 cache when
                                 # its matmul reads them, where a whole layer's rows come back from memory
 INT4_GROUPS = (32, 64, 128, 256)          # the group sizes PyTorch's CPU int4 kernel takes
-QUARTERS = torch.arange(4)[:, None]       # a bit plane's shifts (packed_plane)
+QUARTERS = torch.arange(4)[:, None]       # a bit plane's shifts (bit_plane, packed_plane)
 
 
 class Workspace:
@@ -177,7 +177,7 @@ def bit_plane(packed):
     it holds whatever order the kernel's layout puts the codes in. The plane's bytes are a multiple of 256 (int4_group:
     rows a multiple of 16, inputs of 32), so the bits are whole 64-bit words (packed_plane)."""
     quarters = packed.reshape(4, -1).to(torch.int32) & 0x11
-    return (quarters << torch.arange(4)[:, None]).sum(0).to(torch.uint8)
+    return (quarters << QUARTERS).sum(0).to(torch.uint8)
 
 
 def packed_plane(bits, workspace):
