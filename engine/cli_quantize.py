@@ -205,7 +205,7 @@ def gguf_workspace(out, group=None):
     import shutil
     import tempfile
     from engine.distributed import on_first
-    from engine.safe_writes import output_lock
+    from engine.output_lock import output_lock
     first = group is None or group.first
     with contextlib.ExitStack() as held:
         def make():

@@ -2,9 +2,11 @@
 nothing of the user's is ever replaced.
 
 `atomic_directory(DIR)` builds a checkpoint in a sibling temporary folder; once every file and the folder are
-fsynced it swaps the folder into place with one atomic rename-exchange (Linux renameat2), and the old one is then
-removed. Where the exchange is unavailable, two renames and a journal are used, and `recover_interrupted_swap` (run
-before every load and save) finishes or undoes a swap that was cut short. Leftovers of killed runs are removed by the
+fsynced it moves the folder into place. Where nothing was, that is one rename that refuses whatever another program
+put at DIR meanwhile (renameat2's RENAME_NOREPLACE), and nothing more is needed: no lock, nothing to recover. Over an
+old checkpoint, it is one atomic rename-exchange (Linux renameat2), and the old one is then removed; where the
+exchange is unavailable, two renames and a journal are used, and `recover_interrupted_swap` (run before every load
+and save) finishes or undoes a swap that was cut short. Leftovers of killed runs are removed by the
 next save to the same place. A long conversion builds in `resumable_directory(DIR)` instead, which a re-run finds
 again, and commits it with `commit_directory`. A single output file: `output_file` (below).
 
@@ -13,12 +15,7 @@ files the engine writes (config.json, the safetensors files and their index, the
 anything else is refused, naming those files, unless force=True. A file is never replaced by a folder, nor an output
 written below a file. `check_apart` refuses an output equal to, inside or containing the model it is made from.
 
-One writer per output: `output_lock(OUT)` holds an OS lock (flock) on the sibling file .OUT.lock, which records the
-holder's pid; a second writer is refused at once, naming that pid. The kernel drops the lock when its process dies,
-so the lock file a killed run leaves behind is recognized as stale and taken over. A lock file the engine made is a
-regular file with one link that holds a pid and a newline, or nothing (a run killed before it wrote its pid); it is
-opened without following links, and anything else there (a link, a FIFO, a file of the user's) is refused, never
-written, truncated or removed: the user removes it.
+One writer per output: engine/output_lock.py.
 
 Single files (a GGUF file): `output_file(FILE)` writes under the same lock, by the same rule as folders: FILE absent,
 or replaced with force=True; the temporary file is renamed into place only if nothing is at FILE at that instant
@@ -30,16 +27,15 @@ written, and an ENOSPC met anyway becomes one ValueError naming the path and the
 import contextlib
 import ctypes
 import errno
-import fcntl
+import glob
 import json
 import os
 import re
 import shutil
-import stat
-import sys
 import tempfile
 from pathlib import Path
 
+from .output_lock import alive, locked_by_another, output_lock
 from .safetensors_io import INDEX, SINGLE, WRITER, atomic_file, checkpoint_files, current_umask, read_header
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -96,9 +92,14 @@ def check_output(directory, force=False, override="force=True"):
     (the CLI's "--force")."""
     directory = Path(directory)
     check_parents(directory)
-    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+    if directory.exists() or directory.is_symlink():
+        _check_replaceable(directory, force, override)
+
+
+def _check_replaceable(directory, force, override):
+    if directory.is_symlink() or not directory.is_dir():
         raise ValueError(f"output {directory} exists and is not a folder; choose another path")
-    if not directory.exists() or force or not any(directory.iterdir()):
+    if force or not any(directory.iterdir()):
         return
     if is_engine_checkpoint(directory):
         extra = other_files(directory)
@@ -122,128 +123,6 @@ def check_apart(source, output):
     if out in src.parents:
         raise ValueError(f"output {output} contains the model it is made from ({source}): replacing it would delete "
                          "that model; choose another path")
-
-
-# ---- one writer per output --------------------------------------------------------------------------------------
-
-_HELD = {}                                       # lock file -> [descriptor, depth]: a process re-enters its own lock
-LOCK_TEXT = re.compile(rb"(\d{1,7}\n)?")          # a pid (Linux's stay below 2**22) and a newline, or nothing yet
-
-
-def _lock_file(path):
-    path = Path(path).absolute()
-    return path.parent / f".{path.name}.lock"
-
-
-@contextlib.contextmanager
-def output_lock(path):
-    """Hold the one-writer lock of output `path` (a folder or a file) while the block runs; ValueError at once,
-    naming the holder's pid, if another process holds it, or naming the lock file if something not the engine's is
-    there. Re-entrant within a process."""
-    lock = _lock_file(path)
-    key = str(lock)
-    if key in _HELD:
-        _HELD[key][1] += 1
-    else:
-        _HELD[key] = [_acquire(lock, path), 1]
-    try:
-        yield
-    finally:
-        _HELD[key][1] -= 1
-        if not _HELD[key][1]:
-            _release(lock, _HELD.pop(key)[0])
-
-
-def _release(lock, fd):
-    try:
-        if _same_file(lock, fd):                # not what someone put in its place meanwhile
-            os.unlink(lock)                     # before the lock is released: the next writer creates a new file
-    finally:
-        os.close(fd)
-
-
-def _open_lock(lock, path, flags=os.O_RDWR | os.O_CREAT):
-    """A descriptor of the lock file of output `path`, never through a link (O_NOFOLLOW) and never blocking on a
-    FIFO; created (by default) if it is missing."""
-    try:
-        return os.open(lock, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666 & ~current_umask())
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ValueError(f"{lock} is a symbolic link, and output {path}'s lock goes there (the engine never "
-                             "writes through a link): it was left as it is; remove it, or choose another output") \
-                from None
-        if is_disk_full(e):
-            raise space_error(path, None) from None
-        raise
-
-
-def _lock_pid(fd):
-    """The pid an open lock file records ("" for none yet), or None if it is not a lock file the engine made."""
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
-        return None
-    text = os.pread(fd, 9, 0)                   # a byte more than a lock file holds: a longer file does not match
-    return text.decode().strip() if LOCK_TEXT.fullmatch(text) else None
-
-
-def _same_file(lock, fd):
-    """Whether the name `lock` still leads to the open file fd (its holder may have removed it, or another put a
-    new one there)."""
-    try:
-        info, held = os.lstat(lock), os.fstat(fd)
-    except FileNotFoundError:
-        return False
-    return (info.st_dev, info.st_ino) == (held.st_dev, held.st_ino)
-
-
-def _locked_by_another(path):
-    """Whether another live process holds the lock of output `path` (read from the pid in its lock file, which is
-    removed when a holder releases it: probing the lock itself could make a starting writer fail)."""
-    try:
-        fd = _open_lock(_lock_file(path), path, os.O_RDONLY)
-    except (OSError, ValueError):
-        return False
-    try:
-        pid = _lock_pid(fd)
-    finally:
-        os.close(fd)
-    return bool(pid) and int(pid) != os.getpid() and _alive(int(pid))
-
-
-def _acquire(lock, path):
-    try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        check_parents(Path(path))
-        raise
-    while True:
-        fd = _open_lock(lock, path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = _lock_pid(fd) or "?"
-            os.close(fd)
-            raise ValueError(f"output {path} is being written by another run (pid {owner}, lock {lock.name}); wait "
-                             "for it to finish or choose another output") from None
-        if _same_file(lock, fd):                # else its holder removed it as we opened it: lock the new one
-            break
-        os.close(fd)
-    stale = _lock_pid(fd)                       # read under the lock: no engine writes it meanwhile
-    if stale is None:
-        os.close(fd)
-        raise ValueError(f"{lock} is not a lock file the engine made (those hold nothing but a pid), and output "
-                         f"{path}'s lock goes there: it was left as it is; remove it, or choose another output")
-    if stale:
-        print(f"{path}: took over the lock of pid {stale}, a run that ended without releasing it", file=sys.stderr)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError as e:
-        _release(lock, fd)
-        if is_disk_full(e):
-            raise space_error(path, None) from None
-        raise
-    return fd
 
 
 # ---- disk space -------------------------------------------------------------------------------------------------
@@ -306,13 +185,23 @@ def _exchange(a, b):
 
 
 def _rename_new(tmp, path):
-    """Rename the file `tmp` to `path` only if nothing is at `path` at that instant, in one step (RENAME_NOREPLACE;
-    where the system lacks it, a hard link, which fails the same way, then the temporary name removed);
-    FileExistsError otherwise."""
+    """Rename `tmp` (a file or a folder) to `path` only if nothing is at `path` at that instant, in one step
+    (RENAME_NOREPLACE; where the system lacks it, a file is hard-linked, which fails the same way, then its temporary
+    name removed, and a folder renamed, which fails on anything but an empty folder); FileExistsError otherwise."""
     err = _renameat2(tmp, path, RENAME_NOREPLACE)
     if err in (errno.ENOSYS, errno.EINVAL):
-        os.link(tmp, path)
-        os.unlink(tmp)
+        if Path(tmp).is_dir():
+            try:
+                os.rename(tmp, path)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+                raise
+        else:
+            os.link(tmp, path)
+            os.unlink(tmp)
+    elif err == errno.EEXIST:
+        raise FileExistsError(err, os.strerror(err), str(path))
     elif err:
         raise OSError(err, os.strerror(err), str(path))
 
@@ -321,22 +210,12 @@ def _journal(directory):
     return directory.parent / f".{directory.name}.swap.json"
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def recover_interrupted_swap(directory):
     """Finish a fallback swap that a kill cut short (the journal names the complete new folder and the old one), and
     remove leftovers of killed saves to `directory`: temporary folders whose process is gone. Nothing is done while
     another process holds the output's lock (its swap is not cut short: it is under way)."""
     directory = Path(directory)
-    if _locked_by_another(directory):
+    if locked_by_another(directory):
         return
     journal = _journal(directory)
     if journal.exists():
@@ -350,22 +229,39 @@ def recover_interrupted_swap(directory):
         journal.unlink()
     for leftover in directory.parent.glob(f".{directory.name}.*.tmp"):
         owner = re.match(rf"\.{re.escape(directory.name)}\.(?:new|old)-(\d+)\.", leftover.name)
-        if owner and leftover.is_dir() and not _alive(int(owner.group(1))):
+        if owner and leftover.is_dir() and not alive(int(owner.group(1))):
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _fsync_tree(folder):
+    for f in folder.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    _fsync(folder)
+
+
+def _commit_new(tmp, directory):
+    """Move the finished folder `tmp` to `directory`, where nothing was, fsynced first: one rename that refuses
+    (ValueError, keeping it) anything another program put there while the checkpoint was written."""
+    _fsync_tree(tmp)
+    try:
+        _rename_new(tmp, directory)
+    except FileExistsError:
+        raise ValueError(f"output {directory} was created by another program while it was written, and kept; choose "
+                         "another path") from None
+    _fsync(directory.parent)
 
 
 def commit_directory(tmp, directory):
     """Move the finished folder `tmp` (a sibling of `directory`) into place: every file and the folder fsynced, then
-    one atomic rename (no old checkpoint), one atomic rename-exchange (the old one is then removed), or, where the
-    system has no exchange, two renames with a journal that recover_interrupted_swap finishes after a kill."""
+    one atomic rename (no old checkpoint: _commit_new), one atomic rename-exchange (the old one is then removed), or,
+    where the system has no exchange, two renames with a journal that recover_interrupted_swap finishes after a
+    kill."""
     tmp, directory = Path(tmp), Path(directory)
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            _fsync(f)
-    _fsync(tmp)
-    if not directory.exists():
-        os.replace(tmp, directory)
-    elif _exchange(tmp, directory):
+    if not (directory.exists() or directory.is_symlink()):
+        return _commit_new(tmp, directory)
+    _fsync_tree(tmp)
+    if _exchange(tmp, directory):
         shutil.rmtree(tmp, ignore_errors=True)          # tmp now holds the old checkpoint
     else:
         old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-{os.getpid()}.", suffix=".tmp",
@@ -379,30 +275,52 @@ def commit_directory(tmp, directory):
     _fsync(directory.parent)
 
 
+def _untouched(directory):
+    """Nothing at `directory`, nor beside it of another write to it: no lock (a writer at work), no swap journal, no
+    temporary folder (a write cut short). A save there needs neither the lock nor a recovery: its one rename
+    (_commit_new) refuses whatever appears there meanwhile."""
+    return not (directory.exists() or directory.is_symlink() or
+                any(directory.parent.glob(f".{glob.escape(directory.name)}.*")))
+
+
 @contextlib.contextmanager
 def atomic_directory(directory, force=False, needed=None):
     """Write a checkpoint folder atomically: yields a temporary sibling folder to fill; on success it replaces
     `directory` (see the module docstring: crash-safe at every instant); on any error it is deleted and `directory`
     is untouched. Refuses (ValueError, before anything is written) a `directory` that holds other files, that
-    another process is writing, or, given the bytes `needed`, on a device without that much space."""
+    another process is writing, or, given the bytes `needed`, on a device without that much space. A new folder
+    (_untouched) takes the short way: written and renamed into place, with no lock to take and nothing to recover."""
     directory = Path(directory)
+    if _untouched(directory):
+        check_parents(directory)
+        with _staging(directory, needed, _commit_new) as tmp:
+            yield tmp
+        return
     with output_lock(directory):
         recover_interrupted_swap(directory)
         check_output(directory, force)
-        if needed is not None:
-            check_free_space(directory, needed)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.new-{os.getpid()}.", suffix=".tmp",
-                                    dir=directory.parent))
-        try:
-            os.chmod(tmp, 0o777 & ~current_umask())
+        with _staging(directory, needed, commit_directory) as tmp:
             yield tmp
-            commit_directory(tmp, directory)
-        except BaseException as e:
-            written = folder_size(tmp) if is_disk_full(e) else 0
-            shutil.rmtree(tmp, ignore_errors=True)
-            if is_disk_full(e):
-                raise space_error(directory, needed or written, ran_out=True) from None
-            raise
+
+
+@contextlib.contextmanager
+def _staging(directory, needed, commit):
+    """The temporary sibling folder a checkpoint is written in, moved into place by commit(tmp, directory), removed
+    on any error (a full disk: space_error)."""
+    if needed is not None:
+        check_free_space(directory, needed)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.new-{os.getpid()}.", suffix=".tmp", dir=directory.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~current_umask())
+        yield tmp
+        commit(tmp, directory)
+    except BaseException as e:
+        written = folder_size(tmp) if is_disk_full(e) else 0
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise space_error(directory, needed or written, ran_out=True) from None
+        raise
 
 
 def check_output_file(path, force=False, override="force=True"):

@@ -1,7 +1,9 @@
 """Writes that never lose data: an output that holds other files is refused, a save killed at any instant leaves the
 complete old or the complete new checkpoint, the next save cleans up, modes follow the umask; one writer per
 output (a stale lock taken over, anything else where the lock goes left alone), a single output file never replaces
-one that appeared meanwhile, a full disk is one error and changes nothing."""
+one that appeared meanwhile, a full disk is one error and changes nothing; a new folder is renamed in only where
+its path is still free."""
+import contextlib
 import errno
 import json
 import os
@@ -174,23 +176,30 @@ def test_nothing_is_written_below_a_file(tiny_model, tmp_path):
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from engine.safe_writes import output_lock
+    from engine.output_lock import output_lock
     with output_lock(sys.argv[1]):
         print("locked", flush=True)
         time.sleep(60)
 """)
 
 
-def test_a_second_writer_is_refused_at_once_naming_the_first(tiny_model, saved):
-    before = (saved / "model.safetensors").read_bytes()
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(saved)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def lock_held_by_another_run(path):
+    """Another process holding output `path`'s lock while the block runs; yields its pid."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "locked\n"
-        with pytest.raises(ValueError, match=rf"{saved} is being written by another run \(pid {holder.pid}"):
-            save_dense(tiny_model, saved)
+        yield holder.pid
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_second_writer_is_refused_at_once_naming_the_first(tiny_model, saved):
+    before = (saved / "model.safetensors").read_bytes()
+    with lock_held_by_another_run(saved) as pid:
+        with pytest.raises(ValueError, match=rf"{saved} is being written by another run \(pid {pid}"):
+            save_dense(tiny_model, saved)
     assert (saved / "model.safetensors").read_bytes() == before
     save_dense(tiny_model, saved)                       # its lock died with it: taken over, then released
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
@@ -299,12 +308,46 @@ def test_a_file_another_program_writes_meanwhile_is_never_replaced(tiny_model, t
 
 def test_a_second_writer_of_a_file_is_refused_at_once(tiny_model, tmp_path):
     path = tmp_path / "m.gguf"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "locked\n"
-        with pytest.raises(ValueError, match=rf"{path} is being written by another run \(pid {holder.pid}"):
+    with lock_held_by_another_run(path) as pid:
+        with pytest.raises(ValueError, match=rf"{path} is being written by another run \(pid {pid}"):
             gguf_writer.write_gguf(tiny_model, path)
-    finally:
-        holder.kill()
-        holder.wait()
     assert not path.exists()
+
+
+# ---- a new folder: one rename, no lock ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rename", ["renameat2", "plain rename"])
+def test_a_folder_another_program_creates_while_a_new_checkpoint_is_written_is_kept(tiny_model, tmp_path,
+                                                                                     monkeypatch, rename):
+    """Where nothing was, the checkpoint is renamed in only if its path is still free: a folder another program put
+    there while it was written was once taken for an old checkpoint, swapped out and deleted."""
+    target, real = tmp_path / "ck", os.fsync
+    if rename == "plain rename":                           # a system or file system without RENAME_NOREPLACE
+        monkeypatch.setattr(safe_writes, "_renameat2", lambda a, b, flags: errno.ENOSYS)
+
+    def theirs(fd):                                        # after the checks, before the rename
+        if not target.exists():
+            target.mkdir()
+            (target / "notes.txt").write_text("theirs")
+        real(fd)
+    monkeypatch.setattr(os, "fsync", theirs)
+    with pytest.raises(ValueError, match=rf"output {re.escape(str(target))} was created by another program while "
+                                         "it was written, and kept"):
+        save_dense(tiny_model, target)
+    assert (target / "notes.txt").read_text() == "theirs" and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_a_new_folder_another_run_holds_the_lock_of_is_refused_at_once(tiny_model, tmp_path):
+    """The short way (no lock) is only for a folder with nothing beside it: a run holding its lock is waited for."""
+    target = tmp_path / "new"
+    with lock_held_by_another_run(target) as pid:
+        with pytest.raises(ValueError, match=rf"{target} is being written by another run \(pid {pid}"):
+            save_dense(tiny_model, target)
+    assert not target.exists()
+
+
+def test_leftovers_of_a_killed_save_to_a_new_folder_are_removed_by_the_next(tiny_model, tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / f".ck.new-{dead.stdout.strip()}.abc.tmp").mkdir()
+    save_dense(tiny_model, tmp_path / "ck")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"] and load_dense(tmp_path / "ck") is not None

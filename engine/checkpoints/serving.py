@@ -29,7 +29,8 @@ from ..formats.llama_cpp.gguf import load_gguf
 from ..formats.llama_cpp.gguf_writer import write_gguf
 from ..loaders import load_dense, read_config
 from ..formats.quantized_checkpoints import load_quantized
-from ..safe_writes import check_apart, output_lock
+from ..output_lock import output_lock
+from ..safe_writes import check_apart
 from ..safetensors_io import checkpoint_records
 from .tokenizer import tokenizer_metadata
 

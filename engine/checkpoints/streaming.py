@@ -58,8 +58,9 @@ from ..layers import release_memory
 from ..qwen3 import DecoderLayer, Qwen3Config
 from ..loaders import check_complete, check_experts, check_layer_count, check_shapes, digest_of, place, skeleton
 from ..formats.quantized_checkpoints import METHODS, LayerAssembler, checkpoint_tensors, config_digest
+from ..output_lock import output_lock
 from ..safe_writes import (check_apart, check_free_space, check_output, commit_directory, folder_size, is_disk_full,
-                          output_lock, recover_interrupted_swap, resumable_directory, space_error)
+                          recover_interrupted_swap, resumable_directory, space_error)
 from ..safetensors_io import (INDEX, TensorReader, check_records, float_digest, read_header, read_json, save_file,
                              tensor_digest, write_json)
 from .models import Source

@@ -47,7 +47,8 @@ from . import gguf_experts
 from .gguf import ARCHITECTURES, GLOBAL_NAMES, TENSOR_NAMES
 from .gguf_file import DIGESTS, DIGESTS_FILE_TYPE, METADATA_DIGEST
 from .gguf_tokenizer import byte_tokenizer_metadata
-from ...safe_writes import check_output_file, output_file, output_lock
+from ...output_lock import output_lock
+from ...safe_writes import check_output_file, output_file
 from ...safetensors_io import check_records
 
 log = logging.getLogger(__name__)
