@@ -12,6 +12,7 @@ cached); with --model PATH (a Hugging Face folder, a quantized checkpoint or a .
 is one `error:` line (exit 1); Ctrl-C says what was kept (exit 130).
 """
 import argparse
+import difflib
 import gc
 import math
 import sys
@@ -62,6 +63,7 @@ TARGETS = ("vllm", "transformers", "llama.cpp", "onnx")
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = sub.choices                  # name -> the command's own parser (parse: its errors, its flags)
 
     def command(name, help, description):
         return sub.add_parser(name, help=help, description=description,
@@ -250,9 +252,23 @@ def interrupted(args):
     return "interrupted"
 
 
+def parse(parser, argv=None):
+    """parser.parse_args, but a flag the command does not know is refused by that command's own parser (its usage,
+    not the top level's) with the command's closest flags: `generate --tokens 20` suggests --max-new-tokens."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = parser.commands[args.command]
+        known = list(command._option_string_actions)
+        near = sorted({m for u in unknown if u.startswith("--")
+                       for m in difflib.get_close_matches(u.partition("=")[0], known, n=2, cutoff=0.6)})
+        command.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {' or '.join(near)}?)"
+                                                                          if near else ""))
+    return args
+
+
 def main(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     check_numbers(parser, args)
     commands = {"quantformats": cli.cmd_quantformats, "train": cli.cmd_train, "quantize": cli_quantize.cmd_quantize,
                 "eval": cli.cmd_eval, "generate": cli.cmd_generate, "export": cli.cmd_export}

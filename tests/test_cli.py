@@ -45,6 +45,17 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     assert out.returncode != 0 and "no folder" in out.stderr and "training" not in out.stderr
 
 
+def test_an_unknown_flag_is_refused_by_its_command_naming_the_closest_flags():
+    """argparse refused it at the top level (`run.py: error:` under the usage of run.py itself), naming neither the
+    command nor the flag meant."""
+    out = run("generate", "--prompt", "The", "--tokens", "20")
+    assert out.returncode == 2 and "usage: run.py generate" in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == ("run.py generate: error: unrecognized arguments: --tokens 20 (did "
+                                                   "you mean --max-new-tokens?)")
+    out = run("eval", "--zzz")
+    assert out.stderr.strip().splitlines()[-1] == "run.py eval: error: unrecognized arguments: --zzz"
+
+
 def test_quantformats_on_a_model_reports_a_refused_row_and_goes_on(tmp_path, tiny_cfg):
     """A format that cannot hold this model's shapes (MXFP4's 32-blocks, hidden 48) is a row saying why; the rows
     after it are still measured."""
