@@ -177,8 +177,9 @@ def build_parser():
                         "error that lists the method's options")
     z.add_argument("--target", choices=TARGETS, help="pick the settings this client loads, and refuse (before any "
                                                      "work) what it cannot; llama.cpp writes a GGUF file")
-    z.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
-                   help="safetensors: a Hugging Face checkpoint folder (default); gguf: one llama.cpp file")
+    z.add_argument("--format", choices=["safetensors", "gguf"],
+                   help="safetensors: a Hugging Face checkpoint folder; gguf: one llama.cpp file (default: gguf "
+                        "where --out ends in .gguf, else safetensors)")
     z.add_argument("--embedding-type", choices=EMBEDDING_TYPES, metavar="TYPE",
                    help="GGUF only: the token embedding's (and an untied output's) GGML type, one of "
                         f"{', '.join(EMBEDDING_TYPES)}; llama.cpp: what llama-quantize gives them, Q6_K or Q8_0 "

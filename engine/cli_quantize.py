@@ -76,6 +76,12 @@ def parse_value(key, text, default):
 def check_quantize_args(args):
     """Everything about `quantize` that can be checked without loading a model: (registry method, options)."""
     check_text(args.text)
+    named_gguf = Path(args.out).suffix == ".gguf"      # a folder named so would be read back as no GGUF file
+    if named_gguf and (args.format == "safetensors" or args.target not in (None, "llama.cpp")):
+        writer = "--format safetensors" if args.format == "safetensors" else f"--target {args.target}"
+        raise ValueError(f"--out {args.out}: a name ending in .gguf is a GGUF file, and {writer} writes a folder; "
+                         "name the folder otherwise")
+    args.format = args.format or ("gguf" if named_gguf else "safetensors")
     if args.model is not None:
         check_model_path(args.model)
     check_calibration(args)

@@ -249,6 +249,19 @@ def test_a_gguf_output_without_the_gguf_suffix_is_refused_before_loading(tmp_pat
         assert not (tmp_path / "o").exists() and "layers" not in out.stderr
 
 
+def test_an_out_named_gguf_is_a_gguf_file_never_a_folder(tmp_path):
+    """red before: `quantize --method rtn --out m.gguf` wrote a checkpoint folder named m.gguf"""
+    out = run("quantize", "--method", "rtn", "--group-size", "32", "--out", str(tmp_path / "m.gguf"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "m.gguf").is_file() and (tmp_path / "m.gguf").read_bytes()[:4] == b"GGUF"
+    for flags, writer in ((["--format", "safetensors"], "--format safetensors"), (["--target", "vllm"], "--target vllm")):
+        out = run("quantize", "--method", "rtn", *flags, "--out", str(tmp_path / "n.gguf"))
+        assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+            f"error: --out {tmp_path / 'n.gguf'}: a name ending in .gguf is a GGUF file, and {writer} writes a "
+            "folder; name the folder otherwise"), out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
 def test_export_refuses_a_folder_as_gguf_before_loading(tmp_path, tiny_model):
     from engine.loaders import save_dense
     save_dense(tiny_model, tmp_path / "dense")

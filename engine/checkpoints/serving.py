@@ -174,7 +174,7 @@ def gguf_options(method, options):
     if integer:
         if options.setdefault("group_size", 32) != 32:
             raise ValueError(f"llama.cpp: GGML's Q4_0 / Q4_1 / Q8_0 blocks hold 32 weights, not group size "
-                             f"{options['group_size']}")
+                             f"{options['group_size']} (--group-size 32)")
     return options
 
 
