@@ -195,6 +195,9 @@ def build_parser():
     x.add_argument("--embedding-type", choices=EMBEDDING_TYPES, default="F32", metavar="TYPE",
                    help="the token embedding's (and an untied output's) GGML type (default F32; llama.cpp: "
                         "llama-quantize's choice, Q6_K or Q8_0)")
+    x.add_argument("--fallback", choices=("F32", "F16", "BF16"), metavar="TYPE",
+                   help="a quantized layer no GGML type holds (a group size but 32, FP8, NF4 ...) is written "
+                        "dequantized as TYPE (F32, F16 or BF16) instead of refused; each is named on stderr")
     x.add_argument("--force", action="store_true", help="replace FILE if it exists")
 
     e = command("eval", "KL of a quantized checkpoint against its reference",

@@ -85,7 +85,8 @@ def cmd_export(args):
     check_file_output(args.gguf, args.force, "--gguf")
     from engine.checkpoints.serving import export_gguf
     log(f"loading {source} ...")
-    report = export_gguf(args.source, args.gguf, force=args.force, embedding_type=args.embedding_type)
+    report = export_gguf(args.source, args.gguf, fallback=args.fallback, force=args.force,
+                         embedding_type=args.embedding_type)
     log(f"wrote {args.gguf}: {json.dumps(report)}")
 
 

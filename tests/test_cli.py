@@ -262,6 +262,22 @@ def test_an_out_named_gguf_is_a_gguf_file_never_a_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
+def test_export_writes_what_no_ggml_type_holds_dequantized_only_when_asked(tmp_path, tiny_model):
+    """red before: the refusal told a command-line user to `pass fallback='F16'`, a keyword no flag reached"""
+    import copy
+    from engine.formats.quantized_checkpoints import save_quantized
+    save_quantized(copy.deepcopy(tiny_model), tmp_path / "fp8", "fp8")
+    out = run("export", str(tmp_path / "fp8"), "--gguf", str(tmp_path / "m.gguf"))
+    assert out.returncode == 1 and "GGML has no type" in out.stderr, out.stderr
+    assert out.stderr.strip().endswith("(or write it dequantized: fallback F32, F16 or BF16)")
+    out = run("export", str(tmp_path / "fp8"), "--gguf", str(tmp_path / "m.gguf"), "--fallback", "F16")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stderr.split(f"wrote {tmp_path / 'm.gguf'}: ")[1].splitlines()[0])
+    layers = tiny_model.cfg.num_hidden_layers * 7
+    assert report["types"] == {"F16": layers} and len(report["fallbacks"]) == layers
+    assert out.stderr.count("written dequantized as F16") == layers
+
+
 def test_export_refuses_a_folder_as_gguf_before_loading(tmp_path, tiny_model):
     from engine.loaders import save_dense
     save_dense(tiny_model, tmp_path / "dense")

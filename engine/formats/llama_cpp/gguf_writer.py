@@ -204,7 +204,7 @@ def model_tensors(model, dense_type="F32", fallback=None, embedding_type=None):
             kind, raw, scale = ggml_blocks(layer)
         except ValueError as e:
             if fallback is None:
-                raise ValueError(f"{name}: {e} (or pass fallback='F16' / 'F32' / 'BF16' to dequantize it)") from None
+                raise ValueError(f"{name}: {e} (or write it dequantized: fallback F32, F16 or BF16)") from None
             log.warning("%s: %s; written dequantized as %s", name, e, fallback)
             report["fallbacks"][name] = str(e)
             kind, raw = _dense(layer.dequantize(), fallback, name)
