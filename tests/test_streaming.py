@@ -122,6 +122,15 @@ def test_entquant_options_a_layer_cannot_run_are_refused_before_any_work(options
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_quantized_checkpoint_as_the_source_is_one_error_naming_it(three_layers, tmp_path):
+    """red before: a quantized folder as the source failed on its first packed part (`unexpected tensor`)"""
+    save_quantized(copy.deepcopy(three_layers), tmp_path / "rtn", "rtn")
+    with pytest.raises(ValueError, match=r"the model .*rtn is a quantized checkpoint \(compressed-tensors\): a "
+                                         "conversion starts from a model's float weights"):
+        quantize_checkpoint(tmp_path / "rtn", tmp_path / "out", "fp8", progress=False, block=32)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rtn"]
+
+
 def test_unquantized_tensors_keep_the_source_dtype(three_layers, ids, tmp_path):
     save_dense(three_layers, tmp_path / "bf16", dtype=torch.bfloat16)
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "out", "gptq", ids, progress=False, group_size=32)
