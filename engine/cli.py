@@ -90,6 +90,16 @@ def cmd_export(args):
     log(f"wrote {args.gguf}: {json.dumps(report)}")
 
 
+def stored_bits(path, model):
+    """Bits per quantized weight of the checkpoint at `path` as its files store them (a folder: every byte of its
+    quantized linears' tensors, from its headers, as `quantize` reports it; a GGUF file: its loaded layers count
+    their GGML types' bits), not the in-memory convention of the book's table (a scale and a zero point of 16 bits
+    a group)."""
+    from engine.formats.quantized_checkpoints import checkpoint_bits
+    from engine.layers import model_bits
+    return checkpoint_bits(path) if Path(path).is_dir() else model_bits(model)
+
+
 def cmd_eval(args):
     if args.kv_cache is not None and args.model is None:
         raise ValueError("--kv-cache evaluates a real model's cache: eval --model M --kv-cache SPEC")
@@ -106,7 +116,6 @@ def cmd_eval(args):
     from engine.checkpoints.models import load_model
     from engine.evaluation import held_out_logits, kl_stats
     from engine.quantformats import evaluate
-    from engine.layers import model_bits
     from engine.training import tiny_setup
     path = Path(args.checkpoint)
     source = checkpoint_source(path) if path.is_dir() else None   # a missing or broken checkpoint fails here
@@ -118,7 +127,7 @@ def cmd_eval(args):
     windows = corpus.eval_windows()
     model = load_model(path)
     stats = kl_stats(held_out_logits(reference, windows), evaluate(model, windows, args.impl))
-    bits = model_bits(model)
+    bits = stored_bits(path, model)
     print(json.dumps({"checkpoint": str(path), "bits": None if bits is None else round(bits, 3), **stats}))
     log(f"summary: KL {stats['kl_nats']:.5f} ± {stats['kl_stderr']:.5f} nats per byte (p99 {stats['kl_p99']:.4f}), "
         f"same top byte {stats['same_top_pct']:.1f}%" + (f", {bits:.3f} bits per weight" if bits else ""))
@@ -155,7 +164,7 @@ def eval_real(args):
     if q_path is not None:
         log(f"loading {q_path} ...")
     quantized = reference if q_path is None else load_model(q_path, to_run=weights not in (None, "float32"))
-    bits = model_bits(quantized)
+    bits = stored_bits(q_path, quantized) if q_path is not None else model_bits(quantized)
     scored, kv = quantized, {}
     if args.kv_cache is not None:                     # each chunk read through a fresh stored cache, as a prefill
         from engine.formats.kv.kv_store import parse_kv_spec, stored_logits

@@ -412,6 +412,26 @@ def test_generate_and_eval_run_on_a_coded_kv_cache(tmp_path, tiny_model):
     assert "(its float32 weights, read with the exact cache and with the coded one): weights held " in out.stderr
 
 
+def test_eval_counts_a_checkpoints_bits_as_quantize_does(tmp_path, tiny_model):
+    """red before: eval counted 16 bits a group for each scale and zero point (the book table's convention): a
+    compressed-tensors file of 4.587 bits (float32 scales) read as 4.5, an AWQ g128 one of 4.156 (4-bit zeros) as
+    4.250"""
+    import copy
+    from engine.formats.quantized_checkpoints import checkpoint_bits, save_quantized
+    from engine.layers import model_bits
+    from engine.loaders import save_dense
+    save_dense(tiny_model, tmp_path / "dense")
+    model = copy.deepcopy(tiny_model)
+    save_quantized(model, tmp_path / "rtn", "rtn")                  # compressed-tensors: float32 scales on disk
+    stored = checkpoint_bits(tmp_path / "rtn")
+    assert round(stored, 3) != round(model_bits(model), 3)
+    out = run("eval", "--model", str(tmp_path / "dense"), "--quantized", str(tmp_path / "rtn"), "--ctx", "64",
+              "--chunks", "1")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[0])["bits"] == round(stored, 3)
+    assert f"{stored:.3f} bits per quantized weight" in out.stderr
+
+
 def test_bad_kv_cache_arguments_are_one_line_before_any_model_loads(tmp_path, tiny_model):
     from engine.loaders import save_dense
     save_dense(tiny_model, tmp_path / "dense")
