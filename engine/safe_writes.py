@@ -200,10 +200,8 @@ def _rename_new(tmp, path):
         else:
             os.link(tmp, path)
             os.unlink(tmp)
-    elif err == errno.EEXIST:
-        raise FileExistsError(err, os.strerror(err), str(path))
     elif err:
-        raise OSError(err, os.strerror(err), str(path))
+        raise OSError(err, os.strerror(err), str(path))      # EEXIST: a FileExistsError
 
 
 def _journal(directory):

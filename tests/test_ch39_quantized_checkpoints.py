@@ -153,6 +153,20 @@ def test_every_method_writes_its_quant_method_and_reloads_identically(name, tiny
         assert torch.equal(loaded(ids), tiny_model(ids))
 
 
+@pytest.mark.parametrize("name", sorted(CHEAP_OPTIONS))
+def test_every_method_refuses_a_model_already_quantized(name, tiny_model):
+    """red before: a method replaces nn.Linear layers only, so on a model loaded from a GGUF file or a checkpoint
+    it quantized nothing and returned a config as if it had"""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    METHODS["fp8"].quantize(tiny_model, None, **CHEAP_OPTIONS["fp8"])
+    before = {n: type(m) for n, m in tiny_model.named_modules()}
+    layers = 7 * tiny_model.cfg.num_hidden_layers
+    with pytest.raises(ValueError, match=rf"the model is already quantized \({layers} layers: FP8BlockLinear\); a "
+                                         "method quantizes a model's float linears"):
+        METHODS[name].quantize(tiny_model, ids, **CHEAP_OPTIONS[name])
+    assert {n: type(m) for n, m in tiny_model.named_modules()} == before
+
+
 def _extremes(t):
     """What a corrupt or hostile file can hold in tensor t: NaN, infinities and the dtype's largest numbers in a
     floating part; all-ones bytes (a float8's NaN, the largest codes) in the others."""

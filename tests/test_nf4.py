@@ -26,14 +26,15 @@ def test_nf4_levels_bits_and_kernel():
 
 
 def test_quantize_replaces_every_block_linear_and_describes_them(tiny_model):
+    for bad in (0, 64.0, True):
+        with pytest.raises(ValueError, match="group_size must be a positive integer"):
+            nf4.quantize(tiny_model, group_size=bad)
+    assert not quantized_linears(tiny_model)
     qcfg = nf4.quantize(tiny_model, group_size=32)
     layers = quantized_linears(tiny_model)
     assert len(layers) == 14 and all(isinstance(m, nf4.NF4Linear) and m.group_size == 32 for m in layers.values())
     assert isinstance(tiny_model.lm_head, torch.nn.Linear)                  # lm_head (tied) stays dense
     assert qcfg == {"quant_method": "nf4", "bits": 4, "group_size": 32, "scale_dtype": "float16"}
-    for bad in (0, 64.0, True):
-        with pytest.raises(ValueError, match="group_size must be a positive integer"):
-            nf4.quantize(tiny_model, group_size=bad)
 
 
 def test_mismatched_shapes_are_refused():

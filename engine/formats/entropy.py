@@ -329,6 +329,7 @@ def quantize(model, calibration_ids=None, **options):
     within tol by searching lambda; feedback="calibration" runs quantize_layer on each block, its lambda searched
     per block). Returns the quantization_config."""
     o = EntQuantOptions.parsed(options)
+    calibration.check_unquantized(model)
     CHECKPOINT.fits(model.cfg, dict(sensitivity=o.sensitivity, feedback=o.feedback))
     if o.feedback == "calibration":                       # block by block, as GPTQ walks the model
         config = calibration.by_layer(model, CHECKPOINT, calibration_ids, **options)

@@ -24,8 +24,8 @@ import contextlib
 import torch
 from tqdm import tqdm
 
-from ...layers import (QuantLinear, experts_of, input_owner, is_moe, linear_names, release_memory, replace_linears,
-                       sequential_steps)
+from ...layers import (QuantLinear, experts_of, input_owner, is_moe, linear_names, quantized_linears, release_memory,
+                       replace_linears, sequential_steps)
 from . import experts
 from .layer_runs import ResumingRuns
 from .input_stats import InputStats, slot_of
@@ -236,9 +236,21 @@ def decoder_layers(model, calibration_ids, batch_size=BATCH_SIZE, method="calibr
         batches = ahead if ahead is not None else cal.outputs()
 
 
+def check_unquantized(model):
+    """ValueError if `model` already holds quantized linears: a method replaces nn.Linear layers only, so it would
+    pass over them and return a quantization_config for layers it never quantized."""
+    done = quantized_linears(model)
+    if done:
+        kinds = ", ".join(sorted({type(m).__name__ for m in done.values()}))
+        raise ValueError(f"the model is already quantized ({len(done)} layers: {kinds}); a method quantizes a "
+                         "model's float linears: load it with its weights dequantized (engine.checkpoints.models."
+                         "load_model(path, dense=True)) to start from them")
+
+
 def whole_model(model):
     """The whole model (any module) as one data-free "layer": a data-free method's quantize_layer on it replaces every
     linear but lm_head, exactly as on each decoder layer in turn."""
+    check_unquantized(model)
     return LayerCalibration(model, 0, None, prefix="")
 
 
@@ -247,6 +259,7 @@ def by_layer(model, method, calibration_ids=None, batch_size=BATCH_SIZE, **optio
     each (the same function the streaming converter, engine.checkpoints.streaming.quantize_checkpoint, calls on layers
     read from disk), the layers' inputs as method.calibration(options) says (a CheckpointMethod states it once).
     Returns the quantization_config quantize_layer describes its work with."""
+    check_unquantized(model)
     method.fits(model.cfg, options)
     layers = decoder_layers(model, calibration_ids, batch_size, method.name, method.calibration(options),
                             method.output_fisher(options))
