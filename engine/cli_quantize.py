@@ -108,6 +108,9 @@ def check_quantize_args(args):
         from engine.config import Qwen3MoeConfig
         moe = args.model is not None and isinstance(model_config(args.model), Qwen3MoeConfig)
         options, args.format = check_target(args.target or "llama.cpp", method, options, args.format, moe)
+        if args.target == "vllm" and args.model is not None:    # hours of work for a file vLLM refuses: not begun
+            from engine.checkpoints.serving import check_vllm_groups
+            check_vllm_groups(model_config(args.model).to_hf(), method, options)
     from engine.formats.quantized_checkpoints import METHODS
     options = METHODS[method].checked(options)            # every option's range, and the method's rules, once
     if args.embedding_type is not None and args.format != "gguf":

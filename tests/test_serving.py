@@ -1,6 +1,8 @@
 """Serving: the table of what loads where, the settings each --target picks or refuses (naming the reason), and the
 tensor-parallel degrees a checkpoint's shapes allow (vLLM's sharding rules), on checkpoints the engine writes."""
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,8 @@ import torch
 from engine.checkpoints import serving
 from engine.formats.quantized_checkpoints import save_quantized
 from engine.qwen3 import Qwen3, Qwen3Config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -123,6 +127,30 @@ def test_target_picks_the_settings_it_loads():
         serving.check_target("transformers", "compressed-tensors", {"format": "nvfp4-pack-quantized"})
     with pytest.raises(ValueError, match="--target must be one of"):
         serving.check_target("tgi", "gptq", {})
+
+
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                     head_dim=64, num_hidden_layers=1, vocab_size=256)
+
+
+def test_a_group_size_vllm_cannot_tile_is_refused_before_any_work(tmp_path):
+    """red before: `quantize --model smollm2 --method gptq --target vllm` quantized for its minutes (a 70B: hours),
+    then said `serve: none: vLLM would refuse` (576 inputs per rank in groups of 128)"""
+    config = Qwen3Config(**SMOLLM2_SHAPE).to_hf()
+    for method in ("gptq", "awq"):
+        with pytest.raises(ValueError, match=r"vllm would refuse this checkpoint at every tensor-parallel degree "
+                                             r"\(o_proj: 576 inputs per rank, not a multiple of 128\); --group-size "
+                                             "-1 or 32 or 64 would load"):
+            serving.check_vllm_groups(config, method, {})
+        serving.check_vllm_groups(config, method, {"group_size": 64})
+    serving.check_vllm_groups(config, "fp8", {})                         # not a group size's matter
+    from engine.loaders import save_dense
+    save_dense(Qwen3(Qwen3Config(**SMOLLM2_SHAPE)), tmp_path / "dense")
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), "quantize", "--model", str(tmp_path / "dense"),
+                          "--method", "gptq", "--target", "vllm", "--out", str(tmp_path / "q")], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("error: vllm would refuse")
+    assert "layers" not in out.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
 
 
 def test_table_and_serve_line():

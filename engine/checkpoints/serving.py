@@ -36,6 +36,7 @@ from .tokenizer import tokenizer_metadata
 
 TARGETS = ("transformers", "vllm", "llama.cpp", "onnx")
 VLLM_GROUPS = (-1, 32, 64, 128)
+DEFAULT_GROUP = 128                     # GPTQ's and AWQ's group size where none is given
 ENGINE_ONLY = "only this engine reads it (no serving client knows the format)"
 VLLM_CPU = "vLLM's CPU build has no kernel for it (GPU kernels exist; not checked here)"
 FP4_FLOAT32 = ("in float32 the forward pass fails ('expected m1 and m2 to have the same dtype'): load with "
@@ -193,7 +194,7 @@ def check_target(target, method, options, fmt="safetensors", moe=False):
     if options.get("ggml_type") is not None:
         raise ValueError(f"ggml_type writes GGML blocks, which only llama.cpp loads (--target llama.cpp), not {target}")
     options = dict(options)
-    if target == "vllm" and method in ("gptq", "awq") and options.get("group_size", 64) not in VLLM_GROUPS:
+    if target == "vllm" and method in ("gptq", "awq") and options.get("group_size", DEFAULT_GROUP) not in VLLM_GROUPS:
         raise ValueError(f"vllm cannot load this checkpoint: its GPTQ / AWQ kernels take group sizes {VLLM_GROUPS} "
                          f"('Marlin does not support group_size = {options['group_size']}')")
     picked = target == "vllm" and method == "gptq" and "sym" not in options
@@ -313,6 +314,24 @@ def tp_degrees(config, degrees=(1, 2, 4, 8)):
                         for name, n in rows.items() if n % row_unit]
         result[tp] = reasons
     return result
+
+
+def check_vllm_groups(config, method, options):
+    """ValueError, before any work, where vLLM would refuse at every tensor-parallel degree the GPTQ or AWQ
+    checkpoint `options` make of the model whose config.json is `config`: a group size that does not tile its layers
+    (SmolLM2's 576 inputs in groups of 128), naming the group sizes vLLM takes that would load."""
+    if method not in ("gptq", "awq"):
+        return
+
+    def refusals(group):
+        q = {"quant_method": method, "bits": options.get("bits", 4), "group_size": group}
+        return tp_degrees({**config, "quantization_config": q})[1]
+    refused = refusals(options.get("group_size", DEFAULT_GROUP))
+    if refused:
+        fits = [str(g) for g in VLLM_GROUPS if not refusals(g)]
+        raise ValueError(f"vllm would refuse this checkpoint at every tensor-parallel degree ({'; '.join(refused)}); "
+                         + (f"--group-size {' or '.join(fits)} would load" if fits else
+                            "no group size vLLM takes fits this model"))
 
 
 def vllm_serve_command(directory, config=None):
