@@ -225,7 +225,7 @@ def recover_interrupted_swap(directory):
         if names is not None and not directory.exists():
             os.replace(new if new.exists() else old, directory)
         journal.unlink()
-    for leftover in directory.parent.glob(f".{directory.name}.*.tmp"):
+    for leftover in directory.parent.glob(f".{glob.escape(directory.name)}.*.tmp"):
         owner = re.match(rf"\.{re.escape(directory.name)}\.(?:new|old)-(\d+)\.", leftover.name)
         if owner and leftover.is_dir() and not alive(int(owner.group(1))):
             shutil.rmtree(leftover, ignore_errors=True)

@@ -346,8 +346,9 @@ def test_a_new_folder_another_run_holds_the_lock_of_is_refused_at_once(tiny_mode
     assert not target.exists()
 
 
-def test_leftovers_of_a_killed_save_to_a_new_folder_are_removed_by_the_next(tiny_model, tmp_path):
+@pytest.mark.parametrize("name", ["ck", "ck[1]"])                       # a name glob would read as a pattern
+def test_leftovers_of_a_killed_save_to_a_new_folder_are_removed_by_the_next(tiny_model, tmp_path, name):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / f".ck.new-{dead.stdout.strip()}.abc.tmp").mkdir()
-    save_dense(tiny_model, tmp_path / "ck")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"] and load_dense(tmp_path / "ck") is not None
+    (tmp_path / f".{name}.new-{dead.stdout.strip()}.abc.tmp").mkdir()
+    save_dense(tiny_model, tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name] and load_dense(tmp_path / name) is not None
