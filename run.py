@@ -8,8 +8,9 @@ cached); with --model PATH (a Hugging Face folder, a quantized checkpoint or a .
   python run.py export         a checkpoint folder or .gguf file as one GGUF file
   python run.py generate       continue a prompt
 
-`python run.py COMMAND --help` lists a command's flags. Arguments are checked before anything is loaded; a bad one
-is one `error:` line (exit 1); Ctrl-C says what was kept (exit 130).
+`python run.py COMMAND --help` lists a command's flags. Arguments are checked before anything is loaded: a flag or
+value the command refuses prints its usage and one `error:` line (exit 2), input found wrong once read (a file, a
+checkpoint) one `error:` line (exit 1); Ctrl-C says what was kept (exit 130).
 """
 import argparse
 import difflib
@@ -233,6 +234,8 @@ def build_parser():
 
 
 def check_numbers(parser, args):
+    """The ranges argparse's types do not state, refused by the command's own parser (its usage, as for a bad type)."""
+    parser = parser.commands[args.command]
     if not 1 <= getattr(args, "steps", 1) <= 10 ** 6:
         parser.error("--steps must be >= 1 (and at most 10^6)")
     for name in ("ctx", "chunks", "calib_samples", "calib_len", "max_new_tokens", "prefill_chunk"):

@@ -193,7 +193,8 @@ def eval_real(args):
         + (f"; {bits:.3f} bits per quantized weight" if bits else ""))
     if kv:
         log(kv_summary(args.kv_cache, kv["cache"]) + f"; {result['kv_bits']} bits per K/V scalar counted")
-    form = weights if q_path is not None else "its float32 weights, read with the exact cache and with the coded one"
+    form = (weights or args.impl) if q_path is not None else ("its float32 weights, read with the exact cache and "
+                                                               "with the coded one")
     log(f"{label}{f' ({form})' if form else ''}: " + runtime.memory_line(quantized, q_path or ref_path, weight_bytes))
 
 

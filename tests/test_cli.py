@@ -56,6 +56,13 @@ def test_an_unknown_flag_is_refused_by_its_command_naming_the_closest_flags():
     assert out.stderr.strip().splitlines()[-1] == "run.py eval: error: unrecognized arguments: --zzz"
 
 
+def test_a_value_out_of_range_is_refused_under_its_commands_usage():
+    """--max-new-tokens 0 was refused under run.py's top-level usage, as a bad type (`x`) was under the command's."""
+    out = run("generate", "--prompt", "The", "--max-new-tokens", "0")
+    assert out.returncode == 2 and "usage: run.py generate" in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "run.py generate: error: --max-new-tokens must be >= 1"
+
+
 def test_quantformats_on_a_model_reports_a_refused_row_and_goes_on(tmp_path, tiny_cfg):
     """A format that cannot hold this model's shapes (MXFP4's 32-blocks, hidden 48) is a row saying why; the rows
     after it are still measured."""
@@ -430,6 +437,11 @@ def test_eval_counts_a_checkpoints_bits_as_quantize_does(tmp_path, tiny_model):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[0])["bits"] == round(stored, 3)
     assert f"{stored:.3f} bits per quantized weight" in out.stderr
+    assert "rtn (compact): weights held" in out.stderr
+    out = run("eval", "--model", str(tmp_path / "dense"), "--quantized", str(tmp_path / "rtn"), "--ctx", "64",
+              "--chunks", "1", "--impl", "engine")
+    assert out.returncode == 0, out.stderr
+    assert "rtn (engine): weights held" in out.stderr       # the line named no form under --impl engine
 
 
 def test_bad_kv_cache_arguments_are_one_line_before_any_model_loads(tmp_path, tiny_model):
