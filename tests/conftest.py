@@ -152,7 +152,14 @@ def _your_implementation(request, monkeypatch):
     if bad:
         pytest.fail(f"--yours {path}: {bad[0]}", pytrace=False)
     for name, obj in graded.items():
-        monkeypatch.setattr(importlib.import_module(GRADED[name][1]), name, obj)
+        home = importlib.import_module(GRADED[name][1])
+        engines = getattr(home, name, None)
+        # and wherever the engine's object is imported under the same name (trellis.random_hadamard is hadamard's):
+        # a test reaching it there graded the engine's, not FILE's
+        for module in [m for n, m in sys.modules.items() if n == "engine" or n.startswith("engine.")]:
+            if engines is not None and getattr(module, name, None) is engines:
+                monkeypatch.setattr(module, name, obj)
+        monkeypatch.setattr(home, name, obj)
 
     def exited(status=0):
         pytest.fail(f"--yours {path}: your code called os._exit({status}), which would end the tests silently",

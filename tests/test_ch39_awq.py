@@ -64,7 +64,13 @@ def test_awq_beats_rtn_2x_with_outlier_channels(seed):
     s, alpha = awq.search_scale([w], x, 4, 32)
     awq_err = output_error(x, affine.fake_quantize(w * s, 4, 32) / s, w)
     rtn_err = output_error(x, affine.fake_quantize(w, 4, 32), w)
-    assert alpha > 0 and awq_err * 2 <= rtn_err
+    assert alpha > 0, (
+        "search_scale chose alpha 0 (s = 1, no scaling) though 4 inputs are 30x larger: is s the mean |x| of each "
+        "input channel (x.abs().mean(0)) to the power alpha, and each candidate's error that of (x / s) @ Q(w * s)^T "
+        "against x @ w^T?")
+    assert awq_err * 2 <= rtn_err, (
+        f"the chosen s (alpha {alpha}) lowers the output error only {rtn_err / awq_err:.2f}x below round-to-nearest's "
+        "(a correct search: 2x or more here)")
 
 
 @book("search_scale")
@@ -75,7 +81,10 @@ def test_search_never_worse_than_rtn_without_outliers():
     s, _ = awq.search_scale(ws, x, 4, 32)
     for_s = sum(output_error(x, affine.fake_quantize(w * s, 4, 32) / s, w) for w in ws)
     for_rtn = sum(output_error(x, affine.fake_quantize(w, 4, 32), w) for w in ws)
-    assert for_s <= for_rtn * (1 + 1e-5)
+    assert for_s <= for_rtn * (1 + 1e-5), (
+        f"search_scale's s gives an output error {for_s / for_rtn:.3f}x that of s = 1: alpha = 0 (s = 1) is a "
+        "candidate, so the lowest error found can never be worse than it (is every candidate's error summed over "
+        "the linears that share the input, and the lowest kept?)")
 
 
 @book("apply_awq")
@@ -97,12 +106,19 @@ def test_apply_awq_quantizes_every_linear_and_protects_outlier_channels(tiny_mod
             if isinstance(linear, torch.nn.Linear) and name != "lm_head":
                 parent, _, child = name.rpartition(".")
                 setattr(rtn.get_submodule(parent), child, affine.AffineQuantLinear.from_weight(linear.weight, 4, 32))
-        rtn_error = (rtn(ids) - reference).pow(2).mean()
+        rtn_error = (rtn(ids) - reference).pow(2).mean().item()
         replaced = awq.apply_awq(model, ids, 4, 32)
         assert len(replaced) == 7 * len(model.model.layers)
         assert all(model.get_submodule(name) is layer for name, layer in replaced.items())
         assert all(isinstance(layer, affine.AffineQuantLinear) for layer in replaced.values())
-        assert (model(ids) - reference).pow(2).mean() < 0.8 * rtn_error
+        error = (model(ids) - reference).pow(2).mean().item()
+        hint = ("worse than round-to-nearest: does every scaling leave the float model's function unchanged, the "
+                "norm's weight (or the previous linear's rows) divided by s, the linears' input columns multiplied "
+                "by s?" if error > rtn_error else
+                "no better than round-to-nearest: are the scales searched on each linear's own captured inputs, "
+                "with s from their mean |x| per channel?")
+        assert error < 0.8 * rtn_error, (f"apply_awq's model output error is {error / rtn_error:.2f}x that of "
+                                         f"round-to-nearest at the same bits (a correct AWQ: below 0.8x): {hint}")
 
 
 @book("to_checkpoint", "from_checkpoint")

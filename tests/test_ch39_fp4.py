@@ -61,18 +61,27 @@ def test_mxfp4_round_trip(layout):
     torch.manual_seed(0)
     w = torch.randn(6, 5, 64) * torch.rand(6, 5, 1) * 10
     blocks, scales = mx.quantize_mxfp4(w, layout)
-    assert blocks.shape == (6, 5, 2, 16) and blocks.dtype == torch.uint8 and scales.shape == (6, 5, 2)
+    assert blocks.shape == (6, 5, 2, 16) and blocks.dtype == torch.uint8 and scales.shape == (6, 5, 2), (
+        f"blocks {blocks.dtype} {tuple(blocks.shape)}, scales {tuple(scales.shape)}; a [6, 5, 64] weight gives uint8 "
+        "blocks [6, 5, 2, 16] (two codes a byte) and scales [6, 5, 2] (one a 32)")
     # the shared exponent is floor(log2(amax)) - 2, checked block by block with Python's frexp
     amax = w.reshape(-1, 32).abs().amax(1)
     expected = [math.frexp(a)[1] - 1 - 2 + 127 for a in amax.tolist()]
-    assert scales.flatten().tolist() == expected
+    got = scales.flatten().tolist()
+    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    assert first is None, (
+        f"block {first}'s scale byte is {got[first]}, its amax {amax[first].item():.6g}: the E8M0 byte is "
+        f"floor(log2(amax)) - 2 + 127 = {expected[first]} (the -2 puts the largest magnitude in E2M1's top binade, "
+        "[4, 8); 127 the bias)")
     w_hat = mx.dequantize_mxfp4(blocks, scales, layout)
-    assert w_hat.shape == w.shape
+    assert w_hat.shape == w.shape, f"dequantize_mxfp4 gives {tuple(w_hat.shape)} for a {tuple(w.shape)} weight"
     # requantizing what we decoded changes nothing; every error is at most one step of the top binade (2 * 2^e)
     for name, a, b in zip(("blocks", "scales"), mx.quantize_mxfp4(w_hat, layout), (blocks, scales)):
         same(a, b, f"quantize_mxfp4(dequantize_mxfp4(...), {layout!r})'s {name}", f"the {name} it decoded")
     step = torch.exp2(scales.float() - 127).repeat_interleave(32, -1)
-    assert ((w - w_hat).abs() <= 2 * step).all()
+    assert ((w - w_hat).abs() <= 2 * step).all(), (
+        f"a weight decodes {((w - w_hat).abs() / step).max().item():.3g} x 2^(scale - 127) away from itself (at most "
+        "2: half of E2M1's widest step, 4 to 6): is each code's value E2M1[code] * 2^(scale - 127)?")
 
 
 @book("quantize_mxfp4", "dequantize_mxfp4")
@@ -170,13 +179,24 @@ def test_nvfp4_round_trip():
     torch.manual_seed(2)
     w = torch.randn(40, 48) * torch.rand(40, 1) * 4
     packed, block_scale, tensor_scale = mx.quantize_nvfp4(w)
-    assert packed.shape == (40, 3, 8) and block_scale.shape == (40, 3) and block_scale.dtype == torch.float8_e4m3fn
-    assert tensor_scale.numel() == 1 and torch.isclose(tensor_scale, w.abs().max() / (448 * 6))
-    assert block_scale.float().max() == 448                      # the largest block uses E4M3's top value
+    assert packed.shape == (40, 3, 8) and block_scale.shape == (40, 3) and block_scale.dtype == torch.float8_e4m3fn, (
+        f"packed {tuple(packed.shape)}, block_scale {block_scale.dtype} {tuple(block_scale.shape)}; a [40, 48] weight "
+        "gives packed [40, 3, 8] (two codes a byte) and float8_e4m3fn block scales [40, 3] (one a 16)")
+    want = w.abs().max() / (448 * 6)
+    assert tensor_scale.numel() == 1 and torch.isclose(tensor_scale, want), (
+        f"tensor_scale is {tensor_scale.flatten()[0].item():.6g}; amax / (448 * 6) = {want.item():.6g} (E4M3's top "
+        "value times E2M1's) lets the largest block scale land on 448")
+    assert block_scale.float().max() == 448, (
+        f"the largest block scale is {block_scale.float().max().item():g}, not E4M3's top value 448: is each block "
+        "scale its amax / 6 / tensor_scale?")
     scale = (block_scale.float() * tensor_scale).repeat_interleave(16, 1)
     w_hat = mx.dequantize_nvfp4(packed, block_scale, tensor_scale)
-    assert ((w - w_hat).abs() <= scale * 1.0 + 1e-7).all()       # half of E2M1's widest step (2), or saturation
-    assert torch.equal(mx.to_e2m1(w_hat / scale) & 7, mx.to_e2m1(w / scale) & 7)   # codes are nearest
+    assert ((w - w_hat).abs() <= scale * 1.0 + 1e-7).all(), (      # half of E2M1's widest step (2), or saturation
+        f"a weight decodes {((w - w_hat).abs() / scale).max().item():.3g} x its scale away from itself (at most 1: "
+        "half of E2M1's widest step): is each value E2M1[code] * block_scale * tensor_scale?")
+    assert torch.equal(mx.to_e2m1(w_hat / scale) & 7, mx.to_e2m1(w / scale) & 7), (
+        "a code is not the nearest E2M1 value of weight / (block_scale * tensor_scale), with the E4M3-rounded block "
+        "scale (round the block scale first, then divide by what it stores)")
 
 
 def test_nvfp4_codes_read_as_checkpoints_store_them_flat():

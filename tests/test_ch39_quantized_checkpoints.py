@@ -46,8 +46,11 @@ def test_a_written_checkpoint_loads_back_close_to_the_original_model(tiny_model,
             same(p.detach(), stored[name].float(), f"the loaded {name}", "the checkpoint's tensor of that name")
     with torch.no_grad():
         logp = torch.log_softmax(loaded(ids), -1)
-    kl = (reference.exp() * (reference - logp)).sum(-1).mean()
-    assert 0 < kl < (1e-3 if method == "fp8" else 3e-2)                    # quantized: close, not equal
+    kl = (reference.exp() * (reference - logp)).sum(-1).mean().item()
+    assert kl > 0, "the loaded model computes the float model's outputs exactly: are its weights the quantized ones?"
+    assert kl < (1e-3 if method == "fp8" else 3e-2), (                    # quantized: close, not equal
+        f"the loaded model's KL from the float one is {kl:.3g} nats per token (a correct {method} round trip: below "
+        f"{1e-3 if method == 'fp8' else 3e-2:g}): does each layer decode what the writer stored?")
 
 
 @book("save_quantized")
@@ -56,25 +59,31 @@ def test_the_checkpoint_holds_the_real_tools_tensors(tiny_model, tmp_path, metho
     """The layouts of AutoGPTQ, AutoAWQ and the FP8 block checkpoints, as config.json and each linear's tensors."""
     raw, tensors = _saved(copy.deepcopy(tiny_model), tmp_path, method)
     q = raw["quantization_config"]
-    assert q["quant_method"] == method
     out_f, in_f = tiny_model.model.layers[0].mlp.up_proj.weight.shape
+    i32, groups = torch.int32, in_f // 32
+    config, layout = {
+        "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False},    # the book's natural order
+                 {"qweight": (i32, (in_f // 8, out_f)), "qzeros": (i32, (groups, out_f // 8)),
+                  "scales": (torch.float16, (groups, out_f)), "g_idx": (i32, (in_f,))}),
+        "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+                {"qweight": (i32, (in_f, out_f // 8)), "qzeros": (i32, (groups, out_f // 8)),
+                 "scales": (torch.float16, (groups, out_f))}),
+        "fp8": ({"quant_method": "fp8", "weight_block_size": [128, 128]},
+                {"weight": (torch.float8_e4m3fn, (out_f, in_f)),
+                 "weight_scale_inv": (torch.float32, (-(-out_f // 128), -(-in_f // 128)))})}[method]
+    wrong = {key: q.get(key) for key, value in config.items() if q.get(key) != value}
+    assert not wrong, f"quantization_config has {wrong}; the real tools read {config}"
     parts = {k.rpartition(".")[2]: v for k, v in tensors.items() if k.startswith("model.layers.0.mlp.up_proj.")}
+    for part, (dtype, shape) in layout.items():
+        got = parts.get(part)
+        assert got is not None and got.dtype == dtype and tuple(got.shape) == shape, (
+            f"model.layers.0.mlp.up_proj.{part} is "
+            f"{'missing' if got is None else f'{got.dtype} {tuple(got.shape)}'}; {method}'s layout for a [{out_f}, "
+            f"{in_f}] linear: " + ", ".join(f"{name} {d} {s}" for name, (d, s) in layout.items()))
     if method == "gptq":
-        assert (q["bits"], q["group_size"], q["desc_act"]) == (4, 32, False)         # the book's natural order
-        assert parts["qweight"].dtype == parts["qzeros"].dtype == parts["g_idx"].dtype == torch.int32
-        assert parts["qweight"].shape == (in_f // 8, out_f) and parts["qzeros"].shape == (in_f // 32, out_f // 8)
-        assert parts["scales"].dtype == torch.float16 and parts["scales"].shape == (in_f // 32, out_f)
-        assert torch.equal(parts["g_idx"].long(), torch.arange(in_f) // 32)
-    elif method == "awq":
-        assert (q["bits"], q["group_size"], q["zero_point"], q["version"]) == (4, 32, True, "gemm")
-        assert parts["qweight"].dtype == torch.int32 and parts["qweight"].shape == (in_f, out_f // 8)
-        assert parts["qzeros"].shape == (in_f // 32, out_f // 8) and parts["scales"].shape == (in_f // 32, out_f)
-    else:
-        assert q["weight_block_size"] == [128, 128]
-        assert parts["weight"].dtype == torch.float8_e4m3fn and parts["weight"].shape == (out_f, in_f)
-        assert parts["weight_scale_inv"].dtype == torch.float32
-        assert parts["weight_scale_inv"].shape == (-(-out_f // 128), -(-in_f // 128))
-    assert "model.embed_tokens.weight" in tensors and "model.norm.weight" in tensors          # the rest as usual
+        same(parts["g_idx"].long(), torch.arange(in_f) // 32, "g_idx", "the natural order's groups, i // 32")
+    missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(tensors)           # the rest as usual
+    assert not missing, f"the checkpoint lacks {sorted(missing)}: every tensor that is not quantized is stored too"
 
 
 def test_the_writer_refuses_an_option_the_method_does_not_take(tiny_model, tmp_path):

@@ -79,9 +79,15 @@ def _path(start, symbols, L, K):
 @pytest.mark.parametrize("L", [8, 10])
 def test_the_codebook_has_zero_mean_and_unit_variance(L):
     table = trellis.codebook(L)
-    assert table.shape == (2 ** L,) and table.dtype == torch.float32
-    assert abs(float(table.double().mean())) < 1e-5 and float(table.double().std()) == pytest.approx(1.0, abs=1e-5)
-    assert len(set(table.tolist())) > 2 ** L // 8                          # a spread of values, not a few levels
+    assert table.shape == (2 ** L,) and table.dtype == torch.float32, (
+        f"codebook({L}) is {table.dtype} {tuple(table.shape)}: one float32 value per state, {2 ** L}")
+    mean, std = float(table.double().mean()), float(table.double().std())
+    assert abs(mean) < 1e-5 and std == pytest.approx(1.0, abs=1e-5), (
+        f"codebook({L}) has mean {mean:.3g} and standard deviation {std:.4g}: normalize the code's values over all "
+        f"{2 ** L} states, (v - mean) / std")
+    distinct = len(set(table.tolist()))
+    assert distinct > 2 ** L // 8, (                                        # a spread of values, not a few levels
+        f"codebook({L}) holds only {distinct} distinct values: each state's value is the hash of its own bits")
 
 
 @book("viterbi_encode")
@@ -106,17 +112,25 @@ def test_viterbi_on_gaussian_data_beats_the_best_scalar_code():
     """About 0.08 per unit variance at L = 8, K = 2 (2 bits per weight plus the start state), where Lloyd-Max, the
     best 2-bit scalar code, has 0.118."""
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
-    mse = torch.stack([(trellis.viterbi_encode(row, 8, 2)[2] - row).pow(2).mean() for row in x]).mean()
-    assert mse < 0.09                                                      # (0.087 on this sample)
+    mse = torch.stack([(trellis.viterbi_encode(row, 8, 2)[2] - row).pow(2).mean() for row in x]).mean().item()
+    assert mse < 0.09, (                                                   # (0.087 on this sample)
+        f"viterbi_encode's mean squared error on unit Gaussians is {mse:.4f} (a shortest path: 0.087 here; Lloyd-Max's "
+        "best 2-bit scalar code 0.118)")
 
 
 @book("random_hadamard")
 def test_random_hadamard_is_orthogonal_and_spreads_an_outlier():
     h = trellis.random_hadamard(256, seed=3)
-    assert torch.allclose(h @ h.T, torch.eye(256), atol=1e-5)
+    gram = h @ h.T
+    assert torch.allclose(gram, torch.eye(256), atol=1e-5), (
+        f"random_hadamard(256) @ its transpose has {gram.diagonal().mean().item():.4g} on the diagonal: an orthogonal "
+        "rotation is H D / sqrt(n), H's entries +-1 and D's signs +-1")
     spike = torch.zeros(256)
     spike[7] = 16.0
-    assert torch.allclose((h @ spike).abs(), torch.ones(256))              # one outlier, spread over all 256
+    spread = (h @ spike).abs()
+    assert torch.allclose(spread, torch.ones(256)), (                      # one outlier, spread over all 256
+        f"an outlier of 16 rotates to magnitudes {spread.min().item():.3g}..{spread.max().item():.3g}, not 1 each "
+        "(16 / sqrt(256)): every entry of a Hadamard matrix has the same magnitude")
     with pytest.raises(ValueError):
         trellis.random_hadamard(96)
 
@@ -129,10 +143,16 @@ def test_quantize_trellis_counts_its_bits_and_beats_two_bit_rtn():
     w = torch.randn(8, 512, generator=g) * 0.02
     w[:, torch.randperm(512, generator=g)[:6]] *= 12
     w_hat, bits = trellis.quantize_trellis(w, 8, 2, 256, 0)
-    assert w_hat.shape == w.shape and bits == pytest.approx((8 + 2 * 255 + 16) / 256)
-    trellis_mse = (w_hat - w).pow(2).mean()
-    assert trellis_mse < 0.5 * (affine.fake_quantize(w, 2, 64) - w).pow(2).mean()
-    assert trellis_mse < 0.12 * w.pow(2).mean()
+    assert w_hat.shape == w.shape, f"quantize_trellis gives {tuple(w_hat.shape)} for a {tuple(w.shape)} weight"
+    assert bits == pytest.approx((8 + 2 * 255 + 16) / 256), (
+        f"{bits} bits per weight; a group of 256 costs its start state (L = 8 bits), K = 2 bits for each of the 255 "
+        "steps after it and an f16 scale: (8 + 2 * 255 + 16) / 256")
+    trellis_mse = (w_hat - w).pow(2).mean().item()
+    rtn_mse = (affine.fake_quantize(w, 2, 64) - w).pow(2).mean().item()
+    assert trellis_mse < 0.5 * rtn_mse and trellis_mse < 0.12 * w.pow(2).mean().item(), (
+        f"quantize_trellis' error is {trellis_mse / rtn_mse:.2f}x 2-bit round-to-nearest's and "
+        f"{trellis_mse / w.pow(2).mean().item():.3f} of the weights' power (a correct one: ~0.1x and ~0.09): are the "
+        "groups rotated (w R^T) before coding, each scaled to unit RMS, and rotated back (w_hat R) after?")
 
 
 # ---- the engine's ---------------------------------------------------------------------------------------------------

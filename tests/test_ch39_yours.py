@@ -65,6 +65,55 @@ MISTAKES = {
         "trellis", "trellis.py", [("    cost = (x[0] - table) ** 2",
                                    "    cost = torch.where(states == 0, (x[0] - table) ** 2, float('inf'))")],
         "any start state allowed"),
+    "gptq: H not damped": (
+        "gptq", "gptq.py", [("    H += damp * torch.diag(H).mean() * torch.eye(cols)", "    pass")], "is H damped"),
+    "gptq: act-order's g_idx in visit order": (
+        "gptq", "gptq.py", [("    g_idx = (torch.arange(cols) // group_size)[inverse]",
+                             "    g_idx = torch.arange(cols) // group_size")], "their own group's scales"),
+    "awq: scaled the wrong way round": (
+        "awq", "awq.py", [("                norm.weight.div_(s.to(norm.weight.dtype))",
+                           "                norm.weight.mul_(s.to(norm.weight.dtype))"),
+                          ("                previous.weight.div_(s[:, None].to(previous.weight.dtype))",
+                           "                previous.weight.mul_(s[:, None].to(previous.weight.dtype))"),
+                          ("                linear.weight.mul_(s[None, :].to(linear.weight.dtype))",
+                           "                linear.weight.div_(s[None, :].to(linear.weight.dtype))")],
+        "leave the float model's function unchanged"),
+    "awq: s from the signed mean of x": (
+        "awq", "awq.py", [("    x_mean = x.abs().mean(0)", "    x_mean = x.mean(0)")], "chose alpha 0"),
+    "fp8: codes divided by their scale": (
+        "fp8", "fp8.py", [("    return weight.float() * s\n", "    return weight.float() / s\n")],
+        "is w = q * scale_inv"),
+    "fp8: a ragged block's scales not cut": (
+        "fp8", "fp8.py", [("[:weight.shape[0]].repeat_interleave(block, 1)[:, :weight.shape[1]]",
+                           ".repeat_interleave(block, 1)")], "ragged last block"),
+    "fp8: the kernel reads scale_inv transposed": (
+        "fp8", "fp8.py", [("s_ptr + (rn[:, None] // 128) * s_cols + rk[None, :] // 128",
+                           "s_ptr + (rk[None, :] // 128) * s_cols + rn[:, None] // 128")],
+        "scale_inv[n // 128, k // 128]"),
+    "fp8: one scale for all activations": (
+        "fp8", "fp8.py", [("    scale = g.abs().amax(-1).clamp_min(1e-12) / E4M3_MAX",
+                           "    scale = g.abs().amax().clamp_min(1e-12) / E4M3_MAX * torch.ones(n, k // group)")],
+        "each (token, group)"),
+    "fp4: MXFP4's exponent without the -2": (
+        "fp4", "fp4.py", [("(torch.floor(torch.log2(amax)) - 2)", "(torch.floor(torch.log2(amax)))")], "top binade"),
+    "fp4: NVFP4's tensor scale without E2M1's 6": (
+        "fp4", "fp4.py", [("/ (448.0 * 6.0)", "/ 448.0")], "amax / (448 * 6)"),
+    "trellis: the codebook not normalized": (
+        "trellis", "trellis.py", [("    return ((values - values.mean()) / values.std()).float()",
+                                   "    return values.float()")], "(v - mean) / std"),
+    "trellis: the Hadamard matrix not divided by sqrt(n)": (
+        "trellis", "trellis.py", [("    return h * signs[None, :] / math.sqrt(n)", "    return h * signs[None, :]")],
+        "an orthogonal rotation is H D / sqrt(n)"),
+    "trellis: the weights not rotated back": (
+        "trellis", "trellis.py", [("    return (out @ rotation).reshape(rows, cols), bits",
+                                   "    return out.reshape(rows, cols), bits")], "rotated back"),
+    "trellis: the scale's bits not counted": (
+        "trellis", "trellis.py", [("    bits = (L + K * (group - 1) + 16) / group",
+                                   "    bits = (L + K * (group - 1)) / group")],
+        "an f16 scale"),
+    "quantized_checkpoints: the config without desc_act": (
+        "quantized_checkpoints", "quantized_checkpoints.py", [('"desc_act": act_order,\n', '\n')],
+        "the real tools read"),
     "quantized_checkpoints: weights never loaded": (
         "quantized_checkpoints", "quantized_checkpoints.py", [("        assign(params[name], value, name)",
                                                                "        pass")], "the checkpoint's tensor of that name"),
