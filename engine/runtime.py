@@ -20,8 +20,9 @@ form does not need:
                                                                      in one call (Int8RowsLinear); else decoded:
             lattice E8 / D4 / Z: its streams decoded once at load    the int8 kernel, per-row scales, the input
             into int8 codes and a scale per row                      rotated first (Int8RowsLinear)
-            trellis (L <= 8): its states replayed once at load, a    decoded a few rows at a time (one gather, one
-            byte a weight, with a scale per tile                     product) into the shared buffer (TableRows)
+            trellis (L <= 8): its states replayed once at load, a    decoded a few rows at a time (one gather of
+            byte a weight (neighbours' pairs: int16 indices), with   value pairs, one product) into the shared
+            a scale per tile                                         buffer (TableRows)
             anything else: its own codes (FP8, MXFP4, NVFP4, NF4,    decoded, a few rows at a time, into ONE float32
             A2, trellis L > 8, Q2_K, Q3_K)                           buffer the model shares, then one float32
                                                                      matmul per chunk (DecodedLinear): exact
@@ -64,7 +65,7 @@ def form(layer, weights, workspace, rows=False):
         return Int8RowsLinear(layer, *parts)
     parts = layer.table_rows() if weights == "compact" and hasattr(layer, "table_rows") else None
     if parts is not None:
-        return DecodedLinear(TableRows(layer, *parts, workspace), workspace)
+        return DecodedLinear(TableRows(layer, workspace, *parts), workspace)
     return DecodedLinear(layer, workspace)
 
 

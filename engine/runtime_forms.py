@@ -333,14 +333,20 @@ class TableRows(nn.Module):
     """Codes that index a table of values, decoded once at load (layer.table_rows: a trellis's states), as a layer
     DecodedLinear multiplies through: table float32 [n], indices uint8 [out, in], scales float32 [out / th, in / tw]
     (one per tile of th x tw), and the rotation (signs, tile) the input takes. decode_rows is one gather and one
-    product, the decode's own: exact. The codes are widened into the Workspace's indices, not a new tensor a chunk."""
+    product, the decode's own: exact. The codes are widened into the Workspace's indices, not a new tensor a chunk.
 
-    def __init__(self, layer, table, indices, scales, tile, rotation, workspace):
+    Codes that are a shift register (`shift`: a trellis's, s_{t+1} = (s_t << K | b) mod n) are gathered two at a
+    time: the pair (s_t, s_{t+1}) is the index s_t << K | b into a table of the n 2^K value pairs (8 KB for L = 8,
+    K = 2: in L1), held as int16 [out, in / 2], still a byte a weight; half the gathers, of 8 bytes each."""
+
+    def __init__(self, layer, workspace, table, indices, scales, tile, rotation, shift=None):
         super().__init__()
         self.workspace = workspace
         self.in_features, self.out_features, self.dtype, self.bias = (layer.in_features, layer.out_features,
                                                                        layer.dtype, layer.bias)
-        self.register_buffer("table", table)
+        paired = shift_pairs(table, indices, shift) if shift else None
+        table, indices = paired or (table, indices)
+        self.register_buffer("table", table)                     # [n] values, or [n 2^K, 2] value pairs
         self.register_buffer("indices", indices.contiguous())
         self.register_buffer("scales", scales.contiguous())
         signs, self.rotation_tile = rotation
@@ -353,8 +359,28 @@ class TableRows(nn.Module):
     def decode_rows(self, out, start, stop):
         (th, tw), rows = self.tile, self.indices[start:stop]
         codes = self.workspace.take_indices(rows.numel()).copy_(rows.view(-1))
-        torch.index_select(self.table, 0, codes, out=out.view(-1))
+        if self.table.dim() == 1:
+            torch.index_select(self.table, 0, codes, out=out.view(-1))
+        else:                                                    # a pair of float32 values moved as one float64
+            torch.index_select(self.table.view(torch.float64).view(-1), 0, codes,
+                               out=out.view(-1).view(torch.float64))
         out.view(-1, th, self.in_features // tw, tw).mul_(self.scales[start // th:stop // th, None, :, None])
+
+
+def shift_pairs(table, states, shift):
+    """table float32 [n] (n a power of two), states [out, in] of a shift register of `shift` bits a step ->
+    (pair table float32 [n 2^shift, 2], pair indices int16 [out, in / 2]): entry s_t << shift | b holds the values of
+    s_t and of (s_t << shift | b) mod n, the state after it. None where the pairs are not the register's neighbours
+    (odd rows, a tile order that breaks them) or the index outgrows int16: then one value a gather."""
+    n = len(table)
+    if states.shape[1] % 2 or n & (n - 1) or n << shift > 1 << 15:
+        return None
+    first, second = states[:, 0::2].to(torch.int16), states[:, 1::2].to(torch.int16)   # int16: n 2^shift fits
+    index = (first << shift) | (second & ((1 << shift) - 1))
+    if not torch.equal(index & (n - 1), second):
+        return None
+    every = torch.arange(n << shift)
+    return torch.stack((table[every >> shift], table[every & (n - 1)]), 1), index
 
 
 class DecodedLinear(RunLinear):

@@ -506,24 +506,40 @@ def test_lattice_codes_run_through_the_int8_kernel_in_their_rotated_basis(name):
 
 @pytest.mark.parametrize("chunk", [256 * 16, 1 << 20])
 def test_trellis_states_decoded_once_give_the_exact_decode_bit_for_bit(chunk, monkeypatch):
-    """A trellis layer (L = 8) runs from its states, replayed once into a byte per weight: the same gather and tile
-    products as its exact decode, so the same outputs bit for bit, a few tile rows at a time or all at once; L = 16
-    keeps its streams (two bytes of states a weight would outgrow the stream 8x)."""
+    """A trellis layer (L = 8) runs from its states, replayed once into a byte per weight (int16 indices of
+    neighbouring pairs): the same values and tile products as its exact decode, so the same outputs bit for bit, a
+    few tile rows at a time or all at once; L = 16 keeps its streams (two bytes of states a weight would outgrow the
+    stream 8x)."""
     monkeypatch.setattr(runtime_forms, "CHUNK", chunk)
     layer = _trellis()
     workspace = runtime_forms.Workspace()
     form = runtime.form(layer, "compact", workspace)
     assert isinstance(form, runtime_forms.DecodedLinear) and isinstance(form.layer, runtime_forms.TableRows)
-    assert form.layer.indices.dtype == torch.uint8
-    assert form.layer.indices.numel() == layer.in_features * layer.out_features
+    assert form.layer.indices.dtype == torch.int16 and form.layer.table.shape == (2 ** 10, 2)
+    assert form.layer.indices.numel() * 2 == layer.in_features * layer.out_features    # a byte a weight
     x = _inputs(3, layer.in_features)
     assert torch.equal(form(x), runtime_forms.DecodedLinear(layer, runtime_forms.Workspace())(x))
-    assert workspace.indices.numel() == workspace.buffer.numel() == min(form.chunk, layer.out_features) * 256
-    assert workspace.nbytes() == 8 * workspace.buffer.numel()        # what held_bytes counts as the workspace
+    assert 2 * workspace.indices.numel() == workspace.buffer.numel() == min(form.chunk, layer.out_features) * 256
+    assert workspace.nbytes() == 6 * workspace.buffer.numel()        # what held_bytes counts as the workspace
     codes, scales, _ = trellis.trellis_codes(_weight(16, 256), 16, 2, group=128, seed=3, tile=(16, 16))
     wide = trellis.TrellisLinear(codes, scales, 16, 2, tile=(16, 16), group=128, seed=3)
     assert wide.table_rows() is None and isinstance(runtime.form(wide, "compact", runtime_forms.Workspace()),
                                                     runtime_forms.DecodedLinear)
+
+
+def test_a_shift_registers_pairs_decode_as_its_states_one_at_a_time():
+    """shift_pairs' table at the pair index gives both neighbours' values, float for float, and the one-value gather
+    stays for codes whose neighbours are not the register's (red if a pair's second value were table[b])."""
+    table = torch.randn(256)
+    states = torch.randint(0, 256, (4, 64))
+    states[:, 1::2] = ((states[:, 0::2] << 2) | torch.randint(0, 4, (4, 32))) % 256     # s_{t+1} = (s_t << 2 | b)
+    pairs, index = runtime_forms.shift_pairs(table, states, 2)
+    assert index.dtype == torch.int16 and index.shape == (4, 32)
+    assert torch.equal(pairs[index.long()].view(4, 64), table[states])
+    broken = states.clone()
+    broken[0, 1] = (broken[0, 1] + 4) % 256                                           # not the register's neighbour
+    assert runtime_forms.shift_pairs(table, broken, 2) is None
+    assert runtime_forms.shift_pairs(table, states[:, :63], 2) is None                # an odd row
 
 
 def test_stream_mode_counts_the_decoder_and_is_refused_elsewhere(tmp_path):

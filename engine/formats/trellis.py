@@ -307,15 +307,16 @@ class TrellisLinear(QuantLinear):
 
     def table_rows(self):
         """(codebook float32 [2^L], states uint8 [out, in], scales float32 [R, C] one per tile, the tile, (signs [in],
-        group)): the shift registers replayed once, for engine.runtime_forms' TableRows (row r, column c of the rotated
-        weight is codebook[states[r, c]] * scales[r // th, c // tw], decode_trellis' product); None for L > 8."""
+        group), K): the shift registers replayed once, for engine.runtime_forms' TableRows (row r, column c of the
+        rotated weight is codebook[states[r, c]] * scales[r // th, c // tw], decode_trellis' product; K the bits each
+        step shifts in); None for L > 8."""
         if self.L > 8:
             return None
         R, C, nbytes = self.codes.shape
         states = stream_states(self.codes.reshape(R * C, nbytes), self.L, self.K, self.tile[0] * self.tile[1],
                                self.tail_biting)
         return (_codebook(self.L, self.code), from_tiles(states.to(torch.uint8).reshape(R, C, -1), self.tile),
-                self.scales.float(), self.tile, (hadamard.random_signs(self.group, self.seed), self.group))
+                self.scales.float(), self.tile, (hadamard.random_signs(self.group, self.seed), self.group), self.K)
 
     def kernel_matmul(self, x2d):
         mean, inv_std = code_stats(self.L, self.code)
