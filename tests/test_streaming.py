@@ -122,13 +122,41 @@ def test_entquant_options_a_layer_cannot_run_are_refused_before_any_work(options
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_quantized_checkpoint_as_the_source_is_one_error_naming_it(three_layers, tmp_path):
-    """red before: a quantized folder as the source failed on its first packed part (`unexpected tensor`)"""
-    save_quantized(copy.deepcopy(three_layers), tmp_path / "rtn", "rtn")
-    with pytest.raises(ValueError, match=r"the model .*rtn is a quantized checkpoint \(compressed-tensors\): a "
-                                         "conversion starts from a model's float weights"):
-        quantize_checkpoint(tmp_path / "rtn", tmp_path / "out", "fp8", progress=False, block=32)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rtn"]
+@pytest.mark.parametrize("first, options", [("gptq", dict(group_size=32, order="act_order")), ("nf4", {}),
+                                            ("fp8", dict(block=32))])
+def test_a_quantized_checkpoint_as_the_source_is_read_dequantized(first, options, three_layers, ids, tmp_path):
+    """A GPTQ file (act-order: a permuted g_idx), a bitsandbytes one (dotted parts) or an FP8 one converted again:
+    each linear read as the weight load_model(dense=True) holds, so the output is what quantizing that model in memory
+    writes, byte for byte, and records its digest (eval's check). Red before: one error refusing any quantized
+    source (and, before that, `unexpected tensor ...g_idx`)."""
+    from engine.checkpoints.models import load_model
+    save_quantized(copy.deepcopy(three_layers), tmp_path / "first", first, ids, **options)
+    dense = load_model(tmp_path / "first", dense=True)
+    in_memory = save_quantized(dense, tmp_path / "mem", "compressed-tensors", group_size=32)
+    streamed = quantize_checkpoint(tmp_path / "first", tmp_path / "disk", "compressed-tensors", progress=False,
+                                   group_size=32)
+    assert streamed == in_memory
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "disk")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    source = model_digest(load_model(tmp_path / "first", dense=True))
+    assert checkpoint_records(tmp_path / "disk")["engine.source_sha256"] == source
+
+
+def test_a_quantized_source_that_cannot_be_read_by_layer_is_one_error(three_layers, tmp_path):
+    save_quantized(copy.deepcopy(three_layers), tmp_path / "ent", "entquant", lam=14.5, max_iter=5)
+    with pytest.raises(ValueError, match="a checkpoint of method entquant is read whole"):
+        quantize_checkpoint(tmp_path / "ent", tmp_path / "out", "fp8", progress=False, block=32)
+    save_quantized(copy.deepcopy(three_layers), tmp_path / "gptq", "gptq", torch.randint(0, 256, (2, 16)),
+                   group_size=32)
+
+    def drop(tensors):                                                    # one linear loses a part
+        del tensors["model.layers.1.mlp.up_proj.qzeros"]
+    from helpers import rewrite_tensors
+    rewrite_tensors(tmp_path / "gptq", drop)
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj: a gptq linear needs \['g_idx', 'qweight', "
+                                         r"'qzeros', 'scales'\]; the checkpoint has \['g_idx', 'qweight', 'scales'\]"):
+        quantize_checkpoint(tmp_path / "gptq", tmp_path / "out", "fp8", progress=False, block=32)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ent", "gptq"]
 
 
 def test_unquantized_tensors_keep_the_source_dtype(three_layers, ids, tmp_path):

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
-from ..layers import quantized_linears
-from ..formats.quantized_checkpoints import load_quantized
-from ..loaders import expert_parts, load_dense, read_config, unfused, unfused_specs
+from ..layers import linear_names, quantized_linears
+from ..formats.quantized_checkpoints import load_quantized, method_for
+from ..loaders import expert_parts, load_dense, read_config, skeleton, split_part, unfused, unfused_specs
 from ..qwen3 import Qwen3Config
 from ..safe_writes import TOKENIZER_FILES
 from ..safetensors_io import DTYPE_BYTES, TensorReader
@@ -68,16 +68,17 @@ def model_config(path):
 
 
 class Source:
-    """A model on disk, read one decoder layer at a time: a Hugging Face folder or a GGUF file (whose quantized
-    linears are dequantized: their weights are the reference the new method starts from). `config` is the HF-style
-    config dict, `sizes` {HF tensor name: bytes as the converter reads it}; tensors(keep) yields (name, tensor) for
-    the names keep() selects; tokenizer() and export_tokenizer(folder) rebuild a GGUF file's tokenizer once."""
+    """A model on disk, read one decoder layer at a time: a Hugging Face folder, a quantized checkpoint folder or a
+    GGUF file (the last two's quantized linears dequantized: their weights are the reference the new method starts
+    from, as load_model(path, dense=True) holds them). `config` is the HF-style config dict, `sizes` {HF tensor name:
+    bytes as the converter reads it}; tensors(keep) yields (name, tensor) for the names keep() selects; tokenizer()
+    and export_tokenizer(folder) rebuild a GGUF file's tokenizer once."""
 
     def __init__(self, path):
         self.path = Path(path)
         self._rebuilt = None
         if self.path.is_file() and self.path.suffix == ".gguf":
-            self.gguf = gguf_file.GGUFFile(self.path)
+            self.gguf, self.quantized = gguf_file.GGUFFile(self.path), None
             self.config = gguf.hf_config(self.gguf)
             self.sizes = {}
             for n, info in self.gguf.tensors.items():
@@ -89,11 +90,19 @@ class Source:
             self.config = read_config(self.path)
             self.reader = TensorReader(self.path)
             self.specs = unfused_specs(self.reader.specs)          # fused experts: as the per-expert weights
+            self.quantized = _quantized_linears(self.config, self.specs)
+            if self.quantized is not None:                       # each quantized linear as its float32 weight
+                modules, shapes = self.quantized[2], self.quantized[3]
+                self.specs = {n: spec for n, spec in self.specs.items() if split_part(n, modules)[0] not in modules
+                              or split_part(n, modules)[1] == "bias"}
+                self.specs.update({f"{m}.weight": ("F32", shapes[m]) for m in modules})
             self.sizes = {n: DTYPE_BYTES[dtype] * torch.Size(shape).numel() for n, (dtype, shape) in self.specs.items()}
 
     def tensors(self, keep):
         if self.gguf is not None:
             yield from gguf.hf_tensors(self.gguf, keep, dense=True)
+        elif self.quantized is not None:
+            yield from self._dequantized(keep)
         else:
             for name in self.reader.names():
                 parts = expert_parts(name, self.reader.specs[name][1])
@@ -101,6 +110,27 @@ class Source:
                     yield name, self.reader.read(name)
                 elif parts is not None and any(keep(part) for part, _, _ in parts):
                     yield from ((p, t) for p, t in unfused([(name, self.reader.read(name))]) if keep(p))
+
+    def _dequantized(self, keep):
+        """tensors(keep) of a quantized checkpoint: a linear's parts gathered as they are read, then the linear built
+        by its method and yielded as `{linear}.weight`, dequantized (and its bias as stored)."""
+        method, config, modules, _ = self.quantized
+        pending = {}
+        for name in self.reader.names():
+            module, part = split_part(name, modules)
+            if module not in modules:
+                if keep(name):
+                    yield name, self.reader.read(name)
+                continue
+            if not (keep(f"{module}.weight") or keep(f"{module}.bias")):
+                continue
+            parts = pending.setdefault(module, {})
+            parts[part] = self.reader.read(name)
+            if parts.keys() == modules[module]:
+                layer = method.read(pending.pop(module), config)
+                yield f"{module}.weight", layer.dequantize().float()
+                if layer.bias is not None:
+                    yield f"{module}.bias", parts["bias"]
 
     def has_tokenizer(self):
         if self.gguf is None:
@@ -143,6 +173,36 @@ class Source:
         """What a resumed conversion must find unchanged: the source's files (names, sizes, modification times)."""
         files = [self.path] if self.gguf is not None else sorted(self.path.iterdir())
         return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+
+
+def _quantized_linears(config, specs):
+    """None for a dense folder; for a quantized checkpoint (method, its validated quantization_config, {linear:
+    the parts its file stores}, {linear: weight shape}) of the linears stored quantized (a linear left dense, stored
+    as a plain weight, is read as one). A method whose layers share state past a linear (EntQuant's blocks) or a
+    linear missing a part is refused here, before any work."""
+    raw = config.get("quantization_config")
+    if raw is None:
+        return None
+    method = method_for(raw)
+    quantization_config = method.validate(raw) if method.validate else raw
+    if method.finish is not None:
+        raise ValueError(f"a checkpoint of method {method.name} is read whole (its layers share its decoder), not "
+                         "one layer at a time: a conversion starts from a model's float weights, or from a checkpoint "
+                         "of another method")
+    needed = set(method.parts(quantization_config))
+    model = skeleton(Qwen3Config.from_hf(config))
+    linears = {name: model.get_submodule(name).weight.shape for name in linear_names(model)}
+    stored = {}
+    for name in specs:
+        module, part = split_part(name, linears)
+        if module in linears:
+            stored.setdefault(module, set()).add(part)
+    modules = {m: parts for m, parts in stored.items() if parts & (needed - {"weight"})}
+    for module, parts in modules.items():
+        if not needed <= parts:
+            raise ValueError(f"{module}: a {method.name} linear needs {sorted(needed)}; the checkpoint has "
+                             f"{sorted(parts)}")
+    return method, quantization_config, modules, {m: tuple(linears[m]) for m in modules}
 
 
 def _read_bytes(info):

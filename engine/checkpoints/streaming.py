@@ -101,12 +101,6 @@ class Conversion:
         try:
             on_first(self.group, self._output_checks, "checking the output")      # the one writer: rank 0
             self.source = self._stack.enter_context(Source(self.source_path))
-            quantized = self.source.config.get("quantization_config")
-            if self.source.gguf is None and quantized is not None:      # else: unexpected tensors, named one by one
-                kind = quantized.get("quant_method") if isinstance(quantized, dict) else None
-                raise ValueError(f"the model {self.source_path} is a quantized checkpoint ({kind or 'quantized'}): a "
-                                 "conversion starts from a model's float weights; give the model it was made from "
-                                 "(a GGUF file's quantized layers are read dequantized)")
             self.cfg = Qwen3Config.from_hf(self.source.config)
             self.entry.fits(self.cfg, self.options)
             check_layer_count(self.cfg, self.source.sizes, self.source_path)
