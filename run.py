@@ -261,16 +261,36 @@ def interrupted(args):
 
 def parse(parser, argv=None):
     """parser.parse_args, but a flag the command does not know is refused by that command's own parser (its usage,
-    not the top level's) with the command's closest flags: `generate --tokens 20` suggests --max-new-tokens."""
+    not the top level's) with the command's closest flags: `generate --tokens 20` suggests --max-new-tokens. Looked
+    for before argparse parses, so that a misspelt required flag (`quantize --methd gptq`) is named as such, not
+    reported missing."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = parser.commands.get(argv[0]) if argv else None
+    if command is not None:
+        known = list(command._option_string_actions)
+        words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+        unknown = [w for w in words if w.startswith("--") and not any(k.startswith(w.partition("=")[0]) for k in known)]
+        if unknown:
+            refuse_unknown(command, unknown, known)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         command = parser.commands[args.command]
-        known = list(command._option_string_actions)
-        near = sorted({m for u in unknown if u.startswith("--")
-                       for m in difflib.get_close_matches(u.partition("=")[0], known, n=2, cutoff=0.6)})
-        command.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {' or '.join(near)}?)"
-                                                                          if near else ""))
+        refuse_unknown(command, unknown, list(command._option_string_actions))
     return args
+
+
+def refuse_unknown(command, unknown, known):
+    near = sorted({m for u in unknown if u.startswith("--") for m in closest(u.partition("=")[0], known)})
+    command.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {' or '.join(near)}?)"
+                                                                      if near else ""))
+
+
+def closest(word, known):
+    """The flag nearest `word` (--promt: --prompt; --tokens: --max-new-tokens, which holds it), with a second one
+    as near, none far off."""
+    ratio = {k: 1.0 if word.lstrip("-") in k else difflib.SequenceMatcher(None, word, k).ratio() for k in known}
+    best = max(ratio.values(), default=0)
+    return sorted((k for k in known if ratio[k] >= max(0.6, best - 0.05)), key=lambda k: -ratio[k])[:2]
 
 
 def main(argv=None):

@@ -50,10 +50,17 @@ def test_an_unknown_flag_is_refused_by_its_command_naming_the_closest_flags():
     command nor the flag meant."""
     out = run("generate", "--prompt", "The", "--tokens", "20")
     assert out.returncode == 2 and "usage: run.py generate" in out.stderr
-    assert out.stderr.strip().splitlines()[-1] == ("run.py generate: error: unrecognized arguments: --tokens 20 (did "
+    assert out.stderr.strip().splitlines()[-1] == ("run.py generate: error: unrecognized arguments: --tokens (did "
                                                    "you mean --max-new-tokens?)")
     out = run("eval", "--zzz")
     assert out.stderr.strip().splitlines()[-1] == "run.py eval: error: unrecognized arguments: --zzz"
+    # a misspelt REQUIRED flag was reported missing ("the following arguments are required: --method")
+    out = run("quantize", "--methd", "gptq", "--out", "x")
+    assert out.stderr.strip().splitlines()[-1] == ("run.py quantize: error: unrecognized arguments: --methd (did you "
+                                                   "mean --method?)")
+    out = run("generate", "--max-new", "2", "--promt", "The")       # an abbreviation argparse takes is no mistake
+    assert out.stderr.strip().splitlines()[-1] == ("run.py generate: error: unrecognized arguments: --promt (did you "
+                                                   "mean --prompt?)")
 
 
 def test_a_value_out_of_range_is_refused_under_its_commands_usage():
