@@ -162,7 +162,7 @@ def build_parser():
                                             "8; default 4)")
     z.add_argument("--group-size", type=int, metavar="G",
                    help=f"weights per scale group: rtn / gptq / awq / compressed-tensors one of {list(GROUP_SIZES)} "
-                        "(-1: one group per row; default 64, gptq 128), nf4 a power of two 32..4096 "
+                        "(-1: one group per row; default 64, gptq 128, in a GGUF file 32), nf4 a power of two 32..4096 "
                         "(default 64)")
     orders = "; ".join(f"{name}: {text}" for name, text in GPTQ_ORDERS.items())
     z.add_argument("--order", metavar="ORDER", help=f"gptq's column order, one of {', '.join(GPTQ_ORDERS)} or "

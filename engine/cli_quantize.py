@@ -101,6 +101,8 @@ def check_quantize_args(args):
             args.target == "llama.cpp" or args.format == "gguf"):
         raise ValueError("ggml_type and --bpw make GPTQ write llama.cpp's GGML blocks: add --target "
                          "llama.cpp (or --format gguf)")
+    if args.method == "rtn" and (args.target == "llama.cpp" or args.format == "gguf"):
+        options.setdefault("group_size", 32)           # GGML's blocks; the alias's 64 is its safetensors default
     method, options = resolve(args.method, options)
     if args.target or args.format == "gguf":
         from engine.checkpoints.serving import check_target

@@ -265,9 +265,14 @@ def test_a_gguf_output_without_the_gguf_suffix_is_refused_before_loading(tmp_pat
 
 def test_an_out_named_gguf_is_a_gguf_file_never_a_folder(tmp_path):
     """red before: `quantize --method rtn --out m.gguf` wrote a checkpoint folder named m.gguf"""
-    out = run("quantize", "--method", "rtn", "--group-size", "32", "--out", str(tmp_path / "m.gguf"))
+    # rtn's group size is GGML's 32 in a GGUF file (red before: "not group size 64 (--group-size 32)"); one given
+    # is the user's, and refused if GGML cannot hold it
+    out = run("quantize", "--method", "rtn", "--out", str(tmp_path / "m.gguf"))
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "m.gguf").is_file() and (tmp_path / "m.gguf").read_bytes()[:4] == b"GGUF"
+    assert '"types": {"Q4_1": 14}' in out.stderr
+    out = run("quantize", "--method", "rtn", "--group-size", "64", "--out", str(tmp_path / "k.gguf"))
+    assert out.returncode == 1 and "not group size 64 (--group-size 32)" in out.stderr
     for flags, writer in ((["--format", "safetensors"], "--format safetensors"), (["--target", "vllm"], "--target vllm")):
         out = run("quantize", "--method", "rtn", *flags, "--out", str(tmp_path / "n.gguf"))
         assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
