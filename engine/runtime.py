@@ -24,8 +24,8 @@ form does not need:
             byte a weight (neighbours' pairs: int16 indices), with   value pairs, one product) into the shared
             a scale per tile                                         buffer (TableRows)
             anything else: its own codes (FP8, MXFP4, NVFP4, NF4,    decoded, a few rows at a time, into ONE float32
-            A2, trellis L > 8, Q2_K, Q3_K)                           buffer the model shares, then one float32
-                                                                     matmul per chunk (DecodedLinear): exact
+            A2, trellis L > 8, Q2_K, Q3_K; a GGUF F16 / BF16 linear  buffer the model shares, then one float32
+            its 2 bytes a weight)                                    matmul per chunk (DecodedLinear): exact
   exact     every layer its own codes                                as above (DecodedLinear): the float32 weight
                                                                      dequantize() gives, multiplied in float32
   stream    EntQuant only: its rANS streams; one transformer block   DecodedLinear, the block decoded by its

@@ -15,6 +15,7 @@ from engine import runtime, runtime_forms
 from engine.checkpoints.models import file_tensor_bytes, load_model
 from engine.formats import entropy as E, fp8, lattice, mx, nf4, trellis
 from engine.formats.llama_cpp import ggml
+from engine.formats.llama_cpp.gguf import HALVES
 from engine.formats.numerics.affine import AffineQuantLinear
 from engine.layers import QuantEmbedding, decoded_weights, quantized_linears
 from engine.qwen3 import KVCache, Qwen3, Qwen3Config
@@ -297,7 +298,9 @@ def _gguf(tmp_path, linear_type="Q4_0", embedding_type="Q8_0", arch="qwen3"):
             continue
         kind = name.rsplit(".", 2)[-2]
         chosen = embedding_type if kind == "embed_tokens" else linear_type if p.dim() == 2 else None
-        if chosen:
+        if chosen in HALVES:                                    # F16 / BF16: the model's own values, rounded
+            tensors.append((gguf_name(name), chosen, tuple(p.shape), raw_of(p.to(HALVES[chosen]))))
+        elif chosen:
             raw = random_blocks(chosen, *p.shape, seed=i, scale=0.01 if chosen == embedding_type else 0.004)
             tensors.append((gguf_name(name), chosen, tuple(p.shape), raw_of(raw)))
         else:
@@ -540,6 +543,22 @@ def test_a_shift_registers_pairs_decode_as_its_states_one_at_a_time():
     broken[0, 1] = (broken[0, 1] + 4) % 256                                           # not the register's neighbour
     assert runtime_forms.shift_pairs(table, broken, 2) is None
     assert runtime_forms.shift_pairs(table, states[:, :63], 2) is None                # an odd row
+
+
+@pytest.mark.parametrize("half, arch", [("F16", "qwen3"), ("BF16", "llama")])
+def test_an_f16_or_bf16_gguf_runs_in_its_stored_type(tmp_path, half, arch):
+    """Its linears and tied embedding were float32 copies at run time, twice the file's bytes (a 14 GB F16 file of a
+    7B model: 28 GB). Now they hold their 2 bytes a weight, decoded a few rows at a time: the embedding's rows equal,
+    the logits the float32 model's up to float32 rounding; --weights float32 still makes the copies."""
+    path = _gguf(tmp_path, half, half, arch)
+    dense = load_model(path)                                  # float32 copies
+    model = runtime.prepare(load_model(path, to_run=True), "compact")
+    layer = model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, runtime_forms.DecodedLinear) and layer.layer.stored.dtype == HALVES[half]
+    assert isinstance(model.model.embed_tokens, QuantEmbedding) and model.lm_head is model.model.embed_tokens.layer
+    assert runtime.held_bytes(model)["weights"] <= file_tensor_bytes(path) < runtime.held_bytes(dense)["weights"]
+    assert torch.equal(model.model.embed_tokens(IDS), dense.model.embed_tokens(IDS))
+    assert torch.allclose(_logits(model), _logits(dense), rtol=1e-5, atol=1e-6)
 
 
 def test_stream_mode_counts_the_decoder_and_is_refused_elsewhere(tmp_path):

@@ -156,12 +156,17 @@ def hf_tensors(f, keep=None, dense=False, to_run=False):
         stem = info.name.rpartition(".")[0]
         weight = f.tensors.get(stem + ".weight")
         linear = kind in LINEARS or (to_run and kind in ("token_embd", "output"))
-        if not dense and linear and weight is not None and weight.type_name not in DENSE:
+        half = to_run and linear and weight is not None and weight.type_name in HALVES
+        if (not dense and linear and weight is not None and weight.type_name not in DENSE) or half:
             if suffix == "weight":                    # a quantized linear; its bias and scale go with it
                 bias = f.tensors.get(stem + ".bias")
                 bias = None if bias is None else dequantize(read(bias, kind), bias.type_name, bias.shape)
-                yield module, quantized_linear(read(info, kind), info.type_name, info.shape, bias,
-                                               _tensor_scale(f, stem), keep_blocks=not to_run)
+                if half:
+                    weight = dequantize(read(info, kind), info.type_name, gguf_experts.hf_shape(name, info.shape))
+                    yield module, HalfLinear(weight.to(HALVES[info.type_name]), bias)
+                else:
+                    yield module, quantized_linear(read(info, kind), info.type_name, info.shape, bias,
+                                                   _tensor_scale(f, stem), keep_blocks=not to_run)
         elif suffix == "scale":
             if weight is None or weight.type_name in DENSE:
                 raise ValueError(f"GGUF tensor {info.name}: a per-tensor scale on a dense weight is not supported")
@@ -169,6 +174,34 @@ def hf_tensors(f, keep=None, dense=False, to_run=False):
             value = dequantize(read(info, kind), info.type_name, gguf_experts.hf_shape(name, info.shape))
             scale = _tensor_scale(f, stem) if suffix == "weight" else None
             yield name, value if scale is None else value * scale
+
+
+HALVES = {"F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class HalfLinear(QuantLinear):
+    """An F16 / BF16 linear (or embedding) of a GGUF file kept in its stored type while the model runs (load_gguf's
+    to_run): 2 bytes a weight where a float32 copy would hold twice the file, decoded a few rows at a time into the
+    runtime's shared float32 buffer (exact: every F16 and BF16 value is a float32 one). stored [out, in]."""
+
+    def __init__(self, stored, bias=None):
+        super().__init__(stored.shape[1], stored.shape[0], bias)
+        self.register_buffer("stored", stored.contiguous())
+
+    def dequantize(self):
+        return self.stored.float()
+
+    def decode_rows(self, out, start, stop):
+        out.copy_(self.stored[start:stop])
+
+    def rows(self, ids):
+        return self.stored[ids].float()
+
+    def kernel_matmul(self, x2d):
+        return x2d @ self.dequantize().T
+
+    def storage_bits(self):
+        return self.stored.numel() * 16
 
 
 def _tensor_scale(f, stem):
