@@ -16,6 +16,7 @@ from engine.checkpoints.models import file_tensor_bytes, load_model
 from engine.formats import entropy as E, fp8, lattice, mx, nf4, trellis
 from engine.formats.llama_cpp import ggml
 from engine.formats.llama_cpp.gguf import HALVES
+from engine.formats.llama_cpp.gguf_file import GGUFFile
 from engine.formats.numerics.affine import AffineQuantLinear
 from engine.layers import QuantEmbedding, decoded_weights, quantized_linears
 from engine.qwen3 import KVCache, Qwen3, Qwen3Config
@@ -559,6 +560,14 @@ def test_an_f16_or_bf16_gguf_runs_in_its_stored_type(tmp_path, half, arch):
     assert runtime.held_bytes(model)["weights"] <= file_tensor_bytes(path) < runtime.held_bytes(dense)["weights"]
     assert torch.equal(model.model.embed_tokens(IDS), dense.model.embed_tokens(IDS))
     assert torch.allclose(_logits(model), _logits(dense), rtol=1e-5, atol=1e-6)
+    data = bytearray(path.read_bytes())                       # a NaN in a weight: refused at load, as a float32 one
+    with GGUFFile(path) as f:
+        at = f.tensors["blk.1.ffn_down.weight"].offset
+    data[at:at + 2] = torch.tensor([float("nan")], dtype=HALVES[half]).view(torch.uint8).numpy().tobytes()
+    path.write_bytes(data)
+    for to_run in (False, True):
+        with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.weight: checkpoint tensor holds NaN"):
+            load_model(path, to_run=to_run)
 
 
 def test_stream_mode_counts_the_decoder_and_is_refused_elsewhere(tmp_path):

@@ -163,6 +163,8 @@ def hf_tensors(f, keep=None, dense=False, to_run=False):
                 bias = None if bias is None else dequantize(read(bias, kind), bias.type_name, bias.shape)
                 if half:
                     weight = dequantize(read(info, kind), info.type_name, gguf_experts.hf_shape(name, info.shape))
+                    if not bool(torch.isfinite(weight).all()):                   # as place() refuses a dense one
+                        raise ValueError(f"{name}: checkpoint tensor holds NaN or infinite values")
                     yield module, HalfLinear(weight.to(HALVES[info.type_name]), bias)
                 else:
                     yield module, quantized_linear(read(info, kind), info.type_name, info.shape, bias,
