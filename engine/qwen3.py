@@ -117,6 +117,7 @@ class KVCache:
     def __init__(self, num_layers):
         self.keys, self.values = [None] * num_layers, [None] * num_layers
         self.coded_keys, self.coded_values = [None] * num_layers, [None] * num_layers
+        self._room = {}                  # (coded, layer) -> the K and V buffers keys / values are views of
 
     @property
     def length(self):
@@ -126,19 +127,24 @@ class KVCache:
         return 0 if self.coded_keys[index] is None else self.coded_keys[index].shape[2]
 
     def update(self, index, k, v, coded=False):
+        """Append k, v [B, kv_heads, t, d] to layer `index`'s: views of buffers grown by an eighth when full, so a
+        step writes its token's K/V where concatenating copied the whole cache (8192 positions: 380 MB a step)."""
         keys, values = (self.coded_keys, self.coded_values) if coded else (self.keys, self.values)
-        if keys[index] is not None:
-            k, v = torch.cat((keys[index], k), 2), torch.cat((values[index], v), 2)
-        keys[index], values[index] = k, v
-        return k, v
+        n, t, room = 0 if keys[index] is None else keys[index].shape[2], k.shape[2], self._room.get((coded, index))
+        if room is None or room[0].shape[2] < n + t or room[0].dtype != k.dtype:
+            room = tuple(a.new_empty(*a.shape[:2], n + t + max(256, (n + t) // 8), a.shape[3]) for a in (k, v))
+            if n:
+                room[0][:, :, :n], room[1][:, :, :n] = keys[index], values[index]
+            self._room[coded, index] = room
+        room[0][:, :, n:n + t], room[1][:, :, n:n + t] = k, v
+        keys[index], values[index] = room[0][:, :, :n + t], room[1][:, :, :n + t]
+        return keys[index], values[index]
 
     def windowed(self, index, k, v, fn, window):
-        """The new k, v [B, kv_heads, t, d] under a windowed transform fn -> the exact K, V of every position and the
-        coded ones (exact where fn has not coded them yet), [B, kv_heads, L, d] each. A cache that stores only the
-        codes (engine/formats/kv/kv_store.py) gives the same four, its exact K/V filled with codes where no query
-        reads them any more, then basis: None here; a stored cache may give (m_k, m_v) [d, d] orthogonal, every K
-        it gives being k @ m_k and V v @ m_v (attention then rotates each query and output instead of each
-        position)."""
+        """The new k, v [B, kv_heads, t, d] under a windowed transform fn -> (exact K, V, coded K, V (exact where fn
+        has not coded yet), [B, kv_heads, L, d] each, basis None). A stored cache (formats/kv/kv_store.py) gives the
+        same, its exact K/V filled with codes where no query reads them any more, and may give basis (m_k, m_v) [d, d]
+        orthogonal: its K are k @ m_k, its V v @ m_v (attention rotates each query and output, not each position)."""
         k, v = self.update(index, k, v)
         done = self.coded_length(index)
         k_hat, v_hat = self.update(index, *fn(k[:, :, done:], v[:, :, done:], index, done), coded=True)
@@ -409,12 +415,11 @@ class Qwen3(nn.Module):
                  prefill_chunk=None):
         """Greedy (temperature 0) or sampled continuation with a KV cache: ids [B, T] -> [B, T + max_new_tokens].
         on_token(ids [B, 1]) is called with each new token as soon as it is chosen (to stream it). Logits that are
-        not finite (a forward pass that overflowed float32) are a ValueError, not a token picked from NaNs. The prompt
-        and the new tokens must fit the model's context (max_position_embeddings): beyond it a ValueError, before any
-        work. Any temperature > 0 samples (the logits are shifted by their maximum before they are divided, so that a
-        tiny temperature is greedy rather than NaN). cache: an empty cache to fill (default a KVCache; a stored KV
-        cache, engine/formats/kv/kv_store.py); prefill_chunk: read the prompt this many tokens at a time, so that
-        attention's scores are [chunk, T] rather than [T, T] (a long prompt's peak memory)."""
+        not finite are a ValueError, not a token picked from NaNs; a prompt and new tokens beyond the model's context
+        (max_position_embeddings) one before any work. Any temperature > 0 samples (the logits shifted by their
+        maximum before they are divided: a tiny temperature is greedy, not NaN). cache: an empty cache to fill
+        (default a KVCache; a stored one, engine/formats/kv/kv_store.py); prefill_chunk: read the prompt this many
+        tokens at a time, so that attention's scores are [chunk, T], not [T, T] (a long prompt's peak memory)."""
         context = self.cfg.max_position_embeddings
         if ids.shape[1] + max_new_tokens > context:
             raise ValueError(f"the prompt's {ids.shape[1]} tokens and {max_new_tokens} new ones exceed the model's "

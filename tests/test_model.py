@@ -7,7 +7,7 @@ import torch
 
 from engine import training
 from engine.data import Corpus, default_corpus
-from engine.qwen3 import RMSNorm, Qwen3, Qwen3Config
+from engine.qwen3 import KVCache, RMSNorm, Qwen3, Qwen3Config
 from engine.training import TrainConfig, train, trained_model
 
 
@@ -238,3 +238,18 @@ def test_decoded_weights_keep_nothing_under_the_engine_implementation(tiny_model
     affine.quantize(tiny_model, bits=4, group_size=32)
     with impl("engine"), decoded_weights(tiny_model) as kept:
         assert not kept
+
+
+def test_the_exact_cache_appends_a_step_in_place_and_holds_every_position():
+    """A step writes its token's K/V into room the cache keeps; concatenating copied the whole cache every step
+    (red with torch.cat: a new storage each step). What it gives back is every position given, in order."""
+    cache, given = KVCache(1), []
+    for t in (5, 1, 1, 300, 1):
+        given.append((torch.randn(2, 3, t, 8), torch.randn(2, 3, t, 8)))
+        k, v = cache.update(0, *given[-1])
+        assert torch.equal(k, torch.cat([g[0] for g in given], 2))
+        assert torch.equal(v, torch.cat([g[1] for g in given], 2))
+    assert cache.length == 308
+    before = k.untyped_storage().data_ptr()
+    k, _ = cache.update(0, torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8))
+    assert k.untyped_storage().data_ptr() == before and k.shape[2] == 309
