@@ -288,7 +288,8 @@ def refuse_unknown(command, unknown, known):
 def closest(word, known):
     """The flag nearest `word` (--promt: --prompt; --tokens: --max-new-tokens, which holds it), with a second one
     as near, none far off."""
-    ratio = {k: 1.0 if word.lstrip("-") in k else difflib.SequenceMatcher(None, word, k).ratio() for k in known}
+    stem = word.lstrip("-")
+    ratio = {k: 1.0 if len(stem) > 2 and stem in k else difflib.SequenceMatcher(None, word, k).ratio() for k in known}
     best = max(ratio.values(), default=0)
     return sorted((k for k in known if ratio[k] >= max(0.6, best - 0.05)), key=lambda k: -ratio[k])[:2]
 
