@@ -155,10 +155,9 @@ class KVCache:
         return k, v, torch.cat((k_hat, k[:, :, n:]), 2), torch.cat((v_hat, v[:, :, n:]), 2), None
 
 
-# Attention's scores [B, heads, T, L] are float32, held about three times over (the scores, the masked copy, the
-# softmax): T = L = 16384 at 4 heads would be 13 GB. Queries go through in blocks of rows whose scores hold at most
-# SCORE_ELEMENTS floats (64 MB), each block against the positions its queries see (a causal block's later columns
-# are all masked): the same math, its sums shorter by masked zeros, so equal up to float rounding.
+# Attention's scores [B, heads, T, L] are float32, held about three times over (scores, masked copy, softmax): T = L
+# = 16384 at 4 heads would be 13 GB. Queries go in blocks of rows whose scores hold at most SCORE_ELEMENTS floats (64
+# MB), each against the positions its queries see (a causal block's later columns are masked): equal up to rounding.
 SCORE_ELEMENTS = 1 << 24
 
 
@@ -168,8 +167,7 @@ def score_rows(batch, heads, length):
 
 
 def attention_bytes(cfg, batch, tokens):
-    """Peak bytes of attention's scores in one forward pass of ids [batch, tokens] (three float32 copies of a
-    block)."""
+    """Peak bytes of attention's scores in a forward pass of ids [batch, tokens]: three float32 copies of a block."""
     rows = min(tokens, score_rows(batch, cfg.num_attention_heads, tokens))
     return 3 * 4 * batch * cfg.num_attention_heads * rows * tokens
 
@@ -395,9 +393,8 @@ class Qwen3(nn.Module):
 
     def set_fast(self, fast=True):
         """Run with torch's fused kernels (F.rms_norm on float32, scaled_dot_product_attention for several queries,
-        under a KV transform too: Attention._attend; one query's step as two products): what
-        engine.runtime.prepare turns on for generate and eval. The same math in fewer ops, equal up to rounding; off
-        (the default) this file computes as transformers' eager path, bit for bit."""
+        under a KV transform too; one query's step as two products), as engine.runtime.prepare does for generate and
+        eval: the same math in fewer ops, equal up to rounding; off, this file computes as transformers' eager path."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention)):
                 module.fast = fast
@@ -413,13 +410,12 @@ class Qwen3(nn.Module):
     @torch.inference_mode()            # no_grad's speed and less: no version counters (7% a decode step)
     def generate(self, ids, max_new_tokens, temperature=0.0, generator=None, on_token=None, cache=None,
                  prefill_chunk=None):
-        """Greedy (temperature 0) or sampled continuation with a KV cache: ids [B, T] -> [B, T + max_new_tokens].
-        on_token(ids [B, 1]) is called with each new token as soon as it is chosen (to stream it). Logits that are
-        not finite are a ValueError, not a token picked from NaNs; a prompt and new tokens beyond the model's context
-        (max_position_embeddings) one before any work. Any temperature > 0 samples (the logits shifted by their
-        maximum before they are divided: a tiny temperature is greedy, not NaN). cache: an empty cache to fill
-        (default a KVCache; a stored one, engine/formats/kv/kv_store.py); prefill_chunk: read the prompt this many
-        tokens at a time, so that attention's scores are [chunk, T], not [T, T] (a long prompt's peak memory)."""
+        """Greedy (temperature 0) or sampled continuation with a KV cache: ids [B, T] -> [B, T + max_new_tokens];
+        on_token(ids [B, 1]) gets each new token as it is chosen. Logits that are not finite are a ValueError, not a
+        token picked from NaNs; more tokens than the model's context one before any work. Any temperature > 0 samples
+        (the logits shifted by their maximum first: a tiny temperature is greedy, not NaN). cache: an empty one to fill
+        (a KVCache by default; a stored one, formats/kv/kv_store.py); prefill_chunk: the prompt read this many tokens
+        at a time, attention's scores [chunk, T], not [T, T] (a long prompt's peak memory)."""
         context = self.cfg.max_position_embeddings
         if ids.shape[1] + max_new_tokens > context:
             raise ValueError(f"the prompt's {ids.shape[1]} tokens and {max_new_tokens} new ones exceed the model's "
