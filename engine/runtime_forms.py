@@ -20,6 +20,7 @@ import warnings
 import torch
 from torch import nn
 
+from .formats.numerics.affine import decode_pairs, value_pairs
 from .formats.numerics.hadamard import rotate_by_product
 from .kernels import compiled
 
@@ -336,8 +337,8 @@ class TableRows(nn.Module):
     product, the decode's own: exact. The codes are widened into the Workspace's indices, not a new tensor a chunk.
 
     Codes that are a shift register (`shift`: a trellis's, s_{t+1} = (s_t << K | b) mod n) are gathered two at a
-    time: the pair (s_t, s_{t+1}) is the index s_t << K | b into a table of the n 2^K value pairs (8 KB for L = 8,
-    K = 2: in L1), held as int16 [out, in / 2], still a byte a weight; half the gathers, of 8 bytes each."""
+    time (affine.decode_pairs): the pair (s_t, s_{t+1}) is the index s_t << K | b into a table of the n 2^K value
+    pairs (8 KB for L = 8, K = 2: in L1), held as int16 [out, in / 2], still a byte a weight; half the gathers."""
 
     def __init__(self, layer, workspace, table, indices, scales, tile, rotation, shift=None):
         super().__init__()
@@ -346,7 +347,7 @@ class TableRows(nn.Module):
                                                                        layer.dtype, layer.bias)
         paired = shift_pairs(table, indices, shift) if shift else None
         table, indices = paired or (table, indices)
-        self.register_buffer("table", table)                     # [n] values, or [n 2^K, 2] value pairs
+        self.register_buffer("table", table)                     # float32 [n] values, or float64 [n 2^K] pairs
         self.register_buffer("indices", indices.contiguous())
         self.register_buffer("scales", scales.contiguous())
         signs, self.rotation_tile = rotation
@@ -358,19 +359,18 @@ class TableRows(nn.Module):
 
     def decode_rows(self, out, start, stop):
         (th, tw), rows = self.tile, self.indices[start:stop]
-        codes = self.workspace.take_indices(rows.numel()).copy_(rows.view(-1))
-        if self.table.dim() == 1:
-            torch.index_select(self.table, 0, codes, out=out.view(-1))
-        else:                                                    # a pair of float32 values moved as one float64
-            torch.index_select(self.table.view(torch.float64).view(-1), 0, codes,
-                               out=out.view(-1).view(torch.float64))
+        codes = self.workspace.take_indices(rows.numel())
+        if self.table.dtype == torch.float64:                    # value pairs
+            decode_pairs(out, rows, self.table, codes)
+        else:
+            torch.index_select(self.table, 0, codes.copy_(rows.view(-1)), out=out.view(-1))
         out.view(-1, th, self.in_features // tw, tw).mul_(self.scales[start // th:stop // th, None, :, None])
 
 
 def shift_pairs(table, states, shift):
     """table float32 [n] (n a power of two), states [out, in] of a shift register of `shift` bits a step ->
-    (pair table float32 [n 2^shift, 2], pair indices int16 [out, in / 2]): entry s_t << shift | b holds the values of
-    s_t and of (s_t << shift | b) mod n, the state after it. None where the pairs are not the register's neighbours
+    (value pairs float64 [n 2^shift] (affine.value_pairs), pair indices int16 [out, in / 2]): entry s_t << shift | b
+    holds the values of s_t and of (s_t << shift | b) mod n, the state after it. None where the pairs are not the register's neighbours
     (odd rows, a tile order that breaks them) or the index outgrows int16: then one value a gather."""
     n = len(table)
     if states.shape[1] % 2 or n & (n - 1) or n << shift > 1 << 15:
@@ -380,7 +380,7 @@ def shift_pairs(table, states, shift):
     if not torch.equal(index & (n - 1), second):
         return None
     every = torch.arange(n << shift)
-    return torch.stack((table[every >> shift], table[every & (n - 1)]), 1), index
+    return value_pairs(table[every >> shift], table[every & (n - 1)]), index
 
 
 class DecodedLinear(RunLinear):

@@ -519,7 +519,7 @@ def test_trellis_states_decoded_once_give_the_exact_decode_bit_for_bit(chunk, mo
     workspace = runtime_forms.Workspace()
     form = runtime.form(layer, "compact", workspace)
     assert isinstance(form, runtime_forms.DecodedLinear) and isinstance(form.layer, runtime_forms.TableRows)
-    assert form.layer.indices.dtype == torch.int16 and form.layer.table.shape == (2 ** 10, 2)
+    assert form.layer.indices.dtype == torch.int16 and form.layer.table.shape == (2 ** 10,)
     assert form.layer.indices.numel() * 2 == layer.in_features * layer.out_features    # a byte a weight
     x = _inputs(3, layer.in_features)
     assert torch.equal(form(x), runtime_forms.DecodedLinear(layer, runtime_forms.Workspace())(x))
@@ -539,7 +539,7 @@ def test_a_shift_registers_pairs_decode_as_its_states_one_at_a_time():
     states[:, 1::2] = ((states[:, 0::2] << 2) | torch.randint(0, 4, (4, 32))) % 256     # s_{t+1} = (s_t << 2 | b)
     pairs, index = runtime_forms.shift_pairs(table, states, 2)
     assert index.dtype == torch.int16 and index.shape == (4, 32)
-    assert torch.equal(pairs[index.long()].view(4, 64), table[states])
+    assert torch.equal(pairs[index.long()].view(torch.float32).view(4, 64), table[states])
     broken = states.clone()
     broken[0, 1] = (broken[0, 1] + 4) % 256                                           # not the register's neighbour
     assert runtime_forms.shift_pairs(table, broken, 2) is None

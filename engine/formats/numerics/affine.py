@@ -197,17 +197,26 @@ def unpack_nibbles(packed, n=None):
     return unpack_bits(packed, 4, packed.shape[-1] * 2 if n is None else n)
 
 
+def value_pairs(first, second):
+    """first, second [n] -> float64 [n] whose entry i holds first[i] and second[i] as two float32 in memory order:
+    a table that decode_pairs reads two values from at once."""
+    return torch.stack([first, second], -1).float().contiguous().view(torch.float64).reshape(-1)
+
+
 def pair_table(levels):
     """levels float32 [16] (a 4-bit code's values) -> float64 [256] whose entry b holds levels[b & 15] and
-    levels[b >> 4] as two float32 in memory order: a byte of two codes, low nibble first, looked up at once."""
+    levels[b >> 4]: a byte of two codes, low nibble first, looked up at once."""
     b = torch.arange(256)
-    return torch.stack([levels[b & 15], levels[b >> 4]], -1).float().contiguous().view(torch.float64).reshape(256)
+    return value_pairs(levels[b & 15], levels[b >> 4])
 
 
-def decode_pairs(out, packed, table):
-    """out float32 [rows, 2n] (contiguous) <- table's values of packed uint8 [rows, n] (two 4-bit codes a byte, low
-    nibble first): one gather of 8 bytes per byte of codes."""
-    torch.index_select(table, 0, packed.reshape(-1).to(torch.int32), out=out.view(torch.float64).view(-1))
+def decode_pairs(out, packed, table, indices=None):
+    """out float32 [rows, 2n] (contiguous) <- table's value pairs (value_pairs) at packed [rows, n] (a byte of two
+    4-bit codes, or any integer index): one gather of 8 bytes per index. indices: an int32 buffer of packed's size
+    to widen the index into (index_select takes no uint8 or int16 index), instead of a new one."""
+    flat = packed.reshape(-1)
+    index = flat.to(torch.int32) if indices is None else indices.copy_(flat)
+    torch.index_select(table, 0, index, out=out.view(torch.float64).view(-1))
 
 
 CODE_PAIRS = pair_table(torch.arange(16.0))       # a byte of two 4-bit codes -> the codes as two floats
