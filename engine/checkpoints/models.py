@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from ..layers import linear_names, quantized_linears
-from ..formats.quantized_checkpoints import load_quantized, method_for
+from ..formats.quantized_checkpoints import LayerAssembler, load_quantized, method_for
 from ..loaders import expert_parts, load_dense, read_config, skeleton, split_part, unfused, unfused_specs
 from ..qwen3 import Qwen3Config
 from ..safe_writes import TOKENIZER_FILES
@@ -90,7 +90,8 @@ class Source:
             self.config = read_config(self.path)
             self.reader = TensorReader(self.path)
             self.specs = unfused_specs(self.reader.specs)          # fused experts: as the per-expert weights
-            self.quantized = _quantized_linears(self.config, self.specs)
+            self.skeleton = skeleton(Qwen3Config.from_hf(self.config)) if "quantization_config" in self.config else None
+            self.quantized = _quantized_linears(self.config, self.specs, self.skeleton)
             if self.quantized is not None:                       # each quantized linear as its float32 weight
                 modules, shapes = self.quantized[2], self.quantized[3]
                 self.specs = {n: spec for n, spec in self.specs.items() if split_part(n, modules)[0] not in modules
@@ -112,25 +113,26 @@ class Source:
                     yield from ((p, t) for p, t in unfused([(name, self.reader.read(name))]) if keep(p))
 
     def _dequantized(self, keep):
-        """tensors(keep) of a quantized checkpoint: a linear's parts gathered as they are read, then the linear built
-        by its method and yielded as `{linear}.weight`, dequantized (and its bias as stored)."""
+        """tensors(keep) of a quantized checkpoint: a linear's parts gathered as they are read and the linear built
+        (the loader's LayerAssembler), then yielded as `{linear}.weight`, dequantized (and its bias)."""
         method, config, modules, _ = self.quantized
-        pending = {}
+        built, biases = [], {}
+        assembler = LayerAssembler(self.skeleton, method, config, "cpu", install=lambda *item: built.append(item))
         for name in self.reader.names():
             module, part = split_part(name, modules)
             if module not in modules:
                 if keep(name):
                     yield name, self.reader.read(name)
-                continue
-            if not (keep(f"{module}.weight") or keep(f"{module}.bias")):
-                continue
-            parts = pending.setdefault(module, {})
-            parts[part] = self.reader.read(name)
-            if parts.keys() == modules[module]:
-                layer = method.read(pending.pop(module), config)
-                yield f"{module}.weight", layer.dequantize().float()
-                if layer.bias is not None:
-                    yield f"{module}.bias", parts["bias"]
+            elif keep(f"{module}.weight") or keep(f"{module}.bias"):
+                value = self.reader.read(name)
+                if part == "bias":
+                    biases[module] = value                    # yielded as stored (the layer holds it in float32)
+                assembler.claim(name, value)
+                for module, layer in built:
+                    yield f"{module}.weight", layer.dequantize().float()
+                    if module in biases:
+                        yield f"{module}.bias", biases.pop(module)
+                built.clear()
 
     def has_tokenizer(self):
         if self.gguf is None:
@@ -175,7 +177,7 @@ class Source:
         return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
 
 
-def _quantized_linears(config, specs):
+def _quantized_linears(config, specs, model):
     """None for a dense folder; for a quantized checkpoint (method, its validated quantization_config, {linear:
     the parts its file stores}, {linear: weight shape}) of the linears stored quantized (a linear left dense, stored
     as a plain weight, is read as one). A method whose layers share state past a linear (EntQuant's blocks) or a
@@ -190,7 +192,6 @@ def _quantized_linears(config, specs):
                          "one layer at a time: a conversion starts from a model's float weights, or from a checkpoint "
                          "of another method")
     needed = set(method.parts(quantization_config))
-    model = skeleton(Qwen3Config.from_hf(config))
     linears = {name: model.get_submodule(name).weight.shape for name in linear_names(model)}
     stored = {}
     for name in specs:

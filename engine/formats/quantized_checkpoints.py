@@ -183,11 +183,12 @@ def build(method, parts, q, dtype=None):
 class LayerAssembler:
     """The quantized format's part of the loader loop: it claims each tensor `{linear}.{part}` its method owns,
     and as soon as all of a linear's parts have arrived builds the layer (method.read) and puts it in place of the
-    model's nn.Linear, so the whole checkpoint is never held twice. A linear stored as a plain `weight` (one the
-    method left unquantized) is not claimed and loads dense."""
+    model's nn.Linear (or hands it to install(name, layer)), so the whole checkpoint is never held twice. A linear
+    stored as a plain `weight` (one the method left unquantized) is not claimed and loads dense."""
 
-    def __init__(self, model, method, quantization_config, device):
+    def __init__(self, model, method, quantization_config, device, install=None):
         self.model, self.method, self.quantization_config, self.device = model, method, quantization_config, device
+        self.install = install or (lambda name, layer: install_layer(self.model, name, layer, self.device))
         self.linears = {name: model.get_submodule(name) for name in linear_names(model)}
         self.needed = set(method.parts(quantization_config))
         self.pending, self.built = {}, set()
@@ -225,7 +226,7 @@ class LayerAssembler:
         return dense
 
     def _install(self, name, layer):
-        install_layer(self.model, name, layer, self.device)
+        self.install(name, layer)
         self.built.add(name)
 
 
